@@ -1,0 +1,30 @@
+# Every target creates/reuses .venv and installs what it needs, so each works on a fresh machine.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch/torchvision come from the machine's local disk (pip's find-links); the rest from the registry.
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-fast bench quickstart clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PINS)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+bench: venv
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

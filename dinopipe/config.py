@@ -1,0 +1,166 @@
+"""The one config system: typed dataclasses as OmegaConf structured configs.
+
+Merge order (as dinov2's ``utils/config.py``): dataclass defaults <- YAML file <- command-line dotlist
+overrides (``train.batch_size=64``). Every merge step is done separately so an unknown key or a wrong
+type can be reported with *where it came from* (the file or the override), before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Type, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+EXIT_CONFIG_ERROR = 2
+
+
+class ConfigError(ValueError):
+    """A configuration mistake a person has to fix; the message names the key and its origin."""
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"key '{key}': {msg}" if key else msg
+
+
+def _merge(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as exc:  # unknown key, wrong type, missing value...
+        raise ConfigError(f"{origin}: {_describe(exc)}") from None
+
+
+def _parse_override(item: str) -> DictConfig:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}': expected key=value (e.g. train.batch_size=64)")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"override '{item}': {_describe(exc)}") from None
+
+
+def load_config(
+    schema: Type[T],
+    path: Optional[str | Path] = None,
+    overrides: Sequence[str] = (),
+) -> T:
+    """Build a config of type ``schema`` from defaults, an optional YAML file and dotlist overrides.
+
+    Returns a structured DictConfig typed as ``schema`` (attribute access, type-checked on assignment).
+    Raises :class:`ConfigError` naming the offending key and where it came from.
+    """
+    cfg = OmegaConf.structured(schema)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist")
+        try:
+            file_cfg = OmegaConf.load(path)
+        except Exception as exc:  # YAML syntax errors come from yaml, not omegaconf
+            raise ConfigError(f"{path}: cannot parse YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(file_cfg, DictConfig):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        cfg = _merge(cfg, file_cfg, str(path))
+    for item in overrides:
+        cfg = _merge(cfg, _parse_override(item), f"override '{item}'")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"required key(s) not set: {', '.join(missing)} (set them in the YAML or as key=value)")
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:  # e.g. a bad ${interpolation}
+        raise ConfigError(_describe(exc)) from None
+    return cfg  # type: ignore[return-value]
+
+
+def to_object(cfg: Any) -> Any:
+    """Plain dataclass instance (handy for code that wants no OmegaConf)."""
+    return OmegaConf.to_object(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def save_config(cfg: Any, run_dir: str | Path, name: str = "config.yaml") -> Path:
+    """Write the resolved config into the run directory (atomically), so a run documents itself."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / name
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(out)
+    return out
+
+
+def exit_on_config_error(exc: ConfigError) -> "NoReturn":  # noqa: F821
+    print(f"config error: {exc}", file=sys.stderr)
+    raise SystemExit(EXIT_CONFIG_ERROR)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared sections. Stage configs (curation, pretrain, distill, pipeline) compose these.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Which backbone to build (a registry name) and the overrides passed to ``create_model``."""
+
+    name: str = "vit_test"
+    """Registry name, e.g. vit_s14, vit_l14_reg4, vit_g14, vit_test."""
+    img_size: int = 224
+    """Size the position embedding is created for; other sizes are interpolated."""
+    patch_size: Optional[int] = None
+    drop_path_rate: float = 0.0
+    drop_path_uniform: bool = False
+    efficient_drop_path: bool = True
+    """Run each residual branch only on the kept samples (DINOv2's subset stochastic depth)."""
+    attn_backend: str = "auto"
+    """auto | sdpa | xformers | math"""
+    num_register_tokens: Optional[int] = None
+    init_values: Optional[float] = 1.0e-5
+    """LayerScale init; null disables LayerScale."""
+    ffn: Optional[str] = None
+    """mlp | swiglu; null keeps the variant's default."""
+    pretrained: Optional[str] = None
+    """A checkpoint dinopipe.load accepts, used to initialise the backbone (continued pretraining)."""
+
+    def create_kwargs(self) -> dict:
+        out = {
+            "img_size": self.img_size,
+            "drop_path_rate": self.drop_path_rate,
+            "drop_path_uniform": self.drop_path_uniform,
+            "efficient_drop_path": self.efficient_drop_path,
+            "attn_backend": self.attn_backend,
+            "init_values": self.init_values,
+        }
+        for key in ("patch_size", "num_register_tokens", "ffn"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+def dataclass_fields(schema: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+__all__ = [
+    "ConfigError",
+    "EXIT_CONFIG_ERROR",
+    "ModelConfig",
+    "load_config",
+    "save_config",
+    "to_object",
+    "to_yaml",
+    "exit_on_config_error",
+    "field",
+]

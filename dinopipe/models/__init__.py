@@ -1,0 +1,12 @@
+"""Single-device model code: ViT backbone, attention backends, blocks, DINO head, registry, converters."""
+
+from .attention import BACKENDS, Attention
+from .block import Block, SwiGLU
+from .head import DINOHead
+from .registry import build_vit, create_model, list_models, model_defaults
+from .vit import DinoVisionTransformer, interpolate_pos_embed
+
+__all__ = [
+    "Attention", "BACKENDS", "Block", "SwiGLU", "DINOHead", "DinoVisionTransformer", "interpolate_pos_embed",
+    "build_vit", "create_model", "list_models", "model_defaults",
+]

@@ -1,0 +1,117 @@
+"""Multi-head self-attention over *packed* crops.
+
+Multi-crop SSL feeds crops of two sizes (e.g. 2 x 224 px and 8 x 98 px). Following DINOv3, tokens of all
+crops are concatenated for the linear layers (one GEMM instead of one per crop size), while attention is
+computed per crop-size group. Backends:
+
+- ``sdpa``: ``F.scaled_dot_product_attention`` per group (flash / mem-efficient kernels on GPU, a fused
+  kernel on CPU).
+- ``xformers``: ``memory_efficient_attention`` on the whole pack with a ``BlockDiagonalMask`` (one kernel
+  launch for all crops). CUDA only: xformers has no CPU kernel.
+- ``math``: explicit softmax(Q Kᵀ / sqrt(d)) V, the reference the others are tested against.
+- ``auto``: xformers when it is installed and the tensors are on CUDA, SDPA otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+BACKENDS = ("auto", "sdpa", "xformers", "math")
+
+# (batch, tokens) of each crop-size group in a pack; the pack holds sum(b * n) token rows.
+GroupShapes = Sequence[tuple[int, int]]
+
+
+@functools.lru_cache(maxsize=None)
+def xformers_ops():
+    """The ``xformers.ops`` module, or None when xformers is not installed (imported once, lazily)."""
+    try:
+        import xformers.ops as xops  # type: ignore[import-not-found]
+    except Exception:  # ImportError, or a broken build that fails at import
+        return None
+    return xops
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"attn_backend must be one of {BACKENDS}, got '{backend}'")
+    if backend == "auto":
+        return "xformers" if device.type == "cuda" and xformers_ops() is not None else "sdpa"
+    if backend == "xformers":
+        if xformers_ops() is None:
+            raise RuntimeError("attn_backend='xformers' but xformers is not installed (pip install 'dinopipe[gpu]')")
+        if device.type != "cuda":
+            raise RuntimeError("attn_backend='xformers' needs CUDA tensors: xformers has no CPU kernel; use 'sdpa'")
+    return backend
+
+
+def math_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Reference attention. q, k, v: (B, H, N, hd) -> (B, H, N, hd). Softmax in fp32 for stability."""
+    scale = q.shape[-1] ** -0.5
+    attn = (q * scale) @ k.transpose(-2, -1)  # (B, H, N, N)
+    attn = attn.float().softmax(dim=-1).to(q.dtype)
+    return attn @ v
+
+
+@functools.lru_cache(maxsize=64)
+def _block_diagonal_mask(shapes: tuple[tuple[int, int], ...]):
+    seqlens = [n for b, n in shapes for _ in range(b)]
+    return xformers_ops().fmha.BlockDiagonalMask.from_seqlens(seqlens)
+
+
+class Attention(nn.Module):
+    """qkv / proj names and layout match DINOv2 and timm, so their weights load as they are."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        qkv_bias: bool = True,
+        proj_bias: bool = True,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed dim {dim} is not divisible by num_heads {num_heads}")
+        if backend not in BACKENDS:
+            raise ValueError(f"attn_backend must be one of {BACKENDS}, got '{backend}'")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.backend = backend
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+
+    def forward(self, x: Tensor, shapes: GroupShapes) -> Tensor:
+        """x: (T, D) packed tokens of all groups, T = sum(b * n) -> (T, D)."""
+        T, D = x.shape
+        H, hd = self.num_heads, self.head_dim
+        qkv = self.qkv(x)  # (T, 3D)
+        backend = resolve_backend(self.backend, x.device)
+        if backend == "xformers":
+            q, k, v = qkv.view(1, T, 3, H, hd).unbind(2)  # each (1, T, H, hd)
+            mask = _block_diagonal_mask(tuple((int(b), int(n)) for b, n in shapes))
+            out = xformers_ops().memory_efficient_attention(q, k, v, attn_bias=mask)
+            return self.proj(out.reshape(T, D))
+        outs = []
+        for chunk, (b, n) in zip(qkv.split([b * n for b, n in shapes]), shapes):
+            q, k, v = chunk.view(b, n, 3, H, hd).permute(2, 0, 3, 1, 4)  # each (b, H, n, hd)
+            if backend == "sdpa":
+                o = F.scaled_dot_product_attention(q, k, v)
+            else:
+                o = math_attention(q, k, v)
+            outs.append(o.transpose(1, 2).reshape(b * n, D))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.proj(out)
+
+
+def attention_flops(num_tokens: int, dim: int) -> int:
+    """Multiply-adds x2 of Q Kᵀ and A V for one sequence (used by the benches and planner)."""
+    return 4 * num_tokens * num_tokens * dim
+
+
+__all__ = ["Attention", "BACKENDS", "resolve_backend", "math_attention", "xformers_ops", "attention_flops"]
