@@ -6,6 +6,7 @@ DINOv2's hidden-size rule. Each exists with patch 14 and 16 and with 4 registers
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 from timm.layers import Mlp
@@ -50,7 +51,13 @@ def build_vit(**kwargs: Any) -> DinoVisionTransformer:
     if ffn not in FFN_LAYERS:
         raise ValueError(f"ffn must be one of {sorted(FFN_LAYERS)}, got '{ffn}'")
     model = DinoVisionTransformer(mlp_layer=FFN_LAYERS[ffn], **kwargs)
-    model._arch_kwargs = dict(kwargs, ffn=ffn)
+    # Record every plain argument, defaults included, so an export fully describes the architecture.
+    params = inspect.signature(DinoVisionTransformer.__init__).parameters
+    full = {k: p.default for k, p in params.items() if k != "self" and not isinstance(p.default, type)}
+    full.update(kwargs)
+    full["interpolate_antialias"] = model.interpolate_antialias
+    full["interpolate_offset"] = model.interpolate_offset
+    model._arch_kwargs = dict(full, ffn=ffn)
     return model
 
 

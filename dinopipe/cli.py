@@ -1,0 +1,93 @@
+"""``dinopipe`` command line. Stage commands read one config (YAML + key=value overrides); errors in it
+exit with code 2 before any work starts.
+
+    dinopipe models                                   list registry variants
+    dinopipe export --model PATH --format timm --out DIR
+    dinopipe config --kind model --config X.yaml k=v  validate and print a resolved config
+    dinopipe curate ...                               same as the `curate` command
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+from .config import ConfigError, ModelConfig, exit_on_config_error, load_config, to_yaml
+
+# Config schemas `dinopipe config --kind` knows; stages register theirs here.
+SCHEMAS: dict[str, Callable[[], type]] = {"model": lambda: ModelConfig}
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from .models import list_models, model_defaults
+
+    for name in list_models():
+        d = model_defaults(name)
+        print(f"{name:16s} dim={d['embed_dim']:<5d} depth={d['depth']:<3d} heads={d['num_heads']:<3d} "
+              f"patch={d['patch_size']} registers={d['num_register_tokens']} ffn={d['ffn']}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .hub import CheckpointError, export, load
+
+    try:
+        model = load(args.model, num_heads=args.num_heads)
+    except (CheckpointError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    out = export(model, args.format, args.out)
+    print(out)
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    if args.kind not in SCHEMAS:
+        print(f"error: unknown --kind '{args.kind}'; choose from {sorted(SCHEMAS)}", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(SCHEMAS[args.kind](), args.config, args.overrides)
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+    print(to_yaml(cfg), end="")
+    return 0
+
+
+def _cmd_curate(argv: Sequence[str]) -> int:
+    from curation.cli import main as curate_main
+
+    return curate_main(list(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dinopipe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("models", help="list registry variants").set_defaults(func=_cmd_models)
+
+    e = sub.add_parser("export", help="export a backbone for timm / DINOv2 / plain safetensors")
+    e.add_argument("--model", required=True, help="anything dinopipe.load accepts")
+    e.add_argument("--format", required=True, choices=["timm", "dinov2", "safetensors", "dinopipe"])
+    e.add_argument("--out", required=True, help="output folder (or .pth file for --format dinov2)")
+    e.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
+    e.set_defaults(func=_cmd_export)
+
+    c = sub.add_parser("config", help="validate a config and print it resolved")
+    c.add_argument("--kind", default="model")
+    c.add_argument("--config", default=None)
+    c.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    c.set_defaults(func=_cmd_config)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "curate":
+        return _cmd_curate(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

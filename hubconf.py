@@ -1,0 +1,47 @@
+"""torch.hub entry points. Works offline with ``source="local"``; nothing is ever downloaded.
+
+    model = torch.hub.load("/path/to/dinopipe", "dinopipe_vits14", source="local", weights="run/export/teacher")
+
+``weights`` is anything ``dinopipe.load`` accepts (export folder, run dir, official DINOv2 .pth, timm file);
+without it the model is randomly initialised. The weights must match the entry's architecture.
+"""
+
+dependencies = ["torch", "timm", "safetensors"]
+
+
+def _entry(variant: str, weights=None, **kwargs):
+    from dinopipe.hub import load
+    from dinopipe.models import create_model, model_defaults
+
+    if weights is None:
+        return create_model(variant, **kwargs).eval()
+    model = load(weights, **kwargs)
+    want = {**model_defaults(variant), **{k: v for k, v in kwargs.items() if k in ("embed_dim", "depth")}}
+    got = dict(embed_dim=model.embed_dim, depth=model.n_blocks, patch_size=model.patch_size,
+               num_register_tokens=model.num_register_tokens)
+    if any(want[k] != v for k, v in got.items()):
+        raise ValueError(f"weights '{weights}' hold a model with {got}, not a {variant}; use the matching entry point")
+    return model
+
+
+def _make(variant: str):
+    def entry(weights=None, **kwargs):
+        return _entry(variant, weights, **kwargs)
+
+    entry.__name__ = "dinopipe_" + variant.replace("vit_", "vit").replace("_reg4", "_reg")
+    entry.__doc__ = f"dinopipe {variant} backbone (weights=PATH to load trained weights)."
+    return entry
+
+
+dinopipe_vits14 = _make("vit_s14")
+dinopipe_vitb14 = _make("vit_b14")
+dinopipe_vitl14 = _make("vit_l14")
+dinopipe_vitg14 = _make("vit_g14")
+dinopipe_vits14_reg = _make("vit_s14_reg4")
+dinopipe_vitb14_reg = _make("vit_b14_reg4")
+dinopipe_vitl14_reg = _make("vit_l14_reg4")
+dinopipe_vitg14_reg = _make("vit_g14_reg4")
+dinopipe_vits16 = _make("vit_s16")
+dinopipe_vitb16 = _make("vit_b16")
+dinopipe_vitl16 = _make("vit_l16")
+dinopipe_vit_test = _make("vit_test")
