@@ -54,7 +54,7 @@ def load_config(
 ) -> T:
     """Build a config of type ``schema`` from defaults, an optional YAML file and dotlist overrides.
 
-    Returns a structured DictConfig typed as ``schema`` (attribute access, type-checked on assignment).
+    Returns an instance of ``schema`` (plain dataclasses all the way down, methods included).
     Raises :class:`ConfigError` naming the offending key and where it came from.
     """
     cfg = OmegaConf.structured(schema)
@@ -75,18 +75,14 @@ def load_config(
     if missing:
         raise ConfigError(f"required key(s) not set: {', '.join(missing)} (set them in the YAML or as key=value)")
     try:
-        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:  # e.g. a bad ${interpolation}
         raise ConfigError(_describe(exc)) from None
-    return cfg  # type: ignore[return-value]
-
-
-def to_object(cfg: Any) -> Any:
-    """Plain dataclass instance (handy for code that wants no OmegaConf)."""
-    return OmegaConf.to_object(cfg)
 
 
 def to_yaml(cfg: Any) -> str:
+    if dataclasses.is_dataclass(cfg):
+        cfg = OmegaConf.structured(cfg)
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
@@ -159,7 +155,6 @@ __all__ = [
     "ModelConfig",
     "load_config",
     "save_config",
-    "to_object",
     "to_yaml",
     "exit_on_config_error",
     "field",

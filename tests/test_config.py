@@ -72,7 +72,7 @@ def test_resolved_config_saved_and_reloadable(tmp_path):
     cfg = load_config(Schema, None, ["train.batch_size=7"])
     out = save_config(cfg, tmp_path / "run")
     again = load_config(Schema, out)
-    assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)
+    assert again == cfg
     assert again.train.batch_size == 7
 
 

@@ -119,7 +119,6 @@ class FolderSource(ImageSource):
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
         out = []
         for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames.sort()  # os.walk order is filesystem order; sort for stable ids/shards
             rel_dir = os.path.relpath(dirpath, self.root)
             for fn in sorted(filenames):
                 if extension_of(fn) not in IMAGE_EXTENSIONS:
@@ -128,6 +127,7 @@ class FolderSource(ImageSource):
                 image_id = f"{self.name}/{rel}"
                 if in_split(image_id, task_index, num_tasks):
                     out.append(ImageRef(image_id, self.name, os.path.join(dirpath, fn)))
+        out.sort(key=lambda r: r.id)  # walk order puts a folder's files before its subfolders'
         return out
 
     def read(self, ref: ImageRef) -> bytes | None:
@@ -199,19 +199,26 @@ class TarShardSource(ImageSource):
         return out
 
     def _shard_refs(self, shard: str, shard_name: str) -> list[ImageRef]:
-        out = []
+        out, problem, size = [], None, os.path.getsize(shard)
         try:
             with tarfile.open(shard, mode="r:") as tf:
                 for member in tf:  # iterating reads headers only and seeks over the data
+                    if member.offset_data + member.size > size:
+                        # tarfile treats a cut-off file as a normal end: check sizes ourselves.
+                        problem = "the file is cut off"
                     if member.isfile() and extension_of(member.name) in IMAGE_EXTENSIONS:
                         image_id = f"{self.name}/{shard_name}/{member.name}"
                         loc = (shard, member.offset_data, member.size)
                         out.append(ImageRef(image_id, self.name, loc))
         except (tarfile.TarError, OSError) as e:
-            # Keep what was listed and add one placeholder so the damage shows in the manifest.
-            bad_id = f"{self.name}/{shard_name}/#unreadable-after-{len(out)}-members"
+            problem = str(e) or type(e).__name__
+        if problem:
+            # Keep what was listed and add one placeholder so the damage shows in the manifest
+            # (the images after the damage cannot be counted: their headers are gone).
+            bad_id = f"{self.name}/{shard_name}/#damaged-after-{len(out)}-images"
             out.append(ImageRef(bad_id, self.name, (shard, -1, 0)))
-            _warn(f"tar shard {shard} is damaged after {len(out) - 1} images: {e}")
+            _warn(f"tar shard {shard} is damaged after {len(out) - 1} images ({problem}); "
+                  f"re-create or re-download it")
         return out
 
     def read(self, ref: ImageRef) -> bytes | None:

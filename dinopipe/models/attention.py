@@ -43,10 +43,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "xformers" if device.type == "cuda" and xformers_ops() is not None else "sdpa"
     if backend == "xformers":
-        if xformers_ops() is None:
-            raise RuntimeError("attn_backend='xformers' but xformers is not installed (pip install 'dinopipe[gpu]')")
         if device.type != "cuda":
             raise RuntimeError("attn_backend='xformers' needs CUDA tensors: xformers has no CPU kernel; use 'sdpa'")
+        if xformers_ops() is None:
+            raise RuntimeError("attn_backend='xformers' but xformers is not installed (pip install 'dinopipe[gpu]')")
     return backend
 
 

@@ -1,8 +1,10 @@
 """DINO projection head (Caron et al. 2021): MLP -> bottleneck -> L2-normalise -> prototypes.
 
-DINOv2's head wraps the prototype layer in ``nn.utils.weight_norm`` with the gain frozen at 1. That is
-the same as normalising each prototype row, which we do explicitly: plain parameters shard cleanly with
-FSDP2 and load without parametrization hooks. ``norm_last_layer=False`` keeps a learnable gain.
+DINO/DINOv2 wrap the prototype layer in ``nn.utils.weight_norm`` with the gain initialised to 1; DINO v1
+froze the gain (``norm_last_layer=True``, our default), DINOv2 leaves it trainable (``norm_last_layer=False``
+here). Weight norm is computed explicitly — normalised rows times an optional gain — so the parameters are
+plain tensors that shard cleanly with FSDP2 and load without parametrization hooks. A DINOv2 head's
+``weight_v`` / ``weight_g`` map to ``last_layer.weight`` / ``last_layer_gain``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from timm.layers import Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 
-from .attention import Attention
+from .attention import BACKENDS, Attention
 from .block import Block
 
 
@@ -134,6 +134,8 @@ class DinoVisionTransformer(nn.Module):
                     nn.init.zeros_(m.bias)
 
     def set_attn_backend(self, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"attn_backend must be one of {BACKENDS}, got '{backend}'")
         for blk in self.blocks:
             blk.attn.backend = backend
 
@@ -185,10 +187,13 @@ class DinoVisionTransformer(nn.Module):
             return self.forward_features_list(x, masks)
         return self.forward_features_list([x], [masks])[0]
 
-    def forward(self, x: Tensor, is_training: bool = False):
-        out = self.forward_features(x)
+    def forward(self, x: Tensor | Sequence[Tensor], masks=None, is_training: bool = False):
+        """CLS embedding; with ``is_training`` the feature dict(s), as DINOv2's ``backbone(x, masks, is_training)``."""
+        out = self.forward_features(x, masks)
         if is_training:
             return out
+        if isinstance(out, list):
+            return [self.head(o["x_norm_clstoken"]) for o in out]
         return self.head(out["x_norm_clstoken"])
 
     def get_intermediate_layers(

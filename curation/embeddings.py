@@ -1,0 +1,352 @@
+"""Embedding storage (fp16 shards + ids) and the resumable, task-split embedding runner.
+
+Layout of an embeddings folder::
+
+    part-TTTTT-SSSSS.npy        (n, D) float16, L2-normalised rows, one per readable image
+    part-TTTTT-SSSSS.ids.json   {"ids", "sources", "hashes", "unreadable": [[id, source, reason]]}
+    task-TTTTT-of-NNNNN.json    written when array task T of N has finished all its shards
+
+T is the array task, S the shard within it. The ``.ids.json`` is written last (both files via
+tmp + rename), so its presence marks a complete shard; a rerun skips complete shards and, because
+shard contents follow the sorted input listing, recomputes exactly the missing ones.
+The reader memory-maps the ``.npy`` files and hands out fp32 only one batch at a time.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+
+from dinopipe.data.decode import DEFAULT_MAX_PIXELS, safe_decode
+from dinopipe.data.sources import ImageRef, MultiSource, as_multi, check_split
+
+from .descriptor import HASHES
+
+_PART_RE = re.compile(r"part-(\d{5})-(\d{5})\.ids\.json$")
+
+
+def shard_stem(task_index: int, shard_index: int) -> str:
+    return f"part-{task_index:05d}-{shard_index:05d}"
+
+
+def _atomic_write_bytes(path: str, write: Callable[[str], None]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_shard(out_dir: str, stem: str, emb: np.ndarray, meta: dict) -> None:
+    """Write one shard atomically: the embeddings first, the ids json (the completion mark) last."""
+    os.makedirs(out_dir, exist_ok=True)
+    npy = os.path.join(out_dir, f"{stem}.npy")
+
+    def _npy(tmp):
+        with open(tmp, "wb") as f:
+            np.save(f, np.ascontiguousarray(emb, dtype=np.float16))
+
+    def _json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+
+    _atomic_write_bytes(npy, _npy)
+    _atomic_write_bytes(os.path.join(out_dir, f"{stem}.ids.json"), _json)
+
+
+def l2_normalise_fp16(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Normalise in fp32 (fp16 sums of squares overflow) and store as fp16."""
+    x = x.detach().float().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float32)
+    return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float16)
+
+
+# ----------------------------------------------------------------------------- reader
+
+
+@dataclass
+class EmbeddingSet:
+    """All shards of an embeddings folder, memory-mapped. Row i belongs to ``ids[i]``."""
+
+    ids: np.ndarray  # (N,) object array of str
+    source_names: list[str]
+    source_codes: np.ndarray  # (N,) int32 index into source_names
+    hashes: np.ndarray  # (N,) uint64 perceptual hashes (0 when not computed)
+    unreadable: list[tuple[str, str, str]]  # (id, source, reason)
+    parts: list[np.ndarray] = field(repr=False)  # memmapped (n_i, D) float16
+    offsets: np.ndarray = field(repr=False)  # (P + 1,) row offsets of the parts
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def dim(self) -> int:
+        return next((p.shape[1] for p in self.parts if p.ndim == 2 and p.shape[1] > 0), 0)
+
+    @property
+    def sources(self) -> np.ndarray:
+        return np.asarray(self.source_names, dtype=object)[self.source_codes]
+
+    def batches(self, batch_size: int = 65536, indices: np.ndarray | None = None
+                ) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield ``(start, fp32 rows)``; over ``indices`` (positions) if given, else all rows."""
+        if indices is None:
+            for start in range(0, len(self), batch_size):
+                yield start, self.rows(np.arange(start, min(start + batch_size, len(self))))
+        else:
+            for start in range(0, len(indices), batch_size):
+                yield start, self.rows(indices[start:start + batch_size])
+
+    def rows(self, indices) -> np.ndarray:
+        """Gather rows (any order) as float32 (B, D)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        out = np.empty((len(indices), self.dim), np.float32)
+        part = np.searchsorted(self.offsets, indices, side="right") - 1
+        for p in np.unique(part):
+            sel = part == p
+            out[sel] = self.parts[p][indices[sel] - self.offsets[p]]
+        return out
+
+    def index_of(self) -> dict[str, int]:
+        return {image_id: i for i, image_id in enumerate(self.ids)}
+
+
+def open_embeddings(emb_dir: str, require_complete: bool = True) -> EmbeddingSet:
+    """Open every complete shard in ``emb_dir``.
+
+    With ``require_complete`` (the default), a folder where some array task has not finished is
+    refused with the missing task numbers, instead of silently curating part of the pool.
+    """
+    metas = sorted(p for p in glob.glob(os.path.join(emb_dir, "part-*.ids.json"))
+                   if _PART_RE.search(p))
+    if not metas:
+        raise FileNotFoundError(
+            f"no embeddings in {emb_dir}: run the embed step first (curate embed ...)"
+        )
+    if require_complete:
+        _check_tasks_done(emb_dir)
+    ids, codes, hashes, parts, unreadable = [], [], [], [], []
+    names: dict[str, int] = {}
+    for meta_path in metas:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        arr = np.load(meta_path[: -len(".ids.json")] + ".npy", mmap_mode="r")
+        if len(arr) != len(meta["ids"]):
+            raise ValueError(
+                f"{meta_path}: {len(meta['ids'])} ids but {len(arr)} embeddings; delete this "
+                f"shard pair and rerun the embed step to recompute it"
+            )
+        parts.append(arr)
+        ids.extend(meta["ids"])
+        codes.extend(names.setdefault(s, len(names)) for s in meta["sources"])
+        hashes.extend(int(h, 16) for h in meta["hashes"])
+        unreadable.extend(tuple(u) for u in meta["unreadable"])
+    offsets = np.zeros(len(parts) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in parts])
+    dims = {p.shape[1] for p in parts if len(p)}
+    if len(dims) > 1:
+        raise ValueError(f"{emb_dir} mixes embedding dimensions {sorted(dims)}: embeddings from "
+                         f"different models; use one output folder per model")
+    return EmbeddingSet(np.asarray(ids, dtype=object), list(names), np.asarray(codes, np.int32),
+                        np.asarray(hashes, np.uint64), unreadable, parts, offsets)
+
+
+def _check_tasks_done(emb_dir: str) -> None:
+    done = glob.glob(os.path.join(emb_dir, "task-*-of-*.json"))
+    if not done:
+        raise FileNotFoundError(f"{emb_dir}: no task has finished embedding yet")
+    totals = {int(re.search(r"-of-(\d+)", p).group(1)) for p in done}
+    if len(totals) > 1:
+        raise ValueError(f"{emb_dir} holds runs split into {sorted(totals)} tasks; use a fresh "
+                         f"folder when changing num_tasks")
+    total = totals.pop()
+    have = {int(re.search(r"task-(\d+)-of", p).group(1)) for p in done}
+    missing = sorted(set(range(total)) - have)
+    if missing:
+        raise RuntimeError(
+            f"{emb_dir}: embedding tasks {missing} of {total} have not finished; rerun them "
+            f"(completed shards are skipped) before deduplicating"
+        )
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def eval_transform(size: int = 224) -> Callable[[Image.Image], torch.Tensor]:
+    """Resize (shorter side size*256/224) + centre crop + ImageNet normalisation, as DINOv2 evals."""
+    from torchvision import transforms as T
+
+    return T.Compose([
+        T.Resize(int(round(size * 256 / 224)), interpolation=T.InterpolationMode.BICUBIC),
+        T.CenterCrop(size),
+        T.ToTensor(),
+        T.Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)),
+    ])
+
+
+class _DecodeDataset(torch.utils.data.Dataset):
+    """Read + decode + transform one ref; unreadable files come back with their reason."""
+
+    def __init__(self, source: MultiSource, refs: list[ImageRef], transform, hash_name: str | None,
+                 max_pixels: int):
+        self.source, self.refs, self.transform = source, refs, transform
+        self.hash_fn = HASHES[hash_name] if hash_name else None
+        self.max_pixels = max_pixels
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, i: int):
+        ref = self.refs[i]
+        img, reason = safe_decode(self.source.read(ref), max_pixels=self.max_pixels)
+        if img is None:
+            return i, None, reason, 0
+        try:
+            h = self.hash_fn(img) if self.hash_fn else 0
+            return i, self.transform(img), None, h
+        except Exception as e:  # e.g. a 1x1 image a transform cannot crop: count, don't crash
+            return i, None, f"transform_error:{type(e).__name__}", 0
+
+
+def _collate(items):
+    ok = [(i, x, h) for i, x, r, h in items if r is None]
+    bad = [(i, r) for i, x, r, h in items if r is not None]
+    batch = torch.stack([x for _, x, _ in ok]) if ok else None
+    return [i for i, _, _ in ok], batch, [h for _, _, h in ok], bad
+
+
+@torch.no_grad()
+def embed_pool(sources, embed_fn: Callable[[torch.Tensor], torch.Tensor], out_dir: str,
+               shard_size: int = 10000, batch_size: int = 64, num_workers: int = 4,
+               task_index: int = 0, num_tasks: int = 1, transform=None,
+               hash_name: str | None = "phash", max_pixels: int = DEFAULT_MAX_PIXELS,
+               progress: bool = True) -> dict:
+    """Embed this task's share of the pool into ``out_dir``; returns counts for this task.
+
+    ``embed_fn`` maps a (B, C, H, W) batch to (B, D) embeddings (the model's CLS embedding, or
+    :class:`curation.descriptor.PCADescriptor`); it is called only for shards not yet complete.
+    ``transform`` maps a PIL RGB image to a tensor (default: :func:`eval_transform`). A perceptual
+    hash (``hash_name``: 'phash', 'dhash' or None) is computed from the same decoded image.
+    """
+    check_split(task_index, num_tasks)
+    src = as_multi(sources)
+    transform = transform or eval_transform()
+    refs = src.refs(task_index, num_tasks)
+    n_shards = max(1, -(-len(refs) // shard_size))
+    todo = [s for s in range(n_shards)
+            if not _shard_complete(out_dir, shard_stem(task_index, s), refs, s, shard_size)]
+    counts = {"task_index": task_index, "num_tasks": num_tasks, "images": len(refs),
+              "shards": n_shards, "shards_skipped": n_shards - len(todo), "shards_written": 0}
+    todo_refs = [r for s in todo for r in refs[s * shard_size:(s + 1) * shard_size]]
+    loader = torch.utils.data.DataLoader(
+        _DecodeDataset(src, todo_refs, transform, hash_name, max_pixels),
+        batch_size=batch_size, num_workers=num_workers, collate_fn=_collate,
+        persistent_workers=False, prefetch_factor=4 if num_workers > 0 else None,
+    )
+    pending = _ShardBuffer(todo, shard_size, len(refs))
+    bar = _progress(len(todo_refs), f"embed task {task_index}/{num_tasks}", progress)
+    for idx, batch, hashes, bad in loader:
+        emb = l2_normalise_fp16(embed_fn(batch)) if batch is not None else None
+        pending.add(idx, emb, hashes, bad)
+        bar.update(len(idx) + len(bad))
+        for shard, rows in pending.pop_complete():
+            _write_shard(out_dir, task_index, shard, refs, shard_size, rows)
+            counts["shards_written"] += 1
+    bar.close()
+    for shard, rows in pending.pop_complete():  # an empty task still writes its (empty) shard
+        _write_shard(out_dir, task_index, shard, refs, shard_size, rows)
+        counts["shards_written"] += 1
+    if pending.shards:
+        raise RuntimeError(f"embedding stopped before shards {pending.shards} were complete")
+    _mark_task_done(out_dir, task_index, num_tasks, counts)
+    return counts
+
+
+class _ShardBuffer:
+    """Collects loader outputs until a shard's last image has arrived (the loader keeps order)."""
+
+    def __init__(self, shards: list[int], shard_size: int, n_refs: int):
+        self.shards, self.shard_size, self.n_refs = list(shards), shard_size, n_refs
+        self.rows: dict[int, tuple] = {}  # position in the to-do list -> (emb, hash, reason)
+        self.base = 0  # to-do position where the first pending shard starts
+
+    def add(self, idx, emb, hashes, bad) -> None:
+        for j, i in enumerate(idx):
+            self.rows[i] = (emb[j], hashes[j], None)
+        for i, reason in bad:
+            self.rows[i] = (None, 0, reason)
+
+    def pop_complete(self):
+        while self.shards:
+            s = self.shards[0]
+            n = max(0, min(self.shard_size, self.n_refs - s * self.shard_size))
+            if n and (self.base + n - 1) not in self.rows:
+                return
+            rows = [self.rows.pop(self.base + j) for j in range(n)]
+            self.base += n
+            self.shards.pop(0)
+            yield s, rows
+
+
+def _write_shard(out_dir, task_index, shard, refs, shard_size, rows) -> None:
+    shard_refs = refs[shard * shard_size:(shard + 1) * shard_size]
+    ok = [(ref, row) for ref, row in zip(shard_refs, rows) if row[2] is None]
+    dim = len(ok[0][1][0]) if ok else 0
+    emb = np.stack([row[0] for _, row in ok]) if ok else np.zeros((0, dim), np.float16)
+    meta = {
+        "ids": [ref.id for ref, _ in ok],
+        "sources": [ref.source for ref, _ in ok],
+        "hashes": [f"{row[1]:016x}" for _, row in ok],
+        "unreadable": [[ref.id, ref.source, row[2]] for ref, row in zip(shard_refs, rows)
+                       if row[2] is not None],
+        "n_listed": len(shard_refs),
+    }
+    save_shard(out_dir, shard_stem(task_index, shard), emb, meta)
+
+
+def _shard_complete(out_dir, stem, refs, shard, shard_size) -> bool:
+    meta_path = os.path.join(out_dir, f"{stem}.ids.json")
+    if not (os.path.exists(meta_path) and os.path.exists(os.path.join(out_dir, f"{stem}.npy"))):
+        return False
+    with open(meta_path) as f:
+        meta = json.load(f)
+    expected = {r.id for r in refs[shard * shard_size:(shard + 1) * shard_size]}
+    stored = set(meta["ids"]) | {u[0] for u in meta["unreadable"]}
+    if stored != expected:
+        raise RuntimeError(
+            f"{meta_path} was written for a different input listing (images added, removed or "
+            f"a different shard_size/num_tasks). Use a fresh output folder for a changed pool."
+        )
+    return True
+
+
+def _mark_task_done(out_dir, task_index, num_tasks, counts) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"task-{task_index:05d}-of-{num_tasks:05d}.json")
+
+    def _json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(counts, f, indent=1)
+
+    _atomic_write_bytes(path, _json)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="img", disable=not enabled, mininterval=2.0)
+
+
+def embed_arrays(images, embed_fn, transform, batch_size: int = 64) -> np.ndarray:
+    """Embed in-memory PIL images (e.g. a small eval or seed set) -> (N, D) float32, L2-normed."""
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(images), batch_size):
+            batch = torch.stack([transform(im) for im in images[i:i + batch_size]])
+            out.append(l2_normalise_fp16(embed_fn(batch)).astype(np.float32))
+    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)

@@ -1,0 +1,243 @@
+"""The curation steps as plain functions over one output folder, and ``run_curation`` chaining them.
+
+Output folder::
+
+    descriptor.npz              the fitted copy-detection descriptor (shared by all array tasks)
+    embeddings/descriptor/      copy-detection descriptors of the pool (fp16 shards + ids)
+    embeddings/model/           backbone embeddings (only with a model embed_fn), for rebalancing
+    embeddings/eval/, seeds/    descriptors of eval images / embeddings of seed images
+    steps/<step>.npz            per-step decisions, so each step can be rerun alone
+    shards/*.tar                the curated webdataset
+    manifest.json               input = kept + duplicates + decontaminated + unreadable + not selected
+    decisions.tsv               id, source, status, group (kept image of its copy group)
+
+Each step reads the previous steps' files; ``curate embed|dedup|...`` map onto these functions.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+from dinopipe.data.sources import as_multi
+
+from .dedup import copy_dedup
+from .decontaminate import decontaminate
+from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
+from .embeddings import embed_pool, open_embeddings
+from .hashdedup import DEFAULT_MAX_DISTANCE, hash_dedup
+from .index import Rows
+from .rebalance import rebalance
+from .write import build_manifest, write_json_atomic, write_shards
+
+KEPT, HASH_DUP, COPY_DUP, DECONTAM, NOT_SELECTED = 0, 1, 2, 3, 4
+_STATUS_NAMES = {KEPT: "kept", HASH_DUP: "hash_duplicates", COPY_DUP: "copy_duplicates",
+                 DECONTAM: "decontaminated", NOT_SELECTED: "not_selected"}
+
+
+def _p(out_dir: str, *parts: str) -> str:
+    return os.path.join(out_dir, *parts)
+
+
+def _save_step(out_dir: str, name: str, **arrays) -> None:
+    os.makedirs(_p(out_dir, "steps"), exist_ok=True)
+    path = _p(out_dir, "steps", f"{name}.npz")
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def load_step(out_dir: str, name: str) -> dict:
+    path = _p(out_dir, "steps", f"{name}.npz")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: run the '{name}' step first")
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def get_descriptor(out_dir: str, sources=None, config: DescriptorConfig | None = None
+                   ) -> PCADescriptor:
+    """Load ``descriptor.npz``, or build/fit and save it (so every array task uses the same)."""
+    path = _p(out_dir, "descriptor.npz")
+    if os.path.exists(path):
+        return PCADescriptor.load(path)
+    os.makedirs(out_dir, exist_ok=True)
+    desc = fit_descriptor(sources, config) if sources is not None else PCADescriptor(config)
+    desc.save(path)
+    return desc
+
+
+def step_embed(sources, out_dir: str, model_embed_fn: Callable | None = None,
+               model_transform=None, descriptor_config: DescriptorConfig | None = None,
+               shard_size: int = 10000, batch_size: int = 64, num_workers: int = 2,
+               task_index: int = 0, num_tasks: int = 1, progress: bool = True) -> dict:
+    """Descriptors (+ perceptual hashes) of this task's share of the pool; model embeddings too
+    when ``model_embed_fn`` is given. Resumable and split by ``task_index/num_tasks``."""
+    desc = get_descriptor(out_dir, sources, descriptor_config)
+    counts = {"descriptor": embed_pool(
+        sources, desc, _p(out_dir, "embeddings", "descriptor"), shard_size=shard_size,
+        batch_size=batch_size, num_workers=num_workers, task_index=task_index,
+        num_tasks=num_tasks, transform=desc.transform(), progress=progress)}
+    if model_embed_fn is not None:
+        counts["model"] = embed_pool(
+            sources, model_embed_fn, _p(out_dir, "embeddings", "model"), shard_size=shard_size,
+            batch_size=batch_size, num_workers=num_workers, task_index=task_index,
+            num_tasks=num_tasks, transform=model_transform, hash_name=None, progress=progress)
+    return counts
+
+
+def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,
+               threshold: float = 0.6, index_kind: str = "auto", nprobe: int = 16,
+               progress: bool = True) -> dict:
+    """Hash pre-dedup, then kNN copy dedup of the hash survivors on the descriptors."""
+    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+    h = hash_dedup(emb.hashes, emb.ids, max_distance=hash_max_distance)
+    surv = np.flatnonzero(h.keep)
+    d = copy_dedup(Rows(emb, surv), emb.ids[surv], k=k, threshold=threshold,
+                   index_kind=index_kind, nprobe=nprobe, progress=progress)
+    component = h.group.copy()  # hash duplicates join their kept image's copy component
+    component[surv] = surv[d.component]
+    component = component[component]  # a hash group's kept image may itself be a copy
+    status = np.full(len(emb), KEPT, np.int8)
+    status[~h.keep] = HASH_DUP
+    status[surv[~d.keep]] = COPY_DUP
+    nn_sim = np.full(len(emb), np.nan, np.float32)
+    nn_sim[surv] = d.nn_sim
+    _save_step(out_dir, "dedup", status=status, component=component, nn_sim=nn_sim)
+    return {"hash_duplicates": h.n_duplicates, "copy_duplicates": d.n_duplicates,
+            "index": d.index_kind, "edges": d.n_edges}
+
+
+def step_decontaminate(out_dir: str, eval_sources=None, threshold: float = 0.45,
+                       batch_size: int = 64, num_workers: int = 2, progress: bool = True) -> dict:
+    """Drop the copy component of every pool image with cosine > threshold to an eval image."""
+    dd = load_step(out_dir, "dedup")
+    status, component = dd["status"], dd["component"]
+    max_sim = np.full(len(status), np.nan, np.float32)
+    n_removed = 0
+    if eval_sources:
+        desc = get_descriptor(out_dir)
+        eval_dir = _p(out_dir, "embeddings", "eval")
+        embed_pool(eval_sources, desc, eval_dir, batch_size=batch_size, num_workers=num_workers,
+                   transform=desc.transform(), hash_name=None, progress=progress)
+        pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+        ev = open_embeddings(eval_dir)
+        alive = np.flatnonzero(status != HASH_DUP)  # hash duplicates are gone already
+        res = decontaminate(Rows(pool, alive), ev, threshold=threshold,
+                            components=component[alive])
+        max_sim[alive] = res.max_sim
+        status[alive[res.removed]] = DECONTAM
+        n_removed = res.n_removed
+    _save_step(out_dir, "decontaminate", status=status, eval_sim=max_sim)
+    return {"decontaminated": n_removed}
+
+
+def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
+                   seed_embed_fn: Callable | None = None, seed_transform=None,
+                   batch_size: int = 64, num_workers: int = 2, progress: bool = True,
+                   **mode_kwargs) -> dict:
+    """Rebalance the survivors on model embeddings (descriptors when no model was embedded)."""
+    st = load_step(out_dir, "decontaminate")
+    status = st["status"]
+    desc_set = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+    model_dir = _p(out_dir, "embeddings", "model")
+    use_model = os.path.isdir(model_dir)
+    space = open_embeddings(model_dir) if use_model else desc_set
+    pos_in_space = space.index_of()
+    alive = np.flatnonzero(status == KEPT)
+    rows_idx = np.array([pos_in_space[i] for i in desc_set.ids[alive]], np.int64)
+    seeds, seed_ids = None, np.zeros(0, object)
+    if seed_sources:
+        seed_dir = _p(out_dir, "embeddings", "seeds")
+        if use_model and seed_embed_fn is None:
+            raise ValueError("seed images must be embedded with the same model as the pool: "
+                             "pass seed_embed_fn (and seed_transform)")
+        fn = seed_embed_fn or get_descriptor(out_dir)
+        tf = seed_transform if use_model else get_descriptor(out_dir).transform()
+        embed_pool(seed_sources, fn, seed_dir, batch_size=batch_size, num_workers=num_workers,
+                   transform=tf, hash_name=None, progress=progress)
+        seed_set = open_embeddings(seed_dir)
+        seeds, seed_ids = Rows(seed_set), seed_set.ids
+    res = rebalance(mode, Rows(space, rows_idx), seeds, **mode_kwargs)
+    status = status.copy()
+    status[alive[~res.selected]] = NOT_SELECTED
+    n = len(status)
+    cluster = np.full(n, -1, np.int64)
+    nearest_seed = np.full(n, "", dtype=object)
+    seed_sim = np.full(n, np.nan, np.float32)
+    cluster[alive] = res.cluster
+    has_seed = res.nearest_seed >= 0
+    nearest_seed[alive[has_seed]] = seed_ids[res.nearest_seed[has_seed]]
+    seed_sim[alive] = res.seed_sim
+    _save_step(out_dir, "rebalance", status=status, cluster=cluster,
+               nearest_seed=nearest_seed.astype(str), seed_sim=seed_sim)
+    write_json_atomic(_p(out_dir, "steps", "rebalance_report.json"), res.report)
+    return res.report
+
+
+def step_write(sources, out_dir: str, shard_size: int = 1000, extra: dict | None = None) -> dict:
+    """Write kept images as webdataset shards; write manifest.json and decisions.tsv."""
+    src = as_multi(sources)
+    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+    rb, dd = load_step(out_dir, "rebalance"), load_step(out_dir, "dedup")
+    status, component = rb["status"], dd["component"]
+    kept = np.flatnonzero(status == KEPT)
+    kept = kept[np.argsort(emb.ids[kept].astype(str), kind="stable")]  # stable shard order
+    sources_arr = emb.sources
+    meta = [{"id": str(emb.ids[i]), "source": str(sources_arr[i]),
+             "component": str(emb.ids[component[i]]), "cluster": int(rb["cluster"][i]),
+             "nearest_seed": str(rb["nearest_seed"][i]) or None,
+             "seed_similarity": _num(rb["seed_sim"][i]), "nn_similarity": _num(dd["nn_sim"][i])}
+            for i in kept]
+    out = write_shards(src, [m["id"] for m in meta], meta, _p(out_dir, "shards"), shard_size)
+    statuses = {str(emb.ids[i]): _STATUS_NAMES[int(s)] for i, s in enumerate(status)}
+    srcs = {str(i): str(s) for i, s in zip(emb.ids, sources_arr)}
+    reasons = {}
+    for image_id, source, reason in emb.unreadable:
+        statuses[image_id], srcs[image_id], reasons[image_id] = "unreadable", source, reason
+    for image_id, reason in out["failed"]:  # vanished between embedding and writing
+        statuses[image_id], reasons[image_id] = "unreadable", reason
+    manifest = build_manifest(statuses, srcs, reasons, {
+        "shards": [os.path.relpath(s, out_dir) for s in out["shards"]], **(extra or {})})
+    write_json_atomic(_p(out_dir, "manifest.json"), manifest)
+    group = {str(emb.ids[i]): str(emb.ids[c]) for i, c in enumerate(component)}
+    tmp = _p(out_dir, f"decisions.tsv.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:  # why each image was kept or dropped, for people to grep
+        f.write("id\tsource\tstatus\tgroup_or_reason\n")
+        for image_id in sorted(statuses):
+            why = reasons.get(image_id) or group.get(image_id, "")
+            f.write(f"{image_id}\t{srcs[image_id]}\t{statuses[image_id]}\t{why}\n")
+    os.replace(tmp, _p(out_dir, "decisions.tsv"))
+    return manifest
+
+
+def _num(x) -> float | None:
+    return None if not np.isfinite(x) else round(float(x), 5)
+
+
+def run_curation(inputs, out_dir: str, *, eval_sources=None, seed_sources=None,
+                 model_embed_fn: Callable | None = None, model_transform=None,
+                 descriptor_config: DescriptorConfig | None = None,
+                 hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,
+                 dedup_threshold: float = 0.6, decontam_threshold: float = 0.45,
+                 index_kind: str = "auto", nprobe: int = 16,
+                 rebalance_mode: str = "none", rebalance_kwargs: dict | None = None,
+                 embed_shard_size: int = 10000, batch_size: int = 64, num_workers: int = 2,
+                 write_shard_size: int = 1000, progress: bool = True) -> dict:
+    """All steps on one machine: embed -> dedup -> decontaminate -> rebalance -> write."""
+    src = as_multi(inputs)
+    step_embed(src, out_dir, model_embed_fn, model_transform, descriptor_config,
+               embed_shard_size, batch_size, num_workers, progress=progress)
+    summary = {"dedup": step_dedup(out_dir, hash_max_distance, k, dedup_threshold, index_kind,
+                                   nprobe, progress)}
+    summary["decontaminate"] = step_decontaminate(out_dir, eval_sources, decontam_threshold,
+                                                  batch_size, num_workers, progress)
+    summary["rebalance"] = step_rebalance(
+        out_dir, rebalance_mode, seed_sources, model_embed_fn, model_transform, batch_size,
+        num_workers, progress, **(rebalance_kwargs or {}))
+    params = {"hash_max_distance": hash_max_distance, "k": k, "dedup_threshold": dedup_threshold,
+              "decontam_threshold": decontam_threshold, "rebalance_mode": rebalance_mode}
+    return step_write(src, out_dir, write_shard_size, extra={"params": params,
+                                                              "steps": summary})

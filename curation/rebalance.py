@@ -1,0 +1,199 @@
+"""Rebalancing the deduplicated pool (DINOv2 App. A.3; Vo et al. 2024).
+
+* ``sample``: retrieval, sample-based — every seed image (a curated set) brings its k nearest
+  pool images.
+* ``cluster``: retrieval, cluster-based — k-means the pool into C clusters and take up to M
+  images from each cluster holding at least q seeds (for small seed sets).
+* ``hierarchical``: hierarchical k-means with resampling, then balanced sampling to a target size
+  ('r' random / 'c' closest-to-centroid within bottom clusters); no seeds needed.
+* ``none``: keep everything.
+
+Every mode returns the same :class:`RebalanceResult` plus a balance report (entropy of cluster
+sizes before/after on a common clustering).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .index import Rows, build_index, iter_knn
+from .kmeans import assign, balanced_sample, cluster_balance, hierarchical_kmeans, kmeans
+
+MODES = ("none", "sample", "cluster", "hierarchical")
+
+
+@dataclass
+class RebalanceResult:
+    selected: np.ndarray  # (N,) bool over the pool positions given
+    cluster: np.ndarray  # (N,) int64 cluster label used by the mode (-1 when none)
+    nearest_seed: np.ndarray  # (N,) int64 seed position (-1 when no seeds)
+    seed_sim: np.ndarray  # (N,) float32 cosine to that seed (nan when no seeds)
+    report: dict = field(default_factory=dict)
+
+    @property
+    def n_selected(self) -> int:
+        return int(self.selected.sum())
+
+
+def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000,
+              max_per_cluster: int = 10000, min_seeds: int = 1,
+              levels: Sequence[int] = (1000, 100), target_size: int | None = None,
+              strategy: str = "r", n_resampling_steps: int = 10, sample_size: int = 10,
+              balance_clusters: int | None = None, seed: int = 0,
+              batch_size: int = 8192) -> RebalanceResult:
+    """Dispatch to one mode. ``pool``/``seeds``: L2-normalised embeddings (array/EmbeddingSet/Rows).
+
+    ``balance_clusters``: size of the common k-means used to report balance before/after
+    (default: ~sqrt(N), reused from the mode's own clustering where there is one).
+    """
+    rows = pool if isinstance(pool, Rows) else Rows(pool)
+    if mode not in MODES:
+        raise ValueError(f"rebalance mode {mode!r}: choose one of {MODES}")
+    if mode in ("sample", "cluster") and (seeds is None or len(seeds) == 0):
+        raise ValueError(f"rebalance mode {mode!r} retrieves around seed images: give seed "
+                         f"embeddings (a curated seed set), or use 'hierarchical' / 'none'")
+    if mode == "none":
+        res = _none(len(rows))
+    elif mode == "sample":
+        res = retrieval_sample_based(rows, seeds, k=k, batch_size=batch_size)
+    elif mode == "cluster":
+        res = retrieval_cluster_based(rows, seeds, n_clusters=n_clusters,
+                                      max_per_cluster=max_per_cluster, min_seeds=min_seeds,
+                                      seed=seed)
+    else:
+        res = hierarchical_balanced(rows, levels=levels, target_size=target_size,
+                                    strategy=strategy, n_resampling_steps=n_resampling_steps,
+                                    sample_size=sample_size, seed=seed)
+    if seeds is not None and len(seeds) and mode != "sample":
+        _attach_nearest_seed(rows, seeds, res, batch_size)
+    res.report.update(mode=mode, n_pool=len(rows), n_selected=res.n_selected)
+    res.report["balance"] = balance_before_after(rows, res, balance_clusters, seed)
+    return res
+
+
+def _none(n: int) -> RebalanceResult:
+    return RebalanceResult(np.ones(n, bool), np.full(n, -1, np.int64), np.full(n, -1, np.int64),
+                           np.full(n, np.nan, np.float32))
+
+
+def retrieval_sample_based(pool, seeds, k: int = 4, batch_size: int = 8192,
+                           index_kind: str = "auto", nprobe: int = 64) -> RebalanceResult:
+    """Each seed retrieves its k nearest pool images; a pool image retrieved by several seeds
+    records the most similar one."""
+    rows = pool if isinstance(pool, Rows) else Rows(pool)
+    n = len(rows)
+    res = _none(n)
+    res.selected[:] = False
+    best = np.full(n, -np.inf, np.float32)
+    if n:
+        index = build_index(rows, kind=index_kind, nprobe=nprobe)
+        for spos, sims, idx in iter_knn(index, seeds, k, batch_size):
+            flat_idx, flat_sim = idx.ravel(), sims.ravel()
+            flat_seed = np.repeat(spos, idx.shape[1])
+            ok = flat_idx >= 0
+            flat_idx, flat_sim, flat_seed = flat_idx[ok], flat_sim[ok], flat_seed[ok]
+            # Highest similarity first, so the first write per pool image is its best seed.
+            o = np.lexsort((flat_seed, -flat_sim))
+            uniq, first = np.unique(flat_idx[o], return_index=True)
+            cand_sim, cand_seed = flat_sim[o][first], flat_seed[o][first]
+            better = cand_sim > best[uniq]
+            best[uniq[better]] = cand_sim[better]
+            res.nearest_seed[uniq[better]] = cand_seed[better]
+            res.selected[uniq] = True
+    res.seed_sim = np.where(res.selected, best, np.nan).astype(np.float32)
+    res.report["k"] = k
+    return res
+
+
+def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster: int = 10000,
+                            min_seeds: int = 1, seed: int = 0, niter: int = 20) -> RebalanceResult:
+    """k-means the pool; keep up to ``max_per_cluster`` random images of every cluster that
+    holds at least ``min_seeds`` seeds (seeds are assigned to their nearest centroid)."""
+    rows = pool if isinstance(pool, Rows) else Rows(pool)
+    n = len(rows)
+    res = _none(n)
+    cent = kmeans(rows, n_clusters, niter=niter, seed=seed)
+    labels, _ = assign(rows, cent)
+    seed_labels, _ = assign(seeds, cent)
+    seeds_per_cluster = np.bincount(seed_labels, minlength=len(cent))
+    chosen = np.flatnonzero(seeds_per_cluster >= min_seeds)
+    rng = np.random.default_rng(seed)
+    res.selected[:] = False
+    for c in chosen:
+        members = np.flatnonzero(labels == c)
+        if len(members) > max_per_cluster:
+            members = rng.choice(members, size=max_per_cluster, replace=False)
+        res.selected[members] = True
+    res.cluster = labels
+    res.report.update(n_clusters=len(cent), clusters_with_seeds=int(len(chosen)),
+                      min_seeds=min_seeds, max_per_cluster=max_per_cluster)
+    res.report["_labels_k"] = (labels, len(cent))
+    return res
+
+
+def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
+                          target_size: int | None = None, strategy: str = "r",
+                          n_resampling_steps: int = 10, sample_size: int = 10, seed: int = 0,
+                          niter: int = 20) -> RebalanceResult:
+    """Hierarchical k-means with resampling, then balanced sampling of ``target_size`` images
+    (default: half the pool). Level sizes larger than the data are capped."""
+    rows = pool if isinstance(pool, Rows) else Rows(pool)
+    n = len(rows)
+    res = _none(n)
+    if n == 0:
+        return res
+    target = n // 2 if target_size is None else int(target_size)
+    ks, prev = [], n
+    for k in levels:
+        prev = max(1, min(int(k), prev))
+        ks.append(prev)
+    tree = hierarchical_kmeans(rows, ks, n_resampling_steps=n_resampling_steps,
+                               sample_size=sample_size, niter=niter, seed=seed)
+    picked = balanced_sample(tree, min(target, n), strategy=strategy, seed=seed)
+    res.selected[:] = False
+    res.selected[picked] = True
+    res.cluster = tree[0].labels.copy()
+    res.report.update(levels=ks, target_size=target, strategy=strategy,
+                      n_resampling_steps=n_resampling_steps, sample_size=sample_size,
+                      level1_before=cluster_balance(tree[0].labels, ks[0]),
+                      level1_after=cluster_balance(tree[0].labels[picked], ks[0]))
+    # Balance is reported on the top level: the clusters the target was split evenly over.
+    res.report["_labels_k"] = (_top_labels(tree), ks[-1])
+    return res
+
+
+def _top_labels(tree) -> np.ndarray:
+    """Top-level cluster of every point, following labels up the tree."""
+    lab = tree[0].labels
+    for lvl in tree[1:]:
+        lab = lvl.labels[lab]
+    return lab
+
+
+def _attach_nearest_seed(rows: Rows, seeds, res: RebalanceResult, batch_size: int) -> None:
+    sel = np.flatnonzero(res.selected)
+    if not len(sel):
+        return
+    index = build_index(seeds, kind="flat")
+    for pos, sims, idx in iter_knn(index, Rows(rows, sel), 1, batch_size):
+        res.nearest_seed[sel[pos]] = idx[:, 0]
+        res.seed_sim[sel[pos]] = sims[:, 0]
+
+
+def balance_before_after(rows: Rows, res: RebalanceResult, k: int | None, seed: int) -> dict:
+    """Entropy of cluster sizes over the whole pool vs over the selection, same clustering."""
+    labels_k = res.report.pop("_labels_k", None)
+    n = len(rows)
+    if n == 0:
+        return {}
+    if labels_k is None or k is not None:
+        k = k or max(2, int(round(np.sqrt(n))))
+        k = min(k, n)
+        labels, _ = assign(rows, kmeans(rows, k, seed=seed))
+    else:
+        labels, k = labels_k
+    return {"clusters": int(k), "before": cluster_balance(labels, k),
+            "after": cluster_balance(labels[res.selected], k)}

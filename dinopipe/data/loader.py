@@ -1,0 +1,145 @@
+"""Training data: a resumable, deterministic stream of global batches over an image pool.
+
+The pool (folders, file lists, webdataset shards such as the curation output) is listed once into
+references. Each epoch has a permutation fixed by (seed, epoch); global batch ``s`` is the next
+``global_batch`` indices of it and rank ``r`` takes its slice, so the sequence of samples does not depend
+on the number of processes or DataLoader workers. Augmentations are seeded per (seed, epoch, index), so
+a sample looks the same whichever worker decodes it. The position — (epoch, offset) — is all a resume
+needs: a rerun continues with exactly the batches it would have seen, even at another world size.
+Corrupt images are skipped and counted by reason, never fatal.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .decode import safe_decode
+from .sources import ImageRef, as_multi, stable_hash
+
+
+@dataclass
+class DataPosition:
+    """Where the next global batch starts. Batches never straddle epochs (the remainder is dropped)."""
+
+    epoch: int = 0
+    offset: int = 0
+
+    def next_batch(self, global_batch: int, pool_size: int) -> tuple[int, int]:
+        """(epoch, offset) of the next batch, moving to the next epoch when this one has too few left."""
+        if global_batch > pool_size:
+            raise ValueError(f"global batch {global_batch} is larger than the pool ({pool_size} images)")
+        if self.offset + global_batch > pool_size:
+            self.epoch, self.offset = self.epoch + 1, 0
+        return self.epoch, self.offset
+
+    def advance(self, global_batch: int, pool_size: int) -> None:
+        self.next_batch(global_batch, pool_size)
+        self.offset += global_batch
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(stable_hash(f"{seed}/{epoch}") % (2**63))
+    return torch.randperm(n, generator=g)
+
+
+class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
+    """Yields this rank's share of each global batch as [(index, epoch), ...], forever."""
+
+    def __init__(self, pool_size: int, batch_per_rank: int, rank: int, world_size: int, seed: int,
+                 start: DataPosition) -> None:
+        self.n, self.b, self.rank, self.world, self.seed = pool_size, batch_per_rank, rank, world_size, seed
+        self.pos = DataPosition(start.epoch, start.offset)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        G = self.b * self.world
+        perm_epoch, perm = -1, None
+        while True:
+            epoch, off = self.pos.next_batch(G, self.n)
+            if epoch != perm_epoch:
+                perm_epoch, perm = epoch, epoch_permutation(self.n, self.seed, epoch)
+            lo = off + self.rank * self.b
+            yield [(int(i), epoch) for i in perm[lo : lo + self.b]]
+            self.pos.advance(G, self.n)
+
+    def __len__(self) -> int:  # infinite stream; DataLoader only needs this for len(), which we never call
+        return 2**62
+
+
+class ImagePoolDataset(Dataset):
+    """Map-style: (index, epoch) -> transform(image, seed=...), or ("__corrupt__", reason) for unreadable files.
+
+    ``transform`` takes a ``seed`` keyword (as MultiCropAugmentation does) so augmentation is reproducible.
+    """
+
+    def __init__(self, refs: Sequence[ImageRef], read: Callable[[ImageRef], Optional[bytes]],
+                 transform: Callable[[Any], Any], seed: int = 0) -> None:
+        self.refs, self.read, self.transform, self.seed = list(refs), read, transform, seed
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, epoch = key
+        img, reason = safe_decode(self.read(self.refs[index]))
+        if img is None:
+            return ("__corrupt__", reason)
+        # Per-sample seed: the same augmentation whichever worker (or how many) decodes it.
+        sample = self.transform(img, seed=stable_hash(f"{self.seed}/{epoch}/{index}") % (2**63))
+        if isinstance(sample, dict):
+            sample["key"] = (epoch, index)
+        return sample
+
+
+class SkipCorrupt:
+    """Collate wrapper: drops unreadable samples and reports them as batch['corrupt'] = {reason: n}."""
+
+    def __init__(self, collate: Callable[[list], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list):
+        corrupt = collections.Counter(x[1] for x in items if isinstance(x, tuple) and x and x[0] == "__corrupt__")
+        good = [x for x in items if not (isinstance(x, tuple) and x and x[0] == "__corrupt__")]
+        if good and isinstance(good[0], dict) and "key" in good[0]:
+            # Batch-level randomness (iBOT masks) from the batch's identity: exact on resume, any worker.
+            rng = np.random.default_rng(stable_hash(repr([g["key"] for g in good])) % (2**63))
+            batch = self.collate(good, rng=rng)
+        else:
+            batch = self.collate(good) if good else {}
+        batch["corrupt"] = dict(corrupt)
+        batch["n_images"] = len(good)
+        return batch
+
+
+def list_pool(paths: Sequence[str]) -> tuple[list[ImageRef], Callable[[ImageRef], Optional[bytes]]]:
+    """References of every image in the given folders / file lists / shard paths, sorted by id."""
+    source = as_multi(list(paths))
+    refs = sorted(source.refs(), key=lambda r: r.id)
+    if not refs:
+        raise ValueError(f"no images found in {list(paths)}")
+    return refs, source.read
+
+
+def build_train_loader(refs: Sequence[ImageRef], read: Callable, transform: Callable, collate: Callable,
+                       batch_per_rank: int, rank: int, world_size: int, seed: int, start: DataPosition,
+                       num_workers: int = 2, pin_memory: bool = False) -> DataLoader:
+    dataset = ImagePoolDataset(refs, read, transform, seed)
+    sampler = GlobalBatchSampler(len(dataset), batch_per_rank, rank, world_size, seed, start)
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=SkipCorrupt(collate),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=False,
+        prefetch_factor=2 if num_workers > 0 else None,
+    )
+
+
+__all__ = ["DataPosition", "GlobalBatchSampler", "ImagePoolDataset", "SkipCorrupt", "list_pool",
+           "build_train_loader", "epoch_permutation"]

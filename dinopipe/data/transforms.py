@@ -1,0 +1,196 @@
+"""Multi-crop augmentation (Caron et al. 2020, SwAV; DINO; DINOv2 ``DataAugmentationDINO``) with
+torchvision.transforms.v2, and the collate function that batches crops and draws iBOT masks.
+
+Per image: 2 global crops (224 px, scale 0.32-1) and ``n_local`` local crops (98 px, scale 0.05-0.32), each
+flipped, colour-jittered (p=0.8), greyscaled (p=0.2) and blurred — global crop 1 always, global crop 2 with
+p=0.1, local crops with p=0.5 — plus solarisation (p=0.2) on global crop 2, then ImageNet normalisation.
+
+DINOv2's ``GaussianBlur`` passes ``1 - p`` to ``RandomApply`` (which takes the probability of *applying*),
+so its code blurs global crop 1 never and global crop 2 with p=0.9, the opposite of the paper and of DINO /
+BYOL's recipe. Here the probabilities mean what they say.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torchvision.transforms import v2
+
+from .masking import MaskingGenerator, mask_token_weights, masks_upperbound, sample_masks
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def _blur(p: float) -> v2.Transform:
+    # DINOv2 / DINO: 9-px kernel, sigma uniform in [0.1, 2]. RandomApply's p is the probability of blurring.
+    return v2.RandomApply([v2.GaussianBlur(kernel_size=9, sigma=(0.1, 2.0))], p=p)
+
+
+class MultiCropAugmentation:
+    """PIL image (or uint8 CHW tensor / HWC array) -> {"global_crops": [t, t], "local_crops": [t] * n_local},
+    float32 tensors (3, S, S), normalised.
+
+    ``__call__(image, seed=...)`` is reproducible: the torch RNG is forked and seeded for that call only
+    (torchvision's v2 transforms draw from torch's global generator). Without a seed the global stream is used.
+    """
+
+    def __init__(
+        self,
+        global_size: int = 224,
+        local_size: int = 98,
+        n_local: int = 8,
+        global_scale: Sequence[float] = (0.32, 1.0),
+        local_scale: Sequence[float] = (0.05, 0.32),
+        global1_blur_p: float = 1.0,
+        global2_blur_p: float = 0.1,
+        local_blur_p: float = 0.5,
+        solarize_p: float = 0.2,
+        color_jitter_p: float = 0.8,
+        grayscale_p: float = 0.2,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+    ) -> None:
+        self.global_size, self.local_size, self.n_local = global_size, local_size, n_local
+
+        def geometric(size: int, scale: Sequence[float]) -> list[v2.Transform]:
+            return [
+                v2.RandomResizedCrop(size, scale=tuple(scale), interpolation=v2.InterpolationMode.BICUBIC,
+                                     antialias=True),
+                v2.RandomHorizontalFlip(p=0.5),
+                v2.ToImage(),  # uint8 tensor from here on: photometric ops run on the small crop
+            ]
+
+        colour = [
+            v2.RandomApply([v2.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=color_jitter_p),
+            v2.RandomGrayscale(p=grayscale_p),
+        ]
+        normalize = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean=list(mean), std=list(std))]
+        self.global1 = v2.Compose(geometric(global_size, global_scale) + colour + [_blur(global1_blur_p)] + normalize)
+        self.global2 = v2.Compose(
+            geometric(global_size, global_scale) + colour
+            + [_blur(global2_blur_p), v2.RandomSolarize(threshold=128, p=solarize_p)]  # threshold on uint8
+            + normalize
+        )
+        self.local = v2.Compose(geometric(local_size, local_scale) + colour + [_blur(local_blur_p)] + normalize)
+
+    def __repr__(self) -> str:
+        return (f"MultiCropAugmentation(global_size={self.global_size}, local_size={self.local_size}, "
+                f"n_local={self.n_local})\n  global1={self.global1}\n  global2={self.global2}\n  local={self.local}")
+
+    def _crops(self, image: Any) -> dict[str, list[Tensor]]:
+        if hasattr(image, "mode") and image.mode != "RGB":  # PIL: palette, greyscale, RGBA, CMYK...
+            image = image.convert("RGB")
+        elif isinstance(image, np.ndarray):  # HWC uint8
+            image = v2.functional.to_image(image)
+        return {
+            "global_crops": [self._plain(self.global1(image)), self._plain(self.global2(image))],
+            "local_crops": [self._plain(self.local(image)) for _ in range(self.n_local)],
+        }
+
+    @staticmethod
+    def _plain(t: Tensor) -> Tensor:
+        return t.as_subclass(Tensor)  # tv_tensors.Image -> plain tensor (cheaper to collate and pin)
+
+    def __call__(self, image: Any, seed: Optional[int] = None) -> dict[str, list[Tensor]]:
+        if seed is None:
+            return self._crops(image)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self._crops(image)
+
+
+class MultiCropCollator:
+    """Batch multi-crop samples and draw the iBOT masks (DINOv2's ``collate_data_and_cast``).
+
+    Samples are the augmentation's dicts, or tuples whose first element is one (``(crops, label)``); extra
+    keys of a dict sample (``id``...) are gathered into lists. Crops are stacked crop-major: all samples'
+    crop 0, then all samples' crop 1, ... Returns
+
+    * ``global_crops`` (n_g * B, 3, G, G), ``local_crops`` (n_l * B, 3, L, L) (None without local crops),
+    * ``masks`` (n_g * B, N) bool over the global crops' patch grid (N = (G / patch_size)**2),
+    * ``mask_indices`` (M,) positions of the masked patches in ``masks.flatten()``,
+    * ``masks_weight`` (M,) 1 / (masked patches in that image), ``n_masked_patches`` (1,) long,
+    * ``upperbound`` the most patches this batch shape could mask (for fixed-size buffers).
+
+    The mask grid follows the crops' actual size, so a resolution change needs no new collator. Mask
+    randomness: ``rng`` per call, else the collator's own generator, seeded from ``seed`` and the data-loader
+    worker id (or from torch's per-worker seed when ``seed`` is None), so workers never repeat each other.
+    """
+
+    def __init__(
+        self,
+        patch_size: int,
+        mask_ratio_min_max: tuple[float, float] = (0.1, 0.5),
+        mask_probability: float = 0.5,
+        min_num_patches: int = 4,
+        max_block_fraction: float = 0.5,
+        dtype: Optional[torch.dtype] = None,
+        seed: Optional[int] = None,
+    ) -> None:
+        self.patch_size = patch_size
+        self.mask_ratio_min_max = tuple(mask_ratio_min_max)
+        self.mask_probability = mask_probability
+        self.min_num_patches = min_num_patches
+        self.max_block_fraction = max_block_fraction  # DINOv2: a single block covers at most half the grid
+        self.dtype = dtype
+        self.seed = seed
+        self._generators: dict[tuple[int, int], MaskingGenerator] = {}
+        self._rng: Optional[tuple[int, np.random.Generator]] = None
+
+    def _default_rng(self) -> np.random.Generator:
+        # Created lazily in the process that collates (a worker gets a pickled copy of the collator; keying
+        # on the pid stops a generator made in the parent from being replayed identically by every worker).
+        if self._rng is None or self._rng[0] != os.getpid():
+            info = torch.utils.data.get_worker_info()
+            worker = info.id if info is not None else 0
+            base = self.seed if self.seed is not None else torch.initial_seed()
+            self._rng = (os.getpid(), np.random.default_rng([int(base) % 2**63, worker]))
+        return self._rng[1]
+
+    def mask_generator(self, grid: tuple[int, int]) -> MaskingGenerator:
+        if grid not in self._generators:
+            self._generators[grid] = MaskingGenerator(
+                grid, min_num_patches=self.min_num_patches, max_num_patches=self.max_block_fraction * grid[0] * grid[1]
+            )
+        return self._generators[grid]
+
+    def __call__(self, samples: Sequence[Any], rng: Optional[np.random.Generator] = None) -> dict[str, Any]:
+        if not samples:
+            raise ValueError("cannot collate an empty batch")
+        dicts = [s[0] if isinstance(s, (tuple, list)) else s for s in samples]
+        n_g, n_l = len(dicts[0]["global_crops"]), len(dicts[0]["local_crops"])
+        cast = (lambda t: t.to(self.dtype)) if self.dtype is not None else (lambda t: t)
+        global_crops = cast(torch.stack([d["global_crops"][i] for i in range(n_g) for d in dicts]))
+        local_crops = cast(torch.stack([d["local_crops"][i] for i in range(n_l) for d in dicts])) if n_l else None
+
+        h, w = global_crops.shape[-2:]
+        if h % self.patch_size or w % self.patch_size:
+            raise ValueError(f"global crops {h}x{w} are not a multiple of the patch size {self.patch_size}")
+        gen = self.mask_generator((h // self.patch_size, w // self.patch_size))
+        n_images = global_crops.shape[0]
+        masks = sample_masks(gen, n_images, self.mask_ratio_min_max, self.mask_probability,
+                             rng=self._default_rng() if rng is None else rng)
+        mask_indices = masks.flatten().nonzero().flatten()
+        out: dict[str, Any] = {
+            "global_crops": global_crops,
+            "local_crops": local_crops,
+            "masks": masks,
+            "mask_indices": mask_indices,
+            "masks_weight": mask_token_weights(masks),
+            "n_masked_patches": torch.tensor([mask_indices.numel()], dtype=torch.long),
+            "upperbound": masks_upperbound(n_images, gen.num_patches, self.mask_ratio_min_max, self.mask_probability),
+        }
+        for key in dicts[0]:
+            if key not in ("global_crops", "local_crops") and key not in out:
+                out[key] = [d.get(key) for d in dicts]
+        if isinstance(samples[0], (tuple, list)) and len(samples[0]) > 1:
+            out["targets"] = [s[1] for s in samples]
+        return out
+
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MultiCropAugmentation", "MultiCropCollator"]

@@ -1,0 +1,144 @@
+"""Pretraining config schema (defaults = DINOv2's ``ssl_default_config.yaml`` where it has one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..config import ModelConfig
+from ..train.parallel import ParallelConfig
+
+
+@dataclass
+class HeadConfig:
+    n_prototypes: int = 65536
+    hidden_dim: int = 2048
+    bottleneck_dim: int = 256
+    nlayers: int = 3
+
+
+@dataclass
+class DinoConfig:
+    loss_weight: float = 1.0
+    head: HeadConfig = field(default_factory=HeadConfig)
+    koleo_loss_weight: float = 0.1
+
+
+@dataclass
+class IbotConfig:
+    loss_weight: float = 1.0
+    mask_sample_probability: float = 0.5
+    """Probability that a global crop is masked at all."""
+    mask_ratio_min_max: list[float] = field(default_factory=lambda: [0.1, 0.5])
+    separate_head: bool = False
+    head: HeadConfig = field(default_factory=HeadConfig)
+
+
+@dataclass
+class TeacherConfig:
+    centering: str = "centering"
+    """centering (EMA centre) | sinkhorn_knopp"""
+    momentum_teacher: float = 0.992
+    final_momentum_teacher: float = 1.0
+    warmup_teacher_temp: float = 0.04
+    teacher_temp: float = 0.07
+    warmup_teacher_temp_epochs: float = 30
+    student_temp: float = 0.1
+    center_momentum: float = 0.9
+
+
+@dataclass
+class OptimConfig:
+    base_lr: float = 0.004
+    """lr = base_lr * sqrt(global batch / 1024) (DINOv2's sqrt_wrt_1024 rule)."""
+    scale_lr_with_batch: bool = True
+    min_lr: float = 1.0e-6
+    warmup_epochs: float = 10
+    weight_decay: float = 0.04
+    weight_decay_end: float = 0.4
+    layerwise_decay: float = 0.9
+    patch_embed_lr_mult: float = 0.2
+    freeze_last_layer_epochs: float = 1
+    clip_grad: float = 3.0
+    adamw_beta1: float = 0.9
+    adamw_beta2: float = 0.999
+
+
+@dataclass
+class CropsConfig:
+    global_crops_scale: list[float] = field(default_factory=lambda: [0.32, 1.0])
+    local_crops_number: int = 8
+    local_crops_scale: list[float] = field(default_factory=lambda: [0.05, 0.32])
+
+
+@dataclass
+class PhaseConfig:
+    """One resolution phase. Phases run in order; their fractions of ``train.epochs`` must sum to 1."""
+
+    name: str = "base"
+    fraction: float = 1.0
+    global_crops_size: int = 224
+    local_crops_size: int = 98
+    batch_size_per_gpu: int = 64
+    lr_scale: float = 1.0
+    """Peak lr of this phase relative to the base lr (later phases: a lower, compressed cosine)."""
+    warmup_fraction: float = 0.0
+    """Warm-up of a later phase, as a fraction of its own steps (the first phase uses optim.warmup_epochs)."""
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)
+    """Image folders, file lists or webdataset shard paths / globs (e.g. the curation output's shards/)."""
+    num_workers: int = 2
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/pretrain"
+    epochs: int = 100
+    epoch_length: int = 1250
+    """Steps per 'epoch' (DINOv2's OFFICIAL_EPOCH_LENGTH): schedules are written in these epochs."""
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 500
+    keep_last: int = 3
+    device: str = "auto"
+    """auto | cpu | cuda"""
+    stop_after: Optional[int] = None
+    """Leave after this many steps of this invocation (with a checkpoint); rerunning resumes."""
+    progress: bool = True
+
+
+@dataclass
+class PretrainConfig:
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name="vit_l14", drop_path_rate=0.4,
+                                                                   drop_path_uniform=True))
+    dino: DinoConfig = field(default_factory=DinoConfig)
+    ibot: IbotConfig = field(default_factory=IbotConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    crops: CropsConfig = field(default_factory=CropsConfig)
+    phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig()])
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def validate(cfg: PretrainConfig) -> None:
+    """Cross-field checks the type system cannot do; raise ConfigError naming the key."""
+    from ..config import ConfigError
+
+    total = sum(p.fraction for p in cfg.phases)
+    if not cfg.phases or abs(total - 1.0) > 1e-6:
+        raise ConfigError(f"phases: fractions must sum to 1, got {total}")
+    if cfg.teacher.centering not in ("centering", "sinkhorn_knopp"):
+        raise ConfigError(f"teacher.centering: expected 'centering' or 'sinkhorn_knopp', got '{cfg.teacher.centering}'")
+    if not cfg.data.paths:
+        raise ConfigError("data.paths: give at least one image folder, file list or shard path")
+    lo, hi = cfg.ibot.mask_ratio_min_max
+    if not 0 <= lo <= hi < 1:
+        raise ConfigError(f"ibot.mask_ratio_min_max: need 0 <= min <= max < 1, got {[lo, hi]}")
+
+
+__all__ = ["PretrainConfig", "PhaseConfig", "validate"]

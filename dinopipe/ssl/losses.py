@@ -1,0 +1,191 @@
+"""Self-supervised losses of DINOv2 (Oquab et al. 2023):
+
+* DINO loss on CLS prototypes (Caron et al. 2021): cross-entropy from centred, sharpened teacher
+  distributions of the global crops to the student distributions of every crop, same-view pairs excluded.
+* iBOT patch loss (Zhou et al. 2022, "iBOT: Image BERT Pre-Training with Online Tokenizer"): the same
+  cross-entropy on the patch tokens the student saw masked.
+* KoLeo (Sablayrolles et al. 2019, "Spreading vectors for similarity search"): differential-entropy
+  regulariser pushing each student CLS feature away from its nearest neighbour in the batch.
+
+The teacher side (centring / Sinkhorn-Knopp and its all-reduce) lives in :mod:`dinopipe.ssl.centering`; the
+loss modules own one :class:`TeacherCentering` each so the centre is part of their state dict.
+Cross-entropies are computed in float32 whatever the autocast dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .centering import AllReduceFn, TeacherCentering
+
+
+def _log_softmax32(student_logits: Tensor, student_temp: float) -> Tensor:
+    return F.log_softmax(student_logits.float() / student_temp, dim=-1)
+
+
+class DINOLoss(nn.Module):
+    """DINO cross-entropy between teacher global crops and student crops (CLS prototypes).
+
+    Inputs are crop-major, as the collate function and the packed forward produce them: row ``c * B + b``
+    is crop ``c`` of sample ``b``. The loss is DINOv2's average over loss *terms*:
+
+        L = (sum over pairs (student crop s, teacher global crop t), s != t for globals,
+             of mean_b H(teacher_t[b], student_s[b])) / (n_g * (n_g - 1) + n_l * n_g)
+
+    with H(p, q) = -sum_k p_k log q_k and the student distribution softmax(logits / student_temp).
+    """
+
+    def __init__(
+        self,
+        out_dim: int,
+        student_temp: float = 0.1,
+        center_momentum: float = 0.9,
+        centering: str = "centering",
+        sk_iterations: int = 3,
+        all_reduce_fn: Optional[AllReduceFn] = None,
+    ) -> None:
+        super().__init__()
+        self.student_temp = student_temp
+        self.teacher = TeacherCentering(out_dim, centering, center_momentum, sk_iterations, all_reduce_fn)
+
+    @torch.no_grad()
+    def teacher_probs(self, teacher_logits: Tensor, teacher_temp: float, update_center: bool = True) -> Tensor:
+        """(n_g * B, K) teacher CLS logits -> targets; updates the EMA centre in 'centering' mode."""
+        return self.teacher(teacher_logits, teacher_temp, update=update_center)
+
+    def forward(
+        self,
+        student_global_logits: Tensor,
+        teacher_probs: Tensor,
+        student_local_logits: Optional[Tensor] = None,
+        n_global_crops: int = 2,
+        return_parts: bool = False,
+    ):
+        """Student (n_g * B, K) [+ (n_l * B, K)] logits and teacher (n_g * B, K) targets -> scalar loss.
+
+        With ``return_parts`` also returns ``{"dino_global": ..., "dino_local": ...}``, both already divided
+        by the total number of terms (they add up to the loss), as DINOv2 logs them.
+        """
+        n_g = n_global_crops
+        if teacher_probs.shape[0] % n_g or student_global_logits.shape[0] != teacher_probs.shape[0]:
+            raise ValueError(
+                f"expected teacher and student global logits of {n_g} crops x B rows, got "
+                f"{tuple(teacher_probs.shape)} and {tuple(student_global_logits.shape)}"
+            )
+        b = teacher_probs.shape[0] // n_g
+        t = teacher_probs.float().reshape(n_g, b, -1)  # (n_g, B, K)
+        s_glob = _log_softmax32(student_global_logits, self.student_temp).reshape(n_g, b, -1)
+        # ce[s, t] = mean_b H(teacher_t, student_s)
+        ce_glob = -torch.einsum("sbk,tbk->st", s_glob, t) / b  # (n_g, n_g)
+        off_diag = ~torch.eye(n_g, dtype=torch.bool, device=ce_glob.device)
+        global_sum = ce_glob[off_diag].sum()
+        n_terms = n_g * (n_g - 1)
+        local_sum = ce_glob.new_zeros(())
+        if student_local_logits is not None and student_local_logits.shape[0] > 0:
+            if student_local_logits.shape[0] % b:
+                raise ValueError(f"local logits have {student_local_logits.shape[0]} rows, not a multiple of B={b}")
+            n_l = student_local_logits.shape[0] // b
+            s_loc = _log_softmax32(student_local_logits, self.student_temp).reshape(n_l, b, -1)
+            local_sum = -torch.einsum("sbk,tbk->", s_loc, t) / b
+            n_terms += n_l * n_g
+        if n_terms == 0:
+            raise ValueError("DINO loss needs 2+ global crops or at least one local crop")
+        loss = (global_sum + local_sum) / n_terms
+        if return_parts:
+            return loss, {"dino_global": global_sum.detach() / n_terms, "dino_local": local_sum.detach() / n_terms}
+        return loss
+
+
+def ibot_mask_weights(masks: Tensor) -> Tensor:
+    """(n, N) bool masks -> (M,) weight 1 / (number of masked patches of its image) per masked patch."""
+    per_image = 1.0 / masks.sum(dim=-1).clamp(min=1).float()  # (n,)
+    return per_image.unsqueeze(-1).expand_as(masks)[masks]
+
+
+class IBOTPatchLoss(nn.Module):
+    """iBOT masked-patch cross-entropy, DINOv2's ``forward_masked``.
+
+    Only the M patches the student saw masked enter: the student's logits on them (from the iBOT head,
+    shared with the DINO head or separate — the caller decides) and the teacher's targets on the same
+    patches (computed from the *unmasked* teacher view). Each patch is weighted by 1 / (masked patches in its
+    image), so every masked image counts once whatever its mask ratio, and the sum is divided by the number of
+    images in the batch ``n_images`` (all global crops, masked or not, as DINOv2 does).
+    """
+
+    def __init__(
+        self,
+        out_dim: int,
+        student_temp: float = 0.1,
+        center_momentum: float = 0.9,
+        centering: str = "centering",
+        sk_iterations: int = 3,
+        all_reduce_fn: Optional[AllReduceFn] = None,
+    ) -> None:
+        super().__init__()
+        self.student_temp = student_temp
+        self.teacher = TeacherCentering(out_dim, centering, center_momentum, sk_iterations, all_reduce_fn)
+
+    @torch.no_grad()
+    def teacher_probs(self, teacher_logits: Tensor, teacher_temp: float, update_center: bool = True) -> Tensor:
+        """(M, K) teacher logits on the masked patches -> targets (centre averaged over masked patches)."""
+        return self.teacher(teacher_logits, teacher_temp, update=update_center)
+
+    def forward(
+        self,
+        student_logits: Tensor,
+        teacher_probs: Tensor,
+        n_images: int,
+        masks_weight: Optional[Tensor] = None,
+        masks: Optional[Tensor] = None,
+    ) -> Tensor:
+        """(M, K) student logits and teacher targets on masked patches -> scalar loss.
+
+        Give ``masks_weight`` (M,) from the collate function, or ``masks`` (n_images, N) to compute it.
+        """
+        if student_logits.shape != teacher_probs.shape:
+            raise ValueError(f"student {tuple(student_logits.shape)} vs teacher {tuple(teacher_probs.shape)} logits")
+        if masks_weight is None:
+            if masks is None:
+                raise ValueError("IBOTPatchLoss needs masks_weight or masks")
+            masks_weight = ibot_mask_weights(masks)
+        if masks_weight.shape[0] != student_logits.shape[0]:
+            raise ValueError(f"{masks_weight.shape[0]} mask weights for {student_logits.shape[0]} masked patches")
+        lsm = _log_softmax32(student_logits, self.student_temp)
+        per_patch = -(teacher_probs.float() * lsm).sum(dim=-1)  # (M,)
+        return (per_patch * masks_weight.float()).sum() / max(int(n_images), 1)
+
+
+def koleo_loss(features: Tensor, eps: float = 1e-8) -> Tensor:
+    """KoLeo on (B, D) features: -mean_i log(min_{j != i} ||x_i - x_j|| + eps) after L2 normalisation.
+
+    Defined for any B: with fewer than two points there is no neighbour, and the loss is 0 (DINOv2 pairs the
+    single point with itself and returns a huge or infinite value). Computed in float32 outside autocast.
+    """
+    if features.dim() != 2:
+        raise ValueError(f"koleo_loss expects (B, D) features, got shape {tuple(features.shape)}")
+    if features.shape[0] < 2:
+        return features.sum() * 0.0  # keeps the graph (and the dtype) for an unconditional backward
+    with torch.autocast(device_type=features.device.type, enabled=False):
+        x = F.normalize(features.float(), p=2, dim=-1, eps=eps)
+        with torch.no_grad():
+            dots = x @ x.t()  # (B, B) cosine similarities in [-1, 1]
+            dots.fill_diagonal_(-2.0)  # below any real similarity, so a point is never its own neighbour
+            nn_idx = dots.argmax(dim=1)
+        distances = F.pairwise_distance(x, x[nn_idx], p=2, eps=eps)  # as DINOv2's nn.PairwiseDistance
+        return -torch.log(distances + eps).mean()
+
+
+class KoLeoLoss(nn.Module):
+    def __init__(self, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, features: Tensor) -> Tensor:
+        return koleo_loss(features, self.eps)
+
+
+__all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "ibot_mask_weights", "koleo_loss"]

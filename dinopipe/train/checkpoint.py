@@ -1,0 +1,129 @@
+"""One checkpoint manager: torch.distributed.checkpoint (DCP) saves, keep-last-k, an atomic ``latest``.
+
+Layout: ``RUN/checkpoints/step_00000100/`` (a DCP folder, sharded by rank) and ``RUN/checkpoints/latest``
+(a text file naming the last *complete* checkpoint, replaced atomically after every rank finished
+writing). A run killed mid-save resumes from the previous complete one. DCP reshards on load, so a run
+saved with N processes resumes with M.
+
+Everything resumable implements ``state_dict()/load_state_dict()`` (DCP's Stateful protocol) and is passed
+as one dict of named states.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from .dist import barrier, get_info
+
+log = logging.getLogger(__name__)
+
+
+class ModelOptimState:
+    """A model and its optimizer as one Stateful (FQN-keyed, works sharded or not)."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        if self.optimizer is None:
+            set_model_state_dict(self.model, sd["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+class ValueState:
+    """Plain values (step, data position, schedule state...) as a Stateful; tensors keep them exact."""
+
+    def __init__(self, **values: Any) -> None:
+        self.values = dict(values)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: torch.tensor(v) if isinstance(v, (int, float)) else v for k, v in self.values.items()}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        for k, v in sd.items():
+            old = self.values.get(k)
+            self.values[k] = type(old)(v.item()) if isinstance(v, torch.Tensor) and isinstance(old, (int, float)) else v
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict on every rank (for exports); a no-op gather in a single process."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | Path, keep_last: int = 3) -> None:
+        self.dir = Path(run_dir) / "checkpoints"
+        self.keep_last = max(1, keep_last)
+
+    @staticmethod
+    def name(step: int) -> str:
+        return f"step_{step:08d}"
+
+    def latest(self) -> Optional[Path]:
+        pointer = self.dir / "latest"
+        if not pointer.is_file():
+            return None
+        path = self.dir / pointer.read_text().strip()
+        return path if (path / ".metadata").is_file() else None
+
+    def latest_step(self) -> Optional[int]:
+        p = self.latest()
+        return int(p.name.split("_")[1]) if p else None
+
+    def save(self, step: int, states: Mapping[str, Any]) -> Path:
+        path = self.dir / self.name(step)
+        info = get_info()
+        if info.is_main and path.exists():  # a half-written save of this step from a killed run
+            shutil.rmtree(path)
+        barrier()
+        dcp.save(dict(states), checkpoint_id=str(path))
+        barrier()
+        if info.is_main:
+            tmp = self.dir / "latest.tmp"
+            tmp.write_text(path.name + "\n")
+            os.replace(tmp, self.dir / "latest")  # atomic: readers see the old or the new name, never half
+            self._prune(keep=path.name)
+        barrier()
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def load(self, states: Mapping[str, Any], path: Optional[Path] = None) -> Optional[int]:
+        """Load the latest (or given) checkpoint into ``states`` in place; returns its step or None."""
+        path = path or self.latest()
+        if path is None:
+            return None
+        dcp.load(dict(states), checkpoint_id=str(path))
+        log.info("resumed from %s", path)
+        return int(path.name.split("_")[1])
+
+    def _prune(self, keep: str) -> None:
+        ckpts = sorted(p for p in self.dir.glob("step_*") if p.is_dir())
+        for old in ckpts[: -self.keep_last]:
+            if old.name != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["CheckpointManager", "ModelOptimState", "ValueState", "full_state_dict"]

@@ -1,0 +1,182 @@
+"""Real photographs that load offline, and planted copies of them, for curation/data tests.
+
+Sources: scikit-image's bundled sample images (those that need a download are skipped),
+scikit-learn's two sample photos and matplotlib's Grace Hopper portrait. Large photos also give
+non-overlapping crops (different regions are different pictures). Copies are made the way the web
+makes them: resized, JPEG-recompressed, slightly cropped.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zlib
+from functools import lru_cache
+
+import numpy as np
+from PIL import Image
+
+# Left out on purpose: 'cat' is 'chelsea' again, stereo_motorcycle's right view is a near-copy of
+# the left one, lfw_subset is 25x25 faces, and the synthetic patterns are not photos.
+_SKIMAGE = [
+    "astronaut", "brick", "camera", "cell", "chelsea", "clock", "coffee", "coins", "colorwheel",
+    "grass", "gravel", "horse", "immunohistochemistry", "logo", "moon", "page", "rocket", "text",
+]
+# Big photos used only through their non-overlapping quadrants.
+_SKIMAGE_QUADRANTS = ["retina", "hubble_deep_field"]
+
+
+def _to_rgb_uint8(arr: np.ndarray) -> np.ndarray:
+    arr = np.asarray(arr)
+    if arr.dtype == bool:
+        arr = arr.astype(np.uint8) * 255
+    elif arr.dtype != np.uint8:
+        arr = np.clip(arr * (255.0 if arr.max() <= 1.0 else 1.0), 0, 255).astype(np.uint8)
+    if arr.ndim == 2:
+        arr = np.stack([arr] * 3, axis=-1)
+    if arr.shape[-1] == 4:  # RGBA logo: composite on white
+        a = arr[..., 3:4].astype(np.float32) / 255.0
+        arr = (arr[..., :3] * a + 255.0 * (1 - a)).astype(np.uint8)
+    return np.ascontiguousarray(arr[..., :3])
+
+
+def _quadrants(arr: np.ndarray) -> list[np.ndarray]:
+    h, w = arr.shape[:2]
+    return [arr[:h // 2, :w // 2], arr[:h // 2, w // 2:], arr[h // 2:, :w // 2], arr[h // 2:, w // 2:]]
+
+
+@lru_cache(maxsize=1)
+def real_photos() -> dict[str, np.ndarray]:
+    """name -> (H, W, 3) uint8 array; distinct pictures only (no copies among them)."""
+    import skimage.data as skd
+
+    out: dict[str, np.ndarray] = {}
+    for name in _SKIMAGE + _SKIMAGE_QUADRANTS:
+        try:
+            arr = _to_rgb_uint8(getattr(skd, name)())
+        except Exception:  # loaders that need a download fail offline: skip them
+            continue
+        if name in _SKIMAGE_QUADRANTS:
+            for i, q in enumerate(_quadrants(arr)):
+                out[f"{name}_q{i}"] = np.ascontiguousarray(q)
+        else:
+            out[name] = arr
+    try:
+        left, _right, _disp = skd.stereo_motorcycle()
+        out["motorcycle"] = _to_rgb_uint8(left)
+    except Exception:
+        pass
+    try:
+        from sklearn.datasets import load_sample_images
+
+        for fname, img in zip(load_sample_images().filenames, load_sample_images().images):
+            stem = os.path.splitext(os.path.basename(fname))[0]
+            # china.jpg / flower.jpg are 427x640: left and right halves are different pictures.
+            out[f"{stem}_left"] = np.ascontiguousarray(img[:, :320])
+            out[f"{stem}_right"] = np.ascontiguousarray(img[:, 320:])
+    except Exception:
+        pass
+    try:
+        from matplotlib import cbook
+
+        with cbook.get_sample_data("grace_hopper.jpg") as f:
+            out["grace_hopper"] = _to_rgb_uint8(np.asarray(Image.open(f).convert("RGB")))
+    except Exception:
+        pass
+    return out
+
+
+def encode(arr: np.ndarray, fmt: str = "JPEG", quality: int = 95) -> bytes:
+    buf = io.BytesIO()
+    img = Image.fromarray(arr)
+    if fmt == "JPEG":
+        img.save(buf, format="JPEG", quality=quality)
+    else:
+        img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def make_copy(arr: np.ndarray, kind: str) -> np.ndarray:
+    """A near-duplicate of ``arr`` as the web makes them ('resize', 'jpeg', 'crop', 'combo')."""
+    img = Image.fromarray(arr)
+    w, h = img.size
+    if kind == "resize":
+        img = img.resize((max(16, w // 2), max(16, h // 2)), Image.BILINEAR)
+    elif kind == "jpeg":
+        img = Image.open(io.BytesIO(encode(arr, quality=30))).convert("RGB")
+    elif kind == "crop":  # about 5% off: 2.5% from each border
+        dx, dy = max(1, int(0.025 * w)), max(1, int(0.025 * h))
+        img = img.crop((dx, dy, w - dx, h - dy))
+    elif kind == "combo":
+        dx, dy = max(1, int(0.02 * w)), max(1, int(0.02 * h))
+        img = img.crop((dx, 0, w - dx, h - dy)).resize((int(w * 0.7), int(h * 0.7)), Image.BICUBIC)
+        img = Image.open(io.BytesIO(encode(np.asarray(img), quality=50))).convert("RGB")
+    else:
+        raise ValueError(kind)
+    return np.asarray(img)
+
+
+COPY_KINDS = ("resize", "jpeg", "crop", "combo")
+
+
+def write_pool(root: str, copies_of: list[str] | None = None, kinds=COPY_KINDS,
+               photos: dict[str, np.ndarray] | None = None) -> dict[str, list[str]]:
+    """Write every distinct photo as ``<root>/<name>.jpg`` plus planted copies.
+
+    Copies of photo ``n`` are ``<root>/copies/<n>__<kind>.jpg``. Returns
+    ``{photo name: [relative paths of the photo and its copies]}`` (the duplicate groups).
+    """
+    photos = photos if photos is not None else real_photos()
+    copies_of = copies_of or []
+    os.makedirs(os.path.join(root, "copies"), exist_ok=True)
+    groups: dict[str, list[str]] = {}
+    for name, arr in photos.items():
+        rel = f"{name}.jpg"
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(encode(arr, quality=92))
+        groups[name] = [rel]
+    for name in copies_of:
+        for kind in kinds:
+            rel = f"copies/{name}__{kind}.jpg"
+            with open(os.path.join(root, rel), "wb") as f:
+                f.write(encode(make_copy(photos[name], kind), quality=90))
+            groups[name].append(rel)
+    return groups
+
+
+# ----------------------------------------------------------------------------- byte helpers
+
+
+def png_bytes(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def jpeg_bytes(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", **kw)
+    return buf.getvalue()
+
+
+def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
+    """A tiny valid-looking PNG whose header claims width x height pixels (a decompression bomb)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
+
+
+def bad_file_kinds(photo: np.ndarray) -> dict[str, tuple[bytes, str]]:
+    """file name -> (bytes, reason safe_decode must give) for every unreadable kind."""
+    good = jpeg_bytes(Image.fromarray(photo), quality=90)
+    return {
+        "zero.jpg": (b"", "empty"),
+        "truncated.jpg": (good[: len(good) // 2], "truncated"),
+        "html.jpg": (b"<html><body>404 Not Found</body></html>", "not_an_image"),
+        "bomb.png": (png_bomb(), "too_large"),
+    }

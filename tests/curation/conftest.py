@@ -1,0 +1,53 @@
+"""Shared fixtures: a pool of real photos with planted copies, and its descriptors."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests/_photos.py
+
+from _photos import COPY_KINDS, encode, make_copy, real_photos, write_pool  # noqa: E402
+
+N_COPIED = 8  # photos that get planted copies (4 kinds each)
+
+
+@pytest.fixture(scope="session")
+def photos() -> dict[str, np.ndarray]:
+    p = real_photos()
+    assert len(p) >= 30, f"only {len(p)} real photos load offline; tests need >= 30"
+    return p
+
+
+@pytest.fixture(scope="session")
+def copied(photos) -> list[str]:
+    # spread over the list: textures (brick), greyscale, colour photos, crops of big ones
+    names = sorted(photos)
+    return names[:: max(1, len(names) // N_COPIED)][:N_COPIED]
+
+
+@pytest.fixture(scope="session")
+def pool_dir(tmp_path_factory, photos, copied) -> tuple[Path, dict[str, list[str]]]:
+    """Folder 'pool' with every photo as <name>.jpg and copies under copies/; plus the groups."""
+    root = tmp_path_factory.mktemp("curation") / "pool"
+    groups = write_pool(str(root), copies_of=copied, photos=photos)
+    return root, groups
+
+
+@pytest.fixture(scope="session")
+def labelled_images(photos):
+    """(PIL images, photo label per image, copy kind per image ('' for originals))."""
+    imgs, labels, kinds = [], [], []
+    for i, name in enumerate(sorted(photos)):
+        arr = photos[name]
+        for kind in ("",) + COPY_KINDS:
+            a = arr if not kind else make_copy(arr, kind)
+            imgs.append(Image.open(io.BytesIO(encode(a, quality=90))).convert("RGB"))
+            labels.append(i)
+            kinds.append(kind)
+    return imgs, np.array(labels), np.array(kinds)

@@ -1,0 +1,101 @@
+"""Resumable, task-split embedding into fp16 shards; unreadable files are recorded with reasons."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from _photos import bad_file_kinds
+
+from curation.descriptor import PCADescriptor
+from curation.embeddings import embed_pool, open_embeddings
+
+
+class Counting:
+    """Wraps an embed_fn; counts images embedded and can fail after a number of batches."""
+
+    def __init__(self, fn, fail_after_batches=None):
+        self.fn, self.fail_after, self.images, self.batches = fn, fail_after_batches, 0, 0
+
+    def __call__(self, batch):
+        if self.fail_after is not None and self.batches >= self.fail_after:
+            raise KeyboardInterrupt("simulated preemption")
+        self.batches += 1
+        self.images += len(batch)
+        return self.fn(batch)
+
+
+@pytest.fixture(scope="module")
+def pool_with_bad(pool_dir, photos, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad") / "pool"
+    shutil.copytree(pool_dir[0], root)
+    for name, (data, _) in bad_file_kinds(photos["chelsea"]).items():
+        (root / "bad" / name).parent.mkdir(exist_ok=True)
+        (root / "bad" / name).write_bytes(data)
+    return root
+
+
+def _embed(src, out, fn, **kw):
+    desc = PCADescriptor()
+    kw = {"shard_size": 16, "batch_size": 8, "num_workers": 0, "progress": False, **kw}
+    return embed_pool(src, fn, str(out), transform=desc.transform(), **kw)
+
+
+def test_interrupted_embed_resumes_without_recomputing(pool_with_bad, tmp_path):
+    desc = PCADescriptor()
+    full = _embed(pool_with_bad, tmp_path / "full", Counting(desc))
+    first = Counting(desc, fail_after_batches=5)  # dies inside the third shard
+    with pytest.raises(KeyboardInterrupt):
+        _embed(pool_with_bad, tmp_path / "resumed", first)
+    done = sorted(f for f in os.listdir(tmp_path / "resumed") if f.endswith(".ids.json"))
+    assert len(done) == 2  # shards 0 and 1 (16 + 16 images) were complete
+    second = Counting(desc)
+    counts = _embed(pool_with_bad, tmp_path / "resumed", second)
+    assert counts["shards_skipped"] == 2
+    a, b = open_embeddings(str(tmp_path / "full")), open_embeddings(str(tmp_path / "resumed"))
+    assert full["images"] == len(a) + len(a.unreadable)
+    assert second.images == len(a) - a.offsets[2]  # only images of shards 2, 3, ... were embedded
+    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_array_equal(a.rows(np.arange(len(a))), b.rows(np.arange(len(b))))
+    assert a.hashes.tolist() == b.hashes.tolist() and a.unreadable == b.unreadable
+    third = Counting(desc)
+    _embed(pool_with_bad, tmp_path / "resumed", third)
+    assert third.images == 0  # a complete run recomputes nothing
+
+
+def test_unreadable_files_are_recorded_with_reasons(pool_with_bad, tmp_path, photos):
+    _embed(pool_with_bad, tmp_path / "e", PCADescriptor())
+    emb = open_embeddings(str(tmp_path / "e"))
+    got = {u[0].split("/")[-1]: u[2] for u in emb.unreadable}
+    expected = {name: reason for name, (_, reason) in bad_file_kinds(photos["chelsea"]).items()}
+    assert got == expected
+    assert emb.dim == PCADescriptor().dim and emb.parts[0].dtype == np.float16
+    np.testing.assert_allclose(np.linalg.norm(emb.rows(np.arange(len(emb))), axis=1), 1, atol=2e-3)
+
+
+def test_array_tasks_split_the_pool_and_the_reader_waits_for_all(pool_dir, tmp_path):
+    out = tmp_path / "split"
+    desc = PCADescriptor()
+    _embed(pool_dir[0], out, desc, task_index=0, num_tasks=3)
+    with pytest.raises(RuntimeError, match=r"tasks \[1, 2\] of 3"):
+        open_embeddings(str(out))
+    for t in (1, 2):
+        _embed(pool_dir[0], out, desc, task_index=t, num_tasks=3, num_workers=2)
+    split = open_embeddings(str(out))
+    _embed(pool_dir[0], tmp_path / "single", desc)
+    single = open_embeddings(str(tmp_path / "single"))
+    assert sorted(split.ids) == sorted(single.ids)
+    pos = single.index_of()
+    order = np.array([pos[i] for i in split.ids])
+    np.testing.assert_array_equal(split.rows(np.arange(len(split))), single.rows(order))
+
+
+def test_changed_pool_is_refused_on_resume(tmp_path, pool_dir):
+    src = tmp_path / "p"
+    shutil.copytree(pool_dir[0], src)
+    _embed(src, tmp_path / "e", PCADescriptor())
+    os.remove(next(p for p in src.rglob("*.jpg")))
+    with pytest.raises(RuntimeError, match="different input listing"):
+        _embed(src, tmp_path / "e", PCADescriptor())

@@ -1,0 +1,26 @@
+"""Fixtures for dinopipe.data tests: image files of every awkward kind a web pool contains."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests/_photos.py
+
+from _photos import bad_file_kinds  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def photo() -> np.ndarray:
+    from _photos import real_photos
+
+    return real_photos()["chelsea"]  # 300 x 451 RGB cat
+
+
+@pytest.fixture(scope="session")
+def bad_files(photo) -> dict[str, tuple[bytes, str]]:
+    """name -> (bytes, expected reason) for every unreadable kind."""
+    return bad_file_kinds(photo)
