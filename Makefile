@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q tests
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not slow" tests
 
 bench: venv
 	$(BIN)/python bench/run_all.py

@@ -1,5 +1,12 @@
 """dinopipe: curate images, pretrain a ViT the DINOv2 way, distill it, and load the result anywhere."""
 
+import os as _os
+
+# OpenMP threads that spin while waiting make torch 10-20x slower on CPU as soon as another busy process
+# (a DataLoader worker, a second rank, a test runner) shares the cores. Passive waiting costs nothing
+# measurable when the machine is idle. Only effective if torch was not imported before dinopipe.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 __version__ = "0.1.0"
 
 from .models import create_model, list_models  # noqa: E402

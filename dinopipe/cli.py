@@ -4,6 +4,7 @@ exit with code 2 before any work starts.
     dinopipe models                                   list registry variants
     dinopipe export --model PATH --format timm --out DIR
     dinopipe config --kind model --config X.yaml k=v  validate and print a resolved config
+    dinopipe pretrain --config configs/pretrain/X.yaml [key=value ...]
     dinopipe curate ...                               same as the `curate` command
 """
 
@@ -54,15 +55,27 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_curate(argv: Sequence[str]) -> int:
-    from curation.cli import main as curate_main
+def _stage(name: str) -> Callable[[Sequence[str]], int]:
+    """Stage commands parse their own arguments (a config file plus key=value overrides)."""
 
-    return curate_main(list(argv))
+    def run(argv: Sequence[str]) -> int:
+        if name == "curate":
+            from curation.cli import main as stage_main
+        elif name == "pretrain":
+            from .train.pretrain import main as stage_main
+        return stage_main(list(argv))
+
+    return run
+
+
+STAGES = ("curate", "pretrain")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dinopipe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+    for stage in STAGES:  # listed for --help; main() hands their arguments over untouched
+        sub.add_parser(stage, help=f"run the {stage} stage (--config FILE key=value ...)", add_help=False)
 
     sub.add_parser("models", help="list registry variants").set_defaults(func=_cmd_models)
 
@@ -83,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "curate":
-        return _cmd_curate(argv[1:])
+    if argv and argv[0] in STAGES:
+        return _stage(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -19,9 +19,11 @@ from ..ssl.param_groups import build_param_groups
 from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr
 from ..ssl.task import SSLTask
 from .dist import DistInfo, all_reduce_sum_fn, destroy, init_distributed
-from .loop import LoopConfig, Phase, Trainer
+from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
 
 log = logging.getLogger(__name__)
+
+EXIT_NON_FINITE = 3  # the loss or gradients became nan/inf; the last good checkpoint is kept
 
 
 def phase_steps(cfg: PretrainConfig) -> list[tuple[int, int]]:
@@ -92,6 +94,7 @@ def run(cfg: PretrainConfig) -> int:
     if info.is_main:
         save_config(cfg, cfg.train.output_dir)
     refs, read = list_pool(cfg.data.paths)
+    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank and every rerun
     task = SSLTask(cfg, all_reduce_fn=all_reduce_sum_fn()).to(info.device)
     task.parallelize(info, cfg.parallel)
     o = cfg.optim
@@ -121,6 +124,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run(cfg)
+    except NonFiniteLossError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_NON_FINITE
     finally:
         destroy()
 

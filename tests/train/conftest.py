@@ -1,0 +1,62 @@
+"""Tiny pretraining runs on real photos, launched as real processes (plain python or torchrun)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+# vit_test at 56 px, 2 local crops of 28 px, small heads: a step takes well under a second on 2 cores.
+TINY = [
+    "model.name=vit_test", "model.img_size=56", "model.drop_path_rate=0.0", "model.attn_backend=sdpa",
+    "dino.head.n_prototypes=128", "dino.head.hidden_dim=64", "dino.head.bottleneck_dim=32",
+    "ibot.head.n_prototypes=128", "ibot.head.hidden_dim=64", "ibot.head.bottleneck_dim=32",
+    "crops.local_crops_number=2", "optim.base_lr=0.02", "optim.warmup_epochs=1", "optim.freeze_last_layer_epochs=0",
+    "teacher.warmup_teacher_temp_epochs=1", "train.epoch_length=4", "train.log_every=1", "train.progress=false",
+    "data.num_workers=0", "parallel.param_dtype=fp32",
+    "phases=[{name: base, fraction: 1.0, global_crops_size: 56, local_crops_size: 28, batch_size_per_gpu: 4}]",
+]
+
+
+@pytest.fixture(scope="session")
+def photo_pool(tmp_path_factory):
+    from _photos import write_pool
+
+    root = tmp_path_factory.mktemp("pool")
+    write_pool(str(root))
+    return root
+
+
+def env():
+    e = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def pretrain_cmd(run_dir, pool, *overrides, nproc=1):
+    args = ["--config", str(REPO / "configs/pretrain/quickstart.yaml"), *TINY, f"data.paths=[{pool}]",
+            f"train.output_dir={run_dir}", *overrides]
+    if nproc == 1:
+        return [sys.executable, "-m", "dinopipe.train.pretrain", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "dinopipe.train.pretrain", *args]
+
+
+def run_pretrain(run_dir, pool, *overrides, nproc=1, check=True, timeout=600):
+    r = subprocess.run(pretrain_cmd(run_dir, pool, *overrides, nproc=nproc), env=env(), capture_output=True,
+                       text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"pretrain exited {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}")
+    return r
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows}
