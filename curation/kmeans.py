@@ -17,6 +17,7 @@ from typing import Sequence
 
 import faiss
 import numpy as np
+from tqdm.auto import tqdm
 
 from .index import Rows, num_gpus
 
@@ -67,7 +68,7 @@ class Level:
 
 def hierarchical_kmeans(data, n_clusters: Sequence[int], n_resampling_steps: int = 10,
                         sample_size: int | Sequence[int] = 10, sampling: str = "closest",
-                        niter: int = 20, seed: int = 0) -> list[Level]:
+                        niter: int = 20, seed: int = 0, progress: bool = False) -> list[Level]:
     """Hierarchical k-means with resampling (Vo et al. 2024, Alg. 1); levels bottom-up."""
     if sampling not in ("closest", "random"):
         raise ValueError(f"sampling={sampling!r}: choose 'closest' or 'random'")
@@ -77,6 +78,8 @@ def hierarchical_kmeans(data, n_clusters: Sequence[int], n_resampling_steps: int
                     else list(sample_size))
     levels: list[Level] = []
     items = rows
+    bar = tqdm(total=len(n_clusters) * (1 + n_resampling_steps), desc="hierarchical k-means",
+               unit="k-means", disable=not progress)
     for li, k in enumerate(n_clusters):
         rng = np.random.default_rng(seed + li)
         cent = kmeans(items, k, niter=niter, seed=seed + li)
@@ -89,9 +92,12 @@ def hierarchical_kmeans(data, n_clusters: Sequence[int], n_resampling_steps: int
             cent = kmeans(Rows(items, pick), len(cent), niter=niter,
                           seed=seed + 1000 * (li + 1) + step)
             labels, dist = assign(items, cent)
+            bar.update(1)
+        bar.update(1 + n_resampling_steps - (n_resampling_steps if s > 1 else 0))
         sizes = np.bincount(labels, weights=sizes_in, minlength=len(cent)).astype(np.int64)
         levels.append(Level(cent, labels, dist, sizes))
         items, sizes_in = cent, sizes
+    bar.close()
     return levels
 
 

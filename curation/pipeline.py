@@ -27,7 +27,7 @@ from .dedup import copy_dedup
 from .decontaminate import decontaminate
 from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
 from .embeddings import embed_pool, open_embeddings
-from .hashdedup import DEFAULT_MAX_DISTANCE, hash_dedup
+from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, hash_dedup
 from .index import Rows
 from .rebalance import rebalance
 from .write import build_manifest, write_json_atomic, write_shards
@@ -90,10 +90,14 @@ def step_embed(sources, out_dir: str, model_embed_fn: Callable | None = None,
 
 def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,
                threshold: float = 0.6, index_kind: str = "auto", nprobe: int = 16,
-               progress: bool = True) -> dict:
-    """Hash pre-dedup, then kNN copy dedup of the hash survivors on the descriptors."""
+               progress: bool = True, hash_enabled: bool = True) -> dict:
+    """Hash pre-dedup (unless ``hash_enabled`` is False), then kNN copy dedup of the hash
+    survivors on the descriptors."""
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    h = hash_dedup(emb.hashes, emb.ids, max_distance=hash_max_distance)
+    if hash_enabled:
+        h = hash_dedup(emb.hashes, emb.ids, max_distance=hash_max_distance)
+    else:
+        h = HashDedupResult(np.arange(len(emb), dtype=np.int64), np.ones(len(emb), bool), 0)
     surv = np.flatnonzero(h.keep)
     d = copy_dedup(Rows(emb, surv), emb.ids[surv], k=k, threshold=threshold,
                    index_kind=index_kind, nprobe=nprobe, progress=progress)
@@ -160,7 +164,7 @@ def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
                    transform=tf, hash_name=None, progress=progress)
         seed_set = open_embeddings(seed_dir)
         seeds, seed_ids = Rows(seed_set), seed_set.ids
-    res = rebalance(mode, Rows(space, rows_idx), seeds, **mode_kwargs)
+    res = rebalance(mode, Rows(space, rows_idx), seeds, progress=progress, **mode_kwargs)
     status = status.copy()
     status[alive[~res.selected]] = NOT_SELECTED
     n = len(status)
@@ -177,7 +181,8 @@ def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
     return res.report
 
 
-def step_write(sources, out_dir: str, shard_size: int = 1000, extra: dict | None = None) -> dict:
+def step_write(sources, out_dir: str, shard_size: int = 1000, extra: dict | None = None,
+               progress: bool = False) -> dict:
     """Write kept images as webdataset shards; write manifest.json and decisions.tsv."""
     src = as_multi(sources)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
@@ -191,7 +196,8 @@ def step_write(sources, out_dir: str, shard_size: int = 1000, extra: dict | None
              "nearest_seed": str(rb["nearest_seed"][i]) or None,
              "seed_similarity": _num(rb["seed_sim"][i]), "nn_similarity": _num(dd["nn_sim"][i])}
             for i in kept]
-    out = write_shards(src, [m["id"] for m in meta], meta, _p(out_dir, "shards"), shard_size)
+    out = write_shards(src, [m["id"] for m in meta], meta, _p(out_dir, "shards"), shard_size,
+                       progress=progress)
     statuses = {str(emb.ids[i]): _STATUS_NAMES[int(s)] for i, s in enumerate(status)}
     srcs = {str(i): str(s) for i, s in zip(emb.ids, sources_arr)}
     reasons = {}
@@ -240,4 +246,5 @@ def run_curation(inputs, out_dir: str, *, eval_sources=None, seed_sources=None,
     params = {"hash_max_distance": hash_max_distance, "k": k, "dedup_threshold": dedup_threshold,
               "decontam_threshold": decontam_threshold, "rebalance_mode": rebalance_mode}
     return step_write(src, out_dir, write_shard_size, extra={"params": params,
-                                                              "steps": summary})
+                                                              "steps": summary},
+                      progress=progress)

@@ -19,6 +19,8 @@ import tarfile
 from collections import Counter, defaultdict
 from typing import Sequence
 
+from tqdm.auto import tqdm
+
 from dinopipe.data.sources import MultiSource, extension_of
 
 # Every input image ends in exactly one of these (manifest.json counts them).
@@ -27,7 +29,7 @@ STATUSES = ("kept", "hash_duplicates", "copy_duplicates", "decontaminated", "unr
 
 
 def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dict], out_dir: str,
-                 shard_size: int = 1000, prefix: str = "shard") -> dict:
+                 shard_size: int = 1000, prefix: str = "shard", progress: bool = False) -> dict:
     """Write images ``ids`` (re-read from ``source``) with their ``metadata`` into tar shards.
 
     Returns ``{"shards": [paths], "written": n, "failed": [(id, reason)]}``; an image whose bytes
@@ -39,7 +41,10 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
     refs = source.ref_index()
     shards, failed, written = [], [], 0
     tf, tmp, n_in_shard = None, None, 0
+    bar = tqdm(total=len(ids), desc="write shards", unit="img", disable=not progress,
+               mininterval=2.0)
     for image_id, meta in zip(ids, metadata):
+        bar.update(1)
         ref = refs.get(image_id)
         data = source.read(ref) if ref is not None else None
         if not data:
@@ -60,6 +65,7 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
             tf.close()
             os.replace(tmp, shards[-1])
             tf, n_in_shard = None, 0
+    bar.close()
     if tf is not None:
         tf.close()
         os.replace(tmp, shards[-1])

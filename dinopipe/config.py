@@ -127,6 +127,8 @@ class ModelConfig:
     """LayerScale init; null disables LayerScale."""
     ffn: Optional[str] = None
     """mlp | swiglu; null keeps the variant's default."""
+    num_heads: Optional[int] = None
+    """Override the head count; also tells it for ``pretrained`` files whose heads are not 64-dim."""
     pretrained: Optional[str] = None
     """A checkpoint dinopipe.load accepts, used to initialise the backbone (continued pretraining)."""
 
@@ -139,7 +141,7 @@ class ModelConfig:
             "attn_backend": self.attn_backend,
             "init_values": self.init_values,
         }
-        for key in ("patch_size", "num_register_tokens", "ffn"):
+        for key in ("patch_size", "num_register_tokens", "ffn", "num_heads"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

@@ -34,7 +34,8 @@ def build_backbone(cfg: PretrainConfig) -> nn.Module:
     kwargs = cfg.model.create_kwargs()
     if cfg.model.pretrained:
         # Keep the file's architecture (incl. its position-embedding grid; other sizes are interpolated).
-        model = load_backbone(cfg.model.pretrained, **{k: kwargs[k] for k in _TRAINING_KWARGS})
+        model = load_backbone(cfg.model.pretrained, num_heads=cfg.model.num_heads,
+                              **{k: kwargs[k] for k in _TRAINING_KWARGS})
         log.info("initialised backbone from %s", cfg.model.pretrained)
         return model.train()
     return create_model(cfg.model.name, **kwargs)

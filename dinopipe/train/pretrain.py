@@ -93,7 +93,10 @@ def run(cfg: PretrainConfig) -> int:
     info = init_distributed(cfg.train.device)
     if info.is_main:
         save_config(cfg, cfg.train.output_dir)
-    refs, read = list_pool(cfg.data.paths)
+    try:
+        refs, read = list_pool(cfg.data.paths)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"data.paths: {exc}") from None
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank and every rerun
     task = SSLTask(cfg, all_reduce_fn=all_reduce_sum_fn()).to(info.device)
     task.parallelize(info, cfg.parallel)
@@ -124,6 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run(cfg)
+    except ConfigError as exc:
+        exit_on_config_error(exc)
     except NonFiniteLossError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NON_FINITE

@@ -1,0 +1,153 @@
+"""``curate``: the curation stage from the command line (also ``dinopipe curate ...``).
+
+    curate run --config configs/curation/default.yaml input.paths=[DIR] output.dir=OUT [k=v ...]
+    curate embed|dedup|decontaminate|rebalance|write|report --config ... [k=v ...]
+
+Load config -> validate (config mistakes exit 2, before anything is written) -> save the resolved
+config into output.dir -> run the step(s) -> print the manifest summary. Each step reads the
+previous steps' files in output.dir, so a Slurm array can run ``embed`` and one dependent job
+the rest (slurm/submit_curation.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+from dinopipe.config import ConfigError, exit_on_config_error, load_config, to_yaml
+
+from .config import CurationConfig, rebalance_kwargs, validate
+
+STEPS = ("embed", "dedup", "decontaminate", "rebalance", "write", "report")
+
+
+def _embedder(cfg: CurationConfig):
+    if cfg.embed.model is None:
+        return None
+    from .embedder import build_embedder
+
+    e = cfg.embed
+    return build_embedder(e.model, e.image_size, e.device, e.precision)
+
+
+def _params(cfg: CurationConfig) -> dict:
+    return {"hash_enabled": cfg.hash_dedup.enabled, "hash_max_distance": cfg.hash_dedup.max_distance,
+            "k": cfg.dedup.k, "dedup_threshold": cfg.dedup.threshold, "index": cfg.dedup.index,
+            "decontam_threshold": cfg.decontaminate.threshold, "rebalance_mode": cfg.rebalance.mode,
+            "embed_model": cfg.embed.model}
+
+
+def _save_summary(out: str, step: str, result: dict) -> None:
+    from .write import write_json_atomic
+
+    os.makedirs(os.path.join(out, "steps"), exist_ok=True)
+    write_json_atomic(os.path.join(out, "steps", f"{step}.json"), result)
+
+
+def _load_summaries(out: str) -> dict:
+    found = {}
+    for step in STEPS[1:4]:
+        path = os.path.join(out, "steps", f"{step}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                found[step] = json.load(f)
+    return found
+
+
+def run_step(step: str, cfg: CurationConfig, embedder=None):
+    """One step with its settings from ``cfg``; returns the step's summary dict (or a path)."""
+    from . import pipeline as P
+
+    out, e, prog = cfg.output.dir, cfg.embed, cfg.progress
+    if step == "embed":
+        return P.step_embed(cfg.input.paths, out, embedder, getattr(embedder, "transform", None),
+                            cfg.descriptor, e.shard_size, e.batch_size, e.num_workers,
+                            e.task_index, e.num_tasks, progress=prog)
+    if step == "dedup":
+        return P.step_dedup(out, cfg.hash_dedup.max_distance, cfg.dedup.k, cfg.dedup.threshold,
+                            cfg.dedup.index, cfg.dedup.nprobe, prog, cfg.hash_dedup.enabled)
+    if step == "decontaminate":
+        return P.step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate.threshold,
+                                    e.batch_size, e.num_workers, prog)
+    if step == "rebalance":
+        return P.step_rebalance(out, cfg.rebalance.mode, cfg.input.seed_paths or None, embedder,
+                                getattr(embedder, "transform", None), e.batch_size, e.num_workers,
+                                prog, **rebalance_kwargs(cfg.rebalance))
+    if step == "write":
+        return P.step_write(cfg.input.paths, out, cfg.write.shard_size, progress=prog, extra={
+            "params": _params(cfg), "steps": _load_summaries(out)})
+    if step == "report":
+        from .report import make_report
+
+        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples)
+    raise ValueError(step)
+
+
+def _print_manifest(out: str) -> None:
+    with open(os.path.join(out, "manifest.json")) as f:
+        c = json.load(f)["counts"]
+    parts = " + ".join(f"{c[s]} {s}" for s in c if s != "input")
+    print(f"curated {out}: {c['input']} input = {parts}")
+    print(f"shards: {os.path.join(out, 'shards')}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="curate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=("run",) + STEPS, help="all steps, or one step alone")
+    p.add_argument("--config", default=None, help="YAML (e.g. configs/curation/default.yaml)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. output.dir=OUT")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cfg = load_config(CurationConfig, args.config, args.overrides)
+        validate(cfg, args.command)
+        # the model is needed to embed, and to embed seed images like the pool was
+        needs_model = args.command in ("run", "embed") or (
+            args.command == "rebalance" and bool(cfg.input.seed_paths))
+        embedder = _embedder(cfg) if needs_model else None
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+    out = cfg.output.dir
+    _save_config(cfg, out, args.command)
+    steps = STEPS if args.command == "run" else (args.command,)
+    if args.command == "run" and not cfg.report.enabled:
+        steps = STEPS[:-1]
+    if embedder is not None:
+        print(f"embedder: {embedder}", file=sys.stderr)
+    for step in steps:
+        try:
+            result = run_step(step, cfg, embedder)
+        except (FileNotFoundError, RuntimeError, ValueError) as exc:  # e.g. a step not run yet
+            print(f"curate {step}: error: {exc}", file=sys.stderr)
+            return 1
+        if step in STEPS[1:4]:
+            _save_summary(out, step, result)
+        if step == "report":
+            print(f"report: {result}")
+        elif step != "write":
+            print(f"{step}: {json.dumps(result, default=str)}")
+    if "write" in steps or (args.command == "report" and os.path.exists(
+            os.path.join(out, "manifest.json"))):
+        _print_manifest(out)
+    return 0
+
+
+def _save_config(cfg: CurationConfig, out: str, command: str) -> None:
+    """The resolved config of the latest command (atomic; array tasks may race on it)."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "config.yaml")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"# resolved config of `curate {command}`\n{to_yaml(cfg)}")
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,231 @@
+"""The curation config schema (``curate --config configs/curation/X.yaml key=value ...``).
+
+Defaults are DINOv2's LVD-142M values (Oquab et al. 2023, App. A) where the paper gives one, and
+Vo et al. 2024's hierarchical k-means for ``rebalance.mode=hierarchical``. ``validate`` does the
+cross-field checks the types cannot, raising :class:`~dinopipe.config.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dinopipe.config import ConfigError
+
+from .descriptor import DescriptorConfig
+from .hashdedup import DEFAULT_MAX_DISTANCE
+from .rebalance import MODES
+
+
+@dataclass
+class InputConfig:
+    paths: list[str] = field(default_factory=list)
+    """The pool: image folders (recursive), file lists (.txt, one path a line) or webdataset
+    shards (.tar, globs and {000..009} ranges). Several at once; the id is '<source>/<path>'."""
+    eval_paths: list[str] = field(default_factory=list)
+    """Evaluation images to decontaminate against (same kinds of sources). Empty: skip."""
+    seed_paths: list[str] = field(default_factory=list)
+    """Curated seed images for retrieval rebalancing (rebalance.mode=sample|cluster)."""
+
+
+@dataclass
+class OutputConfig:
+    dir: str = ""
+    """The curation output folder (embeddings/, steps/, shards/, manifest.json, report/)."""
+
+
+@dataclass
+class EmbedConfig:
+    model: Optional[str] = None
+    """Backbone for retrieval/clustering embeddings: a registry name (random init: only for smoke
+    tests), or anything ``dinopipe.load`` accepts (official DINOv2 .pth, dinopipe run/export
+    folder, timm state dict). null: descriptor only (rebalancing then uses the descriptor)."""
+    batch_size: int = 64
+    num_workers: int = 4
+    """DataLoader workers decoding and resizing images."""
+    image_size: int = 224
+    """Eval crop size (resize shorter side to size*256/224, centre crop); a multiple of the
+    model's patch size."""
+    shard_size: int = 10000
+    """Images per embedding shard: the unit of resumption (complete shards are skipped)."""
+    task_index: int = 0
+    """This task's share of the pool (a Slurm array sets it from SLURM_ARRAY_TASK_ID)."""
+    num_tasks: int = 1
+    device: str = "auto"
+    """auto (CUDA when available) | cpu | cuda | cuda:N"""
+    precision: str = "auto"
+    """auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16"""
+
+
+@dataclass
+class HashDedupConfig:
+    enabled: bool = True
+    """Cheap perceptual-hash pre-pass removing exact / near-exact copies before the kNN search."""
+    max_distance: int = DEFAULT_MAX_DISTANCE
+    """Hamming distance (of 64 bits) under which two pHashes count as the same image."""
+
+
+@dataclass
+class DedupConfig:
+    k: int = 64
+    """Neighbours per image in the kNN graph (DINOv2: 64)."""
+    threshold: float = 0.6
+    """Cosine above which two images are copies (DINOv2: 0.6), on the copy descriptor."""
+    index: str = "auto"
+    """auto (exact flat up to 50k images, IVF above) | flat | ivf"""
+    nprobe: int = 16
+    """IVF lists visited per query (recall vs speed)."""
+
+
+@dataclass
+class DecontaminateConfig:
+    threshold: float = 0.45
+    """Cosine to an eval image above which the pool image's whole copy group goes (DINOv2: 0.45)."""
+
+
+@dataclass
+class RebalanceConfig:
+    mode: str = "none"
+    """none | sample (k nearest pool images per seed) | cluster (clusters holding >= min_seeds
+    seeds) | hierarchical (hierarchical k-means + balanced sampling, no seeds needed)"""
+    k: int = 4
+    """mode=sample: pool images retrieved per seed image (DINOv2: 4)."""
+    n_clusters: int = 100000
+    """mode=cluster: k-means clusters of the pool (DINOv2: 100k)."""
+    max_per_cluster: int = 10000
+    """mode=cluster: images taken from each chosen cluster (DINOv2: 10k)."""
+    min_seeds: int = 3
+    """mode=cluster: seeds a cluster must hold to be chosen."""
+    levels: list[int] = field(default_factory=lambda: [10_000_000, 500_000, 50_000, 10_000])
+    """mode=hierarchical: clusters per level, bottom-up (Vo et al. 2024 web images); capped at the
+    pool size, so small pools work with the same list."""
+    target_size: Optional[int] = None
+    """mode=hierarchical: images to keep; null = half the deduplicated pool."""
+    strategy: str = "r"
+    """mode=hierarchical: 'r' random or 'c' closest-to-centroid within bottom clusters."""
+    n_resampling_steps: int = 10
+    sample_size: int = 10
+    """Points per cluster in each resampling step."""
+    balance_clusters: Optional[int] = None
+    """Clusters used to report balance (entropy) before/after; null: the mode's own clustering."""
+    seed: int = 0
+
+
+@dataclass
+class WriteConfig:
+    shard_size: int = 1000
+    """Images per output webdataset tar shard."""
+
+
+@dataclass
+class ReportConfig:
+    enabled: bool = True
+    """Write report/ (PNG plots + summary.md) at the end of `curate run`."""
+    n_examples: int = 8
+    """Duplicate groups shown in the contact sheet."""
+
+
+@dataclass
+class CurationConfig:
+    input: InputConfig = field(default_factory=InputConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
+    descriptor: DescriptorConfig = field(default_factory=DescriptorConfig)
+    hash_dedup: HashDedupConfig = field(default_factory=HashDedupConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+    write: WriteConfig = field(default_factory=WriteConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    progress: bool = True
+    """tqdm progress bars on the long steps."""
+
+
+def _need(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: CurationConfig, step: str = "run") -> None:
+    """Cross-field checks; raise ConfigError naming the key. ``step`` is the CLI command."""
+    _need(bool(cfg.output.dir), "output.dir", "set the output folder (output.dir=OUT)")
+    _need(bool(cfg.input.paths), "input.paths",
+          "give at least one image folder, file list or tar shard (input.paths=[a,b])")
+    for key, paths in (("input.paths", cfg.input.paths), ("input.eval_paths", cfg.input.eval_paths),
+                       ("input.seed_paths", cfg.input.seed_paths)):
+        for p in paths:
+            if step in ("run", "embed") or key != "input.paths":
+                # tar globs / brace ranges are expanded later; check the plain ones now
+                _need(any(c in p for c in "*?{") or os.path.exists(p), key, f"'{p}' does not exist")
+    e = cfg.embed
+    _need(e.num_tasks >= 1, "embed.num_tasks", f"must be >= 1, got {e.num_tasks}")
+    _need(0 <= e.task_index < e.num_tasks, "embed.task_index",
+          f"must be in [0, embed.num_tasks={e.num_tasks}), got {e.task_index}")
+    if step == "run":
+        _need(e.num_tasks == 1, "embed.num_tasks", "`curate run` embeds the whole pool; split "
+              "it with `curate embed` array tasks (slurm/curate.sbatch), then `curate dedup ...`")
+    for key, val in (("embed.batch_size", e.batch_size), ("embed.shard_size", e.shard_size),
+                     ("embed.image_size", e.image_size), ("dedup.k", cfg.dedup.k),
+                     ("dedup.nprobe", cfg.dedup.nprobe), ("write.shard_size", cfg.write.shard_size),
+                     ("rebalance.k", cfg.rebalance.k), ("rebalance.n_clusters", cfg.rebalance.n_clusters),
+                     ("rebalance.max_per_cluster", cfg.rebalance.max_per_cluster)):
+        _need(val >= 1, key, f"must be >= 1, got {val}")
+    _need(e.num_workers >= 0, "embed.num_workers", f"must be >= 0, got {e.num_workers}")
+    _need(e.device == "auto" or e.device == "cpu" or e.device.split(":")[0] == "cuda",
+          "embed.device", f"expected auto | cpu | cuda | cuda:N, got '{e.device}'")
+    _need(e.precision in ("auto", "fp32", "bf16"), "embed.precision",
+          f"expected auto | fp32 | bf16, got '{e.precision}'")
+    if e.model is not None:
+        _check_model(e.model, e.image_size)
+    _need(0 <= cfg.hash_dedup.max_distance <= 32, "hash_dedup.max_distance",
+          f"expected 0..32 bits, got {cfg.hash_dedup.max_distance}")
+    _need(cfg.dedup.index in ("auto", "flat", "ivf"), "dedup.index",
+          f"expected auto | flat | ivf, got '{cfg.dedup.index}'")
+    for key, t in (("dedup.threshold", cfg.dedup.threshold),
+                   ("decontaminate.threshold", cfg.decontaminate.threshold)):
+        _need(-1.0 <= t <= 1.0, key, f"a cosine similarity in [-1, 1], got {t}")
+    _validate_rebalance(cfg)
+
+
+def _check_model(model: str, image_size: int) -> None:
+    from dinopipe.models import list_models, model_defaults
+
+    if model in list_models() and not os.path.exists(model):
+        patch = model_defaults(model)["patch_size"]
+        _need(image_size % patch == 0, "embed.image_size",
+              f"{image_size} is not a multiple of {model}'s patch size {patch}")
+        return
+    _need(os.path.exists(model), "embed.model",
+          f"'{model}' is neither a registry model ({', '.join(list_models()[:4])}, ...) nor an "
+          f"existing checkpoint file or run folder")
+
+
+def _validate_rebalance(cfg: CurationConfig) -> None:
+    r = cfg.rebalance
+    _need(r.mode in MODES, "rebalance.mode", f"expected one of {' | '.join(MODES)}, got '{r.mode}'")
+    if r.mode in ("sample", "cluster"):
+        _need(bool(cfg.input.seed_paths), "input.seed_paths",
+              f"rebalance.mode={r.mode} retrieves around curated seed images: set "
+              f"input.seed_paths, or use rebalance.mode=hierarchical|none")
+    _need(r.strategy in ("r", "c"), "rebalance.strategy", f"expected r | c, got '{r.strategy}'")
+    _need(bool(r.levels) and all(k >= 1 for k in r.levels), "rebalance.levels",
+          f"a non-empty list of positive cluster counts, got {list(r.levels)}")
+    _need(list(r.levels) == sorted(r.levels, reverse=True), "rebalance.levels",
+          f"levels go bottom-up, each with fewer clusters than the one below: {list(r.levels)}")
+    _need(r.target_size is None or r.target_size >= 1, "rebalance.target_size",
+          f"must be >= 1 or null, got {r.target_size}")
+    _need(r.min_seeds >= 1, "rebalance.min_seeds", f"must be >= 1, got {r.min_seeds}")
+    _need(r.n_resampling_steps >= 0, "rebalance.n_resampling_steps",
+          f"must be >= 0, got {r.n_resampling_steps}")
+
+
+def rebalance_kwargs(r: RebalanceConfig) -> dict:
+    """The keyword arguments of :func:`curation.rebalance.rebalance` for this config."""
+    return {"k": r.k, "n_clusters": r.n_clusters, "max_per_cluster": r.max_per_cluster,
+            "min_seeds": r.min_seeds, "levels": tuple(r.levels), "target_size": r.target_size,
+            "strategy": r.strategy, "n_resampling_steps": r.n_resampling_steps,
+            "sample_size": r.sample_size, "balance_clusters": r.balance_clusters, "seed": r.seed}
+
+
+__all__ = ["CurationConfig", "validate", "rebalance_kwargs"]

@@ -1,0 +1,85 @@
+"""The backbone embedder: a ``dinopipe.load``-able model as an ``embed_fn`` for ``embed_pool``.
+
+The device is chosen once here (CUDA when available); the model runs under bf16 autocast on CUDA
+and returns L2-normalised CLS embeddings in fp32 (stored as fp16 by the embedding writer).
+The transform is DINOv2's eval transform: resize the shorter side to size*256/224, centre-crop
+``image_size`` (a multiple of the patch size), ImageNet normalisation.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dinopipe.config import ConfigError
+
+from .embeddings import eval_transform
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(spec: str = "auto") -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is a mistake, said so."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"embed.device: '{spec}' but torch sees no CUDA device; use auto or cpu")
+    return torch.device(spec)
+
+
+class ModelEmbedder:
+    """``embedder(batch (B, 3, H, W)) -> (B, D)`` L2-normalised CLS embeddings (fp32, on CPU)."""
+
+    def __init__(self, model: torch.nn.Module, image_size: int = 224, device: str = "auto",
+                 precision: str = "auto"):
+        self.device = pick_device(device) if isinstance(device, str) else device
+        patch = int(getattr(model, "patch_size", 1))
+        if image_size % patch:
+            raise ConfigError(f"embed.image_size: {image_size} is not a multiple of the model's "
+                              f"patch size {patch} (try {image_size // patch * patch})")
+        if precision == "auto":
+            precision = "bf16" if self.device.type == "cuda" else "fp32"
+        self.precision = precision
+        self.image_size = image_size
+        self.model = model.to(self.device).eval()
+        self.transform: Callable = eval_transform(image_size)
+
+    def _autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    @torch.no_grad()
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        x = batch.to(self.device, non_blocking=True)
+        with self._autocast():
+            out = self.model(x)  # (B, D) CLS embedding
+        return F.normalize(out.float(), dim=-1).cpu()
+
+    def __repr__(self) -> str:
+        return (f"ModelEmbedder({type(self.model).__name__}, device={self.device}, "
+                f"precision={self.precision}, image_size={self.image_size})")
+
+
+def build_embedder(model: str, image_size: int = 224, device: str = "auto",
+                   precision: str = "auto") -> ModelEmbedder:
+    """From a registry name (random init: smoke tests only) or anything ``dinopipe.load`` accepts."""
+    from dinopipe.hub import CheckpointError, load
+    from dinopipe.models import list_models
+
+    dev = pick_device(device)
+    if model in list_models():
+        log.warning("embed.model=%s is a registry name: random weights, so retrieval and "
+                    "clustering follow no semantics (use real DINOv2 weights for curation)", model)
+    try:
+        net = load(model, device=dev)
+    except (CheckpointError, FileNotFoundError) as exc:
+        raise ConfigError(f"embed.model: cannot load '{model}': {exc}") from None
+    return ModelEmbedder(net, image_size, dev, precision)
+
+
+__all__ = ["ModelEmbedder", "build_embedder", "pick_device"]

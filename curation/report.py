@@ -1,0 +1,272 @@
+"""The curation report: PNG plots and ``report/summary.md`` from an output folder's step files.
+
+* ``similarity.png``   nearest-neighbour cosine of every pool image (copy descriptor) with the dedup
+                       and decontamination thresholds marked, log counts, so the few copies show
+                       next to the many distinct images; the similarity to eval images beside it.
+                       Whether the threshold falls in a gap between the two is the check that the
+                       embedder's similarities mean something.
+* ``components.png``   how many copy groups have each size.
+* ``clusters.png``     cluster sizes (sorted) before and after rebalancing, log scale.
+* ``duplicates.png``   a contact sheet: some duplicate groups, one per row, the kept image first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display (clusters, CI)
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dinopipe.data.decode import safe_decode  # noqa: E402
+from dinopipe.data.sources import as_multi  # noqa: E402
+
+from .embeddings import open_embeddings  # noqa: E402
+from .pipeline import _STATUS_NAMES, KEPT, NOT_SELECTED, load_step  # noqa: E402
+from .write import STATUSES  # noqa: E402
+
+_RED, _BLUE, _GREEN, _ORANGE = "#c0392b", "#2e86c1", "#1e8449", "#e67e22"
+
+
+def make_report(out_dir: str, sources, params: dict, n_examples: int = 8) -> str:
+    """Write ``out_dir/report/`` and return the path of its summary.md.
+
+    ``params``: dedup_threshold, decontam_threshold, hash_max_distance, hash_enabled, k,
+    rebalance_mode, embed_model (what the run used; the CLI passes its resolved config).
+    """
+    rep = os.path.join(out_dir, "report")
+    os.makedirs(rep, exist_ok=True)
+    with open(os.path.join(out_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    dd, dc, rb = (load_step(out_dir, s) for s in ("dedup", "decontaminate", "rebalance"))
+    balance = {}
+    rb_path = os.path.join(out_dir, "steps", "rebalance_report.json")
+    if os.path.exists(rb_path):
+        with open(rb_path) as f:
+            balance = json.load(f)
+    plots = {
+        "similarity": plot_similarity(dd["nn_sim"], dc["eval_sim"], dd["status"], params,
+                                      os.path.join(rep, "similarity.png")),
+        "components": plot_components(dd["component"], os.path.join(rep, "components.png")),
+        "clusters": plot_clusters(rb["cluster"], rb["status"], params.get("rebalance_mode"),
+                                  os.path.join(rep, "clusters.png")),
+        "duplicates": contact_sheet(emb.ids, dd["component"], rb["status"], dd["nn_sim"],
+                                    sources, n_examples, os.path.join(rep, "duplicates.png")),
+    }
+    path = os.path.join(rep, "summary.md")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(summary_markdown(manifest, params, balance, dd["nn_sim"], plots, out_dir))
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _log_y(ax) -> None:
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
+def _save(fig, path: str) -> str:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _split_hist(ax, values, threshold, label_lo, label_hi, title):
+    bins = np.linspace(min(-0.2, float(values.min())) if len(values) else -0.2, 1.0, 61)
+    lo, hi = values[values <= threshold], values[values > threshold]
+    ax.hist([lo, hi], bins=bins, stacked=True, color=[_BLUE, _RED],
+            label=[f"{label_lo} ({len(lo)})", f"{label_hi} ({len(hi)})"])
+    _log_y(ax)
+    ax.set_xlabel("cosine similarity")
+    ax.set_ylabel("images (log)")
+    ax.set_title(title, fontsize=10)
+
+
+def plot_similarity(nn_sim, eval_sim, status, params: dict, path: str) -> str:
+    t_dup, t_dec = params["dedup_threshold"], params["decontam_threshold"]
+    has_eval = np.isfinite(eval_sim).any()
+    fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(12 if has_eval else 7, 4.2),
+                             squeeze=False)
+    ax = axes[0, 0]
+    vals = nn_sim[np.isfinite(nn_sim)]
+    _split_hist(ax, vals, t_dup, "distinct: nearest neighbour below threshold",
+                "copies: above threshold",
+                "nearest-neighbour similarity in the pool (copy descriptor)")
+    ax.axvline(t_dup, color=_RED, ls="--", lw=1.5, label=f"dedup threshold {t_dup}")
+    ax.axvline(t_dec, color=_ORANGE, ls=":", lw=1.5, label=f"decontamination threshold {t_dec}")
+    n_hash = int((status == 1).sum())
+    ax.legend(fontsize=8, loc="upper left",
+              title=f"+ {n_hash} hash duplicates removed before kNN", title_fontsize=8)
+    if has_eval:
+        ax = axes[0, 1]
+        ev = eval_sim[np.isfinite(eval_sim)]
+        _split_hist(ax, ev, t_dec, "unrelated to eval images", "eval copies (removed)",
+                    "similarity to the nearest eval image")
+        ax.axvline(t_dec, color=_ORANGE, ls=":", lw=1.5, label=f"threshold {t_dec}")
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle("Copies should sit right of the threshold with a gap; if the two overlap, the "
+                 "embedder cannot tell copies from distinct images", fontsize=9)
+    return _save(fig, path)
+
+
+def plot_components(component, path: str) -> str:
+    sizes = np.bincount(np.unique(component, return_inverse=True)[1].ravel()) if len(component) \
+        else np.zeros(0, np.int64)
+    size_vals, counts = np.unique(sizes, return_counts=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(size_vals.astype(str), counts, color=[_BLUE if s == 1 else _RED for s in size_vals])
+    _log_y(ax)
+    ax.set_xlabel("images in the copy group (1 = unique image)")
+    ax.set_ylabel("groups (log)")
+    ax.set_title(f"copy-group sizes: {int((sizes > 1).sum())} groups with copies, "
+                 f"{int(sizes[sizes > 1].sum() - (sizes > 1).sum())} images removed", fontsize=10)
+    for x, c in zip(size_vals.astype(str), counts):
+        ax.annotate(str(c), (x, c), ha="center", va="bottom", fontsize=8)
+    return _save(fig, path)
+
+
+def plot_clusters(cluster, status, mode, path: str) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    pool = (cluster >= 0) & ((status == KEPT) | (status == NOT_SELECTED))
+    if not pool.any():
+        ax.text(0.5, 0.5, f"rebalance.mode={mode}: no clustering of the pool\n(use "
+                f"mode=hierarchical or cluster to see the balance)", ha="center", va="center")
+        ax.set_axis_off()
+        return _save(fig, path)
+    k = int(cluster.max()) + 1
+    before = np.sort(np.bincount(cluster[pool], minlength=k))[::-1]
+    after = np.sort(np.bincount(cluster[status == KEPT], minlength=k))[::-1]
+    x = np.arange(1, k + 1)
+    ax.step(x, np.maximum(before, 0.8), where="mid", color=_BLUE, label=f"before ({before.sum()} images)")
+    ax.step(x, np.maximum(after, 0.8), where="mid", color=_GREEN, label=f"after ({after.sum()} images)")
+    _log_y(ax)
+    ax.set_xlabel("cluster rank (largest first)")
+    ax.set_ylabel("images in the cluster (log)")
+    ax.set_title(f"cluster sizes before / after rebalancing ({mode}, {k} clusters)", fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def duplicate_groups(ids, component, n_groups: int) -> list[np.ndarray]:
+    """Positions of up to ``n_groups`` copy groups, largest first (ties: kept id); kept first."""
+    roots, inv, counts = np.unique(component, return_inverse=True, return_counts=True)
+    multi = np.flatnonzero(counts > 1)
+    multi = sorted(multi, key=lambda g: (-counts[g], str(ids[roots[g]])))[:n_groups]
+    out = []
+    for g in multi:
+        members = np.flatnonzero(inv.ravel() == g)
+        root = roots[g]
+        rest = sorted((m for m in members if m != root), key=lambda m: str(ids[m]))
+        out.append(np.array([root] + rest))
+    return out
+
+
+def contact_sheet(ids, component, status, nn_sim, sources, n_groups: int, path: str,
+                  max_per_row: int = 6, thumb: int = 160) -> str:
+    groups = duplicate_groups(ids, component, n_groups)
+    rows = max(1, len(groups))
+    fig, axes = plt.subplots(rows, max_per_row, figsize=(2.2 * max_per_row, 2.6 * rows),
+                             squeeze=False, gridspec_kw={"hspace": 0.55})
+    for ax in axes.ravel():
+        ax.set_axis_off()
+    if not groups:
+        axes[0, 0].text(0, 0.5, "no duplicate groups found", fontsize=12)
+        return _save(fig, path)
+    src = as_multi(sources)
+    refs = src.ref_index()
+    for r, members in enumerate(groups):
+        for c, pos in enumerate(members[:max_per_row]):
+            ax = axes[r, c]
+            ref = refs.get(str(ids[pos]))
+            img, _ = safe_decode(src.read(ref)) if ref is not None else (None, "missing")
+            if img is not None:
+                img.thumbnail((thumb, thumb))
+                ax.imshow(np.asarray(img.convert("RGB")))
+            ax.set_axis_on()
+            ax.set_xticks([])
+            ax.set_yticks([])
+            kept = c == 0
+            for s in ax.spines.values():
+                s.set_color(_GREEN if kept else _RED)
+                s.set_linewidth(4 if kept else 2)
+            name = str(ids[pos]).split("/", 1)[-1]
+            name = name if len(name) <= 26 else "..." + name[-23:]
+            sim = "" if not np.isfinite(nn_sim[pos]) else f" nn {nn_sim[pos]:.2f}"
+            label = ("KEPT" if kept else _STATUS_NAMES.get(int(status[pos]), "?").replace(
+                "_", " ")) + sim
+            if kept and int(status[pos]) != KEPT:  # the group's representative, later dropped
+                label += f", then {_STATUS_NAMES[int(status[pos])].replace('_', ' ')}"
+            ax.set_title(f"{label}\n{name}", fontsize=7, color=_GREEN if kept else _RED)
+        if len(members) > max_per_row:
+            axes[r, -1].set_xlabel(f"+{len(members) - max_per_row} more", fontsize=7)
+    fig.suptitle("duplicate groups: green = the image kept (smallest id), red = removed copies",
+                 fontsize=10, y=1.0 if rows > 2 else 1.05)
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summary_markdown(manifest: dict, params: dict, balance: dict, nn_sim, plots: dict,
+                     out_dir: str) -> str:
+    c = manifest["counts"]
+    n = max(c["input"], 1)
+    lines = ["# Curation report", "", f"Output folder: `{out_dir}`", "", "## Counts", "",
+             "| status | images | share |", "|---|---:|---:|",
+             f"| input | {c['input']} | 100% |"]
+    lines += [f"| {s} | {c[s]} | {100 * c[s] / n:.1f}% |" for s in STATUSES]
+    lines += ["", f"input = {' + '.join(STATUSES)}: "
+              f"{c['input']} = {' + '.join(str(c[s]) for s in STATUSES)}", "",
+              "| source | input | " + " | ".join(STATUSES) + " |",
+              "|---|" + "---:|" * (len(STATUSES) + 1)]
+    for name, pc in manifest["per_source"].items():
+        lines.append(f"| {name} | {pc['input']} | " + " | ".join(str(pc[s]) for s in STATUSES)
+                     + " |")
+    if manifest.get("unreadable_reasons"):
+        lines += ["", "Unreadable: " + ", ".join(f"{k} {v}" for k, v in
+                                                  manifest["unreadable_reasons"].items())]
+    t = params["dedup_threshold"]
+    vals = nn_sim[np.isfinite(nn_sim)]
+    near = int(((vals > t - 0.05) & (vals <= t + 0.05)).sum())
+    lines += ["", "## Thresholds", "",
+              f"- hash pre-dedup: {'on' if params.get('hash_enabled', True) else 'off'}, "
+              f"pHash Hamming distance <= {params['hash_max_distance']}",
+              f"- copy dedup: cosine > {t} on the copy descriptor, k = {params['k']}",
+              f"- decontamination: cosine > {params['decontam_threshold']} to an eval image "
+              f"(the image's whole copy group is removed)",
+              f"- embedder for rebalancing: {params.get('embed_model') or 'copy descriptor'}",
+              f"- nearest-neighbour similarities within ±0.05 of the dedup threshold: {near} of "
+              f"{len(vals)} (few means the threshold sits in a gap)", ""]
+    lines += _balance_lines(balance, params.get("rebalance_mode"))
+    lines += ["", "## Plots", ""]
+    lines += [f"- {k}: `{os.path.relpath(p, out_dir)}`" for k, p in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _balance_lines(balance: dict, mode) -> list[str]:
+    out = ["## Balance", "", f"rebalance mode: {mode}"]
+    b = balance.get("balance") or {}
+    if b.get("before"):
+        bb, ba = b["before"], b["after"]
+        out += ["", f"Entropy of cluster sizes over {b['clusters']} clusters (nats; normalised by "
+                f"log k, 1 = uniform):", "",
+                "| | images | entropy | normalised | largest cluster share |", "|---|---:|---:|---:|---:|",
+                f"| before | {bb['n']} | {abs(bb['entropy']):.3f} | {abs(bb['normalised_entropy']):.3f} | "
+                f"{bb['largest_share']:.3f} |",
+                f"| after | {ba['n']} | {abs(ba['entropy']):.3f} | {abs(ba['normalised_entropy']):.3f} | "
+                f"{ba['largest_share']:.3f} |"]
+    return out
+
+
+__all__ = ["make_report", "plot_similarity", "plot_components", "plot_clusters",
+           "contact_sheet", "duplicate_groups", "summary_markdown"]

@@ -1,0 +1,77 @@
+#!/bin/bash
+# Submit the curation stage to Slurm: an embedding array job, then the dedup/decontaminate/
+# rebalance/write/report job that starts only if every array task succeeded (afterok).
+#
+#   slurm/submit_curation.sh [options] -- --config configs/curation/default.yaml \
+#       input.paths=[/data/pool] output.dir=/data/curated [key=value ...]
+#
+# Options (each also from an environment variable; nothing site-specific is built in):
+#   -n, --tasks N          embedding array tasks               CURATE_TASKS     (default 4)
+#   -p, --partition P      partition                           CURATE_PARTITION
+#   -A, --account A        account                             CURATE_ACCOUNT
+#   -t, --time T           time limit per embedding task       CURATE_TIME      (default 04:00:00)
+#       --finish-time T    time limit of the finishing job     CURATE_FINISH_TIME (default 04:00:00)
+#   -g, --gpus N           GPUs per embedding task (0 = CPU)   CURATE_GPUS      (default 1)
+#       --finish-gpus N    GPUs of the finishing job (faiss)   CURATE_FINISH_GPUS (default = --gpus)
+#   -c, --cpus N           CPUs per task (decode workers)      CURATE_CPUS      (default 8)
+#       --mem M            memory per job                      CURATE_MEM
+#       --logs DIR         where the job logs go               CURATE_LOG_DIR   (default slurm-logs)
+#       --dry-run          print the sbatch commands, submit nothing
+# The jobs run CURATE_SETUP (e.g. "source .venv/bin/activate") first and call CURATE_CMD (curate).
+# Prints the two job ids. The same curate arguments run locally: curate run <the same arguments>.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+tasks="${CURATE_TASKS:-4}" partition="${CURATE_PARTITION:-}" account="${CURATE_ACCOUNT:-}"
+time_limit="${CURATE_TIME:-04:00:00}" finish_time="${CURATE_FINISH_TIME:-04:00:00}"
+gpus="${CURATE_GPUS:-1}" finish_gpus="${CURATE_FINISH_GPUS:-}" cpus="${CURATE_CPUS:-8}"
+mem="${CURATE_MEM:-}" logs="${CURATE_LOG_DIR:-slurm-logs}" dry_run=0
+
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -n|--tasks) tasks="$2"; shift 2 ;;
+        -p|--partition) partition="$2"; shift 2 ;;
+        -A|--account) account="$2"; shift 2 ;;
+        -t|--time) time_limit="$2"; shift 2 ;;
+        --finish-time) finish_time="$2"; shift 2 ;;
+        -g|--gpus) gpus="$2"; shift 2 ;;
+        --finish-gpus) finish_gpus="$2"; shift 2 ;;
+        -c|--cpus) cpus="$2"; shift 2 ;;
+        --mem) mem="$2"; shift 2 ;;
+        --logs) logs="$2"; shift 2 ;;
+        --dry-run) dry_run=1; shift ;;
+        -h|--help) usage 0 ;;
+        --) shift; break ;;
+        *) break ;;
+    esac
+done
+[ $# -gt 0 ] || { echo "error: give the curate arguments after --" >&2; usage; }
+[[ "$tasks" =~ ^[1-9][0-9]*$ ]] || { echo "error: --tasks must be a positive integer, got '$tasks'" >&2; exit 2; }
+finish_gpus="${finish_gpus:-$gpus}"
+
+common=(--cpus-per-task="$cpus")
+[ -n "$partition" ] && common+=(--partition="$partition")
+[ -n "$account" ] && common+=(--account="$account")
+[ -n "$mem" ] && common+=(--mem="$mem")
+embed_opts=("${common[@]}" --time="$time_limit" --array="0-$((tasks - 1))"
+            --output="$logs/%x-%A_%a.out")
+finish_opts=("${common[@]}" --time="$finish_time" --output="$logs/%x-%j.out")
+[ "$gpus" != 0 ] && embed_opts+=(--gpus-per-task="$gpus")
+[ "$finish_gpus" != 0 ] && finish_opts+=(--gpus-per-task="$finish_gpus")
+
+if [ "$dry_run" = 1 ]; then
+    printf 'sbatch --parsable %s %s %s\n' "${embed_opts[*]}" "$here/curate.sbatch" "$*"
+    printf 'sbatch --parsable --dependency=afterok:<embed job id> %s %s %s\n' \
+        "${finish_opts[*]}" "$here/curate_finish.sbatch" "$*"
+    exit 0
+fi
+mkdir -p "$logs"
+embed_id="$(sbatch --parsable "${embed_opts[@]}" "$here/curate.sbatch" "$@")"
+embed_id="${embed_id%%;*}"  # "id;cluster" on multi-cluster setups
+finish_id="$(sbatch --parsable --dependency="afterok:${embed_id}" \
+    --export=ALL,CURATE_NUM_TASKS="$tasks" "${finish_opts[@]}" "$here/curate_finish.sbatch" "$@")"
+finish_id="${finish_id%%;*}"
+echo "embed array job: ${embed_id} (${tasks} tasks)"
+echo "finish job:      ${finish_id} (after ${embed_id} succeeds)"
+echo "logs in ${logs}/; follow with: squeue -j ${embed_id},${finish_id}"
