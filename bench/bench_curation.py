@@ -133,9 +133,13 @@ def _knn_dict(index, mm, q) -> dict:
     from curation.index import Rows, iter_knn
 
     out = {}
-    for pos, sims, idx in iter_knn(index, Rows(mm, q), 64, exclude_self=True):
+    # The queries are a subset, so positions in the query view are not row ids: fetch one more
+    # neighbour and drop the row itself by its id (iter_knn's exclude_self assumes all rows).
+    for pos, sims, idx in iter_knn(index, Rows(mm, q), 65):
         for j, p in enumerate(pos):
-            out[int(q[p])] = (sims[j], idx[j])
+            a = int(q[p])
+            keep = idx[j] != a
+            out[a] = (sims[j][keep][:64], idx[j][keep][:64])
     return out
 
 

@@ -5,7 +5,10 @@ exit with code 2 before any work starts.
     dinopipe export --model PATH --format timm --out DIR
     dinopipe config --kind model --config X.yaml k=v  validate and print a resolved config
     dinopipe pretrain --config configs/pretrain/X.yaml [key=value ...]
+    dinopipe distill --config configs/distill/X.yaml [key=value ...]
+    dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [key=value ...]
     dinopipe curate ...                               same as the `curate` command
+    dinopipe eval knn|linear --model PATH --train SRC --val SRC [--out results.json]
 """
 
 from __future__ import annotations
@@ -63,25 +66,33 @@ def _stage(name: str) -> Callable[[Sequence[str]], int]:
             from curation.cli import main as stage_main
         elif name == "pretrain":
             from .train.pretrain import main as stage_main
+        elif name == "plan":
+            from .plan import main as stage_main
+        elif name == "distill":
+            from .train.distill import main as stage_main
+        elif name == "eval":
+            from .eval.cli import main as stage_main
         return stage_main(list(argv))
 
     return run
 
 
-STAGES = ("curate", "pretrain")
+STAGES = ("curate", "pretrain", "distill", "eval", "plan")
+_STAGE_HELP = {"eval": "kNN / linear probe of a frozen backbone (knn|linear --model PATH --train SRC --val SRC)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dinopipe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for stage in STAGES:  # listed for --help; main() hands their arguments over untouched
-        sub.add_parser(stage, help=f"run the {stage} stage (--config FILE key=value ...)", add_help=False)
+        sub.add_parser(stage, help=_STAGE_HELP.get(stage, f"run the {stage} stage (--config FILE key=value ...)"),
+                       add_help=False)
 
     sub.add_parser("models", help="list registry variants").set_defaults(func=_cmd_models)
 
-    e = sub.add_parser("export", help="export a backbone for timm / DINOv2 / plain safetensors")
+    e = sub.add_parser("export", help="export a backbone for timm / HF transformers / DINOv2 / plain safetensors")
     e.add_argument("--model", required=True, help="anything dinopipe.load accepts")
-    e.add_argument("--format", required=True, choices=["timm", "dinov2", "safetensors", "dinopipe"])
+    e.add_argument("--format", required=True, choices=["timm", "hf", "dinov2", "safetensors", "dinopipe"])
     e.add_argument("--out", required=True, help="output folder (or .pth file for --format dinov2)")
     e.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
     e.set_defaults(func=_cmd_export)

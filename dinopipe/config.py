@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Type, TypeVar
+from typing import Any, NoReturn, Optional, Sequence, Type, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -36,6 +36,8 @@ def _merge(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
         return OmegaConf.merge(base, other)
     except OmegaConfBaseException as exc:  # unknown key, wrong type, missing value...
         raise ConfigError(f"{origin}: {_describe(exc)}") from None
+    except TypeError as exc:  # e.g. 'phases.0.x=1': a dotted index into a list
+        raise ConfigError(f"{origin}: {exc} (to change one list entry, give the whole list: phases=[{{...}}])") from None
 
 
 def _parse_override(item: str) -> DictConfig:
@@ -97,7 +99,7 @@ def save_config(cfg: Any, run_dir: str | Path, name: str = "config.yaml") -> Pat
     return out
 
 
-def exit_on_config_error(exc: ConfigError) -> "NoReturn":  # noqa: F821
+def exit_on_config_error(exc: ConfigError) -> NoReturn:
     print(f"config error: {exc}", file=sys.stderr)
     raise SystemExit(EXIT_CONFIG_ERROR)
 
@@ -129,6 +131,10 @@ class ModelConfig:
     """mlp | swiglu; null keeps the variant's default."""
     num_heads: Optional[int] = None
     """Override the head count; also tells it for ``pretrained`` files whose heads are not 64-dim."""
+    embed_dim: Optional[int] = None
+    """Override the variant's width (e.g. a custom small student)."""
+    depth: Optional[int] = None
+    """Override the variant's number of blocks."""
     pretrained: Optional[str] = None
     """A checkpoint dinopipe.load accepts, used to initialise the backbone (continued pretraining)."""
 
@@ -141,7 +147,7 @@ class ModelConfig:
             "attn_backend": self.attn_backend,
             "init_values": self.init_values,
         }
-        for key in ("patch_size", "num_register_tokens", "ffn", "num_heads"):
+        for key in ("patch_size", "num_register_tokens", "ffn", "num_heads", "embed_dim", "depth"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, safe_open, save_file
 from torch import Tensor, nn
 
+from .export_hf import export_hf
 from .models.convert import infer_arch, timm_model_args, to_canonical, to_dinov2, to_timm
 from .models.registry import TRAINING_ONLY_KEYS, build_vit, list_models
 from .models.vit import DinoVisionTransformer
@@ -190,6 +191,7 @@ EXPORTERS = {
     "safetensors": save_backbone,
     "timm": export_timm,
     "dinov2": export_dinov2,
+    "hf": export_hf,  # transformers Dinov2Model / Dinov2WithRegistersModel folder
 }
 
 
@@ -199,4 +201,6 @@ def export(model: DinoVisionTransformer, fmt: str, out: str | Path) -> Path:
     return EXPORTERS[fmt](model, out)
 
 
-__all__ = ["load", "read_checkpoint", "save_backbone", "export", "export_timm", "export_dinov2", "CheckpointError"]
+__all__ = [
+    "load", "read_checkpoint", "save_backbone", "export", "export_timm", "export_dinov2", "export_hf", "CheckpointError",
+]

@@ -12,79 +12,11 @@ import io
 import os
 import struct
 import zlib
-from functools import lru_cache
 
 import numpy as np
 from PIL import Image
 
-# Left out on purpose: 'cat' is 'chelsea' again, stereo_motorcycle's right view is a near-copy of
-# the left one, lfw_subset is 25x25 faces, and the synthetic patterns are not photos.
-_SKIMAGE = [
-    "astronaut", "brick", "camera", "cell", "chelsea", "clock", "coffee", "coins", "colorwheel",
-    "grass", "gravel", "horse", "immunohistochemistry", "logo", "moon", "page", "rocket", "text",
-]
-# Big photos used only through their non-overlapping quadrants.
-_SKIMAGE_QUADRANTS = ["retina", "hubble_deep_field"]
-
-
-def _to_rgb_uint8(arr: np.ndarray) -> np.ndarray:
-    arr = np.asarray(arr)
-    if arr.dtype == bool:
-        arr = arr.astype(np.uint8) * 255
-    elif arr.dtype != np.uint8:
-        arr = np.clip(arr * (255.0 if arr.max() <= 1.0 else 1.0), 0, 255).astype(np.uint8)
-    if arr.ndim == 2:
-        arr = np.stack([arr] * 3, axis=-1)
-    if arr.shape[-1] == 4:  # RGBA logo: composite on white
-        a = arr[..., 3:4].astype(np.float32) / 255.0
-        arr = (arr[..., :3] * a + 255.0 * (1 - a)).astype(np.uint8)
-    return np.ascontiguousarray(arr[..., :3])
-
-
-def _quadrants(arr: np.ndarray) -> list[np.ndarray]:
-    h, w = arr.shape[:2]
-    return [arr[:h // 2, :w // 2], arr[:h // 2, w // 2:], arr[h // 2:, :w // 2], arr[h // 2:, w // 2:]]
-
-
-@lru_cache(maxsize=1)
-def real_photos() -> dict[str, np.ndarray]:
-    """name -> (H, W, 3) uint8 array; distinct pictures only (no copies among them)."""
-    import skimage.data as skd
-
-    out: dict[str, np.ndarray] = {}
-    for name in _SKIMAGE + _SKIMAGE_QUADRANTS:
-        try:
-            arr = _to_rgb_uint8(getattr(skd, name)())
-        except Exception:  # loaders that need a download fail offline: skip them
-            continue
-        if name in _SKIMAGE_QUADRANTS:
-            for i, q in enumerate(_quadrants(arr)):
-                out[f"{name}_q{i}"] = np.ascontiguousarray(q)
-        else:
-            out[name] = arr
-    try:
-        left, _right, _disp = skd.stereo_motorcycle()
-        out["motorcycle"] = _to_rgb_uint8(left)
-    except Exception:
-        pass
-    try:
-        from sklearn.datasets import load_sample_images
-
-        for fname, img in zip(load_sample_images().filenames, load_sample_images().images):
-            stem = os.path.splitext(os.path.basename(fname))[0]
-            # china.jpg / flower.jpg are 427x640: left and right halves are different pictures.
-            out[f"{stem}_left"] = np.ascontiguousarray(img[:, :320])
-            out[f"{stem}_right"] = np.ascontiguousarray(img[:, 320:])
-    except Exception:
-        pass
-    try:
-        from matplotlib import cbook
-
-        with cbook.get_sample_data("grace_hopper.jpg") as f:
-            out["grace_hopper"] = _to_rgb_uint8(np.asarray(Image.open(f).convert("RGB")))
-    except Exception:
-        pass
-    return out
+from dinopipe.data.samples import real_photos  # noqa: E402,F401  (the product's own loader)
 
 
 def encode(arr: np.ndarray, fmt: str = "JPEG", quality: int = 95) -> bytes:

@@ -99,7 +99,9 @@ class Trainer:
         self.pool_size = pool_size  # the data position's epoch arithmetic mirrors the sampler's
         self.ckpt = CheckpointManager(self.run_dir, keep_last=cfg.keep_last)
         self.state = ValueState(step=0, data_epoch=0, data_offset=0)
-        self._params = [p for p in task.trainable_parameters() if p.requires_grad]
+        # Parameter sets clipped separately (one per student when distilling several); one set by default.
+        groups = task.clip_groups() if hasattr(task, "clip_groups") else [list(task.trainable_parameters())]
+        self._clip_groups = [[p for p in g if p.requires_grad] for g in groups]
 
     # -- helpers --------------------------------------------------------------------------------
     def _states(self) -> dict[str, Any]:
@@ -178,7 +180,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss, logs = self.task(batch, values)
         loss.backward()
-        grad_norm = clip_grad_norm(self._params, self.cfg.clip_grad)
+        grad_norm = max(clip_grad_norm(g, self.cfg.clip_grad) for g in self._clip_groups)
         bad = not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm)
         if all_reduce_max_scalar(1.0 if bad else 0.0) > 0:
             last = self.ckpt.latest_step()

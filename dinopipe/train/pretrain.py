@@ -11,129 +11,33 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..config import ConfigError, exit_on_config_error, load_config, save_config
-from ..data.loader import DataPosition, build_train_loader, list_pool
-from ..data.transforms import MultiCropAugmentation, MultiCropCollator
+from ..config import save_config
 from ..ssl.config import PretrainConfig, validate
 from ..ssl.param_groups import build_param_groups
-from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr
 from ..ssl.task import SSLTask
-from .dist import DistInfo, all_reduce_sum_fn, destroy, init_distributed
-from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
+from .builders import EXIT_NON_FINITE, open_pool, stage_main, train
+from .dist import all_reduce_sum_fn, init_distributed
 
 log = logging.getLogger(__name__)
-
-EXIT_NON_FINITE = 3  # the loss or gradients became nan/inf; the last good checkpoint is kept
-
-
-def phase_steps(cfg: PretrainConfig) -> list[tuple[int, int]]:
-    total = cfg.train.epochs * cfg.train.epoch_length
-    bounds, start = [], 0
-    for i, ph in enumerate(cfg.phases):
-        end = total if i == len(cfg.phases) - 1 else start + int(round(ph.fraction * total))
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-def build_schedules(cfg: PretrainConfig, world_size: int) -> dict:
-    """Per-step arrays. The first phase follows DINOv2's schedules; each later phase restarts the lr with its
-    own (lower, compressed) cosine — DINOv2 §4's short high-resolution stage — while weight decay, teacher
-    momentum and temperature run over the whole run."""
-    o, t = cfg.optim, cfg.teacher
-    bounds = phase_steps(cfg)
-    total = bounds[-1][1]
-
-    def peak(ph):
-        rule = "sqrt" if o.scale_lr_with_batch else "none"
-        return scaled_lr(o.base_lr, ph.batch_size_per_gpu * world_size, rule=rule) * ph.lr_scale
-
-    first_end = bounds[0][1]
-    base = build_ssl_schedules(total, cfg.train.epoch_length, peak(cfg.phases[0]), o.min_lr, o.warmup_epochs,
-                               o.weight_decay, o.weight_decay_end, t.momentum_teacher, t.final_momentum_teacher,
-                               t.warmup_teacher_temp, t.teacher_temp, t.warmup_teacher_temp_epochs,
-                               o.freeze_last_layer_epochs)
-    if len(cfg.phases) == 1:
-        lr = base.lr.values
-    else:
-        first = build_ssl_schedules(first_end, cfg.train.epoch_length, peak(cfg.phases[0]), o.min_lr,
-                                    o.warmup_epochs).lr.values
-        pieces = [first]
-        for ph, (s, e) in zip(cfg.phases[1:], bounds[1:]):
-            n = e - s
-            pieces.append(Piece("cosine", n, peak(ph), o.min_lr, warmup_steps=int(ph.warmup_fraction * n),
-                                warmup_start=o.min_lr))
-        lr = piecewise(pieces)
-    last_layer = lr.copy()
-    frozen = min(int(round(o.freeze_last_layer_epochs * cfg.train.epoch_length)), total)
-    last_layer[:frozen] = 0.0
-    return {"lr": lr, "wd": base.weight_decay.values, "last_layer_lr": last_layer,
-            "momentum": base.momentum.values, "teacher_temp": base.teacher_temp.values}
-
-
-def build_phases(cfg: PretrainConfig, info: DistInfo, refs, read, patch_size: int) -> list[Phase]:
-    collator = MultiCropCollator(patch_size, tuple(cfg.ibot.mask_ratio_min_max), cfg.ibot.mask_sample_probability)
-    phases = []
-    for ph, (start, end) in zip(cfg.phases, phase_steps(cfg)):
-        aug = MultiCropAugmentation(
-            global_size=ph.global_crops_size, local_size=ph.local_crops_size, n_local=cfg.crops.local_crops_number,
-            global_scale=tuple(cfg.crops.global_crops_scale), local_scale=tuple(cfg.crops.local_crops_scale))
-
-        def loader(pos: DataPosition, aug=aug, ph=ph):
-            return build_train_loader(refs, read, aug, collator, ph.batch_size_per_gpu, info.rank, info.world_size,
-                                      cfg.train.seed, pos, num_workers=cfg.data.num_workers,
-                                      pin_memory=info.device.type == "cuda")
-
-        phases.append(Phase(ph.name, start, end, ph.batch_size_per_gpu, ph.global_crops_size,
-                            ph.local_crops_size, build_loader=loader))
-    return phases
+__all__ = ["run", "main", "EXIT_NON_FINITE"]
 
 
 def run(cfg: PretrainConfig) -> int:
+    refs, read = open_pool(cfg)  # a wrong data path is a config error: exit 2 before anything is written
     info = init_distributed(cfg.train.device)
     if info.is_main:
         save_config(cfg, cfg.train.output_dir)
-    try:
-        refs, read = list_pool(cfg.data.paths)
-    except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(f"data.paths: {exc}") from None
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank and every rerun
     task = SSLTask(cfg, all_reduce_fn=all_reduce_sum_fn()).to(info.device)
     task.parallelize(info, cfg.parallel)
     o = cfg.optim
     optimizer = torch.optim.AdamW(build_param_groups(task.student, o.layerwise_decay, o.patch_embed_lr_mult),
                                   betas=(o.adamw_beta1, o.adamw_beta2))
-    phases = build_phases(cfg, info, refs, read, task.student["backbone"].patch_size)
-    loop_cfg = LoopConfig(seed=cfg.train.seed, clip_grad=o.clip_grad, log_every=cfg.train.log_every,
-                          checkpoint_every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
-                          stop_after=cfg.train.stop_after, progress=cfg.train.progress)
-    trainer = Trainer(task, optimizer, build_schedules(cfg, info.world_size), phases, cfg.train.output_dir, info,
-                      loop_cfg, pool_size=len(refs))
-    return trainer.fit()
+    return train(cfg, task, optimizer, info, refs, read, task.student["backbone"].patch_size)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="dinopipe pretrain", description=__doc__)
-    p.add_argument("--config", default=None, help="YAML file (configs/pretrain/...)")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    args = p.parse_args(argv)
-    try:
-        cfg = load_config(PretrainConfig, args.config, args.overrides)
-        validate(cfg)
-    except ConfigError as exc:
-        exit_on_config_error(exc)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return run(cfg)
-    except ConfigError as exc:
-        exit_on_config_error(exc)
-    except NonFiniteLossError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_NON_FINITE
-    finally:
-        destroy()
+    return stage_main("pretrain", PretrainConfig, validate, run, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -61,7 +60,7 @@ def test_run_exits_0_and_the_manifest_adds_up(run, pool):
     assert (out / "config.yaml").read_text().count("model: vit_test") == 1
 
 
-def test_report_has_plots_and_a_summary_with_the_counts(run, capsys):
+def test_report_has_plots_and_a_summary_with_the_counts(run):
     rc, out = run
     rep = out / "report"
     for png in ("similarity", "components", "clusters", "duplicates"):

@@ -40,23 +40,46 @@ def env():
     return e
 
 
-def pretrain_cmd(run_dir, pool, *overrides, nproc=1):
-    args = ["--config", str(REPO / "configs/pretrain/quickstart.yaml"), *TINY, f"data.paths=[{pool}]",
+# The same tiny settings for distillation; students are even smaller vit_test variants.
+TINY_DISTILL = [o for o in TINY if not o.startswith(("model.", "dino.head", "ibot.head"))] + [
+    "students=[{name: s1, model: {name: vit_test, embed_dim: 32, num_heads: 1, depth: 2, img_size: 56}},"
+    " {name: s2, model: {name: vit_test, embed_dim: 48, num_heads: 2, depth: 2, img_size: 56}}]",
+]
+
+
+def stage_cmd(stage, run_dir, pool, *overrides, nproc=1):
+    base = TINY if stage == "pretrain" else TINY_DISTILL
+    args = ["--config", str(REPO / f"configs/{stage}/quickstart.yaml"), *base, f"data.paths=[{pool}]",
             f"train.output_dir={run_dir}", *overrides]
     if nproc == 1:
-        return [sys.executable, "-m", "dinopipe.train.pretrain", *args]
+        return [sys.executable, "-m", f"dinopipe.train.{stage}", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "dinopipe.train.pretrain", *args]
+            "-m", f"dinopipe.train.{stage}", *args]
 
 
-def run_pretrain(run_dir, pool, *overrides, nproc=1, check=True, timeout=600):
-    r = subprocess.run(pretrain_cmd(run_dir, pool, *overrides, nproc=nproc), env=env(), capture_output=True,
+def pretrain_cmd(run_dir, pool, *overrides, nproc=1):
+    return stage_cmd("pretrain", run_dir, pool, *overrides, nproc=nproc)
+
+
+def run_stage(stage, run_dir, pool, *overrides, nproc=1, check=True, timeout=600):
+    r = subprocess.run(stage_cmd(stage, run_dir, pool, *overrides, nproc=nproc), env=env(), capture_output=True,
                        text=True, timeout=timeout)
     if check and r.returncode != 0:
-        raise AssertionError(f"pretrain exited {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}")
+        raise AssertionError(f"{stage} exited {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}")
     return r
 
 
-def losses(run_dir):
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in rows}
+def run_pretrain(run_dir, pool, *overrides, **kw):
+    return run_stage("pretrain", run_dir, pool, *overrides, **kw)
+
+
+def run_distill(run_dir, pool, *overrides, **kw):
+    return run_stage("distill", run_dir, pool, *overrides, **kw)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def losses(run_dir, key="loss"):
+    return {r["step"]: r[key] for r in metrics(run_dir)}

@@ -1,6 +1,5 @@
 """A killed run resumes exactly; a NaN stops with the last good checkpoint; bad config exits 2."""
 
-import json
 import signal
 import subprocess
 import time

@@ -1,0 +1,134 @@
+"""``dinopipe eval knn|linear --model PATH --train SRC --val SRC [--out results.json]``
+
+SRC is a folder of class sub-folders or webdataset ``.tar`` shards with a label per sample (see
+``dinopipe.eval.data``). PATH is anything ``dinopipe.load`` accepts. Results are printed as a table and, with
+``--out``, written as JSON. Exit codes: 0 done, 1 the model cannot be loaded, 2 bad data arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .data import LabelError, LabelledImages, open_labelled
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="dinopipe export/run dir, DINOv2 .pth, timm file, registry name")
+    p.add_argument("--train", required=True, help="labelled training images (class folders or .tar shards)")
+    p.add_argument("--val", required=True, help="labelled validation images")
+    p.add_argument("--out", default=None, help="write results here as JSON")
+    p.add_argument("--img-size", type=int, default=None, help="centre-crop size (default: the model's img_size)")
+    p.add_argument("--avgpool", action="store_true", help="concatenate the average patch token to the CLS token")
+    p.add_argument("--batch-size", type=int, default=64, help="images per forward")
+    p.add_argument("--workers", type=int, default=4, help="DataLoader workers decoding images")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dinopipe eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="task", required=True)
+    k = sub.add_parser("knn", help="weighted kNN on L2-normalised frozen features (DINO protocol)")
+    _common(k)
+    k.add_argument("--k", type=int, nargs="+", default=[10, 20], help="numbers of neighbours")
+    k.add_argument("--temperature", type=float, default=0.07, help="vote weight exp(sim / T)")
+    lin = sub.add_parser("linear", help="linear probe on frozen features, lr sweep selected on a held-out split")
+    _common(lin)
+    lin.add_argument("--lrs", type=float, nargs="+", default=None, help="learning rates to sweep")
+    lin.add_argument("--wds", type=float, nargs="+", default=[0.0], help="weight decays to sweep")
+    lin.add_argument("--epochs", type=int, default=50)
+    lin.add_argument("--probe-batch-size", type=int, default=512, help="features per optimiser step")
+    lin.add_argument("--holdout", type=float, default=0.1, help="fraction of train held out to pick lr/wd")
+    lin.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    lin.add_argument("--no-refit", action="store_true",
+                     help="report the sweep's head instead of retraining on all train")
+    return p
+
+
+def _describe(d: LabelledImages, unreadable: int) -> dict:
+    return {"source": d.source, "images": len(d), "unreadable": unreadable, "classes": len(d.classes)}
+
+
+def _print_knn(res: dict) -> None:
+    print(f"{'k':>5} {'top1 %':>8} {'top5 %':>8}")
+    for k, r in res.items():
+        print(f"{k:>5} {100 * r['top1']:8.2f} {100 * r['top5']:8.2f}")
+
+
+def _print_linear(res: dict) -> None:
+    print(f"{'lr':>10} {'wd':>10} {'holdout top1 %':>15}")
+    for r in res["sweep"]:
+        mark = " *" if (r["lr"], r["wd"]) == (res["best"]["lr"], res["best"]["wd"]) else ""
+        print(f"{r['lr']:10.3g} {r['wd']:10.3g} {100 * r['holdout_top1']:15.2f}{mark}")
+    print(f"val (lr={res['best']['lr']:.3g}, wd={res['best']['wd']:.3g}): top1 {100 * res['val']['top1']:.2f} %"
+          f"  top5 {100 * res['val']['top5']:.2f} %")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    from ..hub import load
+    from .features import eval_crop_size, extract_features, pick_device
+    from .knn import knn_classify
+    from .linear import linear_probe
+
+    train = open_labelled(args.train)  # data problems surface before the model is loaded
+    val = open_labelled(args.val, classes=train.classes)
+    device = pick_device(args.device)
+    model = load(args.model, device=device, num_heads=args.num_heads)
+    t0 = time.time()
+    kw = dict(img_size=args.img_size, batch_size=args.batch_size, num_workers=args.workers, device=device,
+              avgpool=args.avgpool, normalize=args.task == "knn")
+    f_train, f_val = extract_features(model, train, **kw), extract_features(model, val, **kw)
+    out = {
+        "task": args.task, "model": str(args.model), "device": str(device),
+        "feature": "cls+avgpool" if args.avgpool else "cls",
+        "img_size": eval_crop_size(args.img_size or int(model.patch_embed.img_size[0]), int(model.patch_size)),
+        "train": _describe(train, f_train.unreadable), "val": _describe(val, f_val.unreadable),
+        "feature_seconds": round(time.time() - t0, 2),
+    }
+    n_cls = len(train.classes)
+    if args.task == "knn":
+        res = knn_classify(f_train.feats, f_train.labels, f_val.feats, f_val.labels, ks=args.k,
+                           temperature=args.temperature, num_classes=n_cls, device=device)
+        out["temperature"] = args.temperature
+        out["knn"] = {str(k): v for k, v in res.items()}
+    else:
+        torch.manual_seed(0)
+        out["linear"] = linear_probe(
+            f_train.feats, f_train.labels, f_val.feats, f_val.labels, lrs=args.lrs, wds=args.wds,
+            epochs=args.epochs, batch_size=args.probe_batch_size, holdout=args.holdout, optimizer=args.optimizer,
+            refit=not args.no_refit, device=device, num_classes=n_cls)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ..hub import CheckpointError
+
+    try:
+        out = run(args)
+    except (LabelError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointError as exc:
+        print(f"error: cannot load --model: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.task}: {out['train']['images']} train / {out['val']['images']} val images, "
+          f"{out['train']['classes']} classes, feature {out['feature']} at {out['img_size']} px")
+    (_print_knn if args.task == "knn" else _print_linear)(out[args.task])
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+        print(f"results written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Frozen features of a labelled image set, as DINO / DINOv2 evaluate them.
+
+Eval transform: resize the short side to ``crop * 256 / 224`` (bicubic), centre-crop ``crop`` (a multiple of
+the patch size), ImageNet normalisation. The feature is the final-norm CLS token, optionally concatenated with
+the average patch token (DINOv2's linear-probe ``avgpool`` option). On CUDA the forward runs under bf16
+autocast; features come back float32 on the CPU. Images that cannot be decoded are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+
+from ..data.decode import safe_decode
+from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from .data import LabelError, LabelledImages
+
+log = logging.getLogger(__name__)
+
+
+def eval_crop_size(img_size: int, patch_size: int) -> int:
+    """The largest multiple of the patch size not above ``img_size`` (at least one patch)."""
+    return max(patch_size, img_size // patch_size * patch_size)
+
+
+def eval_transform(crop: int, resize_ratio: float = 256 / 224) -> v2.Compose:
+    return v2.Compose([
+        v2.ToImage(),
+        v2.Resize(int(round(crop * resize_ratio)), interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
+        v2.CenterCrop(crop),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+class _EvalDataset(Dataset):
+    """(image tensor, label, ok); an unreadable image gives a zero tensor and ok=False."""
+
+    def __init__(self, data: LabelledImages, transform, crop: int):
+        self.data, self.transform, self.crop = data, transform, crop
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        img, reason = safe_decode(self.data.read(self.data.refs[i]))
+        if img is None:
+            return torch.zeros(3, self.crop, self.crop), self.data.labels[i], False
+        return self.transform(img), self.data.labels[i], True
+
+
+@dataclass
+class Features:
+    """(N, D) float32 features on the CPU, (N,) int64 labels, and how many images were unreadable."""
+
+    feats: Tensor
+    labels: Tensor
+    unreadable: int
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+
+
+@torch.no_grad()
+def model_features(model: nn.Module, x: Tensor, avgpool: bool = False) -> Tensor:
+    out = model.forward_features(x)
+    cls = out["x_norm_clstoken"]  # (B, D)
+    if not avgpool:
+        return cls
+    return torch.cat([cls, out["x_norm_patchtokens"].mean(dim=1)], dim=-1)  # (B, 2D)
+
+
+@torch.no_grad()
+def extract_features(
+    model: nn.Module,
+    data: LabelledImages,
+    img_size: Optional[int] = None,
+    batch_size: int = 64,
+    num_workers: int = 4,
+    device: str | torch.device = "auto",
+    avgpool: bool = False,
+    normalize: bool = True,
+) -> Features:
+    """Features of every readable image in ``data``; L2-normalised rows when ``normalize``.
+
+    ``img_size`` defaults to the size the model was built for. With ``avgpool`` and ``normalize`` the CLS and
+    average-patch halves are normalised separately, so neither dominates the concatenation.
+    """
+    device = pick_device(device) if isinstance(device, str) else device
+    patch = int(model.patch_size)
+    size = img_size or int(model.patch_embed.img_size[0])
+    crop = eval_crop_size(size, patch)
+    loader = DataLoader(_EvalDataset(data, eval_transform(crop), crop), batch_size=batch_size, shuffle=False,
+                        num_workers=num_workers, pin_memory=device.type == "cuda")
+    model = model.to(device).eval()
+    feats, labels, bad = [], [], 0
+    for x, y, ok in loader:
+        bad += int((~ok).sum())
+        if not ok.any():
+            continue
+        x = x[ok].to(device, non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            f = model_features(model, x, avgpool)
+        f = f.float()
+        if normalize:
+            f = torch.cat([F.normalize(h, dim=-1) for h in f.chunk(2 if avgpool else 1, dim=-1)], dim=-1)
+        feats.append(f.cpu())
+        labels.append(y[ok])
+    if bad:
+        log.warning("%s: %d of %d images could not be decoded and were skipped", data.source, bad, len(data))
+    if not feats:
+        raise LabelError(f"{data.source}: none of the {len(data)} images could be decoded")
+    return Features(torch.cat(feats), torch.cat(labels).long(), bad)
+
+
+__all__ = ["Features", "extract_features", "eval_transform", "eval_crop_size", "model_features", "pick_device"]
