@@ -23,15 +23,9 @@ test: venv
 test-fast: venv
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not slow" tests
 
-# Sample pool from photos shipped in pip packages -> curation -> SSL pretraining (vit_test, CPU).
-QS := runs/quickstart
+# Sample pool from photos shipped in pip packages -> curate -> pretrain -> distill -> kNN eval -> report (CPU).
 quickstart: venv
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m dinopipe.data.samples $(QS) --n-images 400
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/curate run --config configs/curation/quickstart.yaml \
-		input.paths=[$(QS)/pool] output.dir=$(QS)/curated
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/dinopipe pretrain --config configs/pretrain/quickstart.yaml \
-		data.paths=[$(QS)/curated/shards] train.output_dir=$(QS)/pretrain
-	@echo "teacher backbone: $(QS)/pretrain/export/teacher  (dinopipe.load('$(QS)/pretrain'))"
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/dinopipe pipeline --config configs/pipeline/quickstart.yaml
 
 bench: venv
 	$(BIN)/python bench/run_all.py

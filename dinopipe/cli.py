@@ -4,6 +4,7 @@ exit with code 2 before any work starts.
     dinopipe models                                   list registry variants
     dinopipe export --model PATH --format timm --out DIR
     dinopipe config --kind model --config X.yaml k=v  validate and print a resolved config
+    dinopipe pipeline --config configs/pipeline/quickstart.yaml   curate -> pretrain -> distill -> eval
     dinopipe pretrain --config configs/pretrain/X.yaml [key=value ...]
     dinopipe distill --config configs/distill/X.yaml [key=value ...]
     dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [key=value ...]
@@ -70,6 +71,8 @@ def _stage(name: str) -> Callable[[Sequence[str]], int]:
             from .plan import main as stage_main
         elif name == "distill":
             from .train.distill import main as stage_main
+        elif name == "pipeline":
+            from .pipeline import main as stage_main
         elif name == "eval":
             from .eval.cli import main as stage_main
         return stage_main(list(argv))
@@ -77,7 +80,7 @@ def _stage(name: str) -> Callable[[Sequence[str]], int]:
     return run
 
 
-STAGES = ("curate", "pretrain", "distill", "eval", "plan")
+STAGES = ("curate", "pretrain", "distill", "eval", "plan", "pipeline")
 _STAGE_HELP = {"eval": "kNN / linear probe of a frozen backbone (knn|linear --model PATH --train SRC --val SRC)"}
 
 

@@ -148,6 +148,43 @@ def build_sample_pool(out_dir: str | os.PathLike, n_images: int = 600, copy_frac
     return {"dir": str(root), "views": n_images, "copies": n_copies, "photos": len(names), "reused": False}
 
 
+def build_eval_set(out_dir: str | os.PathLike, n_train: int = 8, n_val: int = 4, size: int = 112,
+                   seed: int = 1) -> dict:
+    """A labelled instance-retrieval set: class = source photo, random views as image folders
+    ``out_dir/eval/{train,val}/<photo>/*.jpg`` (train = kNN gallery, val = queries). Drawn with another seed
+    than the pool, so its views are new pictures of the same scenes."""
+    root = Path(out_dir) / "eval"
+    done = root / ".complete"
+    if done.is_file():
+        return {"train": str(root / "train"), "val": str(root / "val"), "reused": True}
+    photos = real_photos()
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", n_train), ("val", n_val)):
+        for name in sorted(photos):
+            d = root / split / name
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                Image.fromarray(_random_view(photos[name], rng, size)).save(d / f"{i:03d}.jpg", quality=92)
+    done.write_text(f"{len(photos)} classes, {n_train} train / {n_val} val views each\n")
+    return {"train": str(root / "train"), "val": str(root / "val"), "classes": len(photos), "reused": False}
+
+
+def build_seed_set(out_dir: str | os.PathLike, n_images: int = 24, size: int = 160, seed: int = 2) -> str:
+    """A small curated 'seed' set (views of a few photos) for retrieval-based rebalancing."""
+    root = Path(out_dir) / "seeds"
+    if (root / ".complete").is_file():
+        return str(root)
+    photos = real_photos()
+    names = sorted(photos)[: max(1, len(photos) // 4)]
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_images):
+        name = names[i % len(names)]
+        Image.fromarray(_random_view(photos[name], rng, size)).save(root / f"{name}_{i:03d}.jpg", quality=92)
+    (root / ".complete").write_text(f"{n_images} views of {len(names)} photos\n")
+    return str(root)
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -157,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     info = build_sample_pool(args.out_dir, args.n_images, seed=args.seed)
+    build_eval_set(args.out_dir)
+    build_seed_set(args.out_dir)
     print(info["dir"])
     return 0
 

@@ -1,0 +1,222 @@
+"""``dinopipe pipeline --config configs/pipeline/quickstart.yaml [key=value ...]``: curate -> pretrain ->
+distill -> eval -> report, each stage skipped when its outputs are already complete, so rerunning after a
+crash continues where it stopped. With ``sample.enabled`` it first builds its own pool from photos shipped
+in pip packages (planted near-duplicates, corrupt files, a seed set and a held-out labelled eval set);
+otherwise it runs on ``input.paths`` and the labelled ``input.eval_train`` / ``input.eval_val`` folders.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from .config import ConfigError, exit_on_config_error, load_config, save_config
+
+
+@dataclass
+class StageConfig:
+    config: str = ""
+    """The stage's own YAML (configs/curation|pretrain|distill/...)."""
+    overrides: list[str] = field(default_factory=list)
+    """key=value overrides for that stage; the pipeline adds the paths that chain the stages."""
+
+
+@dataclass
+class SampleConfig:
+    enabled: bool = True
+    n_images: int = 1500
+    """Views of the real photos in the pool (before planted copies and corrupt files)."""
+    eval_train_per_class: int = 8
+    eval_val_per_class: int = 4
+    seed: int = 0
+
+
+@dataclass
+class InputConfig:
+    paths: list[str] = field(default_factory=list)
+    """Your pool (folders, file lists, shards) when sample.enabled is false."""
+    eval_train: Optional[str] = None
+    """Labelled folder (class = sub-folder) used as the kNN gallery."""
+    eval_val: Optional[str] = None
+    """Labelled folder of kNN queries (also decontaminated against)."""
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    k: list[int] = field(default_factory=lambda: [10, 20])
+    img_size: Optional[int] = None
+    """Eval resolution (default: what each model was built for)."""
+
+
+@dataclass
+class PipelineConfig:
+    output_dir: str = "runs/pipeline"
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    input: InputConfig = field(default_factory=InputConfig)
+    curate: StageConfig = field(default_factory=lambda: StageConfig("configs/curation/quickstart.yaml"))
+    pretrain: StageConfig = field(default_factory=lambda: StageConfig("configs/pretrain/quickstart.yaml"))
+    distill: StageConfig = field(default_factory=lambda: StageConfig("configs/distill/quickstart.yaml"))
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    stages: list[str] = field(default_factory=lambda: ["curate", "pretrain", "distill", "eval", "report"])
+
+
+STAGES = ("curate", "pretrain", "distill", "eval", "report")
+
+
+def validate(cfg: PipelineConfig) -> None:
+    bad = [s for s in cfg.stages if s not in STAGES]
+    if bad:
+        raise ConfigError(f"stages: unknown {bad}; choose from {list(STAGES)}")
+    if not cfg.sample.enabled and not cfg.input.paths:
+        raise ConfigError("input.paths: give your images, or set sample.enabled=true")
+    for name in ("curate", "pretrain", "distill"):
+        if name in cfg.stages and not Path(getattr(cfg, name).config).is_file():
+            raise ConfigError(f"{name}.config: '{getattr(cfg, name).config}' does not exist")
+
+
+class Paths:
+    def __init__(self, cfg: PipelineConfig) -> None:
+        root = Path(cfg.output_dir)
+        self.root, self.curated, self.pretrain = root, root / "curated", root / "pretrain"
+        self.distill, self.eval, self.report = root / "distill", root / "eval_results.json", root / "report"
+        self.pool = [str(root / "data" / "pool")] if cfg.sample.enabled else list(cfg.input.paths)
+        self.seeds = [str(root / "data" / "seeds")] if cfg.sample.enabled else []
+        self.eval_train = str(root / "data" / "eval" / "train") if cfg.sample.enabled else cfg.input.eval_train
+        self.eval_val = str(root / "data" / "eval" / "val") if cfg.sample.enabled else cfg.input.eval_val
+
+
+def _list(items: Sequence[str]) -> str:
+    return "[" + ",".join(items) + "]"
+
+
+def _stage(main: Callable[[list[str]], int], stage: StageConfig, extra: list[str]) -> int:
+    # The pipeline's chaining paths come last so they win over the stage's own overrides.
+    return main(["--config", stage.config, *stage.overrides, *extra])
+
+
+def run_curate(cfg: PipelineConfig, p: Paths) -> int:
+    from curation.cli import main
+
+    extra = [f"input.paths={_list(p.pool)}", f"output.dir={p.curated}"]
+    if p.eval_val:
+        extra.append(f"input.eval_paths=[{p.eval_val}]")
+    if p.seeds:
+        extra.append(f"input.seed_paths={_list(p.seeds)}")
+    return main(["run", "--config", cfg.curate.config, *cfg.curate.overrides, *extra])
+
+
+def run_pretrain(cfg: PipelineConfig, p: Paths) -> int:
+    from .train.pretrain import main
+
+    return _stage(main, cfg.pretrain, [f"data.paths=[{p.curated / 'shards'}]", f"train.output_dir={p.pretrain}"])
+
+
+def run_distill(cfg: PipelineConfig, p: Paths) -> int:
+    from .train.distill import main
+
+    return _stage(main, cfg.distill, [f"teacher_model.path={p.pretrain}", f"data.paths=[{p.curated / 'shards'}]",
+                                      f"train.output_dir={p.distill}"])
+
+
+def _students(p: Paths) -> dict[str, Path]:
+    exp = p.distill / "export"
+    return {d.name: d for d in sorted(exp.iterdir()) if (d / "model.safetensors").is_file()} if exp.is_dir() else {}
+
+
+def run_eval(cfg: PipelineConfig, p: Paths) -> int:
+    """kNN on the held-out set: random init vs teacher vs each distilled student."""
+    import torch
+
+    from .eval import extract_features, knn_classify, open_labelled
+    from .hub import load
+    from .models import build_vit
+
+    if not (p.eval_train and p.eval_val):
+        print("eval: no labelled eval set (input.eval_train / input.eval_val); skipped")
+        return 0
+    train = open_labelled(p.eval_train)
+    val = open_labelled(p.eval_val, classes=train.classes)
+    teacher = load(p.pretrain)
+    torch.manual_seed(0)
+    models = {"random init (teacher arch)": build_vit(**teacher.arch_config()).eval(), "teacher": teacher}
+    models.update({f"student {n}": load(d) for n, d in _students(p).items()})
+    results = {}
+    for name, model in models.items():
+        kw = dict(img_size=cfg.eval.img_size, num_workers=0, device="cpu")
+        ft, fv = extract_features(model, train, **kw), extract_features(model, val, **kw)
+        res = knn_classify(ft.feats, ft.labels, fv.feats, fv.labels, ks=cfg.eval.k, num_classes=len(train.classes))
+        results[name] = {str(k): v["top1"] for k, v in res.items()}
+        print(f"eval: {name:32s} " + "  ".join(f"k={k} top-1 {v:.3f}" for k, v in results[name].items()))
+    out = {"classes": len(train.classes), "train": len(train), "val": len(val), "knn_top1": results}
+    p.eval.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def _done(stage: str, p: Paths) -> bool:
+    if stage == "curate":
+        return (p.curated / "manifest.json").is_file()
+    if stage == "pretrain":
+        return (p.pretrain / "export" / "teacher" / "model.safetensors").is_file()
+    if stage == "distill":
+        return bool(_students(p))
+    if stage == "eval":
+        return p.eval.is_file()
+    return False  # the report is cheap: always rewritten
+
+
+def run(cfg: PipelineConfig) -> int:
+    from .data.samples import build_eval_set, build_sample_pool, build_seed_set
+    from .pipeline_report import write_report
+
+    p = Paths(cfg)
+    save_config(cfg, p.root, name="pipeline.yaml")
+    if cfg.sample.enabled:
+        s = cfg.sample
+        info = build_sample_pool(p.root / "data", s.n_images, seed=s.seed)
+        build_eval_set(p.root / "data", s.eval_train_per_class, s.eval_val_per_class)
+        build_seed_set(p.root / "data")
+        print(f"sample pool: {info['dir']}" + (" (reused)" if info.get("reused") else ""))
+    runners = {"curate": run_curate, "pretrain": run_pretrain, "distill": run_distill, "eval": run_eval}
+    timings = {}
+    for stage in cfg.stages:
+        if stage == "report":
+            continue
+        if _done(stage, p):
+            print(f"== {stage}: outputs complete, skipped")
+            continue
+        print(f"== {stage}", flush=True)
+        t0 = time.time()
+        rc = runners[stage](cfg, p)
+        timings[stage] = round(time.time() - t0, 1)
+        if rc != 0:
+            print(f"pipeline: stage '{stage}' failed (exit {rc}); fix it and rerun the same command to continue",
+                  file=sys.stderr)
+            return rc
+    if "report" in cfg.stages:
+        report = write_report(p, timings)
+        print(f"report: {report}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="dinopipe pipeline", description=__doc__)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(PipelineConfig, args.config, args.overrides)
+        validate(cfg)
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
