@@ -10,6 +10,7 @@ exit with code 2 before any work starts.
     dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [key=value ...]
     dinopipe curate ...                               same as the `curate` command
     dinopipe eval knn|linear --model PATH --train SRC --val SRC [--out results.json]
+    dinopipe slurm submit --config configs/slurm/X.yaml [--dry-run] [key=value | STAGE:key=value ...]
 """
 
 from __future__ import annotations
@@ -75,13 +76,16 @@ def _stage(name: str) -> Callable[[Sequence[str]], int]:
             from .pipeline import main as stage_main
         elif name == "eval":
             from .eval.cli import main as stage_main
+        elif name == "slurm":
+            from .slurm import main as stage_main
         return stage_main(list(argv))
 
     return run
 
 
-STAGES = ("curate", "pretrain", "distill", "eval", "plan", "pipeline")
-_STAGE_HELP = {"eval": "kNN / linear probe of a frozen backbone (knn|linear --model PATH --train SRC --val SRC)"}
+STAGES = ("curate", "pretrain", "distill", "eval", "plan", "pipeline", "slurm")
+_STAGE_HELP = {"eval": "kNN / linear probe of a frozen backbone (knn|linear --model PATH --train SRC --val SRC)",
+               "slurm": "submit curate -> pretrain -> distill to Slurm (submit --config configs/slurm/X.yaml [--dry-run])"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,7 +30,7 @@ from ..hub import load as load_backbone
 from ..hub import save_backbone
 from ..models import DINOHead, build_vit, create_model
 from ..train.checkpoint import ModelOptimState, full_state_dict
-from ..train.parallel import ParallelConfig, local_tensor, parallelize
+from ..train.parallel import ParallelConfig, ema_update_, parallelize
 from .distill_config import DistillConfig
 from .losses import DINOLoss, IBOTPatchLoss
 
@@ -242,14 +242,9 @@ class DistillTask(nn.Module):
             logs[f"corrupt/{reason}"] = n
         return total, logs
 
-    @torch.no_grad()
     def after_step(self, values: dict) -> None:
-        m = values["momentum"]
         for name in self.students:
-            e = [local_tensor(p) for p in self.emas[name].parameters()]
-            s = [local_tensor(p).to(e[0].dtype) for p in self.students[name].parameters()]
-            torch._foreach_mul_(e, m)
-            torch._foreach_add_(e, s, alpha=1.0 - m)
+            ema_update_(self.emas[name], self.students[name], values["momentum"])
 
     def checkpoint_states(self, optimizer) -> dict[str, Any]:
         states: dict[str, Any] = {}

@@ -20,7 +20,7 @@ from ..hub import load as load_backbone
 from ..hub import save_backbone
 from ..models import DINOHead, build_vit, create_model
 from ..train.checkpoint import ModelOptimState, full_state_dict
-from ..train.parallel import ParallelConfig, local_tensor, parallelize
+from ..train.parallel import ParallelConfig, ema_update_, parallelize
 from .config import PretrainConfig
 from .losses import DINOLoss, IBOTPatchLoss, koleo_loss
 
@@ -128,14 +128,8 @@ class SSLTask(nn.Module):
             logs[f"corrupt/{reason}"] = n
         return loss, logs
 
-    @torch.no_grad()
     def after_step(self, values: dict) -> None:
-        """teacher = m * teacher + (1 - m) * student, on the local shards (identical sharding)."""
-        m = values["momentum"]
-        t = [local_tensor(p) for p in self.teacher.parameters()]
-        s = [local_tensor(p).to(t[0].dtype) for p in self.student.parameters()]
-        torch._foreach_mul_(t, m)
-        torch._foreach_add_(t, s, alpha=1.0 - m)
+        ema_update_(self.teacher, self.student, values["momentum"])
 
     def checkpoint_states(self, optimizer) -> dict[str, Any]:
         return {

@@ -83,4 +83,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-__all__ = ["ParallelConfig", "parallelize", "apply_activation_checkpointing", "local_tensor", "DTYPES"]
+@torch.no_grad()
+def ema_update_(target: nn.Module, source: nn.Module, momentum: float) -> None:
+    """target = m * target + (1 - m) * source, parameter by parameter on the local shards (both modules are
+    sharded identically by parallelize(), so shard i of one pairs with shard i of the other)."""
+    t = [local_tensor(p) for p in target.parameters()]
+    s = [local_tensor(p).to(t[0].dtype) for p in source.parameters()]
+    torch._foreach_mul_(t, momentum)
+    torch._foreach_add_(t, s, alpha=1.0 - momentum)
+
+
+__all__ = ["ema_update_", "ParallelConfig", "parallelize", "apply_activation_checkpointing", "local_tensor", "DTYPES"]
