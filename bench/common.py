@@ -61,22 +61,33 @@ def sync(device: torch.device | str) -> None:
 
 # -- timing --------------------------------------------------------------------------------------
 def interleaved_times(
-    fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, device: str = "cpu"
+    fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, device: str = "cpu",
+    cpu_times: Optional[dict[str, list[float]]] = None,
 ) -> dict[str, list[float]]:
-    """Seconds per call of each function, run round-robin (order reversed every round) after warm-up."""
+    """Seconds per call of each function, run round-robin (order reversed every round) after warm-up.
+
+    If ``cpu_times`` is given, it is filled with each call's process CPU seconds as well (``time.process_time``,
+    all threads of this process). On a loaded shared machine CPU time is far steadier than wall time (it does
+    not count time spent descheduled; measured here: a step's wall time ranged 1.8-8 s while its CPU time
+    stayed within ~10%), but it does not see how well the work is spread over threads.
+    """
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     sync(device)
     times: dict[str, list[float]] = {name: [] for name in names}
+    if cpu_times is not None:
+        cpu_times.update({name: [] for name in names})
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fns[name]()
             sync(device)
             times[name].append(time.perf_counter() - t0)
+            if cpu_times is not None:
+                cpu_times[name].append(time.process_time() - c0)
     return times
 
 
