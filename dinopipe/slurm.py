@@ -86,7 +86,7 @@ class TrainStageConfig:
 
 
 @dataclass
-class SlurmSubmitConfig:
+class SlurmConfig:
     output_dir: str = "runs/slurm"
     """Root of the chain: curated/, pretrain/, distill/ and logs/ go under it."""
     input_paths: list[str] = field(default_factory=list)
@@ -118,7 +118,7 @@ class Job:
 # ---------------------------------------------------------------------------------------------
 
 
-def stage_overrides(cfg: SlurmSubmitConfig) -> dict[str, list[str]]:
+def stage_overrides(cfg: SlurmConfig) -> dict[str, list[str]]:
     """Each stage's key=value list: the paths that chain the stages first, then the user's (which win)."""
     root = cfg.output_dir.rstrip("/") or "/"
     curated, pretrain_dir = f"{root}/curated", f"{root}/pretrain"
@@ -136,8 +136,9 @@ def stage_overrides(cfg: SlurmSubmitConfig) -> dict[str, list[str]]:
     return out
 
 
-def validate(cfg: SlurmSubmitConfig, overrides: dict[str, list[str]]) -> None:
-    """Load every stage config that will run, with its overrides: a mistake fails here, naming the stage."""
+def validate(cfg: SlurmConfig, overrides: dict[str, list[str]], check_paths: bool = True) -> None:
+    """Load every stage config that will run, with its overrides: a mistake fails here, naming the stage.
+    ``check_paths``: the images to curate must exist (left out for --dry-run, e.g. away from the cluster)."""
     bad = [s for s in cfg.stages if s not in STAGES]
     if bad or not cfg.stages:
         raise ConfigError(f"stages: expected a non-empty subset of {list(STAGES)}, got {cfg.stages}")
@@ -157,7 +158,8 @@ def validate(cfg: SlurmSubmitConfig, overrides: dict[str, list[str]]) -> None:
                 from curation.config import CurationConfig, validate as check
 
                 c = load_config(CurationConfig, path, [*overrides[stage], f"embed.num_tasks={cfg.curate.tasks}"])
-                check(c, "embed")
+                if c.input.paths:
+                    check(c, "embed" if check_paths else "dedup")  # `dedup` does not look at input.paths
             elif stage == "pretrain":
                 from .ssl.config import PretrainConfig, validate as check
 
@@ -168,6 +170,8 @@ def validate(cfg: SlurmSubmitConfig, overrides: dict[str, list[str]]) -> None:
                 check(load_config(DistillConfig, path, overrides[stage]))
         except ConfigError as exc:
             raise ConfigError(f"{stage} stage ({path}): {exc}") from None
+        if stage == "curate" and not c.input.paths:
+            raise ConfigError("input_paths: give the images to curate, e.g. input_paths=[/data/images]")
 
 
 def _site_flags(s: ClusterConfig, time: str) -> list[str]:
@@ -178,11 +182,15 @@ def _site_flags(s: ClusterConfig, time: str) -> list[str]:
     return flags + list(s.extra_args)
 
 
-def build_jobs(cfg: SlurmSubmitConfig, overrides: dict[str, list[str]]) -> list[Job]:
+def log_dir(cfg: SlurmConfig) -> str:
+    return f"{cfg.output_dir.rstrip('/')}/logs"
+
+
+def build_jobs(cfg: SlurmConfig, overrides: dict[str, list[str]]) -> list[Job]:
     """The chain, in submission order; each job depends on the one before it."""
     s = cfg.slurm
     scripts = Path(s.scripts_dir) if s.scripts_dir else DEFAULT_SCRIPTS
-    logs = f"{cfg.output_dir.rstrip('/')}/logs"
+    logs = log_dir(cfg)
     jobs: list[Job] = []
 
     def add(name: str, env: dict, flags: list, script: str, args: list) -> None:
@@ -257,22 +265,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dinopipe slurm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["submit"], help="submit: the curate -> pretrain -> distill chain")
-    s = p
-    s.add_argument("--config", required=True, help="e.g. configs/slurm/quickstart.yaml")
-    s.add_argument("--dry-run", action="store_true", help="print the sbatch commands, submit nothing")
-    s.add_argument("--partition", help="slurm.partition")
-    s.add_argument("--account", help="slurm.account")
-    s.add_argument("--nodes", type=int, help="slurm.nodes (pretrain and distill)")
-    s.add_argument("--gpus-per-node", type=int, help="slurm.gpus_per_node (0 = CPU)")
-    s.add_argument("--time", help="slurm.time, e.g. 24:00:00")
-    s.add_argument("--env", help="slurm.env_setup, e.g. 'source .venv/bin/activate'")
-    s.add_argument("overrides", nargs="*", help="key=value for this config, STAGE:key=value for a stage")
+    p.add_argument("--config", required=True, help="e.g. configs/slurm/quickstart.yaml")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch commands, submit nothing")
+    p.add_argument("--partition", help="slurm.partition")
+    p.add_argument("--account", help="slurm.account")
+    p.add_argument("--nodes", type=int, help="slurm.nodes (pretrain and distill)")
+    p.add_argument("--gpus-per-node", type=int, help="slurm.gpus_per_node (0 = CPU)")
+    p.add_argument("--time", help="slurm.time, e.g. 24:00:00")
+    p.add_argument("--env", help="slurm.env_setup, e.g. 'source .venv/bin/activate'")
+    p.add_argument("overrides", nargs="*", help="key=value for this config, STAGE:key=value for a stage")
     return p
 
 
-def load(args: argparse.Namespace) -> SlurmSubmitConfig:
+def load(args: argparse.Namespace) -> SlurmConfig:
     own, per_stage = _split_overrides(args.overrides)
-    cfg = load_config(SlurmSubmitConfig, args.config, own)
+    cfg = load_config(SlurmConfig, args.config, own)
     for flag, key in (("partition", "partition"), ("account", "account"), ("nodes", "nodes"),
                       ("gpus_per_node", "gpus_per_node"), ("time", "time"), ("env", "env_setup")):
         if getattr(args, flag) is not None:
@@ -287,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load(args)
         overrides = stage_overrides(cfg)
-        validate(cfg, overrides)
+        validate(cfg, overrides, check_paths=not args.dry_run)
     except ConfigError as exc:
         exit_on_config_error(exc)
     jobs = build_jobs(cfg, overrides)
@@ -296,7 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: sbatch script(s) not found: {', '.join(missing)}; set slurm.scripts_dir to the repository's "
               "slurm/ folder", file=sys.stderr)
         return 1
-    logs = f"{cfg.output_dir.rstrip('/')}/logs"
+    logs = log_dir(cfg)
     if args.dry_run:
         print(dry_run_script(jobs, logs), end="")
         return 0
