@@ -193,8 +193,20 @@ class Trainer:
         self.optimizer.step()
         self.task.after_step(values)
         out = {k: float(v) if isinstance(v, (int, float)) or torch.is_tensor(v) else v for k, v in logs.items()}
-        out.update(loss=float(loss.detach()), grad_norm=grad_norm, **{k: values[k] for k in values})
+        out["loss"] = float(loss.detach())
+        out = self._global_means(out)
+        out.update(grad_norm=grad_norm, **{k: values[k] for k in values})
         return out
+
+    def _global_means(self, logs: dict[str, Any]) -> dict[str, Any]:
+        """Losses of the *global* batch: each rank's value averaged over ranks (equal per-rank batches), so
+        metrics do not depend on the world size. Per-rank counters (corrupt/*) stay rank 0's."""
+        if not self.info.distributed:
+            return logs
+        keys = sorted(k for k, v in logs.items() if isinstance(v, float) and not k.startswith("corrupt/"))
+        t = torch.tensor([logs[k] for k in keys], dtype=torch.float64, device=self.info.device)
+        torch.distributed.all_reduce(t)
+        return {**logs, **{k: float(v) / self.info.world_size for k, v in zip(keys, t.tolist())}}
 
 
 __all__ = ["Trainer", "Task", "Phase", "LoopConfig", "NonFiniteLossError", "seed_step", "EXIT_PREEMPTED"]
