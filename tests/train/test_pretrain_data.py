@@ -39,7 +39,8 @@ def test_continued_pretraining_from_dinov2_layout_weights(tmp_path, photo_pool):
     path = export_dinov2(released, tmp_path / "released.pth")
     run = tmp_path / "cont"
     run_pretrain(run, photo_pool, "train.epochs=1", f"model.pretrained={path}", "model.num_heads=2", "optim.base_lr=0.0",
-                 "optim.min_lr=0.0", "teacher.momentum_teacher=1.0")
+                 "optim.min_lr=0.0", "teacher.momentum_teacher=1.0",
+                 "teacher.final_momentum_teacher=1.0")
     # lr 0 and momentum 1: the exported teacher must still be exactly the released backbone.
     got = dinopipe.load(run)
     assert got.num_register_tokens == 4
