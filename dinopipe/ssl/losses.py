@@ -27,17 +27,9 @@ def _log_softmax32(student_logits: Tensor, student_temp: float) -> Tensor:
     return F.log_softmax(student_logits.float() / student_temp, dim=-1)
 
 
-class DINOLoss(nn.Module):
-    """DINO cross-entropy between teacher global crops and student crops (CLS prototypes).
-
-    Inputs are crop-major, as the collate function and the packed forward produce them: row ``c * B + b``
-    is crop ``c`` of sample ``b``. The loss is DINOv2's average over loss *terms*:
-
-        L = (sum over pairs (student crop s, teacher global crop t), s != t for globals,
-             of mean_b H(teacher_t[b], student_s[b])) / (n_g * (n_g - 1) + n_l * n_g)
-
-    with H(p, q) = -sum_k p_k log q_k and the student distribution softmax(logits / student_temp).
-    """
+class _TeacherTargetLoss(nn.Module):
+    """Shared by the DINO and iBOT losses: a student temperature and the teacher's centring state (EMA centre
+    or Sinkhorn-Knopp), which lives in this module's state dict."""
 
     def __init__(
         self,
@@ -54,8 +46,21 @@ class DINOLoss(nn.Module):
 
     @torch.no_grad()
     def teacher_probs(self, teacher_logits: Tensor, teacher_temp: float, update_center: bool = True) -> Tensor:
-        """(n_g * B, K) teacher CLS logits -> targets; updates the EMA centre in 'centering' mode."""
+        """Teacher logits (rows = CLS tokens or masked patches) -> targets; updates the centre when asked."""
         return self.teacher(teacher_logits, teacher_temp, update=update_center)
+
+
+class DINOLoss(_TeacherTargetLoss):
+    """DINO cross-entropy between teacher global crops and student crops (CLS prototypes).
+
+    Inputs are crop-major, as the collate function and the packed forward produce them: row ``c * B + b``
+    is crop ``c`` of sample ``b``. The loss is DINOv2's average over loss *terms*:
+
+        L = (sum over pairs (student crop s, teacher global crop t), s != t for globals,
+             of mean_b H(teacher_t[b], student_s[b])) / (n_g * (n_g - 1) + n_l * n_g)
+
+    with H(p, q) = -sum_k p_k log q_k and the student distribution softmax(logits / student_temp).
+    """
 
     def forward(
         self,
@@ -106,7 +111,7 @@ def ibot_mask_weights(masks: Tensor) -> Tensor:
     return per_image.unsqueeze(-1).expand_as(masks)[masks]
 
 
-class IBOTPatchLoss(nn.Module):
+class IBOTPatchLoss(_TeacherTargetLoss):
     """iBOT masked-patch cross-entropy, DINOv2's ``forward_masked``.
 
     Only the M patches the student saw masked enter: the student's logits on them (from the iBOT head,
@@ -115,24 +120,6 @@ class IBOTPatchLoss(nn.Module):
     image), so every masked image counts once whatever its mask ratio, and the sum is divided by the number of
     images in the batch ``n_images`` (all global crops, masked or not, as DINOv2 does).
     """
-
-    def __init__(
-        self,
-        out_dim: int,
-        student_temp: float = 0.1,
-        center_momentum: float = 0.9,
-        centering: str = "centering",
-        sk_iterations: int = 3,
-        all_reduce_fn: Optional[AllReduceFn] = None,
-    ) -> None:
-        super().__init__()
-        self.student_temp = student_temp
-        self.teacher = TeacherCentering(out_dim, centering, center_momentum, sk_iterations, all_reduce_fn)
-
-    @torch.no_grad()
-    def teacher_probs(self, teacher_logits: Tensor, teacher_temp: float, update_center: bool = True) -> Tensor:
-        """(M, K) teacher logits on the masked patches -> targets (centre averaged over masked patches)."""
-        return self.teacher(teacher_logits, teacher_temp, update=update_center)
 
     def forward(
         self,
