@@ -365,16 +365,11 @@ def report(args, res: dict) -> None:
                   f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, median wall time of {args.repeats} "
                   f"interleaved rounds; ratios: median of paired rounds, {ck} clock", rows,
                   ("measurement", "value", "notes"))
-    C.print_table("ratios", [(n, f"{v:.2f}", g or "-", "" if g is None else ("ok" if _meets(v, g) else "MISSED"))
+    C.print_table("ratios", [(n, f"{v:.2f}", g or "-", "" if g is None else ("ok" if C.meets_goal(v, g) else "MISSED"))
                              for n, v, g in lines], ("name", "value", "goal", ""))
     print()
     for name, value, _ in lines:
         C.print_ratio(name, value)
-
-
-def _meets(value: float, goal: str) -> bool:
-    op, target = goal.split()
-    return value >= float(target) if op == ">=" else value <= float(target)
 
 
 def main(argv=None) -> int:

@@ -206,16 +206,11 @@ def report(args, res: dict) -> None:
     C.print_table(f"{ARCH}, fp32 {args.device}, {torch.get_num_threads()} threads, "
                   f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, median of {args.repeats} "
                   f"interleaved rounds", rows, ("measurement", "median", "notes"))
-    C.print_table("ratios vs goals", [(n, f"{v:.2f}", g, "ok" if _meets(v, g) else "MISSED")
+    C.print_table("ratios vs goals", [(n, f"{v:.2f}", g, "ok" if C.meets_goal(v, g) else "MISSED")
                                       for n, v, g in lines], ("name", "value", "goal", ""))
     print()
     for name, value, _ in lines:
         C.print_ratio(name, value)
-
-
-def _meets(value: float, goal: str) -> bool:
-    op, target = goal.split()
-    return value >= float(target) if op == ">=" else value <= float(target)
 
 
 def main(argv=None) -> int:

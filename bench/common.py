@@ -235,5 +235,11 @@ def print_ratio(name: str, value: float) -> None:
 __all__ = [
     "setup", "sync", "interleaved_times", "median", "paired_ratio", "Gemm", "torch_peak_bytes",
     "rss_peak_bytes", "run_probe", "vit_block_flops", "vit_forward_flops", "counted_flops", "print_table",
-    "fmt_s", "fmt_bytes", "print_ratio",
+    "fmt_s", "fmt_bytes", "print_ratio", "meets_goal",
 ]
+
+
+def meets_goal(value: float, goal: str) -> bool:
+    """``goal`` is '>= X' or '<= X'."""
+    op, target = goal.split()
+    return value >= float(target) if op == ">=" else value <= float(target)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .config import ConfigError, exit_on_config_error, load_config, save_config
+from .config import ConfigError, save_config
 
 
 @dataclass
@@ -204,18 +204,9 @@ def run(cfg: PipelineConfig) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
+    from .train.builders import stage_main
 
-    ap = argparse.ArgumentParser(prog="dinopipe pipeline", description=__doc__)
-    ap.add_argument("--config", default=None)
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
-    try:
-        cfg = load_config(PipelineConfig, args.config, args.overrides)
-        validate(cfg)
-    except ConfigError as exc:
-        exit_on_config_error(exc)
-    return run(cfg)
+    return stage_main("pipeline", PipelineConfig, validate, run, argv, __doc__)
 
 
 if __name__ == "__main__":
