@@ -127,15 +127,19 @@ def test_drop_path_saving_and_vitg_forward_flops():
 # -- activations ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layer_scale", ["null", "1e-5"])
 @pytest.mark.parametrize("attn", ["sdpa", "math"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rate,groups", [(0.0, [(4, 17)]), (0.0, [(4, 17), (8, 5)]), (0.4, [(4, 17), (8, 5)]),
                                          (0.05, [(6, 17)])])
-def test_block_activation_bytes_equal_what_autograd_saves(attn, dtype, rate, groups):
-    cfg = tiny_cfg(f"model.attn_backend={attn}", f"model.drop_path_rate={rate}", "model.drop_path_uniform=true")
+def test_block_activation_bytes_equal_what_autograd_saves(attn, dtype, rate, groups, layer_scale):
+    cfg = tiny_cfg(f"model.attn_backend={attn}", f"model.drop_path_rate={rate}", "model.drop_path_uniform=true",
+                   f"model.init_values={layer_scale}")
     arch, _ = describe(cfg)
+    assert arch.layer_scale == (layer_scale != "null")
     torch.manual_seed(0)
-    blk = create_model("vit_test", attn_backend=attn, drop_path_rate=rate, drop_path_uniform=True).blocks[0]
+    blk = create_model("vit_test", attn_backend=attn, drop_path_rate=rate, drop_path_uniform=True,
+                       init_values=cfg.model.init_values).blocks[0]
     blk = blk.train().to(dtype)
     xs = [torch.randn(b, n, arch.dim, dtype=dtype, requires_grad=True) for b, n in groups]
     measured, _ = saved_bytes(lambda: blk(xs), exclude=list(blk.parameters()))
