@@ -47,6 +47,9 @@ def _parse_override(item: str) -> DictConfig:
         return OmegaConf.from_dotlist([item])
     except OmegaConfBaseException as exc:
         raise ConfigError(f"override '{item}': {_describe(exc)}") from None
+    except Exception as exc:  # the value is parsed as YAML: a syntax error comes from yaml
+        raise ConfigError(f"override '{item}': cannot parse the value as YAML: {str(exc).splitlines()[0]} "
+                          "(in flow mappings put a space after each colon: {name: x, depth: 2})") from None
 
 
 def load_config(

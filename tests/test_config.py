@@ -1,5 +1,6 @@
 """Config spine: defaults <- YAML <- overrides; mistakes name the key and where it came from, exit 2."""
 
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -90,3 +91,10 @@ def test_cli_prints_resolved_config():
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert OmegaConf.create(r.stdout).name == "vit_b14"
+
+
+def test_override_value_that_is_not_yaml_names_the_override():
+    # A nested flow mapping without spaces after the colons is a YAML scanner error, not an omegaconf one.
+    for bad in ("train={lr:{a:1}}", "train.lr=[unclosed"):
+        with pytest.raises(ConfigError, match="override '" + re.escape(bad) + "'.*YAML"):
+            load_config(Schema, None, [bad])
