@@ -5,7 +5,10 @@ Models (kNN top-1 on frozen, L2-normalised CLS features, k = 10 and 20, T = 0.07
   (a) ``random``     the student architecture (vit_test at embed 48, depth 3, no LayerScale), random init
   (b) ``teacher``    a vit_test (embed 64, depth 4) pretrained with ``dinopipe pretrain`` (DINO + iBOT + KoLeo)
                      on a pool of crops of the photos (``build_sample_pool``); the exported EMA teacher
-  (c) ``distilled``  the student distilled from (b) with ``dinopipe distill`` (ssl mode: the teacher's heads)
+  (c) ``distilled_ssl``      the student distilled from (b) with ``dinopipe distill`` in ssl mode (DINOv2's
+                             recipe: DINO + iBOT against the frozen teacher's heads)
+      ``distilled_feature``  the same in feature mode (cosine to the teacher's CLS and patch tokens through
+                             learned projections; the mode for released backbones without heads)
   (d) ``scratch``    the student pretrained with ``dinopipe pretrain``, same steps, batch, crops, lr, data
   plus ``random_teacher_arch``: (b)'s architecture at random init, the baseline (b) has to beat.
 
@@ -17,7 +20,8 @@ Eval sets (labelled image folders, class = sub-folder):
            saw a digit in training: it measures how generic the features are.
 
 Lines ``name: value``: ``knn_top1_<set>_<model>`` (k = 20), ``knn_top1_k10_<set>_<model>``,
-``teacher_minus_random_<set>`` (b - a'), ``distilled_minus_scratch_<set>`` (c - d), ``<x>_minus_random_<set>``.
+``teacher_minus_random_<set>`` (b - a'), ``distilled_<mode>_minus_scratch_<set>`` (c - d),
+``<x>_minus_random_<set>``.
 Goals (issue 5): (b) well above random (here: by >= 0.10 on photos), (c) >= (d).
 
 Recipe (configs/{pretrain,distill}/bench_quality.yaml), and why, from runs on this 2-core machine:
@@ -66,7 +70,8 @@ RECIPES = {
     "full": dict(teacher_steps=1000, student_steps=500, pool=2400, gallery=20, queries=10),
     "quick": dict(teacher_steps=100, student_steps=50, pool=400, gallery=8, queries=4),
 }
-MODELS = ["random", "random_teacher_arch", "teacher", "distilled", "scratch"]
+DISTILL_MODES = ("ssl", "feature")
+MODELS = ["random", "random_teacher_arch", "teacher", *[f"distilled_{m}" for m in DISTILL_MODES], "scratch"]
 
 
 # -- eval sets ------------------------------------------------------------------------------------------------
@@ -137,6 +142,16 @@ def schedule_overrides(steps: int, pool: Path, seed: int) -> list[str]:
             f"train.seed={seed}"]
 
 
+def _teacher_steps(run_dir: Path) -> int | None:
+    """Steps of a finished teacher run (its export exists), from its saved config; None otherwise."""
+    if not (run_dir / "export").is_dir() or not (run_dir / "config.yaml").is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    t = OmegaConf.load(run_dir / "config.yaml").train
+    return int(t.epochs) * int(t.epoch_length)
+
+
 def last_losses(run_dir: Path) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {k: round(v, 3) for k, v in rows[-1].items() if k.endswith("loss")} if rows else {}
@@ -180,7 +195,8 @@ def load_models(work: Path, seed: int) -> dict:
     torch.manual_seed(seed)
     random_teacher = build_vit(**teacher.arch_config()).eval()
     return {"random": random_student, "random_teacher_arch": random_teacher, "teacher": teacher,
-            "distilled": load(work / "distill" / "export" / "student"), "scratch": load(work / "scratch")}
+            **{f"distilled_{m}": load(work / f"distill_{m}" / "export" / "student") for m in DISTILL_MODES},
+            "scratch": load(work / "scratch")}
 
 
 def report(acc: dict, sets: list[str]) -> dict[str, float]:
@@ -193,15 +209,16 @@ def report(acc: dict, sets: list[str]) -> dict[str, float]:
             lines[f"knn_top1_k10_{s}_{m}"] = acc[m][s][10]
     for s in sets:
         lines[f"teacher_minus_random_{s}"] = acc["teacher"][s][20] - acc["random_teacher_arch"][s][20]
-        lines[f"distilled_minus_scratch_{s}"] = acc["distilled"][s][20] - acc["scratch"][s][20]
-        lines[f"distilled_minus_random_{s}"] = acc["distilled"][s][20] - acc["random"][s][20]
+        for m in DISTILL_MODES:
+            lines[f"distilled_{m}_minus_scratch_{s}"] = acc[f"distilled_{m}"][s][20] - acc["scratch"][s][20]
+            lines[f"distilled_{m}_minus_random_{s}"] = acc[f"distilled_{m}"][s][20] - acc["random"][s][20]
         lines[f"scratch_minus_random_{s}"] = acc["scratch"][s][20] - acc["random"][s][20]
     print()
     for k, v in lines.items():
         print(f"{k}: {v:+.3f}" if "_minus_" in k else f"{k}: {v:.3f}")
-    goals = [("teacher - random (photos, k=20) >= +0.10", lines["teacher_minus_random_photos"] >= 0.10),
-             ("distilled >= scratch (photos, k=20)", lines["distilled_minus_scratch_photos"] >= 0),
-             ("distilled >= scratch (digits, k=20)", lines["distilled_minus_scratch_digits"] >= 0)]
+    goals = [("teacher - random (photos, k=20) >= +0.10", lines["teacher_minus_random_photos"] >= 0.10)]
+    goals += [(f"distilled ({m}) >= scratch ({s}, k=20)", lines[f"distilled_{m}_minus_scratch_{s}"] >= 0)
+              for m in DISTILL_MODES for s in sets]
     C.print_table("goals (issue 5)", [(g, "met" if ok else "NOT met") for g, ok in goals])
     return lines
 
@@ -214,6 +231,9 @@ def main(argv=None) -> int:
     p.add_argument("--teacher-steps", type=int, default=None, help=f"multiple of {EPOCH_LENGTH}")
     p.add_argument("--student-steps", type=int, default=None, help="distilled and scratch student steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reuse-teacher", action="store_true",
+                   help="keep the work dir's trained teacher when it has the requested steps (same seed/config "
+                        "assumed); everything else is rebuilt")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write every number to this file")
     args = p.parse_args(argv)
@@ -221,8 +241,12 @@ def main(argv=None) -> int:
     r["teacher_steps"] = args.teacher_steps or r["teacher_steps"]
     r["student_steps"] = args.student_steps or r["student_steps"]
     work = Path(args.workdir or REPO / "runs" / ("bench_quality_quick" if args.quick else "bench_quality")).resolve()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    teacher_dir = work / "teacher"
+    reuse = args.reuse_teacher and _teacher_steps(teacher_dir) == r["teacher_steps"]
+    for child in (work.iterdir() if work.exists() else []):  # wipe all but a reusable teacher run
+        if not (reuse and child.name in ("teacher", "teacher.log")):
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    work.mkdir(parents=True, exist_ok=True)
     C.setup(args.threads, args.seed)
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {args.threads} threads, work dir {work}")
     print(f"recipe: {r}")
@@ -238,17 +262,22 @@ def main(argv=None) -> int:
     print(f"pretraining pool: {r['pool']} crops of {pool['photos']} photos; photos eval: {photos}; digits: {digits}")
 
     pool_dir = work / "pool"
-    times["teacher"] = run_stage("pretrain", PRETRAIN_CFG, work / "teacher",
-                                 schedule_overrides(r["teacher_steps"], pool_dir, args.seed))
-    print(f"(b) teacher: {r['teacher_steps']} steps in {times['teacher']:.0f} s, last {last_losses(work / 'teacher')}")
+    if reuse:
+        print(f"(b) teacher: reusing {teacher_dir} ({r['teacher_steps']} steps, trained by an earlier run)")
+    else:
+        times["teacher"] = run_stage("pretrain", PRETRAIN_CFG, teacher_dir,
+                                     schedule_overrides(r["teacher_steps"], pool_dir, args.seed))
+        print(f"(b) teacher: {r['teacher_steps']} steps in {times['teacher']:.0f} s, last {last_losses(teacher_dir)}")
     spec = student_spec()
     student_model = [f"model.name={spec.name}"] + [f"model.{k}={'null' if v is None else v}"
                                                    for k, v in spec.create_kwargs().items()]
-    times["distill"] = run_stage("distill", DISTILL_CFG, work / "distill",
-                                 schedule_overrides(r["student_steps"], pool_dir, args.seed)
-                                 + [f"teacher_model.path={work / 'teacher'}"])
-    print(f"(c) distilled: {r['student_steps']} steps in {times['distill']:.0f} s, "
-          f"last {last_losses(work / 'distill')}")
+    for mode in DISTILL_MODES:
+        run = work / f"distill_{mode}"
+        times[f"distill_{mode}"] = run_stage("distill", DISTILL_CFG, run,
+                                             schedule_overrides(r["student_steps"], pool_dir, args.seed)
+                                             + [f"teacher_model.path={teacher_dir}", f"mode={mode}"])
+        print(f"(c) distilled ({mode}): {r['student_steps']} steps in {times[f'distill_{mode}']:.0f} s, "
+              f"last {last_losses(run)}")
     times["scratch"] = run_stage("pretrain", PRETRAIN_CFG, work / "scratch",
                                  schedule_overrides(r["student_steps"], pool_dir, args.seed) + student_model)
     print(f"(d) scratch: {r['student_steps']} steps in {times['scratch']:.0f} s, last {last_losses(work / 'scratch')}")
