@@ -190,12 +190,13 @@ def eval_transform(size: int = 224) -> Callable[[Image.Image], torch.Tensor]:
 
 
 class _DecodeDataset(torch.utils.data.Dataset):
-    """Read + decode + transform one ref; unreadable files come back with their reason."""
+    """Read + decode one ref once, then apply every target's transform (and hash); unreadable files come
+    back with their reason."""
 
-    def __init__(self, source: MultiSource, refs: list[ImageRef], transform, hash_name: str | None,
+    def __init__(self, source: MultiSource, refs: list[ImageRef], transforms: list, hash_names: list,
                  max_pixels: int):
-        self.source, self.refs, self.transform = source, refs, transform
-        self.hash_fn = HASHES[hash_name] if hash_name else None
+        self.source, self.refs, self.transforms = source, refs, transforms
+        self.hash_names = hash_names
         self.max_pixels = max_pixels
 
     def __len__(self) -> int:
@@ -205,19 +206,35 @@ class _DecodeDataset(torch.utils.data.Dataset):
         ref = self.refs[i]
         img, reason = safe_decode(self.source.read(ref), max_pixels=self.max_pixels)
         if img is None:
-            return i, None, reason, 0
+            return i, None, reason, None
         try:
-            h = self.hash_fn(img) if self.hash_fn else 0
-            return i, self.transform(img), None, h
+            done: dict[str, int] = {}
+            for name in self.hash_names:
+                if name and name not in done:
+                    done[name] = HASHES[name](img)
+            hashes = [done[name] if name else 0 for name in self.hash_names]
+            return i, [tf(img) for tf in self.transforms], None, hashes
         except Exception as e:  # e.g. a 1x1 image a transform cannot crop: count, don't crash
-            return i, None, f"transform_error:{type(e).__name__}", 0
+            return i, None, f"transform_error:{type(e).__name__}", None
 
 
 def _collate(items):
-    ok = [(i, x, h) for i, x, r, h in items if r is None]
-    bad = [(i, r) for i, x, r, h in items if r is not None]
-    batch = torch.stack([x for _, x, _ in ok]) if ok else None
-    return [i for i, _, _ in ok], batch, [h for _, _, h in ok], bad
+    ok = [(i, xs, h) for i, xs, r, h in items if r is None]
+    bad = [(i, r) for i, xs, r, h in items if r is not None]
+    n_targets = len(ok[0][1]) if ok else 0
+    batches = [torch.stack([xs[j] for _, xs, _ in ok]) for j in range(n_targets)]
+    return [i for i, _, _ in ok], batches, [h for _, _, h in ok], bad
+
+
+@dataclass
+class EmbedTarget:
+    """One embedding output of :func:`embed_pool_multi`: ``embed_fn`` on ``transform``-ed images into
+    ``out_dir``, with a perceptual hash per image when ``hash_name`` is set."""
+
+    embed_fn: Callable[[torch.Tensor], torch.Tensor]
+    out_dir: str
+    transform: Callable | None = None
+    hash_name: str | None = None
 
 
 @torch.no_grad()
@@ -233,37 +250,64 @@ def embed_pool(sources, embed_fn: Callable[[torch.Tensor], torch.Tensor], out_di
     ``transform`` maps a PIL RGB image to a tensor (default: :func:`eval_transform`). A perceptual
     hash (``hash_name``: 'phash', 'dhash' or None) is computed from the same decoded image.
     """
+    return embed_pool_multi(sources, [EmbedTarget(embed_fn, out_dir, transform, hash_name)], shard_size,
+                            batch_size, num_workers, task_index, num_tasks, max_pixels, progress)[0]
+
+
+@torch.no_grad()
+def embed_pool_multi(sources, targets: list[EmbedTarget], shard_size: int = 10000, batch_size: int = 64,
+                     num_workers: int = 4, task_index: int = 0, num_tasks: int = 1,
+                     max_pixels: int = DEFAULT_MAX_PIXELS, progress: bool = True) -> list[dict]:
+    """:func:`embed_pool` for several outputs at once (e.g. the copy descriptor and a backbone): every
+    image is read and decoded once and feeds every target that still lacks its shard. Each target
+    resumes on its own (its complete shards are skipped); returns one counts dict per target."""
     check_split(task_index, num_tasks)
     src = as_multi(sources)
-    transform = transform or eval_transform()
     refs = src.refs(task_index, num_tasks)
     n_shards = max(1, -(-len(refs) // shard_size))
-    todo = [s for s in range(n_shards)
-            if not _shard_complete(out_dir, shard_stem(task_index, s), refs, s, shard_size)]
-    counts = {"task_index": task_index, "num_tasks": num_tasks, "images": len(refs),
-              "shards": n_shards, "shards_skipped": n_shards - len(todo), "shards_written": 0}
-    todo_refs = [r for s in todo for r in refs[s * shard_size:(s + 1) * shard_size]]
+    todo = [[s for s in range(n_shards)
+             if not _shard_complete(t.out_dir, shard_stem(task_index, s), refs, s, shard_size)] for t in targets]
+    union = sorted(set().union(*map(set, todo)))
+    counts = [{"task_index": task_index, "num_tasks": num_tasks, "images": len(refs), "shards": n_shards,
+               "shards_skipped": n_shards - len(td), "shards_written": 0} for td in todo]
+    todo_refs = [r for s in union for r in refs[s * shard_size:(s + 1) * shard_size]]
+    shard_of = np.array([s for s in union for _ in refs[s * shard_size:(s + 1) * shard_size]], np.int64)
+    # union to-do position -> position in the target's own to-do list (-1: the target has that shard)
+    pos_maps = []
+    for td in todo:
+        need = np.isin(shard_of, td)
+        m = np.full(len(shard_of), -1, np.int64)
+        m[need] = np.arange(int(need.sum()))
+        pos_maps.append(m)
     loader = torch.utils.data.DataLoader(
-        _DecodeDataset(src, todo_refs, transform, hash_name, max_pixels),
+        _DecodeDataset(src, todo_refs, [t.transform or eval_transform() for t in targets],
+                       [t.hash_name for t in targets], max_pixels),
         batch_size=batch_size, num_workers=num_workers, collate_fn=_collate,
         persistent_workers=False, prefetch_factor=4 if num_workers > 0 else None,
     )
-    pending = _ShardBuffer(todo, shard_size, len(refs))
+    buffers = [_ShardBuffer(td, shard_size, len(refs)) for td in todo]
     bar = _progress(len(todo_refs), f"embed task {task_index}/{num_tasks}", progress)
-    for idx, batch, hashes, bad in loader:
-        emb = l2_normalise_fp16(embed_fn(batch)) if batch is not None else None
-        pending.add(idx, emb, hashes, bad)
+    for idx, batches, hashes, bad in loader:
+        for j, (t, m, buf) in enumerate(zip(targets, pos_maps, buffers)):
+            sel = [k for k, i in enumerate(idx) if m[i] >= 0]
+            emb = None
+            if sel:
+                x = batches[j] if len(sel) == len(idx) else batches[j][sel]
+                emb = l2_normalise_fp16(t.embed_fn(x))
+            buf.add([int(m[idx[k]]) for k in sel], emb, [hashes[k][j] for k in sel],
+                    [(int(m[i]), r) for i, r in bad if m[i] >= 0])
+            for shard, rows in buf.pop_complete():
+                _write_shard(t.out_dir, task_index, shard, refs, shard_size, rows)
+                counts[j]["shards_written"] += 1
         bar.update(len(idx) + len(bad))
-        for shard, rows in pending.pop_complete():
-            _write_shard(out_dir, task_index, shard, refs, shard_size, rows)
-            counts["shards_written"] += 1
     bar.close()
-    for shard, rows in pending.pop_complete():  # an empty task still writes its (empty) shard
-        _write_shard(out_dir, task_index, shard, refs, shard_size, rows)
-        counts["shards_written"] += 1
-    if pending.shards:
-        raise RuntimeError(f"embedding stopped before shards {pending.shards} were complete")
-    _mark_task_done(out_dir, task_index, num_tasks, counts)
+    for t, buf, c in zip(targets, buffers, counts):
+        for shard, rows in buf.pop_complete():  # an empty task still writes its (empty) shard
+            _write_shard(t.out_dir, task_index, shard, refs, shard_size, rows)
+            c["shards_written"] += 1
+        if buf.shards:
+            raise RuntimeError(f"embedding {t.out_dir} stopped before shards {buf.shards} were complete")
+        _mark_task_done(t.out_dir, task_index, num_tasks, c)
     return counts
 
 

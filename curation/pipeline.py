@@ -26,7 +26,7 @@ from dinopipe.data.sources import as_multi
 from .dedup import copy_dedup
 from .decontaminate import decontaminate
 from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
-from .embeddings import embed_pool, open_embeddings
+from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
 from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, hash_dedup
 from .index import Rows
 from .rebalance import rebalance
@@ -76,16 +76,14 @@ def step_embed(sources, out_dir: str, model_embed_fn: Callable | None = None,
     """Descriptors (+ perceptual hashes) of this task's share of the pool; model embeddings too
     when ``model_embed_fn`` is given. Resumable and split by ``task_index/num_tasks``."""
     desc = get_descriptor(out_dir, sources, descriptor_config)
-    counts = {"descriptor": embed_pool(
-        sources, desc, _p(out_dir, "embeddings", "descriptor"), shard_size=shard_size,
-        batch_size=batch_size, num_workers=num_workers, task_index=task_index,
-        num_tasks=num_tasks, transform=desc.transform(), progress=progress)}
-    if model_embed_fn is not None:
-        counts["model"] = embed_pool(
-            sources, model_embed_fn, _p(out_dir, "embeddings", "model"), shard_size=shard_size,
-            batch_size=batch_size, num_workers=num_workers, task_index=task_index,
-            num_tasks=num_tasks, transform=model_transform, hash_name=None, progress=progress)
-    return counts
+    targets = {"descriptor": EmbedTarget(desc, _p(out_dir, "embeddings", "descriptor"), desc.transform(),
+                                         "phash")}
+    if model_embed_fn is not None:  # the same decoded image feeds both (one read + decode per image)
+        targets["model"] = EmbedTarget(model_embed_fn, _p(out_dir, "embeddings", "model"), model_transform)
+    counts = embed_pool_multi(sources, list(targets.values()), shard_size=shard_size, batch_size=batch_size,
+                              num_workers=num_workers, task_index=task_index, num_tasks=num_tasks,
+                              progress=progress)
+    return dict(zip(targets, counts))
 
 
 def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from _photos import bad_file_kinds
 
-from curation.descriptor import PCADescriptor
+from curation.descriptor import DescriptorConfig, PCADescriptor
 from curation.embeddings import embed_pool, open_embeddings
 
 
@@ -99,3 +99,41 @@ def test_changed_pool_is_refused_on_resume(tmp_path, pool_dir):
     os.remove(next(p for p in src.rglob("*.jpg")))
     with pytest.raises(RuntimeError, match="different input listing"):
         _embed(src, tmp_path / "e", PCADescriptor())
+
+
+def test_two_targets_share_one_decode_and_resume_separately(pool_with_bad, tmp_path, monkeypatch):
+    """The copy descriptor and a second embedding (here a descriptor at another size, standing in for a
+    backbone) are computed from one read + decode per image; each output resumes on its own."""
+    import curation.embeddings as E
+
+    decodes = []
+    real_decode = E.safe_decode
+    monkeypatch.setattr(E, "safe_decode", lambda data, **kw: (decodes.append(1), real_decode(data, **kw))[1])
+    d1, d2 = PCADescriptor(), PCADescriptor(DescriptorConfig(size=32, luma_freqs=6))
+    f1, f2 = Counting(d1), Counting(d2)
+    kw = {"shard_size": 16, "batch_size": 8, "num_workers": 0, "progress": False}
+    targets = [E.EmbedTarget(f1, str(tmp_path / "a"), d1.transform(), "phash"),
+               E.EmbedTarget(f2, str(tmp_path / "b"), d2.transform())]
+    counts = E.embed_pool_multi(pool_with_bad, targets, **kw)
+    a, b = open_embeddings(str(tmp_path / "a")), open_embeddings(str(tmp_path / "b"))
+    n_files = counts[0]["images"]
+    assert len(decodes) == n_files  # once per file, not once per target
+    np.testing.assert_array_equal(a.ids, b.ids)
+    assert sorted(a.unreadable) == sorted(b.unreadable) and len(a.unreadable) > 0
+    assert (a.hashes != 0).all() and (b.hashes == 0).all()  # only the first target asked for hashes
+    assert a.dim != b.dim
+    _embed(pool_with_bad, tmp_path / "single", d1)  # the one-target path gives the same rows
+    single = open_embeddings(str(tmp_path / "single"))
+    np.testing.assert_array_equal(a.rows(np.arange(len(a))), single.rows(np.arange(len(single))))
+
+    # Lose the second target's shard 1: a rerun decodes only that shard's files and embeds only for b.
+    os.remove(tmp_path / "b" / "part-00000-00001.ids.json")
+    decodes.clear()
+    g1, g2 = Counting(d1), Counting(d2)
+    counts = E.embed_pool_multi(pool_with_bad, [E.EmbedTarget(g1, str(tmp_path / "a"), d1.transform(), "phash"),
+                                                E.EmbedTarget(g2, str(tmp_path / "b"), d2.transform())], **kw)
+    assert len(decodes) == 16 and g1.images == 0 and 0 < g2.images <= 16
+    assert counts[0]["shards_written"] == 0 and counts[1]["shards_written"] == 1
+    b2 = open_embeddings(str(tmp_path / "b"))
+    np.testing.assert_array_equal(b.ids, b2.ids)
+    np.testing.assert_array_equal(b.rows(np.arange(len(b))), b2.rows(np.arange(len(b2))))
