@@ -4,7 +4,8 @@ Everything on CPU, on real photos shipped in pip packages, seeded.
 Models (kNN top-1 on frozen, L2-normalised CLS features, k = 10 and 20, T = 0.07 -- DINO's protocol):
   (a) ``random``     the student architecture (vit_test at embed 32, 1 head, depth 2, no LayerScale), random init
   (b) ``teacher``    a vit_test (embed 64, depth 4) pretrained with ``dinopipe pretrain`` (DINO + iBOT + KoLeo)
-                     on a pool of crops of the photos (``build_sample_pool``); the exported EMA teacher
+                     on a pool of crops of the photos (``build_sample_pool``) + the unlabelled digits train
+                     split (see below); the exported EMA teacher
   (c) ``distilled_ssl``      the student distilled from (b) with ``dinopipe distill`` in ssl mode (DINOv2's
                              recipe: DINO + iBOT against the frozen teacher's heads)
       ``distilled_feature``  the same in feature mode (cosine to the teacher's CLS and patch tokens through
@@ -273,10 +274,11 @@ def main(argv=None) -> int:
     pool = build_sample_pool(work, n_images=r["pool"], copy_fraction=0.0, size=128, seed=args.seed, corrupt=False)
     photos = build_photo_set(work / "photos", r["gallery"], r["queries"], seed=args.seed + 100)
     digits = build_digits_set(work / "digits", seed=args.seed)
+    n_digits = 0
     if args.pool_digits:  # the unlabelled digits *train* split joins the pool (the val split is never trained on)
-        add_unlabelled(work / "digits" / "train", work / "pool" / "digits_train_unlabelled")
+        n_digits = add_unlabelled(work / "digits" / "train", work / "pool" / "digits_train_unlabelled")
     times["data"] = time.perf_counter() - t0
-    print(f"pretraining pool: {r['pool']} crops of {pool['photos']} photos; photos eval: {photos}; digits: {digits}")
+    print(f"pretraining pool: {r['pool']} crops of {pool['photos']} photos + {n_digits} unlabelled digits; photos eval: {photos}; digits: {digits}")
 
     pool_dir = work / "pool"
     if reuse:
