@@ -32,7 +32,7 @@ from ..models import DINOHead, build_vit, create_model
 from ..train.checkpoint import ModelOptimState, full_state_dict
 from ..train.parallel import ParallelConfig, ema_update_, parallelize
 from .distill_config import DistillConfig
-from .losses import DINOLoss, IBOTPatchLoss
+from .losses import DINOLoss, IBOTPatchLoss, koleo_loss
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,12 @@ class DistillTask(nn.Module):
         weights = torch.full((n_g * n_patch,), 1.0 / n_patch, device=patches.device)
         ibot = self.ibot_loss(head(patches.flatten(0, 1)), t["patch_probs"], n_images=n_g, masks_weight=weights)
         loss = self.cfg.dino.loss_weight * dino + self.cfg.ibot.loss_weight * ibot
-        return loss, {"dino_loss": dino.detach(), "ibot_loss": ibot.detach()}
+        logs = {"dino_loss": dino.detach(), "ibot_loss": ibot.detach()}
+        if self.cfg.dino.koleo_loss_weight:  # off by default for distillation; on, as in pretraining
+            koleo = sum(koleo_loss(c) for c in g["x_norm_clstoken"].chunk(2))  # per global crop
+            loss = loss + self.cfg.dino.koleo_loss_weight * koleo
+            logs["koleo_loss"] = koleo.detach()
+        return loss, logs
 
     def _feature_loss(self, student: nn.ModuleDict, outs: list[dict], crops: list[Tensor], t: dict) -> tuple[Tensor, dict]:
         f = self.cfg.feature

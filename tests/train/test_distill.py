@@ -100,6 +100,22 @@ def test_two_students_resume_and_teacher_never_saved(tmp_path, photo_pool):
     assert not any("backbone" in k for k in keys if not k.startswith(("student.", "ema.")))
 
 
+def test_koleo_in_ssl_distillation_and_refused_in_feature_mode(tmp_path, photo_pool, released_teacher):
+    teacher_run = tmp_path / "teacher"
+    run_pretrain(teacher_run, photo_pool, "train.epochs=1")
+    run = tmp_path / "koleo"
+    run_distill(run, photo_pool, f"teacher_model.path={teacher_run}", "train.epochs=1", "dino.koleo_loss_weight=0.1")
+    rows = metrics(run)
+    assert all(np.isfinite(r["s1/koleo_loss"]) for r in rows)
+    # loss = dino + ibot + 0.1 * koleo, per student
+    r = rows[-1]
+    assert r["s1/loss"] == pytest.approx(r["s1/dino_loss"] + r["s1/ibot_loss"] + 0.1 * r["s1/koleo_loss"], rel=1e-4)
+    _, path = released_teacher  # no heads: feature distillation has no KoLeo term, so the key is refused
+    bad = run_distill(tmp_path / "bad", photo_pool, f"teacher_model.path={path}", "dino.koleo_loss_weight=0.1",
+                      check=False)
+    assert bad.returncode == 2 and "dino.koleo_loss_weight" in bad.stderr
+
+
 def test_patch16_student_of_patch14_teacher(tmp_path, photo_pool, released_teacher):
     _, path = released_teacher
     run = tmp_path / "p16"
