@@ -294,7 +294,8 @@ def main(argv=None) -> int:
         run = work / f"distill_{mode}"
         times[f"distill_{mode}"] = run_stage("distill", DISTILL_CFG, run,
                                              schedule_overrides(r["student_steps"], pool_dir, args.seed)
-                                             + [f"teacher_model.path={teacher_dir}", f"mode={mode}"])
+                                             + [f"teacher_model.path={teacher_dir}", f"mode={mode}"]
+                                             + (["dino.koleo_loss_weight=0"] if mode == "feature" else []))
         print(f"(c) distilled ({mode}): {r['student_steps']} steps in {times[f'distill_{mode}']:.0f} s, "
               f"last {last_losses(run)}")
     times["scratch"] = run_stage("pretrain", PRETRAIN_CFG, work / "scratch",
