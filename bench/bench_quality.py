@@ -38,7 +38,7 @@ Recipe (configs/{pretrain,distill}/bench_quality.yaml), and why, from runs on th
   a 200-step distilled student kept ~e^-1 of its random init and scored 0.31 on photos; 0.95 -> 0.99: 0.38.
 - distillation teacher temperature 0.04, no warm-up: the young teacher's targets are nearly flat at 0.07.
 
-    python bench/bench_quality.py            # full run, ~26 min on 2 cores (1553 s measured)
+    python bench/bench_quality.py            # full run, ~23-26 min on 2 cores (1370 s measured)
     python bench/bench_quality.py --quick    # a smoke run of the same pipeline, a few minutes
     python bench/bench_quality.py --teacher-steps 2000 --student-steps 800 --workdir runs/bq_long
 """
@@ -70,7 +70,7 @@ PRETRAIN_CFG = REPO / "configs" / "pretrain" / "bench_quality.yaml"
 DISTILL_CFG = REPO / "configs" / "distill" / "bench_quality.yaml"
 EVAL_SIZE = 56  # the training crop size; every model is evaluated at it
 EPOCH_LENGTH = 50  # steps per schedule 'epoch': the yaml's warm-ups (in epochs) scale with the run through this
-# Steps and pool sizes. Full: ~26 min on 2 cores; quick: the same pipeline, ~5 min.
+# Steps and pool sizes. Full: ~23-26 min on 2 cores; quick: the same pipeline, ~5 min.
 RECIPES = {
     "full": dict(teacher_steps=1000, student_steps=500, pool=2400, gallery=20, queries=20),
     "quick": dict(teacher_steps=100, student_steps=50, pool=400, gallery=8, queries=4),
