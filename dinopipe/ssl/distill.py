@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from ..config import ConfigError
 from ..hub import load as load_backbone
 from ..hub import save_backbone
 from ..models import DINOHead, build_vit, create_model
@@ -116,6 +117,9 @@ class DistillTask(nn.Module):
         if self.mode == "ssl" and "dino_head" not in t_heads:
             raise ValueError(f"mode=ssl needs the teacher's heads, but {cfg.teacher_model.path} has none "
                              f"(a bare backbone); use mode=feature")
+        if self.mode == "feature" and cfg.dino.koleo_loss_weight:
+            raise ConfigError("dino.koleo_loss_weight: KoLeo is a term of the ssl-mode losses; this run distils "
+                              "features (a teacher without heads, or mode=feature), so set it to 0")
         self.teacher = nn.ModuleDict({"backbone": t_backbone, **(t_heads if self.mode == "ssl" else {})})
         self.teacher.requires_grad_(False).eval()
         t_dim = t_backbone.embed_dim

@@ -30,9 +30,6 @@ def run(cfg: DistillConfig) -> int:
     o = cfg.optim
     optimizer = task.build_optimizer(partial(build_param_groups, lr_decay_rate=o.layerwise_decay,
                                              patch_embed_lr_mult=o.patch_embed_lr_mult))
-    if task.mode == "feature" and cfg.dino.koleo_loss_weight:
-        raise ConfigError("dino.koleo_loss_weight: KoLeo is a term of the ssl-mode losses; this run distils "
-                          "features (a teacher without heads, or mode=feature), so set it to 0")
     # Crops must tile into every student's and the teacher's patches.
     patches = {task.teacher["backbone"].patch_size} | {s["backbone"].patch_size for s in task.students.values()}
     for ph in cfg.phases:
