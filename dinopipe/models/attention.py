@@ -15,11 +15,13 @@ computed per crop-size group. Backends:
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .rope import RopeSinCos, rope_qkv
 
 BACKENDS = ("auto", "sdpa", "xformers", "math")
 
@@ -86,11 +88,13 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
-    def forward(self, x: Tensor, shapes: GroupShapes) -> Tensor:
-        """x: (T, D) packed tokens of all groups, T = sum(b * n) -> (T, D)."""
+    def forward(self, x: Tensor, shapes: GroupShapes, rope: Optional[Sequence[Optional[RopeSinCos]]] = None) -> Tensor:
+        """x: (T, D) packed tokens of all groups, T = sum(b * n) -> (T, D). ``rope``: (sin, cos) per group (DINOv3)."""
         T, D = x.shape
         H, hd = self.num_heads, self.head_dim
         qkv = self.qkv(x)  # (T, 3D)
+        if rope is not None:  # DINOv3: rotate q/k of patch tokens before any backend sees them
+            qkv = rope_qkv(qkv, shapes, rope, H)
         backend = resolve_backend(self.backend, x.device)
         if backend == "xformers":
             q, k, v = qkv.view(1, T, 3, H, hd).unbind(2)  # each (1, T, H, hd)

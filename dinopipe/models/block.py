@@ -12,6 +12,7 @@ the MLP run once on all tokens concatenated; attention runs per group (see atten
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Type
 
 import torch
@@ -112,20 +113,24 @@ class Block(nn.Module):
         # Masked fallback (and the baseline the bench compares against).
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def _attn_branch(self, xs: TensorList) -> TensorList:
+    def _attn_branch(self, xs: TensorList, rope: Optional[list] = None) -> TensorList:
         t, shapes = pack(xs)
-        return unpack(self.ls1(self.attn(self.norm1(t), shapes)), shapes)
+        out = self.attn(self.norm1(t), shapes) if rope is None else self.attn(self.norm1(t), shapes, rope=rope)
+        return unpack(self.ls1(out), shapes)
 
     def _ffn_branch(self, xs: TensorList) -> TensorList:
         t, shapes = pack(xs)
         return unpack(self.ls2(self.mlp(self.norm2(t))), shapes)
 
-    def forward(self, xs: TensorList | Tensor) -> TensorList | Tensor:
+    def forward(self, xs: TensorList | Tensor, rope: Optional[list] = None) -> TensorList | Tensor:
+        """``rope``: one (sin, cos) per crop group for RoPE backbones (DINOv3); positions are per group, so
+        the efficient stochastic depth's per-sample subsets need no change."""
         single = isinstance(xs, Tensor)
         if single:
             xs = [xs]
         rate = self.drop_path_rate if self.training else 0.0
-        for branch in (self._attn_branch, self._ffn_branch):
+        attn_branch = self._attn_branch if rope is None else functools.partial(self._attn_branch, rope=rope)
+        for branch in (attn_branch, self._ffn_branch):
             if rate > EFFICIENT_DROP_PATH_MIN_RATE and self.efficient_drop_path:
                 xs = drop_add_residual_subset(xs, branch, rate)
             elif rate > 0:
