@@ -1,4 +1,4 @@
-"""Export a dinopipe backbone as a Hugging Face transformers DINOv2 folder.
+"""Export a dinopipe backbone as a Hugging Face transformers DINOv2 or DINOv3 folder.
 
 ``export_hf(model, DIR)`` writes ``config.json``, ``model.safetensors`` and ``preprocessor_config.json`` so
 that ``transformers.Dinov2Model.from_pretrained(DIR)`` (``Dinov2WithRegistersModel`` for register models, or
@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .models.block import swiglu_hidden
+from .models.convert_hf import hf_dinov3_config, to_hf_dinov3
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -135,14 +136,19 @@ def hf_preprocessor_config(img_size: int) -> dict[str, Any]:
 
 
 def export_hf(model, out_dir: str | Path) -> Path:
-    """Folder that ``transformers.AutoModel.from_pretrained(DIR)`` loads (Dinov2Model / Dinov2WithRegistersModel)."""
+    """Folder that ``transformers.AutoModel.from_pretrained(DIR)`` loads (Dinov2Model / Dinov2WithRegistersModel,
+    or DINOv3ViTModel for DINOv3 backbones, with its on-disk key names ``layer.N.*``)."""
     from .hub import export_arch  # hub imports this module to register the exporter
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arch = export_arch(model)
-    cfg = hf_config(arch)
-    sd = to_hf(model.state_dict(), arch)
+    if arch.get("family") == "dinov3":
+        cfg = hf_dinov3_config(arch, int(model.blocks[0].mlp.fc2.in_features))
+        sd = to_hf_dinov3(model.state_dict(), arch)
+    else:
+        cfg = hf_config(arch)
+        sd = to_hf(model.state_dict(), arch)
     tmp = out / "model.safetensors.tmp"
     # HF refuses safetensors files without a 'format' entry in their metadata.
     save_file({k: v.detach().to("cpu").contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "pt"})

@@ -1,9 +1,12 @@
 """Loading backbones from anywhere and exporting them for other libraries.
 
-``load()`` accepts: a dinopipe export folder or run directory, a ``.safetensors`` file, an official DINOv2
-``.pth`` (hub or training checkpoint), a timm DINOv2 state dict or timm ``local-dir`` folder, or a registry
-name (random init). Files are read with ``torch.load(weights_only=True)`` or safetensors: a checkpoint that
-needs arbitrary pickled objects is refused, because unpickling can run code.
+``load()`` accepts: a dinopipe export folder or run directory (pretraining: the teacher; distillation: the
+student you name), a run's DCP checkpoint folder (``RUN/checkpoints/step_N``, read in one process without
+torch.distributed being initialised), a ``.safetensors`` file, an official DINOv2 or DINOv3 ``.pth`` (hub or
+training checkpoint), a timm DINOv2/DINOv3 state dict or timm ``local-dir`` folder, a Hugging Face
+``Dinov2Model`` / ``Dinov2WithRegistersModel`` / ``DINOv3ViTModel`` folder, or a registry name (random init).
+Files are read with ``torch.load(weights_only=True)`` or safetensors: a checkpoint that needs arbitrary
+pickled objects is refused, because unpickling can run code.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -19,8 +23,9 @@ from safetensors.torch import load_file, safe_open, save_file
 from torch import Tensor, nn
 
 from .export_hf import export_hf
-from .models.convert import infer_arch, timm_model_args, to_canonical, to_dinov2, to_timm
-from .models.registry import TRAINING_ONLY_KEYS, build_vit, list_models
+from .models.convert import convert_checkpoint, infer_arch, timm_model_args, to_dinov2, to_timm
+from .models.convert_dinov3 import timm_dinov3_model_args, to_official_dinov3, to_timm_dinov3
+from .models.registry import TRAINING_ONLY_KEYS, build_vit, list_models, model_defaults
 from .models.vit import DinoVisionTransformer
 
 log = logging.getLogger(__name__)
@@ -60,20 +65,140 @@ def read_checkpoint(path: str | Path) -> tuple[Any, Optional[dict]]:
     return obj, dict(arch) if arch else None
 
 
-def _resolve_path(path: Path) -> tuple[Path, Optional[dict]]:
-    """A folder -> its weights file (+ arch from config.json). Run dirs point at export/teacher."""
+HF_MODEL_TYPES = ("dinov2", "dinov2_with_registers", "dinov3_vit")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _hf_shards(d: Path) -> Optional[list[Path]]:
+    """Files of a (possibly sharded) Hugging Face safetensors checkpoint in folder ``d``."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return [d / f for f in sorted(set(_read_json(index)["weight_map"].values()))]
+    return [d / WEIGHTS_NAME] if (d / WEIGHTS_NAME).is_file() else None
+
+
+def _students(run: Path) -> list[str]:
+    export = run / "export"
+    return sorted(p.name for p in export.iterdir() if (p / WEIGHTS_NAME).is_file()) if export.is_dir() else []
+
+
+def _resolve_path(path: Path, which: Optional[str] = None) -> tuple[list[Path], Optional[dict], dict]:
+    """A file or folder -> (weights files, dinopipe arch if recorded, HF config.json if an HF folder).
+
+    Run directories: ``export/teacher`` (pretraining), ``export/NAME`` (distillation: the student named by
+    ``which``, or the only one), else the latest DCP checkpoint (handled by the caller).
+    """
     if path.is_file():
-        return path, None
+        return [path], None, {}
     if not path.is_dir():
         raise CheckpointError(f"'{path}' is neither a file, a folder nor a registry name ({', '.join(list_models())})")
-    for sub in ("", "export/teacher", "export"):
+    subs = ["", "export/teacher", "export"]
+    students = _students(path)
+    if which and which not in ("teacher", "student"):
+        if which not in students:
+            raise CheckpointError(f"'{path}': no exported student '{which}' (exported: {students or 'none'})")
+        subs = [f"export/{which}"]
+    elif not (path / "export" / "teacher").is_dir() and len(students) == 1:
+        subs.append(f"export/{students[0]}")
+    for sub in subs:
         d = path / sub if sub else path
-        if (d / WEIGHTS_NAME).is_file():
-            cfg_file = d / CONFIG_NAME
-            cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        files = _hf_shards(d)
+        if files:
+            cfg = _read_json(d / CONFIG_NAME)
             arch = cfg.get("arch") if cfg.get("format") == EXPORT_FORMAT else None
-            return d / WEIGHTS_NAME, arch
-    raise CheckpointError(f"'{path}': no {WEIGHTS_NAME} in the folder, export/teacher/ or export/")
+            return files, arch, cfg if cfg.get("model_type") in HF_MODEL_TYPES else {}
+    if len(students) > 1 and not (path / "export" / "teacher").is_dir() and not which:
+        raise CheckpointError(f"'{path}' is a distillation run with students {students}: pass which=NAME "
+                              f"(dinopipe export --which NAME) to pick one")
+    raise CheckpointError(f"'{path}': no {WEIGHTS_NAME} in the folder, export/teacher/ or export/, and no DCP checkpoint")
+
+
+# -- DCP checkpoints (RUN/checkpoints/step_N) --------------------------------------------------------------
+
+
+def _dcp_dir(path: Path, which: Optional[str] = None) -> Optional[Path]:
+    """A DCP checkpoint folder for ``path``: itself, or a run directory's latest checkpoint when the run has no
+    export yet or a raw student is asked for (exports hold the teacher / EMA weights only)."""
+    if (path / ".metadata").is_file():
+        return path
+    pointer = path / "checkpoints" / "latest"
+    wants_student = bool(which) and (which == "student" or which.startswith("student."))
+    if pointer.is_file() and (wants_student or not (path / "export").is_dir()):
+        ckpt = path / "checkpoints" / pointer.read_text().strip()
+        if (ckpt / ".metadata").is_file():
+            return ckpt
+    return None
+
+
+def _pick_dcp_state(names: list[str], which: Optional[str], where: Path) -> str:
+    """Which saved module to read: pretraining saves 'teacher'/'student', distillation 'ema.NAME'/'student.NAME'."""
+    students = sorted(n.split(".", 1)[1] for n in names if n.startswith("ema."))
+    if which in (None, "teacher") and "teacher" in names:
+        return "teacher"
+    if which == "student" and "student" in names:
+        return "student"
+    if which in names:
+        return which
+    if which and f"ema.{which}" in names:
+        return f"ema.{which}"  # the EMA of a student, which is what distillation exports
+    if which in (None, "teacher", "student") and len(students) == 1:
+        return (f"student.{students[0]}" if which == "student" else f"ema.{students[0]}")
+    if students:
+        raise CheckpointError(f"{where}: a distillation checkpoint with students {students}: pass which=NAME (its EMA, "
+                              f"as exported) or which='student.NAME' (the raw student)")
+    raise CheckpointError(f"{where}: no backbone '{which}' in this checkpoint (it holds {names})")
+
+
+def _flatten(d: Mapping, prefix: str = "") -> dict[str, Tensor]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def read_dcp_backbone(path: Path, which: Optional[str] = None) -> tuple[dict[str, Tensor], str]:
+    """(backbone state dict, state name) from a DCP folder, in this process, without a process group."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    marker = ".model.backbone."
+    names = sorted({k.split(marker, 1)[0] for k in keys if marker in k})
+    if not names:
+        raise CheckpointError(f"{path}: a DCP checkpoint without backbone weights (keys like {keys[:3]})")
+    name = _pick_dcp_state(names, which, path)
+    want = {k for k in keys if k.startswith(name + marker)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")  # exactly what we want here
+        loaded = _flatten(_load_state_dict_from_keys(keys=want, checkpoint_id=str(path)))
+    prefix = name + marker
+    return {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}, name
+
+
+def _run_arch(ckpt: Path, state: str) -> Optional[dict]:
+    """Exact architecture from the run's resolved config.yaml (RUN/checkpoints/step_N -> RUN/config.yaml)."""
+    from omegaconf import OmegaConf
+
+    cfg_file = ckpt.parent.parent / "config.yaml"
+    if not cfg_file.is_file():
+        return None
+    cfg = OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=True)
+    model = cfg.get("model")
+    if "." in state and isinstance(cfg.get("students"), list):  # distillation: students[i].model
+        student = state.split(".", 1)[1]
+        model = next((s.get("model") for s in cfg["students"] if s.get("name") == student), None)
+    if not isinstance(model, Mapping) or model.get("pretrained") or model.get("name") not in list_models():
+        return None
+    from .config import ModelConfig
+
+    kwargs = ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}).create_kwargs()
+    return {**model_defaults(model["name"]), **kwargs}
 
 
 def load(
@@ -82,13 +207,16 @@ def load(
     device: str | torch.device = "cpu",
     num_heads: Optional[int] = None,
     strict: bool = True,
+    which: Optional[str] = None,
     **overrides: Any,
 ) -> DinoVisionTransformer:
     """A ready backbone in eval mode.
 
     ``arch`` (constructor kwargs) overrides what the file says or what shapes imply; ``num_heads`` is needed
-    only for foreign files whose heads are not 64-dimensional. ``overrides`` (e.g. ``attn_backend='sdpa'``,
-    ``drop_path_rate``) change run-time behaviour, not weights.
+    only for foreign files whose head count neither the file nor a config tells. ``which`` picks a backbone
+    of a run: 'teacher' (default) or 'student' of a pretraining run, a student's name in a distillation run
+    (its EMA, as exported; 'student.NAME' for the raw student in a DCP checkpoint). ``overrides`` (e.g.
+    ``attn_backend='sdpa'``, ``drop_path_rate``) change run-time behaviour, not weights.
     """
     name = str(path_or_name)
     if name in list_models() and not Path(name).exists():
@@ -96,13 +224,25 @@ def load(
 
         log.warning("dinopipe.load('%s'): a registry name, so the weights are randomly initialised", name)
         return create_model(name, **overrides).to(device).eval()
-    file, folder_arch = _resolve_path(Path(path_or_name))
-    obj, file_arch = read_checkpoint(file)
+    path = Path(path_or_name)
+    dcp_dir = _dcp_dir(path, which) if path.is_dir() else None
+    file_arch, hf_cfg = None, {}
+    if dcp_dir is not None:
+        obj, state = read_dcp_backbone(dcp_dir, which)
+        file, file_arch = dcp_dir, _run_arch(dcp_dir, state)
+    else:
+        files, file_arch, hf_cfg = _resolve_path(path, which)
+        file = files[0]
+        obj = {}
+        for f in files:
+            part, part_arch = read_checkpoint(f)
+            obj = part if len(files) == 1 else {**obj, **part}
+            file_arch = file_arch or part_arch
     try:
-        sd = to_canonical(obj)
+        sd, inferred = convert_checkpoint(obj, num_heads=num_heads, hf_config=hf_cfg or None)
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{file}: {exc}") from None
-    kwargs = dict(file_arch or folder_arch or infer_arch(sd, num_heads=num_heads))
+    kwargs = dict(file_arch or inferred)
     kwargs.update(arch or {})
     if num_heads:
         kwargs["num_heads"] = num_heads
@@ -118,6 +258,14 @@ def load(
 
 
 # -- writing ------------------------------------------------------------------------------------------
+
+
+def _is_dinov3(arch: Mapping[str, Any]) -> bool:
+    return arch.get("family") == "dinov3"
+
+
+def _ffn_hidden(model: nn.Module) -> int:
+    return int(model.blocks[0].mlp.fc2.in_features)
 
 
 def export_arch(model: DinoVisionTransformer) -> dict[str, Any]:
@@ -147,7 +295,12 @@ def export_timm(model: DinoVisionTransformer, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arch = export_arch(model)
-    name, model_args = timm_model_args(arch)
+    if _is_dinov3(arch):
+        name, model_args = timm_dinov3_model_args(arch, _ffn_hidden(model))
+        weights = to_timm_dinov3(model.state_dict(), arch)
+    else:
+        name, model_args = timm_model_args(arch)
+        weights = to_timm(model.state_dict())
     size = int(arch["img_size"])
     cfg = {
         "architecture": name,
@@ -170,7 +323,7 @@ def export_timm(model: DinoVisionTransformer, out_dir: str | Path) -> Path:
             "license": "apache-2.0",
         },
     }
-    save_file(_contiguous_cpu(to_timm(model.state_dict())), str(out / WEIGHTS_NAME))
+    save_file(_contiguous_cpu(weights), str(out / WEIGHTS_NAME))
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -182,7 +335,23 @@ def export_dinov2(model: DinoVisionTransformer, out_path: str | Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         out = out / "backbone.pth"
     arch = export_arch(model)
+    if _is_dinov3(arch):
+        raise ValueError("a DINOv3 backbone (RoPE, no position embedding) has no DINOv2 layout: use --format dinov3")
     torch.save(to_dinov2(_contiguous_cpu(model.state_dict()), arch.get("ffn", "mlp")), out)
+    return out
+
+
+def export_dinov3(model: nn.Module, out_path: str | Path) -> Path:
+    """A ``.pth`` in the official DINOv3 layout: ``dinov3.hub.backbones.dinov3_*(weights=PATH)`` loads it
+    (strict), with ``rope_embed.periods`` and the masked key bias's ``bias_mask``."""
+    out = Path(out_path)
+    if out.suffix != ".pth":
+        out.mkdir(parents=True, exist_ok=True)
+        out = out / "backbone.pth"
+    arch = export_arch(model)
+    if not _is_dinov3(arch):
+        raise ValueError("only DINOv3 backbones (RoPE) have the DINOv3 layout: use --format dinov2 for this one")
+    torch.save(to_official_dinov3(_contiguous_cpu(model.state_dict()), arch), out)
     return out
 
 
@@ -191,7 +360,8 @@ EXPORTERS = {
     "safetensors": save_backbone,
     "timm": export_timm,
     "dinov2": export_dinov2,
-    "hf": export_hf,  # transformers Dinov2Model / Dinov2WithRegistersModel folder
+    "dinov3": export_dinov3,
+    "hf": export_hf,  # transformers Dinov2Model / Dinov2WithRegistersModel / DINOv3ViTModel folder
 }
 
 
@@ -202,5 +372,6 @@ def export(model: DinoVisionTransformer, fmt: str, out: str | Path) -> Path:
 
 
 __all__ = [
-    "load", "read_checkpoint", "save_backbone", "export", "export_timm", "export_dinov2", "export_hf", "CheckpointError",
+    "load", "read_checkpoint", "read_dcp_backbone", "save_backbone", "export", "export_timm", "export_dinov2",
+    "export_dinov3", "export_hf", "CheckpointError",
 ]

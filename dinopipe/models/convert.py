@@ -8,7 +8,9 @@ and SwiGLU). Sources are detected by their keys:
   prefixes, training dicts wrapping the weights (``{"teacher": {...}}``, ``{"model": {...}}``);
 - timm DINOv2 (``vit_*_dinov2``): no ``mask_token``; with registers ``reg_token`` and a class-free
   ``pos_embed`` whose class position was folded into ``cls_token``;
-- dinopipe's own (canonical).
+- dinopipe's own (canonical);
+- DINOv3 (official, timm ``vit_*_patch16_dinov3``) in convert_dinov3.py, Hugging Face folders (Dinov2,
+  Dinov2WithRegisters, DINOv3ViT) in convert_hf.py; ``convert_checkpoint`` dispatches to all of them.
 
 Architecture is inferred from tensor shapes (``infer_arch``); the head count cannot be, so it defaults to
 dim/64 (true for every DINOv2 model) unless given. Nothing here touches files or devices.
@@ -23,6 +25,8 @@ import torch
 from torch import Tensor
 
 from .block import swiglu_hidden
+from .convert_dinov3 import from_official_dinov3, from_timm_dinov3, infer_arch_dinov3, is_dinov3, is_timm_dinov3
+from .convert_hf import arch_from_hf_dinov2_config, arch_from_hf_dinov3_config, detect_hf, from_hf_dinov2, from_hf_dinov3
 
 _WRAPPER_KEYS = ("teacher", "model", "state_dict", "model_state_dict", "module", "student")
 _PREFIXES = ("module.", "_orig_mod.", "teacher.", "student.", "model.", "backbone.", "encoder.")
@@ -53,7 +57,15 @@ def unwrap_state_dict(obj: Any) -> dict[str, Tensor]:
 
 
 def detect_format(sd: Mapping[str, Tensor]) -> str:
-    """'timm' | 'dinov2' | 'dinopipe' from key names of an unwrapped state dict."""
+    """'hf_dinov2' | 'hf_dinov3' | 'timm_dinov3' | 'dinov3' | 'timm' | 'dinov2' | 'dinopipe' from the key
+    names of an unwrapped state dict ('dinov3' covers the official release and dinopipe's DINOv3 layout)."""
+    hf = detect_hf(sd)
+    if hf:
+        return hf
+    if is_timm_dinov3(sd):
+        return "timm_dinov3"
+    if is_dinov3(sd):
+        return "dinov3"
     if "reg_token" in sd or ("cls_token" in sd and "mask_token" not in sd):
         return "timm"
     if any(".mlp.w12." in k or _CHUNKED.match(k) for k in sd):
@@ -84,15 +96,45 @@ def from_timm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def _convert(sd: Mapping[str, Tensor], fmt: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """(canonical state dict, architecture hints the source's buffers give) for a detected format."""
+    if fmt == "hf_dinov3":
+        return from_hf_dinov3(sd), {}
+    if fmt == "hf_dinov2":
+        return from_hf_dinov2(sd), {}
+    if fmt == "timm_dinov3":
+        return from_timm_dinov3(sd), {}
+    if fmt == "dinov3":
+        return from_official_dinov3(sd)
+    if fmt == "timm":
+        return from_timm(sd), {}
+    if fmt == "dinov2":
+        return from_dinov2(sd), {}
+    return dict(sd), {}
+
+
+def convert_checkpoint(obj: Any, num_heads: Optional[int] = None,
+                       hf_config: Optional[Mapping[str, Any]] = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Any supported checkpoint object -> (canonical state dict, ``build_vit`` kwargs inferred for it).
+
+    ``hf_config`` (a Hugging Face ``config.json``) gives the exact architecture of HF weights.
+    """
+    sd = unwrap_state_dict(obj)
+    fmt = detect_format(sd)
+    sd, hints = _convert(sd, fmt)
+    if hf_config and fmt == "hf_dinov3":
+        return sd, arch_from_hf_dinov3_config(hf_config)
+    if hf_config and fmt == "hf_dinov2":
+        return sd, arch_from_hf_dinov2_config(hf_config, sd)
+    if is_dinov3(sd):
+        return sd, infer_arch_dinov3(sd, num_heads, hints)
+    return sd, infer_arch(sd, num_heads=num_heads)
+
+
 def to_canonical(obj: Any) -> dict[str, Tensor]:
     """Any supported checkpoint object -> canonical backbone state dict."""
     sd = unwrap_state_dict(obj)
-    fmt = detect_format(sd)
-    if fmt == "timm":
-        return from_timm(sd)
-    if fmt == "dinov2":
-        return from_dinov2(sd)
-    return dict(sd)
+    return _convert(sd, detect_format(sd))[0]
 
 
 def to_dinov2(sd: Mapping[str, Tensor], ffn: str) -> dict[str, Tensor]:
@@ -115,6 +157,8 @@ def to_timm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 def infer_arch(sd: Mapping[str, Tensor], num_heads: Optional[int] = None) -> dict[str, Any]:
     """Constructor kwargs for ``build_vit`` from a canonical state dict's shapes."""
+    if is_dinov3(sd):
+        return infer_arch_dinov3(sd, num_heads=num_heads)
     w = sd["patch_embed.proj.weight"]  # (D, C, p, p)
     dim, in_chans, patch = w.shape[0], w.shape[1], w.shape[-1]
     depth = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k)))
@@ -180,6 +224,7 @@ def timm_model_args(arch: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 __all__ = [
-    "unwrap_state_dict", "detect_format", "from_dinov2", "from_timm", "to_canonical", "to_dinov2", "to_timm",
+    "unwrap_state_dict", "detect_format", "from_dinov2", "from_timm", "to_canonical", "convert_checkpoint",
+    "to_dinov2", "to_timm",
     "infer_arch", "timm_model_args",
 ]
