@@ -39,11 +39,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .hub import CheckpointError, export, load
 
     try:
-        model = load(args.model, num_heads=args.num_heads)
+        model = load(args.model, num_heads=args.num_heads, which=args.which)
     except (CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    out = export(model, args.format, args.out)
+    try:
+        out = export(model, args.format, args.out)
+    except ValueError as exc:  # e.g. a layout that cannot hold this architecture
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(out)
     return 0
 
@@ -97,10 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list registry variants").set_defaults(func=_cmd_models)
 
-    e = sub.add_parser("export", help="export a backbone for timm / HF transformers / DINOv2 / plain safetensors")
+    e = sub.add_parser("export", help="export a backbone for timm / HF transformers / DINOv2 / DINOv3 / plain safetensors")
     e.add_argument("--model", required=True, help="anything dinopipe.load accepts")
-    e.add_argument("--format", required=True, choices=["timm", "hf", "dinov2", "safetensors", "dinopipe"])
-    e.add_argument("--out", required=True, help="output folder (or .pth file for --format dinov2)")
+    e.add_argument("--format", required=True, choices=["timm", "hf", "dinov2", "dinov3", "safetensors", "dinopipe"])
+    e.add_argument("--out", required=True, help="output folder (or .pth file for --format dinov2 / dinov3)")
+    e.add_argument("--which", default=None,
+                   help="backbone of a run: teacher (default) | student, or a distillation student's name")
     e.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
     e.set_defaults(func=_cmd_export)
 

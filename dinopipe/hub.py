@@ -109,7 +109,9 @@ def _resolve_path(path: Path, which: Optional[str] = None) -> tuple[list[Path], 
         if files:
             cfg = _read_json(d / CONFIG_NAME)
             arch = cfg.get("arch") if cfg.get("format") == EXPORT_FORMAT else None
-            return files, arch, cfg if cfg.get("model_type") in HF_MODEL_TYPES else {}
+            if cfg.get("model_type") in HF_MODEL_TYPES or isinstance(cfg.get("model_args"), Mapping):
+                return files, arch, cfg  # Hugging Face config, or a timm folder's (its model_args give the heads)
+            return files, arch, {}
     if len(students) > 1 and not (path / "export" / "teacher").is_dir() and not which:
         raise CheckpointError(f"'{path}' is a distillation run with students {students}: pass which=NAME "
                               f"(dinopipe export --which NAME) to pick one")
@@ -238,6 +240,9 @@ def load(
             part, part_arch = read_checkpoint(f)
             obj = part if len(files) == 1 else {**obj, **part}
             file_arch = file_arch or part_arch
+    if not num_heads and isinstance(hf_cfg.get("model_args"), Mapping):
+        num_heads = hf_cfg["model_args"].get("num_heads")
+    hf_cfg = hf_cfg if hf_cfg.get("model_type") in HF_MODEL_TYPES else {}
     try:
         sd, inferred = convert_checkpoint(obj, num_heads=num_heads, hf_config=hf_cfg or None)
     except (ValueError, KeyError) as exc:
