@@ -51,6 +51,7 @@ class Arch:
     block_params: list[int]
     root_params: int  # backbone params outside the blocks (patch embed, tokens, final norm)
     backbone_numels: list[tuple[int, ...]]  # every parameter shape (for FSDP padding)
+    rope: bool = False  # DINOv3: RoPE instead of a position embedding (registers = its storage tokens)
 
 
 @dataclass
@@ -102,7 +103,8 @@ def describe(cfg) -> tuple[Arch, list[HeadArch]]:
         num_register_tokens=bb.num_register_tokens, block_linear_flops=lin, fc1_out=blk.mlp.fc1.out_features,
         layer_scale=isinstance(blk.ls1, LayerScale), drop_rates=[b.drop_path_rate for b in bb.blocks],
         efficient_drop_path=blk.efficient_drop_path, block_params=block_params,
-        root_params=sum(p.numel() for p in bb.parameters()) - sum(block_params), backbone_numels=_shapes(bb))
+        root_params=sum(p.numel() for p in bb.parameters()) - sum(block_params), backbone_numels=_shapes(bb),
+        rope=hasattr(bb, "rope_embed"))
     head_archs = []
     for name, h in heads:
         linears = [m for m in h.mlp if isinstance(m, nn.Linear)]
@@ -195,6 +197,16 @@ def block_saved_bytes(arch: Arch, groups: list[tuple[int, int]], c: int, attn: s
     return norms + attn_bytes + (1 + ls) * t * D * c + mlp_bytes + extra
 
 
+def rope_table_bytes(arch: Arch, groups: list[tuple[int, int]]) -> int:
+    """RoPE's fp32 (sin, cos) tables, (patches, head_dim) per crop group: built once per forward and kept
+    for backward by every block's rotation (the same tensors, so counted once). The rotated q/k replace the
+    qkv output in what attention keeps, so RoPE adds nothing else."""
+    if not arch.rope:
+        return 0
+    hd = arch.dim // arch.num_heads
+    return sum(2 * (n - 1 - arch.num_register_tokens) * hd * 4 for _, n in groups)
+
+
 def backbone_saved_bytes(arch: Arch, groups: list[tuple[int, int]], sizes: list[int], c: int, attn: str,
                          checkpointing: bool, stat_bytes: int = 4) -> int:
     """Bytes kept over the whole student backbone forward (images, blocks, final norm).
@@ -209,7 +221,7 @@ def backbone_saved_bytes(arch: Arch, groups: list[tuple[int, int]], sizes: list[
     else:
         rates = Counter(arch.drop_rates)  # uniform schedules: one evaluation for all blocks
         blocks = sum(k * block_saved_bytes(arch, groups, c, attn, r, stat_bytes) for r, k in rates.items())
-    return images + blocks + final_norm
+    return images + blocks + final_norm + rope_table_bytes(arch, groups)
 
 
 def masked_patches(cfg, n_global: int, n_patches: int, upper: bool) -> float:
