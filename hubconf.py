@@ -2,8 +2,12 @@
 
     model = torch.hub.load("/path/to/dinopipe", "dinopipe_vits14", source="local", weights="run/export/teacher")
 
-``weights`` is anything ``dinopipe.load`` accepts (export folder, run dir, official DINOv2 .pth, timm file);
-without it the model is randomly initialised. The weights must match the entry's architecture.
+    model = torch.hub.load("/path/to/dinopipe", "dinopipe_vitl16_dinov3", source="local",
+                           weights="dinov3_vitl16_pretrain_lvd1689m-8aa4cbdd.pth")
+
+``weights`` is anything ``dinopipe.load`` accepts (export folder, run dir, DCP checkpoint, official DINOv2 or
+DINOv3 .pth, timm file, Hugging Face folder); without it the model is randomly initialised. The weights must
+match the entry's architecture.
 """
 
 dependencies = ["torch", "timm", "safetensors"]
@@ -18,8 +22,9 @@ def _entry(variant: str, weights=None, **kwargs):
     model = load(weights, **kwargs)
     want = {**model_defaults(variant), **{k: v for k, v in kwargs.items() if k in ("embed_dim", "depth")}}
     got = dict(embed_dim=model.embed_dim, depth=model.n_blocks, patch_size=model.patch_size,
-               num_register_tokens=model.num_register_tokens)
-    if any(want[k] != v for k, v in got.items()):
+               num_register_tokens=model.num_register_tokens,
+               family=model.arch_config().get("family", "dinov2"))
+    if any(want.get(k, "dinov2") != v for k, v in got.items()):
         raise ValueError(f"weights '{weights}' hold a model with {got}, not a {variant}; use the matching entry point")
     return model
 
@@ -28,6 +33,7 @@ def _make(variant: str):
     def entry(weights=None, **kwargs):
         return _entry(variant, weights, **kwargs)
 
+    # vit_s14_reg4 -> dinopipe_vits14_reg; vit_l16_dinov3 -> dinopipe_vitl16_dinov3 (DINOv3's hub names)
     entry.__name__ = "dinopipe_" + variant.replace("vit_", "vit").replace("_reg4", "_reg")
     entry.__doc__ = f"dinopipe {variant} backbone (weights=PATH to load trained weights)."
     return entry
@@ -46,3 +52,13 @@ dinopipe_vitb16 = _make("vit_b16")
 dinopipe_vitl16 = _make("vit_l16")
 dinopipe_vit_test = _make("vit_test")
 dinopipe_vit_test_reg = _make("vit_test_reg4")
+
+# DINOv3 (RoPE, 4 storage tokens); official .pth files, timm and Hugging Face DINOv3 weights all load.
+dinopipe_vits16_dinov3 = _make("vit_s16_dinov3")
+dinopipe_vits16plus_dinov3 = _make("vit_s16plus_dinov3")
+dinopipe_vitb16_dinov3 = _make("vit_b16_dinov3")
+dinopipe_vitl16_dinov3 = _make("vit_l16_dinov3")
+dinopipe_vitl16plus_dinov3 = _make("vit_l16plus_dinov3")
+dinopipe_vith16plus_dinov3 = _make("vit_h16plus_dinov3")
+dinopipe_vit7b16_dinov3 = _make("vit_7b16_dinov3")
+dinopipe_vit_test_dinov3 = _make("vit_test_dinov3")

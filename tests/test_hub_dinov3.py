@@ -212,3 +212,16 @@ def test_cli_export_dinov3_formats(tmp_path, capsys):
     same(dinopipe.load(src), dinopipe.load(tmp_path / "hf"))
     assert main(["export", "--model", str(src), "--format", "dinov2", "--out", str(tmp_path / "x.pth")]) == 1
     assert "--format dinov3" in capsys.readouterr().err
+
+
+def test_torch_hub_dinov3_entries(tmp_path):
+    repo = str(Path(__file__).resolve().parents[1])
+    model = randomised()
+    pth = hub.export(model, "dinov3", tmp_path / "dinov3_vittest16.pth")
+    loaded = torch.hub.load(repo, "dinopipe_vit_test_dinov3", source="local", weights=str(pth))
+    same(model, loaded)
+    with pytest.raises(ValueError, match="not a vit_test"):  # DINOv2 entry, DINOv3 weights: refused
+        torch.hub.load(repo, "dinopipe_vit_test", source="local", weights=str(pth))
+    with torch.device("meta"):
+        big = torch.hub.load(repo, "dinopipe_vitl16_dinov3", source="local")
+    assert sum(p.numel() for p in big.parameters()) == 303_154_176
