@@ -135,6 +135,21 @@ def hf_preprocessor_config(img_size: int) -> dict[str, Any]:
     }
 
 
+def hf_dinov3_preprocessor_config(img_size: int) -> dict[str, Any]:
+    """What ``facebook/dinov3-*`` ship: resize to a square (RoPE needs no fixed grid), ImageNet norm."""
+    return {
+        "image_processor_type": "DINOv3ViTImageProcessorFast",
+        "do_resize": True,
+        "size": {"height": img_size, "width": img_size},
+        "resample": 2,  # bilinear
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(IMAGENET_MEAN),
+        "image_std": list(IMAGENET_STD),
+    }
+
+
 def export_hf(model, out_dir: str | Path) -> Path:
     """Folder that ``transformers.AutoModel.from_pretrained(DIR)`` loads (Dinov2Model / Dinov2WithRegistersModel,
     or DINOv3ViTModel for DINOv3 backbones, with its on-disk key names ``layer.N.*``)."""
@@ -154,8 +169,9 @@ def export_hf(model, out_dir: str | Path) -> Path:
     save_file({k: v.detach().to("cpu").contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "preprocessor_config.json").write_text(json.dumps(hf_preprocessor_config(cfg["image_size"]), indent=2))
+    pre = hf_dinov3_preprocessor_config if arch.get("family") == "dinov3" else hf_preprocessor_config
+    (out / "preprocessor_config.json").write_text(json.dumps(pre(cfg["image_size"]), indent=2))
     return out
 
 
-__all__ = ["export_hf", "to_hf", "hf_config", "hf_preprocessor_config"]
+__all__ = ["export_hf", "to_hf", "hf_config", "hf_preprocessor_config", "hf_dinov3_preprocessor_config"]

@@ -111,6 +111,10 @@ def test_hf_dinov3_export_loads_in_transformers_and_back(tmp_path):
         keys = set(f.keys())
     assert "layer.0.attention.q_proj.weight" in keys and "layer.0.mlp.gate_proj.weight" in keys  # on-disk names
     hf = DINOv3ViTModel.from_pretrained(out).eval()
+    from transformers import AutoImageProcessor
+
+    pixels = AutoImageProcessor.from_pretrained(out)(images=torch.zeros(3, 100, 150), return_tensors="pt")
+    assert pixels["pixel_values"].shape == (1, 3, 224, 224)  # DINOv3's square resize, no crop
     x = img(64, 96)
     with torch.no_grad():
         torch.testing.assert_close(hf(pixel_values=x).pooler_output, model(x), atol=TOL, rtol=0)
