@@ -147,6 +147,14 @@ def test_hf_dinov2_folders_written_by_transformers_load(tmp_path, registers):
     torch.testing.assert_close(out["x_norm_patchtokens"], ref[:, 1 + registers:], atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["vit_test", "vit_test_reg4"])
+def test_dinopipes_own_hf_dinov2_export_loads_back(tmp_path, name):
+    model = create_model(name, init_values=1.0).eval()
+    back = dinopipe.load(hub.export(model, "hf", tmp_path / "hf"))
+    assert back.num_register_tokens == model.num_register_tokens and back.num_heads == 2
+    same(model, back, torch.randn(2, 3, 56, 56))
+
+
 def test_dinov2_layout_refused_for_dinov3(tmp_path):
     with pytest.raises(ValueError, match="--format dinov3"):
         hub.export(randomised(), "dinov2", tmp_path / "x.pth")
