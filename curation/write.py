@@ -23,7 +23,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from dinopipe.data.pool_index import INDEX_NAME, tar_index, write_index
+from dinopipe.data.pool_index import INDEX_NAME, member_locations, tar_index, write_index
 from dinopipe.data.sources import MultiSource, extension_of
 
 # Every input image ends in exactly one of these (manifest.json counts them).
@@ -82,7 +82,7 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
             os.remove(old)
     if shards and sorted(glob.glob(os.path.join(out_dir, "*.tar"))) == sorted(shards):
         # Only when the folder holds exactly these shards: that is what a trainer pointed at it will read.
-        header, arrays = tar_index(shards, members, root=None)
+        header, arrays = tar_index(shards, [member_locations(m) for m in members], root=None)
         write_index(index_path, header, arrays)
     return {"shards": shards, "written": written, "failed": failed}
 

@@ -99,38 +99,44 @@ def _file_fingerprint(path: str) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def tar_index(shards: Sequence[str], members: Sequence[Sequence[tuple[str, int, int]]], root: Optional[str]):
-    """(header, arrays) for tar ``shards`` with their image ``members`` [(name, offset, size), ...] per shard.
+def member_locations(members: Sequence[tuple[str, int, int]]) -> np.ndarray:
+    """(m, 2) int64 [offset, size] of one shard's image members [(name, offset, size), ...], in name order."""
+    ms = sorted(members, key=lambda m: m[0])
+    return np.asarray([(o, s) for _, o, s in ms], dtype=np.int64).reshape(-1, 2)
+
+
+def tar_index(shards: Sequence[str], locations: Sequence[np.ndarray], root: Optional[str]):
+    """(header, arrays) for tar ``shards`` with their image members' :func:`member_locations`.
 
     Order: shards by name (with the ``/`` that follows it in an id), members by name — the order of the ids
     ``<source>/<shard>/<member>`` that ``list_pool`` sorts by. ``root=None`` stores bare shard names, found in
     the index file's own folder (curation output stays valid when the folder moves), else paths under ``root``.
     """
     order = sorted(range(len(shards)), key=lambda k: os.path.basename(shards[k]) + "/")
-    rels, idx, off, size = [], [], [], []
-    for new, k in enumerate(order):
-        rels.append(os.path.basename(shards[k]) if root is None else os.path.relpath(shards[k], root))
-        for name, o, s in sorted(members[k], key=lambda m: m[0]):
-            idx.append(new), off.append(o), size.append(s)
+    rels = [os.path.basename(shards[k]) if root is None else os.path.relpath(shards[k], root) for k in order]
     blob, start = _path_table(rels)
     stats = [os.stat(shards[k]) for k in order]
-    arrays = {"path_blob": blob, "path_start": start, "image_path": np.asarray(idx, dtype=np.uint32),
-              "image_offset": np.asarray(off, dtype=np.int64), "image_size": np.asarray(size, dtype=np.int64),
+    idx = [np.full(len(locations[k]), new, dtype=np.uint32) for new, k in enumerate(order)]
+    loc = np.concatenate([locations[k] for k in order]) if order else np.zeros((0, 2), dtype=np.int64)
+    arrays = {"path_blob": blob, "path_start": start,
+              "image_path": np.concatenate(idx) if idx else np.zeros(0, dtype=np.uint32),
+              "image_offset": loc[:, 0], "image_size": loc[:, 1],
               "shard_size": np.asarray([st.st_size for st in stats], dtype=np.int64),
               "shard_mtime_ns": np.asarray([st.st_mtime_ns for st in stats], dtype=np.int64)}
-    return {"kind": "tar", "root": root, "n_images": len(idx), "n_paths": len(rels)}, arrays
+    return {"kind": "tar", "root": root, "n_images": len(loc), "n_paths": len(rels)}, arrays
 
 
 def build_index(source: ImageSource):
     """(header, arrays) for one source. Tar shards: one header walk; folders / file lists: one listing."""
     if isinstance(source, TarShardSource):
         shards = [os.path.abspath(s) for s in source.shards]
-        members = []
+        locations = []
         for shard in shards:
-            refs = source._shard_refs(shard, os.path.basename(shard))  # per shard only: transient objects
+            refs = source._shard_refs(shard, os.path.basename(shard))  # one shard's objects at a time
             prefix = len(source.name) + len(os.path.basename(shard)) + 2
-            members.append([(r.id[prefix:], r.loc[1], r.loc[2]) for r in refs])
-        return tar_index(shards, members, root=os.path.commonpath([os.path.dirname(s) for s in shards]))
+            # Straight to 16 B per image: building holds compact arrays, not an object per image.
+            locations.append(member_locations([(r.id[prefix:], r.loc[1], r.loc[2]) for r in refs]))
+        return tar_index(shards, locations, root=os.path.commonpath([os.path.dirname(s) for s in shards]))
     refs = sorted(source.refs(), key=lambda r: r.id)
     n = len(refs)
     if isinstance(source, FolderSource):
@@ -354,7 +360,7 @@ def main(argv=None) -> int:
 
 
 __all__ = ["Location", "Pool", "PoolIndex", "PoolIndexError", "INDEX_NAME", "open_pool", "build_index",
-           "tar_index", "write_index", "write_source_index"]
+           "member_locations", "tar_index", "write_index", "write_source_index"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
