@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 from typing import NamedTuple, Optional, Sequence
 
@@ -99,6 +100,10 @@ def _file_fingerprint(path: str) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
+def _row_dtype(n_paths: int):
+    return np.uint32 if n_paths < 2**32 else np.uint64  # 4 B per image up to 4.29 billion shards / files
+
+
 def member_locations(members: Sequence[tuple[str, int, int]]) -> np.ndarray:
     """(m, 2) int64 [offset, size] of one shard's image members [(name, offset, size), ...], in name order."""
     ms = sorted(members, key=lambda m: m[0])
@@ -116,7 +121,7 @@ def tar_index(shards: Sequence[str], locations: Sequence[np.ndarray], root: Opti
     rels = [os.path.basename(shards[k]) if root is None else os.path.relpath(shards[k], root) for k in order]
     blob, start = _path_table(rels)
     stats = [os.stat(shards[k]) for k in order]
-    idx = [np.full(len(locations[k]), new, dtype=np.uint32) for new, k in enumerate(order)]
+    idx = [np.full(len(locations[k]), new, dtype=_row_dtype(len(rels))) for new, k in enumerate(order)]
     loc = np.concatenate([locations[k] for k in order]) if order else np.zeros((0, 2), dtype=np.int64)
     arrays = {"path_blob": blob, "path_start": start,
               "image_path": np.concatenate(idx) if idx else np.zeros(0, dtype=np.uint32),
@@ -150,7 +155,7 @@ def build_index(source: ImageSource):
     else:
         raise TypeError(f"cannot index a {type(source).__name__}")
     blob, start = _path_table(rels)
-    arrays = {"path_blob": blob, "path_start": start, "image_path": np.arange(n, dtype=np.uint32),
+    arrays = {"path_blob": blob, "path_start": start, "image_path": np.arange(n, dtype=_row_dtype(n)),
               "image_offset": np.zeros(n, dtype=np.int64), "image_size": np.full(n, -1, dtype=np.int64)}
     return {**header, "n_images": n, "n_paths": n}, arrays
 
@@ -335,6 +340,7 @@ def open_pool(paths: Sequence[str | os.PathLike], cache_dir: str) -> Pool:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"two input sources share the name(s) {dup}; image ids would collide")
+    created = [d for d in (os.path.dirname(os.path.abspath(cache_dir)), cache_dir) if not os.path.exists(d)]
     parts = []
     for source in sorted(sources, key=lambda s: s.name + "/"):  # id order: ids start with '<name>/'
         idx = None
@@ -343,6 +349,8 @@ def open_pool(paths: Sequence[str | os.PathLike], cache_dir: str) -> Pool:
         parts.append(idx if idx is not None else _cached_index(source, cache_dir))
     pool = Pool(parts)
     if len(pool) == 0:
+        for d in reversed(created):  # an empty pool is a config error: leave no run directory behind
+            shutil.rmtree(d, ignore_errors=True)
         raise ValueError(f"no images found in {[str(p) for p in paths]}")
     return pool
 

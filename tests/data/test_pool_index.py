@@ -199,3 +199,10 @@ def test_concurrent_ranks_build_the_index_once(tmp_path):
     with mp.get_context("fork").Pool(3) as procs:
         assert procs.map(_open_and_count, [args] * 3) == [150] * 3
     assert len(log.read_text().split()) == 1, "every rank but one should map the index the first one built"
+
+
+def test_an_empty_pool_is_an_error_that_leaves_no_run_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no images found"):
+        open_pool([str(tmp_path / "empty")], cache_dir=str(tmp_path / "run" / "pool_index"))
+    assert not (tmp_path / "run").exists()
