@@ -6,7 +6,9 @@ original bytes (no re-encoding: the training loader decodes them like any web sh
 because webdataset splits keys at the first dot, which real file names often contain.
 Shards are written to a temporary name and renamed, so a crash never leaves a half shard that
 a training job would read; tar headers use a fixed mtime, so identical selections give
-byte-identical shards.
+byte-identical shards. Next to the shards goes ``pool-index.bin``, the compact memory-mapped index the
+trainer maps instead of walking every tar header (member offsets are known while writing, so it costs
+nothing to build; see :mod:`dinopipe.data.pool_index`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from dinopipe.data.pool_index import INDEX_NAME, member_locations, tar_index, write_index
 from dinopipe.data.sources import MultiSource, extension_of
 
 # Every input image ends in exactly one of these (manifest.json counts them).
@@ -38,8 +41,11 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     os.makedirs(out_dir, exist_ok=True)
+    index_path = os.path.join(out_dir, INDEX_NAME)
+    if os.path.exists(index_path):
+        os.remove(index_path)  # it describes the shards about to be replaced (a stale one would not validate)
     refs = source.ref_index()
-    shards, failed, written = [], [], 0
+    shards, failed, written, members = [], [], 0, []
     tf, tmp, n_in_shard = None, None, 0
     bar = tqdm(total=len(ids), desc="write shards", unit="img", disable=not progress,
                mininterval=2.0)
@@ -55,9 +61,10 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
             tmp = f"{path}.tmp-{os.getpid()}"
             tf = tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT)
             shards.append(path)
+            members.append([])
         key = f"{written:09d}"
         ext = extension_of(image_id) or "bin"
-        _add(tf, f"{key}.{ext}", data)
+        members[-1].append((f"{key}.{ext}", _add(tf, f"{key}.{ext}", data), len(data)))
         _add(tf, f"{key}.json", json.dumps({"key": key, **meta}, sort_keys=True).encode())
         written += 1
         n_in_shard += 1
@@ -73,15 +80,22 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
     for old in glob.glob(os.path.join(out_dir, f"{prefix}-*.tar")):
         if old not in shards:
             os.remove(old)
+    if shards and sorted(glob.glob(os.path.join(out_dir, "*.tar"))) == sorted(shards):
+        # Only when the folder holds exactly these shards: that is what a trainer pointed at it will read.
+        header, arrays = tar_index(shards, [member_locations(m) for m in members], root=None)
+        write_index(index_path, header, arrays)
     return {"shards": shards, "written": written, "failed": failed}
 
 
-def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
+def _add(tf: tarfile.TarFile, name: str, data: bytes) -> int:
+    """Add one member; returns the byte offset of its data in the shard (for the pool index)."""
     info = tarfile.TarInfo(name)
     info.size = len(data)
     info.mtime = 0  # reproducible bytes
     info.mode = 0o644
     tf.addfile(info, io.BytesIO(data))
+    # tf.offset is now past the data and its padding to a 512-byte block (PAX headers come before it).
+    return tf.offset - -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
 
 
 def build_manifest(statuses: dict[str, str], sources: dict[str, str],

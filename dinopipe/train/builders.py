@@ -4,11 +4,13 @@ per-step schedules, multi-crop data loaders per phase, the loop, and the command
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import ConfigError, exit_on_config_error, load_config
-from ..data.loader import DataPosition, build_train_loader, list_pool
+from ..data.loader import DataPosition, build_train_loader
+from ..data.pool_index import open_pool as open_indexed_pool
 from ..data.transforms import MultiCropAugmentation, MultiCropCollator
 from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr
 from .dist import DistInfo, destroy
@@ -86,8 +88,10 @@ def build_phases(cfg: Any, info: DistInfo, refs, read, patch_size: int) -> list[
 
 
 def open_pool(cfg: Any):
+    """(pool, read): the compact memory-mapped pool index (curation's, else built once in the run directory)."""
     try:
-        return list_pool(cfg.data.paths)
+        pool = open_indexed_pool(cfg.data.paths, cache_dir=os.path.join(cfg.train.output_dir, "pool_index"))
+        return pool, pool.read
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"data.paths: {exc}") from None
 
