@@ -187,6 +187,7 @@ def _task(dev: torch.device, small: bool, out_dir: Path, info) -> dict:
             if dev.type == "cuda" and step == n_steps - 1:
                 sync_counts.append(sum("synchroniz" in str(w.message) for w in caught))
             step_times.append(time.perf_counter() - t0)
+    res["n_collectives"] = len(seen)  # FSDP2 issues none at world size 1; the loss all-reduces are skipped too
     res["collective_devices"] = sorted({d for _, d in seen})
     res["collectives_on_device"] = all(d == dev.type for _, d in seen)
     res["host_syncs_in_task_step"] = sync_counts[-1] if sync_counts else None
