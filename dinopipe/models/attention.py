@@ -49,7 +49,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if device.type != "cuda":
             raise RuntimeError("attn_backend='xformers' needs CUDA tensors: xformers has no CPU kernel; use 'sdpa'")
         if xformers_ops() is None:
-            raise RuntimeError("attn_backend='xformers' but xformers is not installed (pip install 'dinopipe[gpu]')")
+            raise RuntimeError("attn_backend='xformers' but xformers is not installed; install the xformers wheel "
+                               "built for your torch (README, Install) or use 'sdpa'")
     return backend
 
 
