@@ -17,7 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .gpu_check import Skip, _rel
+from .gpu_check import Skip
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _need(*modules: str) -> None:
@@ -242,13 +244,13 @@ def check_cli(dev: torch.device, small: bool, out_dir: Path) -> dict:
     _need("omegaconf", "webdataset", "skimage")
     pool, run = out_dir / "photos", out_dir / "cli_run"
     _write_photos(pool)
-    cmd = [sys.executable, "-m", "dinopipe.train.pretrain", "--config", "configs/pretrain/quickstart.yaml",
+    cmd = [sys.executable, "-m", "dinopipe.train.pretrain", "--config", str(REPO / "configs/pretrain/quickstart.yaml"),
            f"data.paths=[{pool}]", f"train.output_dir={run}", "model.name=vit_s14", "model.img_size=224",
            "data.num_workers=2", "parallel.compile=true", "parallel.param_dtype=bf16", "train.epochs=1",
            "train.epoch_length=12", "train.log_every=1", "train.checkpoint_every=100", "train.progress=false",
            "phases=[{name: low, fraction: 0.5, global_crops_size: 112, local_crops_size: 56, batch_size_per_gpu: 8},"
            " {name: high, fraction: 0.5, global_crops_size: 224, local_crops_size: 98, batch_size_per_gpu: 4}]"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path.cwd())] + sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + sys.path))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     metrics, deadline = run / "metrics.jsonl", time.time() + 300
@@ -299,12 +301,15 @@ def check_curation(dev: torch.device, small: bool, out_dir: Path) -> dict:
     res["embed_dtype"] = str(emb.dtype)
     n, d, k = (2000, 64, 10) if small else (200_000, 384, 10)
     g = torch.Generator().manual_seed(0)
-    data = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    # clustered, like real embeddings (uniform random vectors are the worst case for an inverted file)
+    centers = torch.randn(n // 100, d, generator=g)
+    data = centers[torch.randint(0, len(centers), (n,), generator=g)] + 0.5 * torch.randn(n, d, generator=g)
+    data = torch.nn.functional.normalize(data, dim=1)
     q = data[:500]
     truth = (q.to(dev) @ data.to(dev).T).topk(k, dim=1).indices.cpu().numpy()  # torch brute force
     for kind in ("flat", "ivf"):
         # batch_size < n: several add() calls, which a GPU-sharded flat index (IndexShards) must accept
-        index = build_index(data.numpy(), kind=kind, nprobe=32, batch_size=n // 4)
+        index = build_index(data.numpy(), kind=kind, nprobe=64, batch_size=n // 4)
         _, _, idx = next(iter_knn(index, q.numpy(), k, batch_size=len(q)))
         res[f"{kind}_recall@{k}"] = _recall(idx, truth)
         res[f"{kind}_on_gpu"] = bool(getattr(index, "on_gpu", False))
