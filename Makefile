@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast bench quickstart clean
+.PHONY: venv test test-fast bench quickstart gpu-check clean
 
 venv: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PINS)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
 	touch $(STAMP)
 
 test: venv
@@ -26,6 +26,12 @@ test-fast: venv
 # Sample pool from photos shipped in pip packages -> curate -> pretrain -> distill -> kNN eval -> report (CPU).
 quickstart: venv
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/dinopipe pipeline --config configs/pipeline/quickstart.yaml
+
+# One-command GPU acceptance check (JSON report in gpu-check/report.json; non-zero exit on any failure).
+# No venv: it runs with whatever python has torch + timm (a GPU node's own), e.g. make gpu-check PY=python3;
+# GPU_CHECK_ARGS=--cpu runs the CPU smoke subset.
+gpu-check:
+	OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) -m dinopipe.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
 
 bench: venv
 	$(BIN)/python bench/run_all.py

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
-import faiss
+from ._faiss import faiss
 import numpy as np
 
 from .embeddings import EmbeddingSet

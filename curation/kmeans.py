@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-import faiss
+from ._faiss import faiss
 import numpy as np
 from tqdm.auto import tqdm
 

@@ -11,6 +11,7 @@ exit with code 2 before any work starts.
     dinopipe curate ...                               same as the `curate` command
     dinopipe eval knn|linear --model PATH --train SRC --val SRC [--out results.json]
     dinopipe slurm submit --config configs/slurm/X.yaml [--dry-run] [key=value | STAGE:key=value ...]
+    dinopipe gpu-check [--out gpu-check] [--cpu]      GPU acceptance check (report.json; exit 1 on failure)
 """
 
 from __future__ import annotations
@@ -82,14 +83,17 @@ def _stage(name: str) -> Callable[[Sequence[str]], int]:
             from .eval.cli import main as stage_main
         elif name == "slurm":
             from .slurm import main as stage_main
+        elif name == "gpu-check":
+            from .gpu_check import main as stage_main
         return stage_main(list(argv))
 
     return run
 
 
-STAGES = ("curate", "pretrain", "distill", "eval", "plan", "pipeline", "slurm")
+STAGES = ("curate", "pretrain", "distill", "eval", "plan", "pipeline", "slurm", "gpu-check")
 _STAGE_HELP = {"eval": "kNN / linear probe of a frozen backbone (knn|linear --model PATH --train SRC --val SRC)",
-               "slurm": "submit curate -> pretrain -> distill to Slurm (submit --config configs/slurm/X.yaml [--dry-run])"}
+               "slurm": "submit curate -> pretrain -> distill to Slurm (submit --config configs/slurm/X.yaml [--dry-run])",
+               "gpu-check": "GPU acceptance check, JSON report, non-zero exit on failure ([--out DIR] [--cpu])"}
 
 
 def build_parser() -> argparse.ArgumentParser:

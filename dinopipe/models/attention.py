@@ -7,7 +7,10 @@ computed per crop-size group. Backends:
 - ``sdpa``: ``F.scaled_dot_product_attention`` per group (flash / mem-efficient kernels on GPU, a fused
   kernel on CPU).
 - ``xformers``: ``memory_efficient_attention`` on the whole pack with a ``BlockDiagonalMask`` (one kernel
-  launch for all crops). CUDA only: xformers has no CPU kernel.
+  launch for all crops). CUDA only: xformers has no CPU kernel. Inside ``torch.compile`` the mask (a Python
+  object built from the batch sizes) cannot be traced without a graph break and a recompile per batch size,
+  so there the call goes per crop-size group, dense, through the custom op ``dinopipe::xformers_attention``,
+  which dynamo treats as one opaque node (shapes from its fake implementation).
 - ``math``: explicit softmax(Q Kᵀ / sqrt(d)) V, the reference the others are tested against.
 - ``auto``: xformers when it is installed and the tensors are on CUDA, SDPA otherwise.
 """
@@ -48,7 +51,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if device.type != "cuda":
             raise RuntimeError("attn_backend='xformers' needs CUDA tensors: xformers has no CPU kernel; use 'sdpa'")
         if xformers_ops() is None:
-            raise RuntimeError("attn_backend='xformers' but xformers is not installed (pip install 'dinopipe[gpu]')")
+            raise RuntimeError("attn_backend='xformers' but xformers is not installed; install the xformers wheel "
+                               "built for your torch (README, Install) or use 'sdpa'")
     return backend
 
 
@@ -64,6 +68,47 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 def _block_diagonal_mask(shapes: tuple[tuple[int, int], ...]):
     seqlens = [n for b, n in shapes for _ in range(b)]
     return xformers_ops().fmha.BlockDiagonalMask.from_seqlens(seqlens)
+
+
+# -- xformers as a custom op: opaque to torch.compile ----------------------------------------------------------
+# Backward recomputes the forward to get the softmax log-sum-exp (its padded shape depends on the kernel xformers
+# picks, which a fake implementation cannot state): one extra attention forward per step, only under compile.
+
+
+@torch.library.custom_op("dinopipe::xformers_attention", mutates_args=())
+def xformers_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Dense attention, q, k, v (B, N, H, hd) -> (B, N, H, hd), by xformers' memory-efficient kernel."""
+    return xformers_ops().memory_efficient_attention(q, k, v).contiguous()  # the fake's layout
+
+
+@xformers_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return q.new_empty(q.shape)  # contiguous (B, N, H, hd)
+
+
+@torch.library.custom_op("dinopipe::xformers_attention_backward", mutates_args=())
+def xformers_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    # xformers' non-autograd entry points (autograd is off inside a custom op's implementation).
+    fmha = xformers_ops().fmha
+    out, lse = fmha.memory_efficient_attention_forward_requires_grad(q, k, v)
+    dq, dk, dv = fmha.memory_efficient_attention_backward(grad.contiguous(), out, lse, q, k, v)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@xformers_attention_backward.register_fake
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _xf_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _xf_backward(ctx, grad: Tensor):
+    return xformers_attention_backward(grad, *ctx.saved_tensors)
+
+
+xformers_attention.register_autograd(_xf_backward, setup_context=_xf_setup_context)
 
 
 class Attention(nn.Module):
@@ -96,7 +141,13 @@ class Attention(nn.Module):
         if rope is not None:  # DINOv3: rotate q/k of patch tokens before any backend sees them
             qkv = rope_qkv(qkv, shapes, rope, H)
         backend = resolve_backend(self.backend, x.device)
-        if backend == "xformers":
+        if backend == "xformers" and torch.compiler.is_compiling():
+            outs = []
+            for chunk, (b, n) in zip(qkv.split([b * n for b, n in shapes]), shapes):
+                q, k, v = chunk.view(b, n, 3, H, hd).unbind(2)  # each (b, n, H, hd)
+                outs.append(xformers_attention(q, k, v).reshape(b * n, D))
+            return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+        if backend == "xformers":  # eager: one launch for the whole pack
             q, k, v = qkv.view(1, T, 3, H, hd).unbind(2)  # each (1, T, H, hd)
             mask = _block_diagonal_mask(tuple((int(b), int(n)) for b, n in shapes))
             out = xformers_ops().memory_efficient_attention(q, k, v, attn_bias=mask)

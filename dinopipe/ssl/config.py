@@ -7,6 +7,7 @@ from typing import Optional
 
 from ..config import ModelConfig
 from ..train.parallel import ParallelConfig
+from ..train.parallel import check_config as check_parallel_config
 
 
 @dataclass
@@ -136,6 +137,7 @@ def validate(cfg: PretrainConfig) -> None:
         raise ConfigError(f"teacher.centering: expected 'centering' or 'sinkhorn_knopp', got '{cfg.teacher.centering}'")
     if not cfg.data.paths:
         raise ConfigError("data.paths: give at least one image folder, file list or shard path")
+    check_parallel_config(cfg.parallel)
     lo, hi = cfg.ibot.mask_ratio_min_max
     if not 0 <= lo <= hi < 1:
         raise ConfigError(f"ibot.mask_ratio_min_max: need 0 <= min <= max < 1, got {[lo, hi]}")

@@ -31,7 +31,7 @@ from ..hub import load as load_backbone
 from ..hub import save_backbone
 from ..models import DINOHead, build_vit, create_model
 from ..train.checkpoint import ModelOptimState, full_state_dict
-from ..train.parallel import ParallelConfig, ema_update_, parallelize
+from ..train.parallel import ParallelConfig, ema_update_, parallelize, reshard_
 from .distill_config import DistillConfig
 from .losses import DINOLoss, IBOTPatchLoss, koleo_loss
 
@@ -152,9 +152,10 @@ class DistillTask(nn.Module):
 
     # -- set-up -------------------------------------------------------------------------------------------
     def parallelize(self, info, pcfg: Optional[ParallelConfig] = None) -> None:
-        mods = list(self.teacher.values()) + [m for g in (self.students, self.emas) for s in g.values()
-                                              for m in s.values()]
-        parallelize(mods, info, pcfg)
+        # Students train; the teacher and the EMAs never run backward, so they always reshard after forward.
+        self.compute_dtype = parallelize([m for s in self.students.values() for m in s.values()], info, pcfg)
+        frozen = list(self.teacher.values()) + [m for s in self.emas.values() for m in s.values()]
+        parallelize(frozen, info, pcfg, frozen=True)
         if info.distributed:
             from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -185,11 +186,13 @@ class DistillTask(nn.Module):
     def _teacher_outputs(self, crops: list[Tensor], values: dict) -> dict[str, Any]:
         outs = self.teacher["backbone"].forward_features_list(crops)
         if self.mode == "feature":
+            reshard_(self.teacher)  # no backward will free the gathered copies
             return {"outs": outs}
         g = outs[0]
         patches = g["x_norm_patchtokens"].flatten(0, 1)  # every patch of both global crops (no masking)
         cls_logits = self.teacher["dino_head"](g["x_norm_clstoken"])
         patch_logits = self.teacher["ibot_head" if "ibot_head" in self.teacher else "dino_head"](patches)
+        reshard_(self.teacher)
         temp = values["teacher_temp"]
         return {"cls_probs": self.dino_loss.teacher_probs(cls_logits, temp),
                 "patch_probs": self.ibot_loss.teacher_probs(patch_logits, temp), "outs": outs}
@@ -249,6 +252,7 @@ class DistillTask(nn.Module):
             logs.update({f"{name}/{k}": v for k, v in parts.items()})
         for reason, n in (batch.get("corrupt") or {}).items():
             logs[f"corrupt/{reason}"] = n
+        logs["compute_dtype"] = getattr(self, "compute_dtype", "fp32")
         return total, logs
 
     def after_step(self, values: dict) -> None:

@@ -20,7 +20,7 @@ from ..hub import load as load_backbone
 from ..hub import save_backbone
 from ..models import DINOHead, build_vit, create_model
 from ..train.checkpoint import ModelOptimState, full_state_dict
-from ..train.parallel import ParallelConfig, ema_update_, parallelize
+from ..train.parallel import ParallelConfig, ema_update_, parallelize, reshard_
 from .config import PretrainConfig
 from .losses import DINOLoss, IBOTPatchLoss, koleo_loss
 
@@ -66,12 +66,14 @@ class SSLTask(nn.Module):
         self.ibot_loss = IBOTPatchLoss(ibot_dim, t.student_temp, t.center_momentum, t.centering,
                                        all_reduce_fn=all_reduce_fn)
         self.phase = None
+        self.compute_dtype = "fp32"  # set by parallelize(); reported in metrics.jsonl
 
     # -- distribution -------------------------------------------------------------------------------
     def parallelize(self, info, pcfg: Optional[ParallelConfig] = None) -> None:
-        """Same sharding for student and teacher, so the EMA update pairs local shards one to one."""
-        mods = [m for group in (self.student, self.teacher) for m in group.values()]
-        parallelize(mods, info, pcfg)
+        """Same sharding for student and teacher, so the EMA update pairs local shards one to one; the
+        teacher (no backward) always reshards after forward."""
+        self.compute_dtype = parallelize(list(self.student.values()), info, pcfg)
+        parallelize(list(self.teacher.values()), info, pcfg, frozen=True)
         if info.distributed:
             from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -99,6 +101,7 @@ class SSLTask(nn.Module):
         out = self.teacher["backbone"].forward_features_list([batch["global_crops"]])[0]
         patches = out["x_norm_patchtokens"].flatten(0, 1)[batch["mask_indices"]]  # (M, D)
         cls_logits, patch_logits = self._heads(self.teacher, out["x_norm_clstoken"], patches)
+        reshard_(self.teacher)  # no backward will free the gathered copies; the EMA needs the fp32 shards
         temp = values["teacher_temp"]
         return self.dino_loss.teacher_probs(cls_logits, temp), self.ibot_loss.teacher_probs(patch_logits, temp)
 
@@ -123,7 +126,8 @@ class SSLTask(nn.Module):
         koleo = sum(koleo_loss(c) for c in g_cls.chunk(2))  # per global crop, as DINOv2
         loss = cfg.dino.loss_weight * dino + cfg.ibot.loss_weight * ibot + cfg.dino.koleo_loss_weight * koleo
         logs = {"dino_loss": dino.detach(), "ibot_loss": ibot.detach(), "koleo_loss": koleo.detach(),
-                "n_masked": int(batch["mask_indices"].numel()), "n_images": int(batch.get("n_images", n_g // 2))}
+                "n_masked": int(batch["mask_indices"].numel()), "n_images": int(batch.get("n_images", n_g // 2)),
+                "compute_dtype": self.compute_dtype}
         for reason, n in (batch.get("corrupt") or {}).items():
             logs[f"corrupt/{reason}"] = n
         return loss, logs
