@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--niter", type=int, default=50)
     p.add_argument("--tol", type=float, default=1e-4)
-    p.add_argument("--init", choices=INITS, default="kmeans++")
+    p.add_argument("--init", choices=INITS, default="auto")
     p.add_argument("--init-sample", type=int, default=4)
     p.add_argument("--n-init", type=int, default=1)
     p.add_argument("--max-points-per-centroid", type=int, default=256)

@@ -34,7 +34,11 @@ from tqdm.auto import tqdm
 
 from .index import Rows
 
-INITS = ("kmeans++", "random")
+INITS = ("auto", "kmeans++", "random")
+KMEANSPP_MAX_K = 20000
+"""init="auto" seeds with k-means++ up to this many clusters, randomly above: k-means++ costs
+k * init_sample * k * D (one pass over the seeding sample per seed), ~6e11 multiply-adds at 20k
+clusters -- minutes on a CPU; Vo et al.'s 10M-cluster web level would need years."""
 BLOCK = 16384
 """Rows per assignment block. Blocks start at multiples of BLOCK in the global row order, in one
 process and in every rank of the distributed version, so each block's distances come from the
@@ -129,7 +133,7 @@ def lloyd(blocks: Callable[[], Iterable[np.ndarray]], centroids: np.ndarray, nit
 
 
 def kmeans_plusplus(x: np.ndarray, k: int, rng: np.random.Generator,
-                    n_trials: int | None = None) -> np.ndarray:
+                    n_trials: int | None = None, device: str = "auto") -> np.ndarray:
     """Positions of k seeds among the rows of x by greedy k-means++ (fp32, torch matmuls).
 
     Each step draws ``n_trials`` (default 2 + log k) candidates with probability proportional
@@ -139,19 +143,20 @@ def kmeans_plusplus(x: np.ndarray, k: int, rng: np.random.Generator,
     m = len(x)
     k = min(k, m)
     trials = n_trials or 2 + int(math.log(k))
-    X = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    device = default_device() if device == "auto" else device
+    X = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(device)
     xn = (X * X).sum(1)
     chosen = np.empty(k, np.int64)
     chosen[0] = rng.integers(m)
     d2 = (xn + xn[chosen[0]] - 2.0 * (X @ X[chosen[0]])).clamp_min_(0)
     for i in range(1, k):
-        cum = np.cumsum(d2.numpy(), dtype=np.float64)
+        cum = np.cumsum(d2.cpu().numpy(), dtype=np.float64)
         if cum[-1] <= 0:  # fewer distinct points than k: take the rest in order
             rest = np.setdiff1d(np.arange(m), chosen[:i])[: k - i]
             chosen[i:i + len(rest)] = rest
             return chosen[:i + len(rest)]
         cand = np.minimum(np.searchsorted(cum, rng.random(trials) * cum[-1], side="right"), m - 1)
-        ct = torch.from_numpy(cand)
+        ct = torch.from_numpy(cand).to(device)
         dc = (xn[:, None] + xn[ct][None, :] - 2.0 * (X @ X[ct].T)).clamp_min_(0)
         dc = torch.minimum(dc, d2[:, None])
         best = int(torch.argmin(dc.sum(0, dtype=torch.float64)))
@@ -159,14 +164,15 @@ def kmeans_plusplus(x: np.ndarray, k: int, rng: np.random.Generator,
     return chosen
 
 
-def seed_centroids(x: np.ndarray, k: int, init: str, rng: np.random.Generator) -> np.ndarray:
+def seed_centroids(x: np.ndarray, k: int, init: str, rng: np.random.Generator,
+                   device: str = "auto") -> np.ndarray:
     """(k, D) initial centroids from the rows of the (sample) x."""
     if init not in INITS:
         raise ValueError(f"kmeans init={init!r}: choose one of {INITS}")
-    if init == "random":
+    if init == "random" or (init == "auto" and k > KMEANSPP_MAX_K):
         pos = np.sort(rng.choice(len(x), size=min(k, len(x)), replace=False))
     else:
-        pos = kmeans_plusplus(x, k, rng)
+        pos = kmeans_plusplus(x, k, rng, device=device)
     return np.ascontiguousarray(x[pos], dtype=np.float32)
 
 
@@ -175,14 +181,15 @@ def _sample_positions(n: int, size: int, rng: np.random.Generator) -> np.ndarray
 
 
 def kmeans_fit(data, k: int, niter: int = 50, seed: int = 0, max_points_per_centroid: int = 256,
-               init_centroids: np.ndarray | None = None, init: str = "kmeans++",
+               init_centroids: np.ndarray | None = None, init: str = "auto",
                init_sample: int = 4, n_init: int = 1, tol: float = 1e-4,
                device: str = "auto") -> KMeansResult:
     """k-means of the rows of ``data`` (array, memmap, EmbeddingSet or Rows) -> KMeansResult.
 
     Lloyd runs on a random sample of at most ``k * max_points_per_centroid`` rows (held in fp32
-    memory); k-means++ seeds on a sample of ``init_sample`` rows per centroid. ``n_init``
-    restarts (different seeds) keep the lowest objective.
+    memory); k-means++ seeds on a sample of ``init_sample`` rows per centroid (``init``: auto =
+    k-means++ up to KMEANSPP_MAX_K clusters, else random rows). ``n_init`` restarts (different
+    seeds) keep the lowest objective.
     """
     rows = data if isinstance(data, Rows) else Rows(data)
     n = len(rows)
@@ -206,7 +213,7 @@ def work_positions(n: int, k: int, seed: int, max_points_per_centroid: int) -> n
 
 
 def fit(n_work: int, blocks: Callable, take: Callable, k: int, niter: int, seed: int,
-        init_centroids=None, init: str = "kmeans++", init_sample: int = 4, n_init: int = 1,
+        init_centroids=None, init: str = "auto", init_sample: int = 4, n_init: int = 1,
         tol: float = 1e-4, device: str = "auto", allreduce: Callable | None = None,
         broadcast: Callable | None = None) -> KMeansResult:
     """Seeding + Lloyd over ``n_work`` rows: ``blocks()`` yields them (this process's share) in
@@ -220,7 +227,7 @@ def fit(n_work: int, blocks: Callable, take: Callable, k: int, niter: int, seed:
             def seeds(r=r):
                 rr = np.random.default_rng([seed, r])
                 return seed_centroids(take(_sample_positions(n_work, k * init_sample, rr)), k,
-                                      init, rr)
+                                      init, rr, device)
             c0 = seeds() if broadcast is None else broadcast(seeds)
         res = lloyd(blocks, c0, niter, tol, device, allreduce)
         if best is None or res.objective < best.objective:
