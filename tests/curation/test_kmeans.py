@@ -79,10 +79,13 @@ def _write_embeddings(path, x, shard=1000):
     _mark_task_done(path, 0, 1, {"n": len(x)})
 
 
-def _torchrun(nproc, emb, out, port, *extra):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={port}", "-m", "curation.dist_kmeans", "--emb-dir", emb, "--out", out,
+def _launch(nproc, emb, out, port, *extra):
+    """torchrun with nproc ranks; one rank runs without a launcher (its defaults: world of 1)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
+               MASTER_PORT=str(port))
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                                      f"--master-port={port}"]
+    cmd = [sys.executable, *launcher, "-m", "curation.dist_kmeans", "--emb-dir", emb, "--out", out,
            "--levels", "40", "8", "--sample-sizes", "1", "4", "--steps", "2", "--block", "256",
            *extra]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -100,7 +103,7 @@ def test_distributed_1_and_3_processes_give_identical_clusters(tmp_path, data):
     outs = {}
     for nproc, port in ((1, 29611), (3, 29612)):
         out = str(tmp_path / f"w{nproc}")
-        summary = _torchrun(nproc, emb, out, port, "--init-centroids", str(init))
+        summary = _launch(nproc, emb, out, port, "--init-centroids", str(init))
         assert summary["world_size"] == nproc and summary["n"] == len(x)
         outs[nproc] = {f: np.load(os.path.join(out, f)) for f in sorted(os.listdir(out))
                        if f.endswith(".npy")}
