@@ -8,7 +8,9 @@ Level 1 (the points) is distributed: every rank memory-maps the fp16 embedding s
 contiguous range of the rows Lloyd iterates over, assigns them (torch matmul on its GPU when there
 is one, faiss on CPU) and all-reduces per-cluster sums, counts and the objective; rank 0 seeds
 (k-means++ on a sample it reads from the shared shards) and broadcasts the centroids. The levels
-above cluster level 1's centroids (a few MB) on rank 0 with :func:`hierarchical_kmeans`.
+above cluster level 1's centroids (a few MB) on rank 0 with :func:`hierarchical_kmeans`. Level 1's "closest" resampling
+steps gather each rank's s closest points per cluster, so rank 0 k-means the same points one
+process would.
 
 Same answer for any number of ranks, bit for bit (tested with 1 and 3 gloo processes): the row
 ranges are cut at multiples of ``BLOCK`` rows, so every block (hence every BLAS call) is the one a
@@ -37,7 +39,8 @@ from numpy.lib.format import open_memmap
 
 from .embeddings import open_embeddings
 from .index import Rows
-from .kmeans import BLOCK, INITS, Level, Nearest, fit, hierarchical_kmeans, work_positions
+from .kmeans import (BLOCK, INITS, Level, Nearest, fit, hierarchical_kmeans, kmeans,
+                     resample_positions, work_positions)
 
 
 def init_distributed() -> tuple[int, int, str]:
@@ -132,14 +135,37 @@ def assign_all(rows: Rows, centroids: np.ndarray, rank: int, world: int, device:
     return counts
 
 
+def resample_level1(rows: Rows, labels, dists, centroids: np.ndarray, s: int, comm: Comm,
+                    rank: int, world: int, seed: int, block: int = BLOCK, **kw) -> np.ndarray:
+    """One "closest" resampling step of level 1 (as :func:`hierarchical_kmeans` does it):
+    the s points closest to each centroid over all ranks -- each rank offers its own s closest
+    per cluster, rank 0 keeps the global s (ties: lower row first, as one process orders them),
+    k-means them from a fresh seeding and broadcasts the new centroids."""
+    lo, hi = rank_range(len(rows), rank, world, block)
+    k = len(centroids)
+    lab, d = np.asarray(labels[lo:hi]), np.asarray(dists[lo:hi])
+    mine = resample_positions(lab, d, k, s, "closest", None)
+    offers = [None] * world
+    dist.all_gather_object(offers, (mine + lo, lab[mine], d[mine]))
+
+    def reseed():
+        pos, lb, dd = (np.concatenate(a) for a in zip(*offers))
+        order = np.lexsort((pos, dd, lb))
+        starts = np.searchsorted(lb[order], np.arange(k))
+        keep = order[np.arange(len(order)) - starts[lb[order]] < s]
+        return kmeans(rows.take(np.sort(pos[keep])), k, seed=seed, **kw)
+
+    return comm.broadcast(reseed)
+
+
 def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], steps: int = 10,
         sampling: str = "closest", seed: int = 0, init_centroids: str | None = None,
         block: int = BLOCK, **kw) -> dict:
     rank, world, device = init_distributed()
     comm = Comm(device)
-    if sample_sizes[0] > 1:
-        raise SystemExit("dist_kmeans: resampling at level 1 (--sample-sizes first value > 1) is "
-                         "not distributed yet; use 1 there (Vo et al.'s web-scale setting)")
+    if sample_sizes[0] > 1 and sampling != "closest":
+        raise SystemExit("dist_kmeans: random resampling at level 1 is not distributed; use "
+                         "--sampling closest, or a first --sample-sizes value of 1")
     rows = Rows(open_embeddings(emb_dir))
     n = len(rows)
     t0 = time.perf_counter()
@@ -153,14 +179,19 @@ def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], step
     dist.barrier()
     labels = open_memmap(os.path.join(out, "level1_labels.npy"), "r+")
     dists = open_memmap(os.path.join(out, "level1_dist.npy"), "r+")
-    counts = assign_all(rows, res.centroids, rank, world, device, labels, dists, block)
+    cent = res.centroids
+    counts = assign_all(rows, cent, rank, world, device, labels, dists, block)
+    for step in range(steps if sample_sizes[0] > 1 else 0):
+        cent = resample_level1(rows, labels, dists, cent, sample_sizes[0], comm, rank, world,
+                               seed=seed + 1000 + step, block=block, **kw)
+        counts = assign_all(rows, cent, rank, world, device, labels, dists, block)
     labels.flush(), dists.flush()
     _, counts, _ = comm.allreduce(np.zeros((1, 1)), counts, 0.0)
     dist.barrier()
     summary = {"world_size": world, "device": device, "n": n, "levels": levels,
                "level1": {"objective": res.objective, "iterations": res.n_iter}}
     if rank == 0:
-        first = Level(res.centroids, np.asarray(labels), np.asarray(dists), counts)
+        first = Level(cent, np.asarray(labels), np.asarray(dists), counts)
         tree = hierarchical_kmeans(None, levels, n_resampling_steps=steps, sample_size=sample_sizes,
                                    sampling=sampling, seed=seed, first_level=first, **kw)
         for li, lvl in enumerate(tree, start=1):

@@ -280,7 +280,7 @@ def hierarchical_kmeans(data, n_clusters: Sequence[int], n_resampling_steps: int
         labels, dist = assign(items, cent, device=kmeans_kw.get("device", "auto"))
         s = sample_sizes[li]
         for step in range(n_resampling_steps if s > 1 else 0):
-            pick = _resample(labels, dist, len(cent), s, sampling, rng)
+            pick = resample_positions(labels, dist, len(cent), s, sampling, rng)
             # A fresh initialisation, as in the reference implementation: starting from the
             # current centroids, k-means on their own closest points is a fixed point.
             cent = kmeans(Rows(items, pick), len(cent), niter=niter,
@@ -295,7 +295,7 @@ def hierarchical_kmeans(data, n_clusters: Sequence[int], n_resampling_steps: int
     return levels
 
 
-def _resample(labels, dist, k, s, sampling, rng) -> np.ndarray:
+def resample_positions(labels, dist, k, s, sampling, rng) -> np.ndarray:
     """Up to s items per cluster: the closest to its centroid, or uniformly random."""
     if sampling == "closest":
         order = np.lexsort((dist, labels))

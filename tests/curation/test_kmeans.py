@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from curation.embeddings import _mark_task_done, save_shard, shard_stem
-from curation.kmeans import BLOCK, kmeans_fit, lloyd
+from curation.kmeans import BLOCK, hierarchical_kmeans, kmeans_fit, lloyd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -86,7 +86,7 @@ def _launch(nproc, emb, out, port, *extra):
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                                       f"--master-port={port}"]
     cmd = [sys.executable, *launcher, "-m", "curation.dist_kmeans", "--emb-dir", emb, "--out", out,
-           "--levels", "40", "8", "--sample-sizes", "1", "4", "--steps", "2", "--block", "256",
+           "--levels", "40", "8", "--sample-sizes", "4", "4", "--steps", "2", "--block", "256",
            *extra]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -95,15 +95,14 @@ def _launch(nproc, emb, out, port, *extra):
 
 
 def test_distributed_1_and_3_processes_give_identical_clusters(tmp_path, data):
+    """Same seed -> same initialisation on any world size; level 1 resampled (closest, s=4)."""
     x, _ = data
     emb = str(tmp_path / "emb")
     _write_embeddings(emb, x)
-    init = tmp_path / "init.npy"
-    np.save(init, x[::150][:40].astype(np.float32))
     outs = {}
     for nproc, port in ((1, 29611), (3, 29612)):
         out = str(tmp_path / f"w{nproc}")
-        summary = _launch(nproc, emb, out, port, "--init-centroids", str(init))
+        summary = _launch(nproc, emb, out, port)
         assert summary["world_size"] == nproc and summary["n"] == len(x)
         outs[nproc] = {f: np.load(os.path.join(out, f)) for f in sorted(os.listdir(out))
                        if f.endswith(".npy")}
@@ -111,8 +110,9 @@ def test_distributed_1_and_3_processes_give_identical_clusters(tmp_path, data):
     for f in outs[1]:  # bit-identical: labels, distances, centroids, sizes of every level
         np.testing.assert_array_equal(outs[1][f], outs[3][f], err_msg=f)
     assert outs[3]["sizes_level1.npy"].sum() == len(x)
-    # and the same clustering as one process without torch.distributed (other BLAS blockings:
+    # and the clustering one process makes without torch.distributed (other BLAS blockings:
     # tolerances, not bits)
-    ref = kmeans_fit(x, 40, init_centroids=np.load(init))
-    np.testing.assert_allclose(outs[3]["centroids_level1.npy"], ref.centroids, atol=1e-5)
+    tree = hierarchical_kmeans(x, [40, 8], n_resampling_steps=2, sample_size=[4, 4], seed=0)
     assert BLOCK > len(x)  # one process used one block, the ranks 256-row blocks
+    np.testing.assert_allclose(outs[3]["centroids_level1.npy"], tree[0].centroids, atol=1e-5)
+    assert (outs[3]["level1_labels.npy"] == tree[0].labels).mean() > 0.99
