@@ -110,7 +110,7 @@ class RebalanceConfig:
     """Points per cluster in each resampling step."""
     kmeans_init: str = "auto"
     """mode=hierarchical k-means seeding: auto (k-means++ up to 20k clusters, random rows above)
-    | kmeans++ | random. k-means++ cut level-1 SSE by ~3.5% (bench/bench_kmeans.py)."""
+    | kmeans++ | random. k-means++ cut level-1 SSE by 3.5-4% (bench/bench_kmeans.py)."""
     kmeans_init_sample: int = 4
     """k-means++ runs on a random sample of this many points per cluster (4 and 8: same SSE)."""
     kmeans_niter: int = 50

@@ -8,9 +8,9 @@ Level 1 (the points) is distributed: every rank memory-maps the fp16 embedding s
 contiguous range of the rows Lloyd iterates over, assigns them (torch matmul on its GPU when there
 is one, faiss on CPU) and all-reduces per-cluster sums, counts and the objective; rank 0 seeds
 (k-means++ on a sample it reads from the shared shards) and broadcasts the centroids. The levels
-above cluster level 1's centroids (a few MB) on rank 0 with :func:`hierarchical_kmeans`. Level 1's "closest" resampling
-steps gather each rank's s closest points per cluster, so rank 0 k-means the same points one
-process would.
+above cluster level 1's centroids (a few MB) on rank 0 with :func:`hierarchical_kmeans`. Level 1's
+"closest" resampling steps gather each rank's s closest points per cluster, so rank 0 k-means the
+same points one process would. ``--out`` must be on a filesystem every rank sees.
 
 Same answer for any number of ranks, bit for bit (tested with 1 and 3 gloo processes): the row
 ranges are cut at multiples of ``BLOCK`` rows, so every block (hence every BLAS call) is the one a
