@@ -43,11 +43,14 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
               levels: Sequence[int] = (1000, 100), target_size: int | None = None,
               strategy: str = "r", n_resampling_steps: int = 10, sample_size: int = 10,
               balance_clusters: int | None = None, seed: int = 0,
-              batch_size: int = 8192, progress: bool = False) -> RebalanceResult:
+              batch_size: int = 8192, progress: bool = False,
+              kmeans: dict | None = None) -> RebalanceResult:
     """Dispatch to one mode. ``pool``/``seeds``: L2-normalised embeddings (array/EmbeddingSet/Rows).
 
     ``balance_clusters``: size of the common k-means used to report balance before/after
     (default: ~sqrt(N), reused from the mode's own clustering where there is one).
+    ``kmeans``: options of the hierarchical mode's k-means (init, init_sample, niter, tol,
+    n_init; see :func:`curation.kmeans.kmeans_fit`).
     """
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     if mode not in MODES:
@@ -66,7 +69,8 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     else:
         res = hierarchical_balanced(rows, levels=levels, target_size=target_size,
                                     strategy=strategy, n_resampling_steps=n_resampling_steps,
-                                    sample_size=sample_size, seed=seed, progress=progress)
+                                    sample_size=sample_size, seed=seed, progress=progress,
+                                    **(kmeans or {}))
     if seeds is not None and len(seeds) and mode != "sample":
         _attach_nearest_seed(rows, seeds, res, batch_size)
     res.report.update(mode=mode, n_pool=len(rows), n_selected=res.n_selected)
@@ -137,7 +141,8 @@ def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster
 def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
                           target_size: int | None = None, strategy: str = "r",
                           n_resampling_steps: int = 10, sample_size: int = 10, seed: int = 0,
-                          niter: int = 20, progress: bool = False) -> RebalanceResult:
+                          niter: int = 50, progress: bool = False,
+                          **kmeans_kw) -> RebalanceResult:
     """Hierarchical k-means with resampling, then balanced sampling of ``target_size`` images
     (default: half the pool). Level sizes larger than the data are capped."""
     rows = pool if isinstance(pool, Rows) else Rows(pool)
@@ -152,7 +157,7 @@ def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
         ks.append(prev)
     tree = hierarchical_kmeans(rows, ks, n_resampling_steps=n_resampling_steps,
                                sample_size=sample_size, niter=niter, seed=seed,
-                               progress=progress)
+                               progress=progress, **kmeans_kw)
     picked = balanced_sample(tree, min(target, n), strategy=strategy, seed=seed)
     res.selected[:] = False
     res.selected[picked] = True

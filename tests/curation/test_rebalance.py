@@ -95,3 +95,25 @@ def test_rebalance_is_deterministic(long_tail):
     kw = dict(levels=(30, 6), target_size=200, n_resampling_steps=2, seed=7)
     a, b = rebalance("hierarchical", x, **kw), rebalance("hierarchical", x, **kw)
     np.testing.assert_array_equal(a.selected, b.selected)
+
+
+def test_hierarchical_kmeans_options_reach_kmeans_and_keep_the_exact_target(long_tail):
+    x, _, _ = long_tail
+    kw = dict(levels=(60, 12), target_size=777, n_resampling_steps=2, seed=0)
+    kpp = rebalance("hierarchical", x, **kw)
+    rnd = rebalance("hierarchical", x, kmeans={"init": "random", "niter": 5}, **kw)
+    for res in (kpp, rnd):  # exactly target_size distinct images, whatever the k-means
+        assert res.n_selected == 777 and len(np.unique(np.flatnonzero(res.selected))) == 777
+    assert not np.array_equal(kpp.cluster, rnd.cluster)
+
+
+@pytest.mark.parametrize("override", ["rebalance.kmeans_init=kmeans||", "rebalance.kmeans_tol=-1",
+                                      "rebalance.kmeans_niter=0"])
+def test_kmeans_config_mistakes_name_the_key(override, tmp_path):
+    from curation.config import CurationConfig, validate
+    from dinopipe.config import ConfigError, load_config
+
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", "\\.")):
+        validate(load_config(CurationConfig, None, [override, f"output.dir={tmp_path}/o",
+                                                       f"input.paths=[{tmp_path}]"]))

@@ -1,0 +1,244 @@
+"""Hierarchical k-means over many processes (torch.distributed: gloo on CPU, NCCL on GPUs).
+
+    torchrun --nproc-per-node 8 -m curation.dist_kmeans --emb-dir OUT/embeddings --out OUT/kmeans \\
+        --levels 4000 400 40 10 --sample-sizes 1 10 5 3
+    srun --ntasks 24 python -m curation.dist_kmeans --emb-dir ... --out ...   # Slurm: one step
+
+Level 1 (the points) is distributed: every rank memory-maps the fp16 embedding shards and owns a
+contiguous range of the rows Lloyd iterates over, assigns them (torch matmul on its GPU when there
+is one, faiss on CPU) and all-reduces per-cluster sums, counts and the objective; rank 0 seeds
+(k-means++ on a sample it reads from the shared shards) and broadcasts the centroids. The levels
+above cluster level 1's centroids (a few MB) on rank 0 with :func:`hierarchical_kmeans`. Level 1's
+"closest" resampling steps gather each rank's s closest points per cluster, so rank 0 k-means the
+same points one process would. ``--out`` must be on a filesystem every rank sees.
+
+Same answer for any number of ranks, bit for bit (tested with 1 and 3 gloo processes): the row
+ranges are cut at multiples of ``BLOCK`` rows, so every block (hence every BLAS call) is the one a
+single process would make; the per-cluster sums are exact in float64 for fp16 embeddings (see
+:func:`curation.kmeans.lloyd`), so the all-reduce order cannot change a centroid; the objective
+(used only for the early stop) is summed in float64, where a different order moves it by ~1e-16
+relative -- it could flip the stop only if the relative change landed that close to ``tol``.
+
+Outputs in ``--out``: ``level1_labels.npy`` / ``level1_dist.npy`` (int64 / fp32, one per row of the
+embeddings), ``centroids_level{l}.npy``, ``labels_level{l}.npy`` for l >= 2 (cluster of each
+centroid of level l-1), ``sizes_level{l}.npy`` and ``kmeans.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from numpy.lib.format import open_memmap
+
+from .embeddings import open_embeddings
+from .index import Rows
+from .kmeans import (BLOCK, INITS, Level, Nearest, fit, hierarchical_kmeans, kmeans,
+                     resample_positions, work_positions)
+
+
+def init_distributed() -> tuple[int, int, str]:
+    """(rank, world size, device) from torchrun's or Slurm's environment; NCCL with GPUs."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:  # srun: derive torchrun's variables
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        env.setdefault("MASTER_ADDR", _first_host(nodes))
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    env.setdefault("RANK", "0")
+    env.setdefault("WORLD_SIZE", "1")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29533")
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{int(env.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _first_host(nodelist: str) -> str:
+    """First host of a Slurm node list ('node[03-05,7],gpu1' -> 'node03')."""
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+    return head
+
+
+class Comm:
+    """The three collectives k-means needs, on the process group's device."""
+
+    def __init__(self, device: str):
+        self.dev = device if device.startswith("cuda") else "cpu"
+
+    def allreduce(self, sums: np.ndarray, counts: np.ndarray, obj: float):
+        s = torch.from_numpy(np.ascontiguousarray(sums, np.float64)).to(self.dev)
+        c = torch.from_numpy(np.ascontiguousarray(counts, np.int64)).to(self.dev)
+        o = torch.tensor([obj], dtype=torch.float64, device=self.dev)
+        for t in (s, c, o):
+            dist.all_reduce(t)
+        return s.cpu().numpy(), c.cpu().numpy(), float(o.item())
+
+    def broadcast(self, fn):
+        """fn() evaluated on rank 0, its (k, D) fp32 array returned on every rank."""
+        obj = [fn() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(obj, src=0, device=torch.device(self.dev))
+        return obj[0]
+
+
+def rank_range(n: int, rank: int, world: int, block: int = BLOCK) -> tuple[int, int]:
+    """Rows [lo, hi) of ``n`` owned by ``rank``: whole blocks of ``block`` rows, split evenly."""
+    nblocks = -(-n // block)
+    lo, hi = nblocks * rank // world, nblocks * (rank + 1) // world
+    return min(lo * block, n), min(hi * block, n)
+
+
+def level1_kmeans(rows: Rows, k: int, comm: Comm, rank: int, world: int, device: str,
+                  niter: int = 50, seed: int = 0, max_points_per_centroid: int = 256,
+                  init_centroids=None, block: int = BLOCK, **kw):
+    """Distributed level-1 k-means -> (KMeansResult, the positions Lloyd iterated over)."""
+    n = len(rows)
+    k = int(min(k, n))
+    work = work_positions(n, k, seed, max_points_per_centroid)
+    lo, hi = rank_range(len(work), rank, world, block)
+    mine = work[lo:hi]
+
+    def blocks():
+        return (rows.take(mine[s:s + block]) for s in range(0, len(mine), block))
+
+    res = fit(len(work), blocks, lambda pos: rows.take(work[pos]), k, niter, seed,
+              init_centroids, device=device, allreduce=comm.allreduce,
+              broadcast=comm.broadcast, **kw)
+    return res, work
+
+
+def assign_all(rows: Rows, centroids: np.ndarray, rank: int, world: int, device: str,
+               labels_out, dist_out, block: int = BLOCK) -> np.ndarray:
+    """Assign this rank's rows (aligned blocks) into the shared output memmaps; local counts."""
+    lo, hi = rank_range(len(rows), rank, world, block)
+    near = Nearest(centroids, device)
+    counts = np.zeros(len(centroids), np.int64)
+    for s in range(lo, hi, block):
+        e = min(s + block, hi)
+        lab, d = near(rows.take(np.arange(s, e)))
+        labels_out[s:e], dist_out[s:e] = lab, d
+        counts += np.bincount(lab, minlength=len(centroids))
+    return counts
+
+
+def resample_level1(rows: Rows, labels, dists, centroids: np.ndarray, s: int, comm: Comm,
+                    rank: int, world: int, seed: int, block: int = BLOCK, **kw) -> np.ndarray:
+    """One "closest" resampling step of level 1 (as :func:`hierarchical_kmeans` does it):
+    the s points closest to each centroid over all ranks -- each rank offers its own s closest
+    per cluster, rank 0 keeps the global s (ties: lower row first, as one process orders them),
+    k-means them from a fresh seeding and broadcasts the new centroids."""
+    lo, hi = rank_range(len(rows), rank, world, block)
+    k = len(centroids)
+    lab, d = np.asarray(labels[lo:hi]), np.asarray(dists[lo:hi])
+    mine = resample_positions(lab, d, k, s, "closest", None)
+    offers = [None] * world
+    dist.all_gather_object(offers, (mine + lo, lab[mine], d[mine]))
+
+    def reseed():
+        pos, lb, dd = (np.concatenate(a) for a in zip(*offers))
+        order = np.lexsort((pos, dd, lb))
+        starts = np.searchsorted(lb[order], np.arange(k))
+        keep = order[np.arange(len(order)) - starts[lb[order]] < s]
+        return kmeans(rows.take(np.sort(pos[keep])), k, seed=seed, **kw)
+
+    return comm.broadcast(reseed)
+
+
+def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], steps: int = 10,
+        sampling: str = "closest", seed: int = 0, init_centroids: str | None = None,
+        block: int = BLOCK, **kw) -> dict:
+    rank, world, device = init_distributed()
+    comm = Comm(device)
+    if sample_sizes[0] > 1 and sampling != "closest":
+        raise SystemExit("dist_kmeans: random resampling at level 1 is not distributed; use "
+                         "--sampling closest, or a first --sample-sizes value of 1")
+    rows = Rows(open_embeddings(emb_dir))
+    n = len(rows)
+    t0 = time.perf_counter()
+    init = None if init_centroids is None else np.load(init_centroids)
+    res, _ = level1_kmeans(rows, levels[0], comm, rank, world, device, seed=seed,
+                           init_centroids=init, block=block, **kw)
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        open_memmap(os.path.join(out, "level1_labels.npy"), "w+", np.int64, (n,)).flush()
+        open_memmap(os.path.join(out, "level1_dist.npy"), "w+", np.float32, (n,)).flush()
+    dist.barrier()
+    labels = open_memmap(os.path.join(out, "level1_labels.npy"), "r+")
+    dists = open_memmap(os.path.join(out, "level1_dist.npy"), "r+")
+    cent = res.centroids
+    counts = assign_all(rows, cent, rank, world, device, labels, dists, block)
+    for step in range(steps if sample_sizes[0] > 1 else 0):
+        cent = resample_level1(rows, labels, dists, cent, sample_sizes[0], comm, rank, world,
+                               seed=seed + 1000 + step, block=block, **kw)
+        counts = assign_all(rows, cent, rank, world, device, labels, dists, block)
+    labels.flush(), dists.flush()
+    _, counts, _ = comm.allreduce(np.zeros((1, 1)), counts, 0.0)
+    dist.barrier()
+    summary = {"world_size": world, "device": device, "n": n, "levels": levels,
+               "level1": {"objective": res.objective, "iterations": res.n_iter}}
+    if rank == 0:
+        first = Level(cent, np.asarray(labels), np.asarray(dists), counts)
+        tree = hierarchical_kmeans(None, levels, n_resampling_steps=steps, sample_size=sample_sizes,
+                                   sampling=sampling, seed=seed, first_level=first, **kw)
+        for li, lvl in enumerate(tree, start=1):
+            np.save(os.path.join(out, f"centroids_level{li}.npy"), lvl.centroids)
+            np.save(os.path.join(out, f"sizes_level{li}.npy"), lvl.sizes)
+            if li > 1:
+                np.save(os.path.join(out, f"labels_level{li}.npy"), lvl.labels)
+        summary["wall_s"] = time.perf_counter() - t0
+        with open(os.path.join(out, "kmeans.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+    dist.barrier()
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--emb-dir", required=True, help="curation embeddings folder (fp16 shards)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--levels", type=int, nargs="+", default=[4000, 400, 40, 10])
+    p.add_argument("--sample-sizes", type=int, nargs="+", default=None,
+                   help="points per cluster in resampling steps, per level (default 1 10 5 3...)")
+    p.add_argument("--steps", type=int, default=10, help="resampling steps per level")
+    p.add_argument("--sampling", choices=("closest", "random"), default="closest")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--niter", type=int, default=50)
+    p.add_argument("--tol", type=float, default=1e-4)
+    p.add_argument("--init", choices=INITS, default="auto")
+    p.add_argument("--init-sample", type=int, default=4)
+    p.add_argument("--n-init", type=int, default=1)
+    p.add_argument("--max-points-per-centroid", type=int, default=256)
+    p.add_argument("--init-centroids", default=None, help=".npy (k, D) level-1 initialisation")
+    p.add_argument("--block", type=int, default=BLOCK,
+                   help="rows per assignment block; ranks own whole blocks (keep it fixed to "
+                        "compare runs at different world sizes)")
+    a = p.parse_args(argv)
+    ss = a.sample_sizes or ([1] + [10, 5, 3] + [3] * len(a.levels))[: len(a.levels)]
+    if len(ss) != len(a.levels):
+        p.error(f"--sample-sizes has {len(ss)} values for {len(a.levels)} --levels")
+    summary = run(a.emb_dir, a.out, a.levels, ss, steps=a.steps, sampling=a.sampling, seed=a.seed,
+                  init_centroids=a.init_centroids, niter=a.niter, tol=a.tol, init=a.init,
+                  init_sample=a.init_sample, n_init=a.n_init, block=a.block,
+                  max_points_per_centroid=a.max_points_per_centroid)
+    if dist.get_rank() == 0:
+        print(json.dumps(summary))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
