@@ -34,8 +34,11 @@ def _embedder(cfg: CurationConfig):
 
 
 def _params(cfg: CurationConfig) -> dict:
+    from .dedup import resolve_threshold
+
     return {"hash_enabled": cfg.hash_dedup.enabled, "hash_max_distance": cfg.hash_dedup.max_distance,
-            "k": cfg.dedup.k, "dedup_threshold": cfg.dedup.threshold, "index": cfg.dedup.index,
+            "k": cfg.dedup.k, "index": cfg.dedup.index,
+            "dedup_threshold": resolve_threshold(cfg.dedup.threshold, cfg.dedup.verify),
             "verify": cfg.dedup.verify, "verify_threshold": cfg.dedup.verify_threshold,
             "grouping": cfg.dedup.grouping, "copy_model": cfg.dedup.model,
             "decontam_threshold": cfg.decontaminate.threshold, "rebalance_mode": cfg.rebalance.mode,

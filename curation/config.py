@@ -70,8 +70,10 @@ class HashDedupConfig:
 class DedupConfig:
     k: int = 64
     """Neighbours per image in the kNN graph (DINOv2: 64)."""
-    threshold: float = 0.6
-    """Cosine above which two images are copies (DINOv2: 0.6), on the copy descriptor."""
+    threshold: Optional[float] = None
+    """kNN cosine (copy descriptor or dedup.model) above which two images are a candidate pair.
+    null: 0.45 with dedup.verify (the pixels decide; 0.45 finds copies 0.6 misses), DINOv2's 0.6
+    without (the cosine decides alone)."""
     index: str = "auto"
     """auto (exact flat up to 50k images, IVF above) | flat | ivf"""
     nprobe: int = 16
@@ -202,6 +204,8 @@ def validate(cfg: CurationConfig, step: str = "run") -> None:
     _validate_dedup(cfg.dedup)
     for key, t in (("dedup.threshold", cfg.dedup.threshold),
                    ("decontaminate.threshold", cfg.decontaminate.threshold)):
+        if t is None and key == "dedup.threshold":
+            continue
         _need(-1.0 <= t <= 1.0, key, f"a cosine similarity in [-1, 1], got {t}")
     _validate_rebalance(cfg)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 from torchvision import transforms as T
@@ -46,7 +47,9 @@ def build_copy_embedder(path: str, image_size: int = 224, device: str = "auto",
                           f"model such as SSCD's .torchscript.pt, or a dinopipe.load checkpoint)")
     if _is_torchscript(path):
         try:
-            net = torch.jit.load(path, map_location="cpu")
+            with warnings.catch_warnings():  # "jit is deprecated": SSCD is released as TorchScript
+                warnings.simplefilter("ignore", FutureWarning)
+                net = torch.jit.load(path, map_location="cpu")
         except RuntimeError as exc:
             raise ConfigError(f"dedup.model: cannot load TorchScript '{path}': {exc}") from None
         emb = ModelEmbedder(net, image_size, device, precision)

@@ -24,6 +24,18 @@ from .index import Rows, build_index, iter_knn
 from .unionfind import components_by_smallest_id, id_ranks
 
 GROUPINGS = ("star", "components")
+# kNN cosine above which a pair is a candidate. DINOv2's 0.6 when the descriptor decides alone;
+# with pixel verification the descriptor only proposes, and 0.45 reaches the planted copies 0.6
+# misses (measured down to 0.46 on micrograph tiles, bench/bench_copy.py).
+DINOV2_THRESHOLD = 0.6
+VERIFIED_THRESHOLD = 0.45
+
+
+def resolve_threshold(threshold: float | None, verify: bool) -> float:
+    """``dedup.threshold``; null picks the default for the mode (see above)."""
+    if threshold is not None:
+        return float(threshold)
+    return VERIFIED_THRESHOLD if verify else DINOV2_THRESHOLD
 
 
 @dataclass

@@ -23,7 +23,7 @@ import numpy as np
 
 from dinopipe.data.sources import as_multi
 
-from .dedup import copy_dedup
+from .dedup import copy_dedup, resolve_threshold
 from .decontaminate import decontaminate
 from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
 from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
@@ -112,13 +112,15 @@ def step_embed(sources, out_dir: str, model_embed_fn: Callable | None = None,
 
 
 def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,
-               threshold: float = 0.6, index_kind: str = "auto", nprobe: int = 16,
+               threshold: float | None = None, index_kind: str = "auto", nprobe: int = 16,
                progress: bool = True, hash_enabled: bool = True, sources=None,
                verify: bool = True, verify_threshold: float = DEFAULT_VERIFY_THRESHOLD,
                verify_size: int = 128, grouping: str = "star") -> dict:
     """Hash pre-dedup (unless ``hash_enabled`` is False), then copy dedup of the hash survivors:
     kNN candidates on the copy descriptors, each verified on the pixels of ``sources`` (unless
-    ``verify`` is False), grouped without chaining (``grouping='star'``)."""
+    ``verify`` is False), grouped without chaining (``grouping='star'``). ``threshold``: the kNN
+    cosine of candidates (None: 0.45 with verification, DINOv2's 0.6 without)."""
+    threshold = resolve_threshold(threshold, verify)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
     if hash_enabled:
         h = hash_dedup(emb.hashes, emb.ids, max_distance=hash_max_distance)
@@ -147,7 +149,7 @@ def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: i
     _save_step(out_dir, "dedup", status=status, component=component, nn_sim=nn_sim)
     return {"hash_duplicates": h.n_duplicates, "copy_duplicates": d.n_duplicates,
             "index": d.index_kind, "candidates": d.n_candidates, "edges": d.n_edges,
-            "verify_seconds": round(d.verify_seconds, 2)}
+            "threshold": threshold, "verify_seconds": round(d.verify_seconds, 2)}
 
 
 def step_decontaminate(out_dir: str, eval_sources=None, threshold: float = 0.45,
@@ -262,7 +264,7 @@ def run_curation(inputs, out_dir: str, *, eval_sources=None, seed_sources=None,
                  model_embed_fn: Callable | None = None, model_transform=None,
                  descriptor_config: DescriptorConfig | None = None,
                  hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,
-                 dedup_threshold: float = 0.6, decontam_threshold: float = 0.45,
+                 dedup_threshold: float | None = None, decontam_threshold: float = 0.45,
                  index_kind: str = "auto", nprobe: int = 16,
                  rebalance_mode: str = "none", rebalance_kwargs: dict | None = None,
                  embed_shard_size: int = 10000, batch_size: int = 64, num_workers: int = 2,
@@ -280,7 +282,8 @@ def run_curation(inputs, out_dir: str, *, eval_sources=None, seed_sources=None,
     summary["rebalance"] = step_rebalance(
         out_dir, rebalance_mode, seed_sources, model_embed_fn, model_transform, batch_size,
         num_workers, progress, **(rebalance_kwargs or {}))
-    params = {"hash_max_distance": hash_max_distance, "k": k, "dedup_threshold": dedup_threshold,
+    params = {"hash_max_distance": hash_max_distance, "k": k,
+              "dedup_threshold": resolve_threshold(dedup_threshold, verify), "verify": verify,
               "decontam_threshold": decontam_threshold, "rebalance_mode": rebalance_mode}
     return step_write(src, out_dir, write_shard_size, extra={"params": params,
                                                               "steps": summary},

@@ -28,9 +28,11 @@ from PIL import Image
 
 # Measured on the bench pools (bench/bench_copy.py): copies >= 0.6, distinct tiles <= 0.35.
 DEFAULT_THRESHOLD = 0.5
-# Band-pass std (luminance in [0, 1]) below which an image counts as flat: blank scan
-# background is constant (0); the smoothest real texture measured ~0.003.
-FLAT_ENERGY = 0.001
+# Band-pass std (luminance in [0, 1]). Below LOW_ENERGY in the fine band (sky, blur, smooth
+# gradients: JPEG noise would dominate) a pair is compared on the coarse band; below FLAT_ENERGY
+# there too, an image is blank (constant scan background measures 0).
+LOW_ENERGY = 0.0025
+FLAT_ENERGY = 0.0005
 
 
 def _gauss_kernel(sigma: float) -> torch.Tensor:
@@ -70,7 +72,7 @@ class PixelVerifier:
 
     # -- features ---------------------------------------------------------------------------
     def features(self, img: Image.Image | None):
-        """(band-passed luminance (S, S) tensor, band-pass std, mean RGB) or None if unreadable."""
+        """(fine band (S, S), its std, coarse band (S, S), its std, mean RGB); None if unreadable."""
         if img is None:
             return None
         s = self.size
@@ -80,8 +82,9 @@ class PixelVerifier:
             img = img.reduce(factor)
         rgb = np.asarray(img.resize((s, s), Image.BOX), dtype=np.float32) / 255.0
         luma = torch.from_numpy(rgb @ np.array([0.299, 0.587, 0.114], np.float32))[None, None]
-        band = (_blur(luma, self.sigmas[0]) - _blur(luma, self.sigmas[1]))[0, 0]
-        return band, float(band.std()), rgb.reshape(-1, 3).mean(axis=0)
+        b0, b1, b2 = (_blur(luma, sg) for sg in (self.sigmas[0], self.sigmas[1], 3 * self.sigmas[1]))
+        fine, coarse = (b0 - b1)[0, 0], (b1 - b2)[0, 0]
+        return fine, float(fine.std()), coarse, float(coarse.std()), rgb.reshape(-1, 3).mean(axis=0)
 
     def _get(self, pos: int):
         pos = int(pos)
@@ -155,21 +158,23 @@ class PixelVerifier:
             sl = slice(start, start + self.batch_pairs)
             fa = [self._get(i) for i in a[sl]]
             fb = [self._get(j) for j in b[sl]]
-            textured = []
+            jobs = {0: [], 2: []}  # pairs compared on the fine band / on the coarse band
             for i, (x, y) in enumerate(zip(fa, fb)):
                 self.n_pairs += 1
                 if x is None or y is None:
                     continue  # unreadable: never a verified copy
-                flat_x, flat_y = x[1] < FLAT_ENERGY, y[1] < FLAT_ENERGY
-                if flat_x and flat_y:  # two blank images: copies when their colours agree
-                    out[start + i] = 1.0 if np.abs(x[2] - y[2]).max() < 0.06 else 0.0
-                elif not (flat_x or flat_y):
-                    textured.append(i)
-            if textured:
-                with torch.no_grad():
-                    sc = self._score_textured(torch.stack([fa[i][0] for i in textured]),
-                                              torch.stack([fb[i][0] for i in textured]))
-                out[start + np.array(textured)] = sc.numpy()
+                if min(x[1], y[1]) >= LOW_ENERGY:
+                    jobs[0].append(i)
+                elif min(x[3], y[3]) >= FLAT_ENERGY:  # little fine detail (sky, blur): coarser
+                    jobs[2].append(i)
+                elif max(x[3], y[3]) < FLAT_ENERGY:  # two blank images: same colour or not
+                    out[start + i] = 1.0 if np.abs(x[4] - y[4]).max() < 0.06 else 0.0
+            for band, idx in jobs.items():
+                if idx:
+                    with torch.no_grad():
+                        sc = self._score_textured(torch.stack([fa[i][band] for i in idx]),
+                                                  torch.stack([fb[i][band] for i in idx]))
+                    out[start + np.array(idx)] = sc.numpy()
         return out
 
     def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
