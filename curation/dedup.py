@@ -6,9 +6,9 @@ homogeneous data (retina scans, micrograph tiles) the descriptor scores distinct
 scene above the threshold, and components chain A~B~C~... until unrelated images share a group.
 Here the kNN only proposes *candidate* pairs (recall); each candidate is verified on pixels
 (:mod:`curation.verify`) before it becomes an edge (precision); and groups are stars, not
-components: images are visited in id order, an image not yet claimed keeps itself and claims its
-unclaimed verified copies. So an image is removed only if it was verified as a copy of the image
-its group keeps. Both steps depend only on the *set* of candidate pairs, so a sharded kNN that
+components: images are visited by how many verified copies they have (ties: smaller id first),
+an image not yet claimed keeps itself and claims its unclaimed verified copies. So an image is
+removed only if it was verified as a copy of the image its group keeps. Both steps depend only on the *set* of candidate pairs, so a sharded kNN that
 yields the same pairs gives the same decisions (:func:`copy_dedup_from_pairs`).
 """
 
@@ -40,7 +40,7 @@ def resolve_threshold(threshold: float | None, verify: bool) -> float:
 
 @dataclass
 class DedupResult:
-    component: np.ndarray  # (N,) position of the group's kept image (smallest id)
+    component: np.ndarray  # (N,) position of the group's kept image
     keep: np.ndarray  # (N,) bool
     nn_sim: np.ndarray  # (N,) cosine to the nearest other image (-inf when alone)
     nn_index: np.ndarray  # (N,) position of that neighbour (-1 when alone)
@@ -162,23 +162,30 @@ def canonical_pairs(rank: np.ndarray, a, b, sim, threshold: float):
 
 
 def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Group root (in rank space) of every rank: visiting ranks in increasing order, an
-    unclaimed rank keeps itself and claims its unclaimed neighbours; claimed ranks claim nothing.
+    """Group root (in rank space) of every rank: star clustering of the verified-copy graph.
 
-    ``lo < hi`` elementwise (canonical pairs). A claimed image never recruits, so a group is a
-    star around its kept image: no chains. Only ranks with an edge are visited.
+    Images with copies are visited by decreasing number of verified copies (ties: smaller id
+    first); an unclaimed one keeps itself and claims its unclaimed neighbours; claimed images
+    claim nothing. So a group is a star around its kept image (no chains), and the image most
+    others are copies of is kept, which gathers a copy, its original and the original's other
+    copies in one group. Depends only on the set of edges.
     """
     root = np.arange(n, dtype=np.int64)
     if not len(lo):
         return root
-    srt = np.argsort(lo, kind="stable")
-    lo, hi = lo[srt], hi[srt]
-    starts = np.searchsorted(lo, np.arange(n + 1))
+    src, dst = np.concatenate([lo, hi]), np.concatenate([hi, lo])
+    srt = np.lexsort((dst, src))
+    src, dst = src[srt], dst[srt]
+    starts = np.searchsorted(src, np.arange(n + 1))
+    degree = np.diff(starts)
+    nodes = np.flatnonzero(degree)
+    nodes = nodes[np.lexsort((nodes, -degree[nodes]))]
     claimed = np.zeros(n, bool)
-    for r in np.unique(lo):  # every rank that has a larger-id neighbour, in id order
+    for r in nodes:
         if claimed[r]:
             continue
-        nb = hi[starts[r]:starts[r + 1]]
+        claimed[r] = True
+        nb = dst[starts[r]:starts[r + 1]]
         nb = nb[~claimed[nb]]
         claimed[nb] = True
         root[nb] = r

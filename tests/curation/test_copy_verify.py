@@ -89,17 +89,19 @@ def _accepting(pairs):
     return lambda a, b: np.array([frozenset((int(x), int(y))) in ok for x, y in zip(a, b)])
 
 
-def test_no_chaining_a_copy_of_a_removed_copy_is_not_removed():
-    # A~B and B~C verified, A~C not (e.g. B is a blend of A and C): only B may go.
-    ids = ["a", "b", "c", "d"]
-    a, b, sim = np.array([0, 1, 0]), np.array([1, 2, 2]), np.full(3, 0.9, np.float32)
-    verifier = _accepting([(0, 1), (1, 2)])
-    star = copy_dedup_from_pairs(4, ids, a, b, sim, threshold=0.6, verifier=verifier)
-    assert star.keep.tolist() == [True, False, True, True]
-    assert star.component.tolist() == [0, 0, 2, 3]
-    chained = copy_dedup_from_pairs(4, ids, a, b, sim, threshold=0.6, verifier=verifier,
+def test_no_chaining_an_image_goes_only_as_a_verified_copy_of_its_kept_image():
+    # a~b, b~c, c~d verified, nothing else (a chain of gradual edits): components would drop
+    # three images for one; stars keep b (most copies, smaller id than c) with a and c, and d.
+    ids = ["a", "b", "c", "d", "e"]
+    a, b, sim = np.array([0, 2, 2, 0]), np.array([1, 1, 3, 2]), np.full(4, 0.9, np.float32)
+    verifier = _accepting([(0, 1), (1, 2), (2, 3)])  # the candidate a~c fails verification
+    star = copy_dedup_from_pairs(5, ids, a, b, sim, threshold=0.6, verifier=verifier)
+    assert star.keep.tolist() == [False, True, False, True, True]
+    assert star.component.tolist() == [1, 1, 1, 3, 4]
+    assert star.n_candidates == 4 and star.n_edges == 3
+    chained = copy_dedup_from_pairs(5, ids, a, b, sim, threshold=0.6, verifier=verifier,
                                     grouping="components")
-    assert chained.keep.tolist() == [True, False, False, True]  # DINOv2's components chain
+    assert chained.keep.tolist() == [True, False, False, False, True]  # DINOv2's components chain
     # every removed image was verified against the image its group keeps
     for pos in np.flatnonzero(~star.keep):
         assert verifier(np.array([star.component[pos]]), np.array([pos]))[0]
