@@ -138,7 +138,12 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
     if grouping == "components":
         component = components_by_smallest_id(n, ids, order[lo], order[hi])
     else:
-        component = order[star_groups(n, lo, hi)[rank]]
+        root = star_groups(n, lo, hi)
+        if verifier is not None and len(lo):
+            t1 = time.perf_counter()
+            root = attach_singletons(root, lo, hi, lambda x, y: verifier(order[x], order[y]))
+            seconds += time.perf_counter() - t1
+        component = order[root[rank]]
     keep = component == np.arange(n)
     empty_sim, empty_idx = np.full(n, -np.inf, np.float32), np.full(n, -1, np.int64)
     return DedupResult(component, keep, empty_sim, empty_idx, len(lo), "none", n_candidates,
@@ -189,6 +194,32 @@ def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         nb = nb[~claimed[nb]]
         claimed[nb] = True
         root[nb] = r
+    return root
+
+
+def attach_singletons(root: np.ndarray, lo: np.ndarray, hi: np.ndarray, verify) -> np.ndarray:
+    """Second look for images left alone: a copy C of an image O that went into K's group (C
+    was not verified against K, or K claimed O first) joins K if ``verify`` confirms C against K
+    itself — only when C is alone, so no image is ever removed without being verified against
+    the image its group keeps. Each C joins the smallest such K. Ranks; smaller first to verify.
+    """
+    n = len(root)
+    size = np.bincount(root, minlength=n)
+    src, dst = np.concatenate([lo, hi]), np.concatenate([hi, lo])
+    m = (root[src] != src) & (root[dst] == dst) & (size[dst] == 1)
+    k, c = root[src[m]], dst[m]
+    if not len(k):
+        return root
+    key = np.unique(k * n + c)  # distinct (keeper, lone image) pairs, by keeper then image
+    k, c = key // n, key % n
+    ok = np.asarray(verify(np.minimum(k, c), np.maximum(k, c)), bool)
+    k, c = k[ok], c[ok]
+    srt = np.lexsort((k, c))
+    k, c = k[srt], c[srt]
+    first = np.ones(len(c), bool)
+    first[1:] = c[1:] != c[:-1]
+    root = root.copy()
+    root[c[first]] = k[first]
     return root
 
 

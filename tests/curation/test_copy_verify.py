@@ -107,6 +107,18 @@ def test_no_chaining_an_image_goes_only_as_a_verified_copy_of_its_kept_image():
         assert verifier(np.array([star.component[pos]]), np.array([pos]))[0]
 
 
+def test_a_lone_copy_of_a_removed_image_joins_its_group_only_if_verified_with_the_kept_one():
+    # b and c are copies of a (a keeps both); d is a copy of b only as far as the kNN found.
+    ids, a, b = ["a", "b", "c", "d"], np.array([0, 0, 1]), np.array([1, 2, 3])
+    sim = np.full(3, 0.9, np.float32)
+    joins = copy_dedup_from_pairs(4, ids, a, b, sim, threshold=0.6,
+                                  verifier=_accepting([(0, 1), (0, 2), (1, 3), (0, 3)]))
+    assert joins.component.tolist() == [0, 0, 0, 0]  # d verified against a itself: same group
+    alone = copy_dedup_from_pairs(4, ids, a, b, sim, threshold=0.6,
+                                  verifier=_accepting([(0, 1), (0, 2), (1, 3)]))
+    assert alone.component.tolist() == [0, 0, 0, 3]  # not verified against a: d stays
+
+
 def test_decisions_depend_only_on_the_set_of_pairs():
     """A kNN finds pairs from both sides, a sharded kNN in shard order: same set, same result."""
     rng = np.random.default_rng(0)
@@ -130,6 +142,7 @@ def test_decisions_depend_only_on_the_set_of_pairs():
         res = copy_dedup_from_pairs(n, ids, aa, bb, sim[both], threshold=0.6, verifier=verifier)
         np.testing.assert_array_equal(res.component, ref.component)
         assert res.n_candidates == ref.n_candidates and res.n_edges == ref.n_edges
+    calls = calls[::2]  # each run: candidates, then the second look at lone images
     assert all(np.array_equal(c[0], calls[0][0]) for c in calls)  # same pairs, same order
     assert (ids[calls[0][0]] < ids[calls[0][1]]).all()  # verified smaller id first
     assert ref.n_candidates == len(calls[0][0]) == len({frozenset(p) for p in zip(
