@@ -23,7 +23,6 @@ pixel verification of every candidate and star groups (no chaining). The quickst
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import tempfile
@@ -104,8 +103,7 @@ def build_tile_pool(root: str, names: list[str], seed: int = 0) -> dict:
 def evaluate(out: str, src_name: str, pairs: dict) -> dict:
     """pairs: {original rel: (counted, copy rel or None)} -> kept %, recall %, largest group."""
     emb = open_embeddings(os.path.join(out, "embeddings", "descriptor"))
-    st, dd = load_step(out, "dedup"), None
-    dd = st
+    dd = load_step(out, "dedup")
     pos = emb.index_of()
     status, comp = dd["status"], dd["component"]
     at = {i: pos[f"{src_name}/{i}"] for i in pairs if f"{src_name}/{i}" in pos}
@@ -114,7 +112,7 @@ def evaluate(out: str, src_name: str, pairs: dict) -> dict:
     kept = sum(status[at[i]] == 0 or (i in atc and status[atc[i]] == 0) for i in counted)
     with_copy = [i for i in counted if i in atc]
     found = sum(comp[at[i]] == comp[atc[i]] for i in with_copy)
-    roots, inv, sizes = np.unique(comp, return_inverse=True, return_counts=True)
+    _, inv, sizes = np.unique(comp, return_inverse=True, return_counts=True)
     g = int(np.argmax(sizes))
     members = emb.ids[inv.ravel() == g]
     # a member's source tile: its path with the copies/ prefix removed

@@ -198,28 +198,39 @@ def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 def attach_singletons(root: np.ndarray, lo: np.ndarray, hi: np.ndarray, verify) -> np.ndarray:
-    """Second look for images left alone: a copy C of an image O that went into K's group (C
-    was not verified against K, or K claimed O first) joins K if ``verify`` confirms C against K
-    itself — only when C is alone, so no image is ever removed without being verified against
-    the image its group keeps. Each C joins the smallest such K. Ranks; smaller first to verify.
+    """Second look at images left alone. A lone image C has verified copies, all of them removed
+    into other groups (a copy O of C went to K's group because K had more copies). Then C joins
+    K if ``verify`` confirms C against K itself (each C: the smallest such K); otherwise O
+    leaves K's group and keeps C as its copy (the smallest such O). Either way as many images
+    are removed as before, each still verified against the image its group keeps, and C ends
+    in one group with its original. Ranks; pairs go to ``verify`` smaller first.
     """
     n = len(root)
     size = np.bincount(root, minlength=n)
     src, dst = np.concatenate([lo, hi]), np.concatenate([hi, lo])
     m = (root[src] != src) & (root[dst] == dst) & (size[dst] == 1)
-    k, c = root[src[m]], dst[m]
-    if not len(k):
+    o, c = src[m], dst[m]  # C alone, O removed (every verified neighbour of a lone C is)
+    if not len(o):
         return root
-    key = np.unique(k * n + c)  # distinct (keeper, lone image) pairs, by keeper then image
-    k, c = key // n, key % n
-    ok = np.asarray(verify(np.minimum(k, c), np.maximum(k, c)), bool)
-    k, c = k[ok], c[ok]
-    srt = np.lexsort((k, c))
-    k, c = k[srt], c[srt]
+    root = root.copy()
+    key = np.unique(root[o] * n + c)  # distinct (keeper of O, lone image) pairs
+    k, kc = key // n, key % n
+    ok = np.asarray(verify(np.minimum(k, kc), np.maximum(k, kc)), bool)
+    k, kc = k[ok], kc[ok]
+    srt = np.lexsort((k, kc))
+    k, kc = k[srt], kc[srt]
+    first = np.ones(len(kc), bool)
+    first[1:] = kc[1:] != kc[:-1]
+    root[kc[first]] = k[first]
+    rest = ~np.isin(c, kc)  # still alone: their smallest verified copy O keeps them instead
+    o, c = o[rest], c[rest]
+    srt = np.lexsort((o, c))
+    o, c = o[srt], c[srt]
     first = np.ones(len(c), bool)
     first[1:] = c[1:] != c[:-1]
-    root = root.copy()
-    root[c[first]] = k[first]
+    o, c = o[first], c[first]
+    root[o] = o
+    root[c] = o
     return root
 
 

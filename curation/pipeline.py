@@ -31,7 +31,7 @@ from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, hash_dedup
 from .index import Rows
 from .rebalance import rebalance
 from .verify import DEFAULT_THRESHOLD as DEFAULT_VERIFY_THRESHOLD
-from .verify import PixelVerifier, source_reader
+from .verify import pixel_verifier
 from .write import build_manifest, write_json_atomic, write_shards
 
 KEPT, HASH_DUP, COPY_DUP, DECONTAM, NOT_SELECTED = 0, 1, 2, 3, 4
@@ -132,9 +132,7 @@ def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: i
         if sources is None:
             raise ValueError("copy verification reads the images again: pass the pool's sources "
                              "(or verify=False to trust the descriptor alone)")
-        read = source_reader(sources, emb.ids)
-        verifier = PixelVerifier(lambda pos: read(surv[pos]), size=verify_size,
-                                 threshold=verify_threshold)
+        verifier = pixel_verifier(sources, emb.ids, surv, verify_size, verify_threshold)
     d = copy_dedup(Rows(emb, surv), emb.ids[surv], k=k, threshold=threshold,
                    index_kind=index_kind, nprobe=nprobe, progress=progress, verifier=verifier,
                    grouping=grouping)

@@ -198,3 +198,14 @@ def source_reader(sources, ids, max_pixels: int | None = None) -> Callable[[int]
         return img
 
     return read
+
+
+def pixel_verifier(sources, ids, rows: np.ndarray | None = None, size: int = 128,
+                   threshold: float = DEFAULT_THRESHOLD) -> PixelVerifier:
+    """The verifier ``copy_dedup_from_pairs`` needs for pairs of positions into ``rows`` (a
+    subset of the pool, e.g. the hash-dedup survivors; None: all of ``ids``)."""
+    read = source_reader(sources, ids)
+    if rows is None:
+        return PixelVerifier(read, size=size, threshold=threshold)
+    rows = np.asarray(rows, np.int64)
+    return PixelVerifier(lambda pos: read(rows[pos]), size=size, threshold=threshold)

@@ -91,13 +91,14 @@ def _accepting(pairs):
 
 def test_no_chaining_an_image_goes_only_as_a_verified_copy_of_its_kept_image():
     # a~b, b~c, c~d verified, nothing else (a chain of gradual edits): components would drop
-    # three images for one; stars keep b (most copies, smaller id than c) with a and c, and d.
+    # three images for one; stars keep b (most copies, smaller id than c) with a, and c with d
+    # (c first went to b, then left to keep d, which is no copy of b).
     ids = ["a", "b", "c", "d", "e"]
     a, b, sim = np.array([0, 2, 2, 0]), np.array([1, 1, 3, 2]), np.full(4, 0.9, np.float32)
     verifier = _accepting([(0, 1), (1, 2), (2, 3)])  # the candidate a~c fails verification
     star = copy_dedup_from_pairs(5, ids, a, b, sim, threshold=0.6, verifier=verifier)
-    assert star.keep.tolist() == [False, True, False, True, True]
-    assert star.component.tolist() == [1, 1, 1, 3, 4]
+    assert star.keep.tolist() == [False, True, True, False, True]
+    assert star.component.tolist() == [1, 1, 2, 2, 4]
     assert star.n_candidates == 4 and star.n_edges == 3
     chained = copy_dedup_from_pairs(5, ids, a, b, sim, threshold=0.6, verifier=verifier,
                                     grouping="components")
@@ -107,16 +108,19 @@ def test_no_chaining_an_image_goes_only_as_a_verified_copy_of_its_kept_image():
         assert verifier(np.array([star.component[pos]]), np.array([pos]))[0]
 
 
-def test_a_lone_copy_of_a_removed_image_joins_its_group_only_if_verified_with_the_kept_one():
+def test_a_lone_copy_of_a_removed_image_ends_in_one_group_with_it():
     # b and c are copies of a (a keeps both); d is a copy of b only as far as the kNN found.
     ids, a, b = ["a", "b", "c", "d"], np.array([0, 0, 1]), np.array([1, 2, 3])
     sim = np.full(3, 0.9, np.float32)
     joins = copy_dedup_from_pairs(4, ids, a, b, sim, threshold=0.6,
                                   verifier=_accepting([(0, 1), (0, 2), (1, 3), (0, 3)]))
     assert joins.component.tolist() == [0, 0, 0, 0]  # d verified against a itself: same group
-    alone = copy_dedup_from_pairs(4, ids, a, b, sim, threshold=0.6,
-                                  verifier=_accepting([(0, 1), (0, 2), (1, 3)]))
-    assert alone.component.tolist() == [0, 0, 0, 3]  # not verified against a: d stays
+    verifier = _accepting([(0, 1), (0, 2), (1, 3)])
+    alone = copy_dedup_from_pairs(4, ids, a, b, sim, threshold=0.6, verifier=verifier)
+    # d is not a copy of a: b leaves a's group and keeps d (still two images removed)
+    assert alone.component.tolist() == [0, 1, 0, 1]
+    for pos in np.flatnonzero(~alone.keep):
+        assert verifier(np.array([alone.component[pos]]), np.array([pos]))[0]
 
 
 def test_decisions_depend_only_on_the_set_of_pairs():
