@@ -126,12 +126,21 @@ def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: i
         h = hash_dedup(emb.hashes, emb.ids, max_distance=hash_max_distance)
     else:
         h = HashDedupResult(np.arange(len(emb), dtype=np.int64), np.ones(len(emb), bool), 0)
-    surv = np.flatnonzero(h.keep)
     verifier = None
     if verify:
         if sources is None:
             raise ValueError("copy verification reads the images again: pass the pool's sources "
                              "(or verify=False to trust the descriptor alone)")
+        # pHash groups chain too, and smooth images share hashes: each hash duplicate must also
+        # be verified against its group's kept image (smallest id), else it goes on to the kNN
+        dup = np.flatnonzero(~h.keep)
+        if len(dup):
+            ok = pixel_verifier(sources, emb.ids, None, verify_size, verify_threshold)(
+                h.group[dup], dup)
+            h.keep[dup[~ok]] = True
+            h.group[dup[~ok]] = dup[~ok]
+    surv = np.flatnonzero(h.keep)
+    if verify:
         verifier = pixel_verifier(sources, emb.ids, surv, verify_size, verify_threshold)
     d = copy_dedup(Rows(emb, surv), emb.ids[surv], k=k, threshold=threshold,
                    index_kind=index_kind, nprobe=nprobe, progress=progress, verifier=verifier,
