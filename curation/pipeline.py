@@ -3,6 +3,7 @@
 Output folder::
 
     descriptor.npz              the fitted copy-detection descriptor (shared by all array tasks)
+    copy_model.json             the copy model used instead of it (dedup.model), when one was
     embeddings/descriptor/      copy-detection descriptors of the pool (fp16 shards + ids)
     embeddings/model/           backbone embeddings (only with a model embed_fn), for rebalancing
     embeddings/eval/, seeds/    descriptors of eval images / embeddings of seed images
