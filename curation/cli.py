@@ -34,8 +34,13 @@ def _embedder(cfg: CurationConfig):
 
 
 def _params(cfg: CurationConfig) -> dict:
+    from .dedup import resolve_threshold
+
     return {"hash_enabled": cfg.hash_dedup.enabled, "hash_max_distance": cfg.hash_dedup.max_distance,
-            "k": cfg.dedup.k, "dedup_threshold": cfg.dedup.threshold, "index": cfg.dedup.index,
+            "k": cfg.dedup.k, "index": cfg.dedup.index,
+            "dedup_threshold": resolve_threshold(cfg.dedup.threshold, cfg.dedup.verify),
+            "verify": cfg.dedup.verify, "verify_threshold": cfg.dedup.verify_threshold,
+            "grouping": cfg.dedup.grouping, "copy_model": cfg.dedup.model,
             "decontam_threshold": cfg.decontaminate.threshold, "rebalance_mode": cfg.rebalance.mode,
             "embed_model": cfg.embed.model}
 
@@ -65,10 +70,15 @@ def run_step(step: str, cfg: CurationConfig, embedder=None):
     if step == "embed":
         return P.step_embed(cfg.input.paths, out, embedder, getattr(embedder, "transform", None),
                             cfg.descriptor, e.shard_size, e.batch_size, e.num_workers,
-                            e.task_index, e.num_tasks, progress=prog)
+                            e.task_index, e.num_tasks, progress=prog, copy_model=cfg.dedup.model,
+                            copy_image_size=cfg.dedup.image_size, device=e.device,
+                            precision=e.precision)
     if step == "dedup":
-        return P.step_dedup(out, cfg.hash_dedup.max_distance, cfg.dedup.k, cfg.dedup.threshold,
-                            cfg.dedup.index, cfg.dedup.nprobe, prog, cfg.hash_dedup.enabled)
+        d = cfg.dedup
+        return P.step_dedup(out, cfg.hash_dedup.max_distance, d.k, d.threshold, d.index, d.nprobe,
+                            prog, cfg.hash_dedup.enabled, sources=cfg.input.paths, verify=d.verify,
+                            verify_threshold=d.verify_threshold, verify_size=d.verify_size,
+                            grouping=d.grouping)
     if step == "decontaminate":
         return P.step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate.threshold,
                                     e.batch_size, e.num_workers, prog)

@@ -71,12 +71,31 @@ class HashDedupConfig:
 class DedupConfig:
     k: int = 64
     """Neighbours per image in the kNN graph (DINOv2: 64)."""
-    threshold: float = 0.6
-    """Cosine above which two images are copies (DINOv2: 0.6), on the copy descriptor."""
+    threshold: Optional[float] = None
+    """kNN cosine (copy descriptor or dedup.model) above which two images are a candidate pair.
+    null: 0.45 with dedup.verify (the pixels decide; 0.45 finds copies 0.6 misses), DINOv2's 0.6
+    without (the cosine decides alone)."""
     index: str = "auto"
     """auto (exact flat up to 50k images, IVF above) | flat | ivf"""
     nprobe: int = 16
     """IVF lists visited per query (recall vs speed)."""
+    verify: bool = True
+    """Verify every kNN candidate on pixels (aligned normalised correlation at verify_size px)
+    before it becomes a copy edge. false: trust the descriptor (DINOv2's way; on homogeneous
+    data such as retina or micrograph tiles it removes distinct images)."""
+    verify_threshold: float = 0.5
+    """Normalised correlation above which a candidate pair is a copy (copies measured >= 0.7,
+    distinct tiles of one scene <= 0.45; bench/bench_copy.py)."""
+    verify_size: int = 128
+    """Side (px) at which pairs are compared; the descriptor sees 64."""
+    grouping: str = "star"
+    """star: an image is removed only as a verified copy of its group's kept image (no
+    chaining) | components: connected components (DINOv2; chains A~B~C)."""
+    model: Optional[str] = None
+    """Copy-detection model in place of the offline descriptor: a TorchScript file (e.g. SSCD's
+    sscd_disc_mixup.torchscript.pt) or anything dinopipe.load reads. null: the descriptor."""
+    image_size: int = 224
+    """dedup.model input side (the whole image is resized to it, no crop)."""
 
 
 @dataclass
@@ -194,10 +213,25 @@ def validate(cfg: CurationConfig, step: str = "run") -> None:
           f"expected 0..32 bits, got {cfg.hash_dedup.max_distance}")
     _need(cfg.dedup.index in ("auto", "flat", "ivf"), "dedup.index",
           f"expected auto | flat | ivf, got '{cfg.dedup.index}'")
+    _validate_dedup(cfg.dedup)
     for key, t in (("dedup.threshold", cfg.dedup.threshold),
                    ("decontaminate.threshold", cfg.decontaminate.threshold)):
+        if t is None and key == "dedup.threshold":
+            continue
         _need(-1.0 <= t <= 1.0, key, f"a cosine similarity in [-1, 1], got {t}")
     _validate_rebalance(cfg)
+
+
+def _validate_dedup(d: DedupConfig) -> None:
+    _need(d.grouping in ("star", "components"), "dedup.grouping",
+          f"expected star | components, got '{d.grouping}'")
+    _need(-1.0 <= d.verify_threshold <= 1.0, "dedup.verify_threshold",
+          f"a normalised correlation in [-1, 1], got {d.verify_threshold}")
+    _need(d.verify_size >= 32, "dedup.verify_size", f"must be >= 32 px, got {d.verify_size}")
+    _need(d.image_size >= 16, "dedup.image_size", f"must be >= 16 px, got {d.image_size}")
+    _need(d.model is None or os.path.exists(d.model), "dedup.model",
+          f"'{d.model}' does not exist (a TorchScript copy model such as SSCD's "
+          f".torchscript.pt, or a checkpoint dinopipe.load reads)")
 
 
 def _check_model(model: str, image_size: int) -> None:

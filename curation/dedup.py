@@ -1,76 +1,237 @@
-"""Copy deduplication on embeddings (DINOv2, Oquab et al. 2023, App. A.2; Pizzi et al. 2022).
+"""Copy deduplication: kNN candidates, pixel verification, groups without chaining.
 
-Every image is linked to its k nearest neighbours with cosine similarity above a threshold;
-connected components of this graph are groups of copies, and one image per group is kept — the
-one with the smallest id, so reruns and differently split runs keep the same images.
+DINOv2 (Oquab et al. 2023, App. A.2; Pizzi et al. 2022) links every image to its k nearest
+neighbours with cosine above a threshold and keeps one image per connected component. On
+homogeneous data (retina scans, micrograph tiles) the descriptor scores distinct images of one
+scene above the threshold, and components chain A~B~C~... until unrelated images share a group.
+Here the kNN only proposes *candidate* pairs (recall); each candidate is verified on pixels
+(:mod:`curation.verify`) before it becomes an edge (precision); and groups are stars, not
+components: images are visited by how many verified copies they have (ties: smaller id first),
+an image not yet claimed keeps itself and claims its unclaimed verified copies. So an image is
+removed only if it was verified as a copy of the image its group keeps. Both steps depend only on the *set* of candidate pairs, so a sharded kNN that
+yields the same pairs gives the same decisions (:func:`copy_dedup_from_pairs`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from .index import Rows, build_index, iter_knn
-from .unionfind import UnionFind, id_ranks
+from .unionfind import components_by_smallest_id, id_ranks
+
+GROUPINGS = ("star", "components")
+# kNN cosine above which a pair is a candidate. DINOv2's 0.6 when the descriptor decides alone;
+# with pixel verification the descriptor only proposes, and 0.45 reaches the planted copies 0.6
+# misses (measured down to 0.46 on micrograph tiles, bench/bench_copy.py).
+DINOV2_THRESHOLD = 0.6
+VERIFIED_THRESHOLD = 0.45
+
+
+def resolve_threshold(threshold: float | None, verify: bool) -> float:
+    """``dedup.threshold``; null picks the default for the mode (see above)."""
+    if threshold is not None:
+        return float(threshold)
+    return VERIFIED_THRESHOLD if verify else DINOV2_THRESHOLD
 
 
 @dataclass
 class DedupResult:
-    component: np.ndarray  # (N,) position of the component's kept image (smallest id)
+    component: np.ndarray  # (N,) position of the group's kept image
     keep: np.ndarray  # (N,) bool
     nn_sim: np.ndarray  # (N,) cosine to the nearest other image (-inf when alone)
     nn_index: np.ndarray  # (N,) position of that neighbour (-1 when alone)
-    n_edges: int  # kNN edges above the threshold (each direction counted once per query)
+    n_edges: int  # copy edges: verified candidate pairs (all candidates without a verifier)
     index_kind: str
+    n_candidates: int = 0  # distinct candidate pairs above the threshold
+    verify_seconds: float = 0.0  # time spent verifying candidates (reading pixels included)
 
     @property
     def n_duplicates(self) -> int:
         return int((~self.keep).sum())
 
     def component_sizes(self) -> np.ndarray:
-        """Sizes of all components (singletons included)."""
+        """Sizes of all groups (singletons included)."""
         return np.bincount(np.unique(self.component, return_inverse=True)[1].ravel())
 
 
-def copy_dedup(embeddings, ids, k: int = 64, threshold: float = 0.6, index_kind: str = "auto",
-               nprobe: int = 16, batch_size: int = 8192, use_gpu: bool | str = "auto",
-               flat_max: int | None = None, progress: bool = False) -> DedupResult:
-    """Connected components of the kNN graph with edges where cosine > ``threshold``.
-
-    ``embeddings``: (N, D) L2-normalised rows (array, fp16 memmap, EmbeddingSet or Rows view);
-    ``ids``: the N ids, which decide the kept image of each component. ``k`` is capped at N-1.
-    """
-    rows = embeddings if isinstance(embeddings, Rows) else Rows(embeddings)
+def candidate_pairs(rows: Rows, k: int, threshold: float, index_kind: str = "auto",
+                    nprobe: int = 16, batch_size: int = 8192, use_gpu: bool | str = "auto",
+                    flat_max: int | None = None, progress: bool = False):
+    """kNN of every row: ``(a, b, sim, nn_sim, nn_index, index_kind)`` with the pairs whose
+    cosine is above ``threshold`` (each direction as found; canonicalised later)."""
     n = len(rows)
-    if len(ids) != n:
-        raise ValueError(f"copy_dedup got {n} embeddings but {len(ids)} ids")
     nn_sim = np.full(n, -np.inf, np.float32)
     nn_index = np.full(n, -1, np.int64)
     if n < 2:
-        comp = np.arange(n, dtype=np.int64)
-        return DedupResult(comp, np.ones(n, bool), nn_sim, nn_index, 0, "none")
+        z = np.zeros(0, np.int64)
+        return z, z, np.zeros(0, np.float32), nn_sim, nn_index, "none"
     k = max(1, min(k, n - 1))
     kw = {} if flat_max is None else {"flat_max": flat_max}
     index = build_index(rows, kind=index_kind, nprobe=nprobe, use_gpu=use_gpu, **kw)
-    order, rank = id_ranks(ids)
-    uf = UnionFind(n)  # rank space: roots are the smallest ids
-    n_edges = 0
+    aa, bb, ss = [], [], []
     bar = _bar(n, "copy-dedup kNN", progress)
     for pos, sims, idx in iter_knn(index, rows, k, batch_size, exclude_self=True):
         nn_sim[pos] = sims[:, 0]
         nn_index[pos] = idx[:, 0]
         hit = (sims > threshold) & (idx >= 0)
-        a = np.repeat(pos, hit.sum(axis=1))
-        b = idx[hit]
-        n_edges += len(a)
-        if len(a):
-            uf.union(rank[a], rank[b])
+        aa.append(np.repeat(pos, hit.sum(axis=1)))
+        bb.append(idx[hit])
+        ss.append(sims[hit])
         bar.update(len(pos))
     bar.close()
-    component = order[uf.roots()[rank]]
+    return (np.concatenate(aa).astype(np.int64), np.concatenate(bb).astype(np.int64),
+            np.concatenate(ss).astype(np.float32), nn_sim, nn_index, index.kind)
+
+
+def copy_dedup(embeddings, ids, k: int = 64, threshold: float = 0.6, index_kind: str = "auto",
+               nprobe: int = 16, batch_size: int = 8192, use_gpu: bool | str = "auto",
+               flat_max: int | None = None, progress: bool = False,
+               verifier: Callable | None = None, grouping: str = "star") -> DedupResult:
+    """kNN candidates with cosine > ``threshold``, verified by ``verifier``, grouped.
+
+    ``embeddings``: (N, D) L2-normalised rows (array, fp16 memmap, EmbeddingSet or Rows view);
+    ``ids``: the N ids, which decide the kept image of each group. ``k`` is capped at N-1.
+    ``verifier(a, b) -> bool (P,)`` over row positions (e.g. :class:`curation.verify.PixelVerifier`);
+    None trusts the descriptor (every candidate is an edge).
+    """
+    rows = embeddings if isinstance(embeddings, Rows) else Rows(embeddings)
+    n = len(rows)
+    if len(ids) != n:
+        raise ValueError(f"copy_dedup got {n} embeddings but {len(ids)} ids")
+    a, b, sim, nn_sim, nn_index, kind = candidate_pairs(
+        rows, k, threshold, index_kind, nprobe, batch_size, use_gpu, flat_max, progress)
+    res = copy_dedup_from_pairs(n, ids, a, b, sim, threshold=threshold, verifier=verifier,
+                                grouping=grouping)
+    res.nn_sim, res.nn_index, res.index_kind = nn_sim, nn_index, kind
+    return res
+
+
+def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
+                          verifier: Callable | None = None, grouping: str = "star",
+                          progress: bool = False) -> DedupResult:
+    """Verification and grouping of candidate pairs ``(a[i], b[i])`` with cosine ``sim[i]``.
+
+    Pairs may come in any order, from either side, repeated (a kNN finds most pairs twice, a
+    sharded kNN in shard order): each unordered pair counts once, with its largest cosine, and is
+    verified smaller-id first. The result depends only on the set of pairs above ``threshold``.
+    ``grouping``: 'star' (no chaining; see the module docstring) or 'components' (DINOv2's
+    connected components, kept for comparison). ``nn_sim``/``nn_index`` are left empty (the
+    kNN fills them in :func:`copy_dedup`).
+    """
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping {grouping!r}: choose one of {GROUPINGS}")
+    ids = np.asarray(ids)
+    if len(ids) != n:
+        raise ValueError(f"copy_dedup_from_pairs got n={n} but {len(ids)} ids")
+    order, rank = id_ranks(ids)
+    lo, hi, s = canonical_pairs(rank, a, b, sim, threshold)
+    n_candidates = len(lo)
+    t0 = time.perf_counter()
+    if verifier is not None and len(lo):
+        ok = np.asarray(verifier(order[lo], order[hi]), bool)  # positions, smaller id first
+        lo, hi = lo[ok], hi[ok]
+    seconds = time.perf_counter() - t0 if verifier is not None else 0.0
+    if grouping == "components":
+        component = components_by_smallest_id(n, ids, order[lo], order[hi])
+    else:
+        root = star_groups(n, lo, hi)
+        if verifier is not None and len(lo):
+            t1 = time.perf_counter()
+            root = attach_singletons(root, lo, hi, lambda x, y: verifier(order[x], order[y]))
+            seconds += time.perf_counter() - t1
+        component = order[root[rank]]
     keep = component == np.arange(n)
-    return DedupResult(component, keep, nn_sim, nn_index, n_edges, index.kind)
+    empty_sim, empty_idx = np.full(n, -np.inf, np.float32), np.full(n, -1, np.int64)
+    return DedupResult(component, keep, empty_sim, empty_idx, len(lo), "none", n_candidates,
+                       seconds)
+
+
+def canonical_pairs(rank: np.ndarray, a, b, sim, threshold: float):
+    """Unique unordered pairs above ``threshold`` in rank space: (lo, hi, max cosine), sorted."""
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+    sim = np.asarray(sim, np.float32)
+    hit = (sim > threshold) & (a != b) & (a >= 0) & (b >= 0)
+    ra, rb, s = rank[a[hit]], rank[b[hit]], sim[hit]
+    lo, hi = np.minimum(ra, rb), np.maximum(ra, rb)
+    key = lo * len(rank) + hi
+    srt = np.lexsort((-s, key))  # by pair, largest cosine first
+    key, s = key[srt], s[srt]
+    first = np.ones(len(key), bool)
+    first[1:] = key[1:] != key[:-1]
+    key, s = key[first], s[first]
+    return key // len(rank), key % len(rank), s
+
+
+def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Group root (in rank space) of every rank: star clustering of the verified-copy graph.
+
+    Images with copies are visited by decreasing number of verified copies (ties: smaller id
+    first); an unclaimed one keeps itself and claims its unclaimed neighbours; claimed images
+    claim nothing. So a group is a star around its kept image (no chains), and the image most
+    others are copies of is kept, which gathers a copy, its original and the original's other
+    copies in one group. Depends only on the set of edges.
+    """
+    root = np.arange(n, dtype=np.int64)
+    if not len(lo):
+        return root
+    src, dst = np.concatenate([lo, hi]), np.concatenate([hi, lo])
+    srt = np.lexsort((dst, src))
+    src, dst = src[srt], dst[srt]
+    starts = np.searchsorted(src, np.arange(n + 1))
+    degree = np.diff(starts)
+    nodes = np.flatnonzero(degree)
+    nodes = nodes[np.lexsort((nodes, -degree[nodes]))]
+    claimed = np.zeros(n, bool)
+    for r in nodes:
+        if claimed[r]:
+            continue
+        claimed[r] = True
+        nb = dst[starts[r]:starts[r + 1]]
+        nb = nb[~claimed[nb]]
+        claimed[nb] = True
+        root[nb] = r
+    return root
+
+
+def attach_singletons(root: np.ndarray, lo: np.ndarray, hi: np.ndarray, verify) -> np.ndarray:
+    """Second look at images left alone. A lone image C has verified copies, all of them removed
+    into other groups (a copy O of C went to K's group because K had more copies). Then C joins
+    K if ``verify`` confirms C against K itself (each C: the smallest such K); otherwise O
+    leaves K's group and keeps C as its copy (the smallest such O). Either way as many images
+    are removed as before, each still verified against the image its group keeps, and C ends
+    in one group with its original. Ranks; pairs go to ``verify`` smaller first.
+    """
+    n = len(root)
+    size = np.bincount(root, minlength=n)
+    src, dst = np.concatenate([lo, hi]), np.concatenate([hi, lo])
+    m = (root[src] != src) & (root[dst] == dst) & (size[dst] == 1)
+    o, c = src[m], dst[m]  # C alone, O removed (every verified neighbour of a lone C is)
+    if not len(o):
+        return root
+    root = root.copy()
+    key = np.unique(root[o] * n + c)  # distinct (keeper of O, lone image) pairs
+    k, kc = key // n, key % n
+    ok = np.asarray(verify(np.minimum(k, kc), np.maximum(k, kc)), bool)
+    k, kc = k[ok], kc[ok]
+    srt = np.lexsort((k, kc))
+    k, kc = k[srt], kc[srt]
+    first = np.ones(len(kc), bool)
+    first[1:] = kc[1:] != kc[:-1]
+    root[kc[first]] = k[first]
+    rest = ~np.isin(c, kc)  # still alone: their smallest verified copy O keeps them instead
+    o, c = o[rest], c[rest]
+    srt = np.lexsort((o, c))
+    o, c = o[srt], c[srt]
+    first = np.ones(len(c), bool)
+    first[1:] = c[1:] != c[:-1]
+    o, c = o[first], c[first]
+    root[o] = o
+    root[c] = o
+    return root
 
 
 def _bar(total: int, desc: str, enabled: bool):

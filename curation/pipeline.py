@@ -3,6 +3,7 @@
 Output folder::
 
     descriptor.npz              the fitted copy-detection descriptor (shared by all array tasks)
+    copy_model.json             the copy model used instead of it (dedup.model), when one was
     embeddings/descriptor/      copy-detection descriptors of the pool (fp16 shards + ids)
     embeddings/model/           backbone embeddings (only with a model embed_fn), for rebalancing
     embeddings/eval/, seeds/    descriptors of eval images / embeddings of seed images
@@ -23,13 +24,15 @@ import numpy as np
 
 from dinopipe.data.sources import as_multi
 
-from .dedup import copy_dedup
+from .dedup import copy_dedup, resolve_threshold
 from .decontaminate import decontaminate
 from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
 from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
 from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, hash_dedup
 from .index import Rows
 from .rebalance import rebalance
+from .verify import DEFAULT_THRESHOLD as DEFAULT_VERIFY_THRESHOLD
+from .verify import pixel_verifier
 from .write import build_manifest, write_json_atomic, write_shards
 
 KEPT, HASH_DUP, COPY_DUP, DECONTAM, NOT_SELECTED = 0, 1, 2, 3, 4
@@ -69,15 +72,38 @@ def get_descriptor(out_dir: str, sources=None, config: DescriptorConfig | None =
     return desc
 
 
+def copy_embedder(out_dir: str, sources=None, config: DescriptorConfig | None = None,
+                  model: str | None = None, image_size: int = 224, device: str = "auto",
+                  precision: str = "auto"):
+    """``(embed_fn, transform)`` of the copy space: the copy model recorded in ``out_dir`` (or
+    given as ``model``), else the descriptor. Eval and seed images must be embedded alike."""
+    from .copymodel import build_copy_embedder, load_record, save_record
+
+    rec = load_record(out_dir)
+    if model is not None:
+        save_record(out_dir, model, image_size)
+    elif rec is not None and rec["model"]:
+        model, image_size = rec["model"], rec["image_size"]
+    if model is None:
+        desc = get_descriptor(out_dir, sources, config)
+        return desc, desc.transform()
+    emb = build_copy_embedder(model, image_size, device, precision)
+    return emb, emb.transform
+
+
 def step_embed(sources, out_dir: str, model_embed_fn: Callable | None = None,
                model_transform=None, descriptor_config: DescriptorConfig | None = None,
                shard_size: int = 10000, batch_size: int = 64, num_workers: int = 2,
-               task_index: int = 0, num_tasks: int = 1, progress: bool = True) -> dict:
-    """Descriptors (+ perceptual hashes) of this task's share of the pool; model embeddings too
-    when ``model_embed_fn`` is given. Resumable and split by ``task_index/num_tasks``."""
-    desc = get_descriptor(out_dir, sources, descriptor_config)
-    targets = {"descriptor": EmbedTarget(desc, _p(out_dir, "embeddings", "descriptor"), desc.transform(),
-                                         "phash")}
+               task_index: int = 0, num_tasks: int = 1, progress: bool = True,
+               copy_model: str | None = None, copy_image_size: int = 224,
+               device: str = "auto", precision: str = "auto") -> dict:
+    """Copy descriptors (+ perceptual hashes) of this task's share of the pool; model embeddings
+    too when ``model_embed_fn`` is given. Resumable and split by ``task_index/num_tasks``.
+    ``copy_model``: a copy-detection model (TorchScript or ``dinopipe.load``) in place of the
+    descriptor (see :mod:`curation.copymodel`)."""
+    fn, tf = copy_embedder(out_dir, sources, descriptor_config, copy_model, copy_image_size,
+                           device, precision)
+    targets = {"descriptor": EmbedTarget(fn, _p(out_dir, "embeddings", "descriptor"), tf, "phash")}
     if model_embed_fn is not None:  # the same decoded image feeds both (one read + decode per image)
         targets["model"] = EmbedTarget(model_embed_fn, _p(out_dir, "embeddings", "model"), model_transform)
     counts = embed_pool_multi(sources, list(targets.values()), shard_size=shard_size, batch_size=batch_size,
@@ -87,18 +113,39 @@ def step_embed(sources, out_dir: str, model_embed_fn: Callable | None = None,
 
 
 def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,
-               threshold: float = 0.6, index_kind: str = "auto", nprobe: int = 16,
-               progress: bool = True, hash_enabled: bool = True) -> dict:
-    """Hash pre-dedup (unless ``hash_enabled`` is False), then kNN copy dedup of the hash
-    survivors on the descriptors."""
+               threshold: float | None = None, index_kind: str = "auto", nprobe: int = 16,
+               progress: bool = True, hash_enabled: bool = True, sources=None,
+               verify: bool = True, verify_threshold: float = DEFAULT_VERIFY_THRESHOLD,
+               verify_size: int = 128, grouping: str = "star") -> dict:
+    """Hash pre-dedup (unless ``hash_enabled`` is False), then copy dedup of the hash survivors:
+    kNN candidates on the copy descriptors, each verified on the pixels of ``sources`` (unless
+    ``verify`` is False), grouped without chaining (``grouping='star'``). ``threshold``: the kNN
+    cosine of candidates (None: 0.45 with verification, DINOv2's 0.6 without)."""
+    threshold = resolve_threshold(threshold, verify)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
     if hash_enabled:
         h = hash_dedup(emb.hashes, emb.ids, max_distance=hash_max_distance)
     else:
         h = HashDedupResult(np.arange(len(emb), dtype=np.int64), np.ones(len(emb), bool), 0)
+    verifier = None
+    if verify:
+        if sources is None:
+            raise ValueError("copy verification reads the images again: pass the pool's sources "
+                             "(or verify=False to trust the descriptor alone)")
+        # pHash groups chain too, and smooth images share hashes: each hash duplicate must also
+        # be verified against its group's kept image (smallest id), else it goes on to the kNN
+        dup = np.flatnonzero(~h.keep)
+        if len(dup):
+            ok = pixel_verifier(sources, emb.ids, None, verify_size, verify_threshold)(
+                h.group[dup], dup)
+            h.keep[dup[~ok]] = True
+            h.group[dup[~ok]] = dup[~ok]
     surv = np.flatnonzero(h.keep)
+    if verify:
+        verifier = pixel_verifier(sources, emb.ids, surv, verify_size, verify_threshold)
     d = copy_dedup(Rows(emb, surv), emb.ids[surv], k=k, threshold=threshold,
-                   index_kind=index_kind, nprobe=nprobe, progress=progress)
+                   index_kind=index_kind, nprobe=nprobe, progress=progress, verifier=verifier,
+                   grouping=grouping)
     component = h.group.copy()  # hash duplicates join their kept image's copy component
     component[surv] = surv[d.component]
     component = component[component]  # a hash group's kept image may itself be a copy
@@ -109,7 +156,8 @@ def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: i
     nn_sim[surv] = d.nn_sim
     _save_step(out_dir, "dedup", status=status, component=component, nn_sim=nn_sim)
     return {"hash_duplicates": h.n_duplicates, "copy_duplicates": d.n_duplicates,
-            "index": d.index_kind, "edges": d.n_edges}
+            "index": d.index_kind, "candidates": d.n_candidates, "edges": d.n_edges,
+            "threshold": threshold, "verify_seconds": round(d.verify_seconds, 2)}
 
 
 def step_decontaminate(out_dir: str, eval_sources=None, threshold: float = 0.45,
@@ -120,10 +168,10 @@ def step_decontaminate(out_dir: str, eval_sources=None, threshold: float = 0.45,
     max_sim = np.full(len(status), np.nan, np.float32)
     n_removed = 0
     if eval_sources:
-        desc = get_descriptor(out_dir)
+        fn, tf = copy_embedder(out_dir)
         eval_dir = _p(out_dir, "embeddings", "eval")
-        embed_pool(eval_sources, desc, eval_dir, batch_size=batch_size, num_workers=num_workers,
-                   transform=desc.transform(), hash_name=None, progress=progress)
+        embed_pool(eval_sources, fn, eval_dir, batch_size=batch_size, num_workers=num_workers,
+                   transform=tf, hash_name=None, progress=progress)
         pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
         ev = open_embeddings(eval_dir)
         alive = np.flatnonzero(status != HASH_DUP)  # hash duplicates are gone already
@@ -156,8 +204,7 @@ def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
         if use_model and seed_embed_fn is None:
             raise ValueError("seed images must be embedded with the same model as the pool: "
                              "pass seed_embed_fn (and seed_transform)")
-        fn = seed_embed_fn or get_descriptor(out_dir)
-        tf = seed_transform if use_model else get_descriptor(out_dir).transform()
+        fn, tf = (seed_embed_fn, seed_transform) if use_model else copy_embedder(out_dir)
         embed_pool(seed_sources, fn, seed_dir, batch_size=batch_size, num_workers=num_workers,
                    transform=tf, hash_name=None, progress=progress)
         seed_set = open_embeddings(seed_dir)
@@ -225,23 +272,26 @@ def run_curation(inputs, out_dir: str, *, eval_sources=None, seed_sources=None,
                  model_embed_fn: Callable | None = None, model_transform=None,
                  descriptor_config: DescriptorConfig | None = None,
                  hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,
-                 dedup_threshold: float = 0.6, decontam_threshold: float = 0.45,
+                 dedup_threshold: float | None = None, decontam_threshold: float = 0.45,
                  index_kind: str = "auto", nprobe: int = 16,
                  rebalance_mode: str = "none", rebalance_kwargs: dict | None = None,
                  embed_shard_size: int = 10000, batch_size: int = 64, num_workers: int = 2,
-                 write_shard_size: int = 1000, progress: bool = True) -> dict:
+                 write_shard_size: int = 1000, progress: bool = True, verify: bool = True,
+                 verify_threshold: float = DEFAULT_VERIFY_THRESHOLD) -> dict:
     """All steps on one machine: embed -> dedup -> decontaminate -> rebalance -> write."""
     src = as_multi(inputs)
     step_embed(src, out_dir, model_embed_fn, model_transform, descriptor_config,
                embed_shard_size, batch_size, num_workers, progress=progress)
     summary = {"dedup": step_dedup(out_dir, hash_max_distance, k, dedup_threshold, index_kind,
-                                   nprobe, progress)}
+                                   nprobe, progress, sources=src, verify=verify,
+                                   verify_threshold=verify_threshold)}
     summary["decontaminate"] = step_decontaminate(out_dir, eval_sources, decontam_threshold,
                                                   batch_size, num_workers, progress)
     summary["rebalance"] = step_rebalance(
         out_dir, rebalance_mode, seed_sources, model_embed_fn, model_transform, batch_size,
         num_workers, progress, **(rebalance_kwargs or {}))
-    params = {"hash_max_distance": hash_max_distance, "k": k, "dedup_threshold": dedup_threshold,
+    params = {"hash_max_distance": hash_max_distance, "k": k,
+              "dedup_threshold": resolve_threshold(dedup_threshold, verify), "verify": verify,
               "decontam_threshold": decontam_threshold, "rebalance_mode": rebalance_mode}
     return step_write(src, out_dir, write_shard_size, extra={"params": params,
                                                               "steps": summary},

@@ -58,10 +58,11 @@ def make_report(out_dir: str, sources, params: dict, n_examples: int = 8) -> str
         "duplicates": contact_sheet(emb.ids, dd["component"], rb["status"], dd["nn_sim"],
                                     sources, n_examples, os.path.join(rep, "duplicates.png")),
     }
+    groups = group_lines(emb.ids, dd["component"], n_examples)
     path = os.path.join(rep, "summary.md")
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(summary_markdown(manifest, params, balance, dd["nn_sim"], plots, out_dir))
+        f.write(summary_markdown(manifest, params, balance, dd["nn_sim"], plots, out_dir, groups))
     os.replace(tmp, path)
     return path
 
@@ -124,14 +125,18 @@ def plot_components(component, path: str) -> str:
         else np.zeros(0, np.int64)
     size_vals, counts = np.unique(sizes, return_counts=True)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(size_vals.astype(str), counts, color=[_BLUE if s == 1 else _RED for s in size_vals])
+    # numeric positions + tick labels: strings that parse as numbers would make matplotlib log
+    # "Using categorical units ..." at INFO for every plot
+    x = np.arange(len(size_vals))
+    ax.bar(x, counts, color=[_BLUE if s == 1 else _RED for s in size_vals])
+    ax.set_xticks(x, [str(v) for v in size_vals])
     _log_y(ax)
     ax.set_xlabel("images in the copy group (1 = unique image)")
     ax.set_ylabel("groups (log)")
     ax.set_title(f"copy-group sizes: {int((sizes > 1).sum())} groups with copies, "
                  f"{int(sizes[sizes > 1].sum() - (sizes > 1).sum())} images removed", fontsize=10)
-    for x, c in zip(size_vals.astype(str), counts):
-        ax.annotate(str(c), (x, c), ha="center", va="bottom", fontsize=8)
+    for xi, c in zip(x, counts):
+        ax.annotate(str(c), (xi, c), ha="center", va="bottom", fontsize=8)
     return _save(fig, path)
 
 
@@ -155,6 +160,23 @@ def plot_clusters(cluster, status, mode, path: str) -> str:
     ax.set_title(f"cluster sizes before / after rebalancing ({mode}, {k} clusters)", fontsize=10)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+LARGE_GROUP = 10  # copy groups this big are flagged: real copies rarely come in such numbers
+MIXED_ORIGINS = 3  # ... and groups drawing on this many folders / tar shards
+
+
+def origin(image_id: str) -> str:
+    """Where an image came from: its source plus folder or tar shard (the id minus the file)."""
+    return str(image_id).rsplit("/", 1)[0]
+
+
+def group_flags(ids, members: np.ndarray) -> tuple[int, int, list[str]]:
+    """(size, distinct origins, flags) of one copy group: 'large' and/or 'mixed'."""
+    n_origins = len({origin(ids[m]) for m in members})
+    flags = (["large"] if len(members) >= LARGE_GROUP else []) + (
+        ["mixed"] if n_origins >= MIXED_ORIGINS else [])
+    return len(members), n_origins, flags
 
 
 def duplicate_groups(ids, component, n_groups: int) -> list[np.ndarray]:
@@ -206,6 +228,11 @@ def contact_sheet(ids, component, status, nn_sim, sources, n_groups: int, path: 
                 "_", " ")) + sim
             if kept and int(status[pos]) != KEPT:  # the group's representative, later dropped
                 label += f", then {_STATUS_NAMES[int(status[pos])].replace('_', ' ')}"
+            if kept:
+                size, n_origins, flags = group_flags(ids, members)
+                name += f"\ngroup of {size} from {n_origins} origin{'s' * (n_origins > 1)}"
+                if flags:
+                    name += " - " + " + ".join(flags).upper() + ": check it"
             ax.set_title(f"{label}\n{name}", fontsize=7, color=_GREEN if kept else _RED)
         if len(members) > max_per_row:
             axes[r, -1].set_xlabel(f"+{len(members) - max_per_row} more", fontsize=7)
@@ -217,8 +244,23 @@ def contact_sheet(ids, component, status, nn_sim, sources, n_groups: int, path: 
 # ----------------------------------------------------------------------------- summary
 
 
+def group_lines(ids, component, n_groups: int) -> list[str]:
+    """Markdown table of the largest copy groups, flagging large or mixed ones."""
+    groups = duplicate_groups(ids, component, n_groups)
+    if not groups:
+        return []
+    out = ["## Largest copy groups", "",
+           f"Flagged: {LARGE_GROUP}+ images (large) or {MIXED_ORIGINS}+ folders / tar shards "
+           f"(mixed): look at them in duplicates.png before trusting the dedup.", "",
+           "| kept image | images | origins | flag |", "|---|---:|---:|---|"]
+    for members in groups:
+        size, n_origins, flags = group_flags(ids, members)
+        out.append(f"| {ids[members[0]]} | {size} | {n_origins} | {', '.join(flags) or '-'} |")
+    return out + [""]
+
+
 def summary_markdown(manifest: dict, params: dict, balance: dict, nn_sim, plots: dict,
-                     out_dir: str) -> str:
+                     out_dir: str, groups: list[str] | None = None) -> str:
     c = manifest["counts"]
     n = max(c["input"], 1)
     lines = ["# Curation report", "", f"Output folder: `{out_dir}`", "", "## Counts", "",
@@ -241,12 +283,17 @@ def summary_markdown(manifest: dict, params: dict, balance: dict, nn_sim, plots:
     lines += ["", "## Thresholds", "",
               f"- hash pre-dedup: {'on' if params.get('hash_enabled', True) else 'off'}, "
               f"pHash Hamming distance <= {params['hash_max_distance']}",
-              f"- copy dedup: cosine > {t} on the copy descriptor, k = {params['k']}",
+              f"- copy dedup: candidates at cosine > {t} on the "
+              f"{params.get('copy_model') or 'copy descriptor'}, k = {params['k']}; "
+              + (f"each verified on pixels (correlation > {params.get('verify_threshold')}), "
+                 if params.get("verify", False) else "not verified (descriptor edges), ")
+              + f"{params.get('grouping', 'components')} groups",
               f"- decontamination: cosine > {params['decontam_threshold']} to an eval image "
               f"(the image's whole copy group is removed)",
               f"- embedder for rebalancing: {params.get('embed_model') or 'copy descriptor'}",
               f"- nearest-neighbour similarities within ±0.05 of the dedup threshold: {near} of "
               f"{len(vals)} (few means the threshold sits in a gap)", ""]
+    lines += groups or []
     lines += _balance_lines(balance, params.get("rebalance_mode"))
     lines += ["", "## Plots", ""]
     lines += [f"- {k}: `{os.path.relpath(p, out_dir)}`" for k, p in plots.items()]
@@ -269,4 +316,4 @@ def _balance_lines(balance: dict, mode) -> list[str]:
 
 
 __all__ = ["make_report", "plot_similarity", "plot_components", "plot_clusters",
-           "contact_sheet", "duplicate_groups", "summary_markdown"]
+           "contact_sheet", "duplicate_groups", "group_flags", "summary_markdown"]

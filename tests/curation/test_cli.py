@@ -70,7 +70,8 @@ def test_report_has_plots_and_a_summary_with_the_counts(run):
     c = json.loads((out / "manifest.json").read_text())["counts"]
     for s in ("input",) + STATUSES:
         assert f"| {s} | {c[s]} |" in text
-    assert "cosine > 0.6" in text and "cosine > 0.45" in text
+    assert "candidates at cosine > 0.45" in text and "verified on pixels" in text  # dedup
+    assert "cosine > 0.45 to an eval image" in text
     assert "entropy" in text and "report/duplicates.png" in text
 
 

@@ -20,7 +20,10 @@ def test_descriptors_are_unit_norm_and_deterministic(sims, labelled_images):
     e = sims[0]
     np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-5)
     again = PCADescriptor().embed_images(labelled_images[0][:10])
-    np.testing.assert_array_equal(e[:10], again)
+    # Same batch shape: bit-identical. Batch 10 vs the whole set: OpenBLAS picks kernels by CPU
+    # and shape (Haswell / Zen kernels differ in the last bit), so only a tolerance holds.
+    np.testing.assert_array_equal(again, PCADescriptor().embed_images(labelled_images[0][:10]))
+    np.testing.assert_allclose(e[:10], again, rtol=0, atol=1e-5)
 
 
 def test_threshold_0p6_separates_copies_from_distinct_photos(sims):

@@ -89,7 +89,11 @@ def test_array_tasks_split_the_pool_and_the_reader_waits_for_all(pool_dir, tmp_p
     assert sorted(split.ids) == sorted(single.ids)
     pos = single.index_of()
     order = np.array([pos[i] for i in split.ids])
-    np.testing.assert_array_equal(split.rows(np.arange(len(split))), single.rows(order))
+    # The tasks embed in other batch shapes than the single run: fp32 results may differ in the
+    # last bit (OpenBLAS kernels per CPU), which can move an fp16-stored value by one fp16 ulp
+    # (<= 2^-11 for |x| < 1).
+    np.testing.assert_allclose(split.rows(np.arange(len(split))), single.rows(order), rtol=0,
+                               atol=2.0 ** -10)
 
 
 def test_changed_pool_is_refused_on_resume(tmp_path, pool_dir):

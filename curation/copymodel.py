@@ -1,0 +1,83 @@
+"""A pluggable copy-detection model (``dedup.model=PATH``) in place of the offline descriptor.
+
+``PATH`` is a TorchScript archive — e.g. SSCD's released ``sscd_disc_mixup.torchscript.pt``
+(Pizzi et al. 2022, the copy detector DINOv2 deduplicated with) — or anything ``dinopipe.load``
+reads (a DINOv2 checkpoint, a run folder, ...). Its L2-normalised output replaces the descriptor
+for the kNN candidates and for decontamination; the pixel verifier still confirms every pair.
+The whole image is resized to ``image_size`` square (no centre crop: a copy detector must see the
+borders that crops remove) and normalised with ImageNet statistics, as SSCD expects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import torch
+from torchvision import transforms as T
+
+from dinopipe.config import ConfigError
+
+from .embedder import ModelEmbedder, build_embedder
+
+RECORD = "copy_model.json"  # in the output folder: later steps embed eval/seed images alike
+
+
+def copy_transform(image_size: int):
+    return T.Compose([T.Resize((image_size, image_size), antialias=True), T.ToTensor(),
+                      T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+
+
+def _is_torchscript(path: str) -> bool:
+    """TorchScript archives are zip files holding ``*/code/`` (plain state dicts do not)."""
+    import zipfile
+
+    if not os.path.isfile(path) or not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any("/code/" in name for name in z.namelist())
+
+
+def build_copy_embedder(path: str, image_size: int = 224, device: str = "auto",
+                        precision: str = "auto") -> ModelEmbedder:
+    """An ``embed_fn`` (with ``.transform``) from a TorchScript file or a ``dinopipe.load`` path."""
+    if not os.path.exists(path):
+        raise ConfigError(f"dedup.model: '{path}' does not exist (a TorchScript copy-detection "
+                          f"model such as SSCD's .torchscript.pt, or a dinopipe.load checkpoint)")
+    if _is_torchscript(path):
+        try:
+            with warnings.catch_warnings():  # "jit is deprecated": SSCD is released as TorchScript
+                warnings.simplefilter("ignore", FutureWarning)
+                net = torch.jit.load(path, map_location="cpu")
+        except RuntimeError as exc:
+            raise ConfigError(f"dedup.model: cannot load TorchScript '{path}': {exc}") from None
+        emb = ModelEmbedder(net, image_size, device, precision)
+    else:
+        try:
+            emb = build_embedder(path, image_size, device, precision)
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace("embed.model", "dedup.model", 1)) from None
+    emb.transform = copy_transform(image_size)
+    return emb
+
+
+def save_record(out_dir: str, path: str | None, image_size: int) -> None:
+    """Remember which copy model embedded the pool (None: the descriptor); refuse a switch."""
+    rec_path = os.path.join(out_dir, RECORD)
+    new = {"model": os.path.abspath(path) if path else None, "image_size": image_size}
+    old = load_record(out_dir)
+    if old is not None and old != new:
+        raise ConfigError(f"dedup.model: {out_dir} was embedded with {old}, not {new}; use a new "
+                          f"output.dir (or delete embeddings/ to re-embed)")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(rec_path, "w") as f:
+        json.dump(new, f)
+
+
+def load_record(out_dir: str) -> dict | None:
+    path = os.path.join(out_dir, RECORD)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
