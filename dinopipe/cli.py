@@ -3,6 +3,7 @@ exit with code 2 before any work starts.
 
     dinopipe models                                   list registry variants
     dinopipe export --model PATH --format timm --out DIR
+    dinopipe export --model PATH --format onnx|pt2 --out FILE.onnx|FILE.pt2   deployable graph
     dinopipe config --kind model --config X.yaml k=v  validate and print a resolved config
     dinopipe pipeline --config configs/pipeline/quickstart.yaml   curate -> pretrain -> distill -> eval
     dinopipe pretrain --config configs/pretrain/X.yaml [key=value ...]
@@ -44,7 +45,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        out = export(model, args.format, args.out)
+        if args.format in ("onnx", "pt2"):  # deployable graphs (export_onnx.py), not weight layouts
+            from .export_onnx import export_onnx, export_program
+
+            out = (export_onnx if args.format == "onnx" else export_program)(model, args.out, args.image_size)
+        else:
+            out = export(model, args.format, args.out)
     except ValueError as exc:  # e.g. a layout that cannot hold this architecture
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -103,10 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="export a backbone for timm / HF transformers / DINOv2 / DINOv3 / plain safetensors")
     e.add_argument("--model", required=True, help="anything dinopipe.load accepts")
-    e.add_argument("--format", required=True, choices=["timm", "hf", "dinov2", "dinov3", "safetensors", "dinopipe"])
+    e.add_argument("--format", required=True, choices=["timm", "hf", "dinov2", "dinov3", "safetensors", "dinopipe", "onnx", "pt2"],
+                   help="weight layouts, or deployable graphs: onnx (onnxruntime) | pt2 (torch.export program)")
     e.add_argument("--out", required=True, help="output folder (or .pth file for --format dinov2 / dinov3)")
     e.add_argument("--which", default=None,
                    help="backbone of a run: teacher (default) | student, or a distillation student's name")
+    e.add_argument("--image-size", type=int, default=None,
+                   help="onnx / pt2: example size traced (any multiple of the patch size runs; default 4 patches)")
     e.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
     e.set_defaults(func=_cmd_export)
 
