@@ -2,6 +2,8 @@
 size and at sizes never traced (position-embedding resampling / RoPE computed in the graph)."""
 
 import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,7 +73,7 @@ def _check(model, run, family, fmt):
     # the other two run in CI's slow pass: ~20 s each of tracing on 2 cores
     pytest.param("dinov2_reg4_swiglu", marks=pytest.mark.slow), pytest.param("dinov3_swiglu", marks=pytest.mark.slow),
 ])
-def test_onnx_and_torch_export_match_pytorch_at_new_sizes(family, tmp_path):
+def test_onnx_and_torch_export_match_pytorch_at_new_sizes(family, tmp_path, monkeypatch):
     """One trace per family, saved as .pt2 and converted to ONNX; both checked at the traced size and at
     two sizes never traced."""
     model = _model(family)
@@ -87,6 +89,27 @@ def test_onnx_and_torch_export_match_pytorch_at_new_sizes(family, tmp_path):
     _check(model, run, family, "onnx")
     cls, reg, patch = run(torch.randn(*_sizes(model.patch_size)[1]))
     assert cls.shape == (3, 64) and reg.shape == (3, model.num_register_tokens, 64) and patch.shape == (3, 30, 64)
+    if family == "dinov2":
+        _run_readme_snippet(path, model, monkeypatch)
+
+
+def _run_readme_snippet(onnx_path, model, monkeypatch):
+    """The README's onnxruntime snippet, as a user pastes it, on a real photo at 224 px (16 x 16 patches)."""
+    from PIL import Image
+    from skimage import data
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "onnxruntime" in b)
+    monkeypatch.chdir(onnx_path.parent)
+    onnx_path.rename("backbone.onnx")
+    Image.fromarray(data.astronaut()).save("photo.jpg")
+    ns: dict = {}
+    exec(code, ns)  # noqa: S102 - our own README
+    assert ns["cls_token"].shape == (1, 64) and ns["patch_tokens"].shape == (1, 256, 64)
+    x = torch.from_numpy(ns["x"])
+    with torch.no_grad():
+        ref = model.forward_features(x)["x_norm_patchtokens"]
+    assert (torch.from_numpy(ns["patch_tokens"]) - ref).abs().max() <= TOL
 
 
 def test_cli_exports_program_and_refuses_bad_size(tmp_path, capsys):
