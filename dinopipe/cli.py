@@ -10,7 +10,7 @@ exit with code 2 before any work starts.
     dinopipe distill --config configs/distill/X.yaml [key=value ...]
     dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [key=value ...]
     dinopipe curate ...                               same as the `curate` command
-    dinopipe eval knn|linear --model PATH --train SRC --val SRC [--out results.json]
+    dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]
     dinopipe slurm submit --config configs/slurm/X.yaml [--dry-run] [key=value | STAGE:key=value ...]
 """
 
@@ -94,7 +94,8 @@ def _stage(name: str) -> Callable[[Sequence[str]], int]:
 
 
 STAGES = ("curate", "pretrain", "distill", "eval", "plan", "pipeline", "slurm")
-_STAGE_HELP = {"eval": "kNN / linear probe of a frozen backbone (knn|linear --model PATH --train SRC --val SRC)",
+_STAGE_HELP = {"eval": "kNN / linear / segmentation probe of a frozen backbone "
+                       "(knn|linear|seg --model PATH --train SRC --val SRC)",
                "slurm": "submit curate -> pretrain -> distill to Slurm (submit --config configs/slurm/X.yaml [--dry-run])"}
 
 
@@ -107,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list registry variants").set_defaults(func=_cmd_models)
 
-    e = sub.add_parser("export", help="export a backbone for timm / HF transformers / DINOv2 / DINOv3 / plain safetensors")
+    e = sub.add_parser("export", help="export a backbone for timm / HF transformers / DINOv2 / DINOv3 / "
+                       "plain safetensors, or as an ONNX / torch.export graph")
     e.add_argument("--model", required=True, help="anything dinopipe.load accepts")
-    e.add_argument("--format", required=True, choices=["timm", "hf", "dinov2", "dinov3", "safetensors", "dinopipe", "onnx", "pt2"],
+    e.add_argument("--format", required=True,
+                   choices=["timm", "hf", "dinov2", "dinov3", "safetensors", "dinopipe", "onnx", "pt2"],
                    help="weight layouts, or deployable graphs: onnx (onnxruntime) | pt2 (torch.export program)")
     e.add_argument("--out", required=True, help="output folder (or .pth file for --format dinov2 / dinov3)")
     e.add_argument("--which", default=None,

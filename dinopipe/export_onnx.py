@@ -21,10 +21,10 @@ position information is computed *in the graph* from the input size:
   identity included, with no data-dependent branch. It is applied to a copy of the model; the model
   code itself is untouched.
 
-The ONNX exporter is the dynamo one (``torch.export`` + onnxscript), which PyTorch's docs recommend since
-2.5 and make the default in 2.9; the TorchScript exporter is deprecated. For the PyTorch-native format
-``torch.export`` (.pt2) is chosen over TorchScript for the same reason: the docs put TorchScript in
-maintenance mode and point to ``torch.export`` (AOTInductor / ExecuTorch consume its programs).
+The ONNX exporter is the dynamo one (``torch.export`` + onnxscript), PyTorch's default since 2.9, fed the
+same ``torch.export`` program that is saved as ``.pt2``. For the PyTorch-native format ``torch.export`` is
+chosen over TorchScript because the docs mark TorchScript deprecated ("please use torch.export instead");
+AOTInductor and ExecuTorch consume its programs.
 """
 
 from __future__ import annotations
