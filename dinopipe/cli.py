@@ -39,6 +39,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from .hub import CheckpointError, export, load
 
+    if args.image_size is not None and args.format not in ("onnx", "pt2"):
+        print(f"error: --image-size only applies to --format onnx | pt2 (weights in the '{args.format}' "
+              f"layout have no input size); drop it", file=sys.stderr)
+        return 2
     try:
         model = load(args.model, num_heads=args.num_heads, which=args.which)
     except (CheckpointError, FileNotFoundError) as exc:

@@ -122,3 +122,6 @@ def test_cli_exports_program_and_refuses_bad_size(tmp_path, capsys):
                  "--out", str(tmp_path / "x.onnx")]) == 1
     assert "not a multiple of the patch size 14" in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()
+    assert main(["export", "--model", "vit_test", "--format", "timm", "--image-size", "56",
+                 "--out", str(tmp_path / "timm")]) == 2
+    assert "--image-size only applies to --format onnx | pt2" in capsys.readouterr().err
