@@ -55,19 +55,20 @@ def resample_matrix(n_out: Tensor, n_in: int, offset: float, antialias: bool,
                     native: Optional[Tensor] = None) -> Tensor:
     """(n_out, n_in) matrix M with ``M @ v`` equal to PyTorch's 1-D bicubic resample of ``v`` to ``n_out``.
 
-    ``n_out`` is a float tensor holding the output length as ``arange(n_out)``'s last value + 1, so the
-    output length stays symbolic when traced. ``offset`` > 0 is DINOv2's legacy ``scale_factor = (n_out +
+    ``n_out`` is any tensor whose length is the output length: the size is read as a tensor
+    (``arange(len)[-1] + 1``), never as a Python int, so tracing keeps it symbolic and adds no guard. ``offset`` > 0 is DINOv2's legacy ``scale_factor = (n_out +
     offset) / n_in`` rule; eager DINOv2 skips the resample when the whole grid is the native one, so the
     scale is 1 where ``native`` (a bool tensor: both axes at the native size) holds.
     """
-    dst = torch.arange(n_out.shape[0], dtype=torch.float32)
+    dd = dict(dtype=torch.float32, device=n_out.device)
+    dst = torch.arange(n_out.shape[0], **dd)
     size = dst[-1:] + 1  # (1,) output length as a tensor (no guard on the symbolic size)
     if offset:
         keep = native if native is not None else size == n_in
         scale = torch.where(keep, torch.ones_like(size), n_in / (size + offset))  # in / out
     else:
         scale = n_in / size
-    src = torch.arange(n_in, dtype=torch.float32)
+    src = torch.arange(n_in, **dd)
     if antialias:
         # _upsample_bicubic2d_aa: kernel widened by the downsampling factor, weights normalised per row.
         inv = torch.where(scale >= 1, 1 / scale, torch.ones_like(scale))
@@ -78,7 +79,7 @@ def resample_matrix(n_out: Tensor, n_in: int, offset: float, antialias: bool,
     real = scale * (dst + 0.5) - 0.5
     base = real.floor()
     t = real - base
-    m = torch.zeros(n_out.shape[0], n_in)
+    m = torch.zeros(n_out.shape[0], n_in, **dd)
     for k in (-1, 0, 1, 2):
         idx = (base + k).clamp(0, n_in - 1)
         m = m + _cubic(t - k, -0.75)[:, None] * (src[None, :] == idx[:, None]).float()
@@ -89,9 +90,10 @@ def _traceable_pos_encoding(self: nn.Module, h: int, w: int) -> Tensor:
     """DINOv2 ``interpolate_pos_encoding`` as matrix products (see the module docstring)."""
     pe = self.pos_embed
     m = int(round((pe.shape[1] - 1) ** 0.5))
-    gh = torch.empty(h // self.patch_size)  # only its (symbolic) length is used
-    gw = torch.empty(w // self.patch_size)
-    native = ((torch.arange(gh.shape[0])[-1:] + 1) == m) & ((torch.arange(gw.shape[0])[-1:] + 1) == m)
+    gh = torch.empty(h // self.patch_size, device=pe.device)  # only its (symbolic) length is used
+    gw = torch.empty(w // self.patch_size, device=pe.device)
+    native = ((torch.arange(gh.shape[0], device=pe.device)[-1:] + 1) == m) & (
+        (torch.arange(gw.shape[0], device=pe.device)[-1:] + 1) == m)
     rh = resample_matrix(gh, m, self.interpolate_offset, self.interpolate_antialias, native)  # (h', M)
     rw = resample_matrix(gw, m, self.interpolate_offset, self.interpolate_antialias, native)  # (w', M)
     grid = pe[0, 1:].float().reshape(m, m, -1)  # (M, M, D)
@@ -100,11 +102,12 @@ def _traceable_pos_encoding(self: nn.Module, h: int, w: int) -> Tensor:
 
 
 class FeatureGraph(nn.Module):
-    """``pixel_values -> (cls_token, register_tokens, patch_tokens)`` around an eval-mode copy of a backbone."""
+    """``pixel_values -> (cls_token, register_tokens, patch_tokens)`` around an eval-mode fp32 CPU copy of a
+    backbone (ONNX graphs are device-free; the .pt2 program is traced on CPU, AOTInductor retargets it)."""
 
     def __init__(self, backbone: nn.Module) -> None:
         super().__init__()
-        self.backbone = copy.deepcopy(backbone).eval().float()
+        self.backbone = copy.deepcopy(backbone).cpu().eval().float()
         if hasattr(self.backbone, "pos_embed"):  # DINOv2 family: learned, resampled position embedding
             self.backbone.interpolate_pos_encoding = types.MethodType(_traceable_pos_encoding, self.backbone)
         if hasattr(self.backbone, "set_attn_backend"):
@@ -120,9 +123,10 @@ def _example_and_shapes(model: nn.Module, image_size: Optional[int]) -> tuple[Te
 
     p = int(model.patch_size)
     size = int(image_size or 4 * p)
-    if size % p:
-        raise ValueError(f"--image-size {size} is not a multiple of the patch size {p}")
-    # Grid dims start at 2: torch.export specialises dims whose example value is 0 or 1.
+    if size % p or size < 2 * p:
+        raise ValueError(f"--image-size {size} is not a multiple of the patch size {p} of at least 2 patches "
+                         f"(a 1-patch example would fix the graph to that size)")
+    # The example has 4 patches per side: torch.export would specialise a dim whose example value is 0 or 1.
     gh, gw = Dim("grid_h", min=1, max=MAX_GRID), Dim("grid_w", min=1, max=MAX_GRID)
     shapes = {INPUT_NAME: {0: Dim("batch", min=1, max=4096), 2: p * gh, 3: p * gw}}
     return torch.randn(2, 3, size, size), shapes
