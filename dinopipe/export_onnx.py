@@ -60,7 +60,7 @@ def resample_matrix(n_out: Tensor, n_in: int, offset: float, antialias: bool,
     offset) / n_in`` rule; eager DINOv2 skips the resample when the whole grid is the native one, so the
     scale is 1 where ``native`` (a bool tensor: both axes at the native size) holds.
     """
-    dd = dict(dtype=torch.float32, device=n_out.device)
+    dd = dict(dtype=torch.float64, device=n_out.device)  # coordinates in double, as ATen computes them
     dst = torch.arange(n_out.shape[0], **dd)
     size = dst[-1:] + 1  # (1,) output length as a tensor (no guard on the symbolic size)
     if offset:
@@ -74,7 +74,7 @@ def resample_matrix(n_out: Tensor, n_in: int, offset: float, antialias: bool,
         inv = torch.where(scale >= 1, 1 / scale, torch.ones_like(scale))
         centre = scale * (dst + 0.5)  # (n_out,)
         w = _cubic((src[None, :] - centre[:, None] + 0.5) * inv, -0.5)
-        return w / w.sum(dim=1, keepdim=True)
+        return (w / w.sum(dim=1, keepdim=True)).float()
     # upsample_bicubic2d (align_corners=False): 4 taps around the source point, indices clamped.
     real = scale * (dst + 0.5) - 0.5
     base = real.floor()
@@ -82,8 +82,8 @@ def resample_matrix(n_out: Tensor, n_in: int, offset: float, antialias: bool,
     m = torch.zeros(n_out.shape[0], n_in, **dd)
     for k in (-1, 0, 1, 2):
         idx = (base + k).clamp(0, n_in - 1)
-        m = m + _cubic(t - k, -0.75)[:, None] * (src[None, :] == idx[:, None]).float()
-    return m
+        m = m + _cubic(t - k, -0.75)[:, None] * (src[None, :] == idx[:, None]).to(m.dtype)
+    return m.float()
 
 
 def _traceable_pos_encoding(self: nn.Module, h: int, w: int) -> Tensor:

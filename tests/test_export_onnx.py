@@ -47,7 +47,7 @@ def _sizes(p):
 @pytest.mark.parametrize("offset,antialias", [(0.1, False), (0.0, True)])
 def test_resample_matrix_matches_pytorch_bicubic(n_in, offset, antialias):
     """The traceable resample equals F.interpolate (what eager DINOv2 runs) when up- and downsampling."""
-    v = torch.randn(1, 1, n_in, 5)  # resample rows; 5 columns kept as they are
+    v = torch.randn(1, 1, n_in, 5, generator=torch.Generator().manual_seed(n_in))  # resample rows only
     for n_out in (1, 3, n_in - 1, n_in + 1, 2 * n_in + 3):
         if offset:
             ref = F.interpolate(v, scale_factor=((n_out + offset) / n_in, 1.0), mode="bicubic")
@@ -55,14 +55,14 @@ def test_resample_matrix_matches_pytorch_bicubic(n_in, offset, antialias):
             ref = F.interpolate(v, size=(n_out, 5), mode="bicubic", antialias=True)
         assert ref.shape[2] == n_out
         got = resample_matrix(torch.empty(n_out), n_in, offset, antialias) @ v[0, 0]
-        torch.testing.assert_close(got, ref[0, 0], atol=1e-5, rtol=0)  # float32 scale rounding
+        torch.testing.assert_close(got, ref[0, 0], atol=1e-5, rtol=0)  # float32 rounding: <= 6e-6 over 300 seeds
     eye = resample_matrix(torch.empty(n_in), n_in, offset, antialias, torch.tensor([True]))
     torch.testing.assert_close(eye, torch.eye(n_in), atol=1e-6, rtol=0)  # native grid: no resample
 
 
 def _check(model, run, family, fmt):
     for shape in _sizes(model.patch_size):
-        diffs = max_abs_diff(model, run, torch.randn(*shape))
+        diffs = max_abs_diff(model, run, torch.randn(*shape, generator=torch.Generator().manual_seed(0)))
         print(f"{fmt} {family} {tuple(shape)} max_abs_diff={max(diffs.values()):.2e}")
         assert max(diffs.values()) <= TOL, (fmt, family, shape, diffs)
 
