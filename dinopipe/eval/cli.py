@@ -88,6 +88,9 @@ def run_seg(args: argparse.Namespace) -> dict:
     t0 = time.time()
     f_train, m_train = extract_dense(model, train, size, args.batch_size, device)
     f_val, m_val = extract_dense(model, val, size, args.batch_size, device)
+    top = int(m_val[m_val != 255].max()) if (m_val != 255).any() else 0
+    if top >= train.num_classes:
+        raise LabelError(f"--val masks hold class {top}, but --train masks only classes 0..{train.num_classes - 1}")
     desc = lambda d: {"source": d.source, "images": len(d), "classes": train.num_classes}  # noqa: E731
     out = {"task": "seg", "model": str(args.model), "device": str(device), "feature": "patch tokens",
            "img_size": size, "train": desc(train), "val": desc(val),
