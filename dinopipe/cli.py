@@ -3,13 +3,14 @@ exit with code 2 before any work starts.
 
     dinopipe models                                   list registry variants
     dinopipe export --model PATH --format timm --out DIR
+    dinopipe export --model PATH --format onnx|pt2 --out FILE.onnx|FILE.pt2   deployable graph
     dinopipe config --kind model --config X.yaml k=v  validate and print a resolved config
     dinopipe pipeline --config configs/pipeline/quickstart.yaml   curate -> pretrain -> distill -> eval
     dinopipe pretrain --config configs/pretrain/X.yaml [key=value ...]
     dinopipe distill --config configs/distill/X.yaml [key=value ...]
     dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [key=value ...]
     dinopipe curate ...                               same as the `curate` command
-    dinopipe eval knn|linear --model PATH --train SRC --val SRC [--out results.json]
+    dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]
     dinopipe slurm submit --config configs/slurm/X.yaml [--dry-run] [key=value | STAGE:key=value ...]
     dinopipe gpu-check [--out gpu-check] [--cpu]      GPU acceptance check (report.json; exit 1 on failure)
 """
@@ -39,13 +40,22 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from .hub import CheckpointError, export, load
 
+    if args.image_size is not None and args.format not in ("onnx", "pt2"):
+        print(f"error: --image-size only applies to --format onnx | pt2 (weights in the '{args.format}' "
+              f"layout have no input size); drop it", file=sys.stderr)
+        return 2
     try:
         model = load(args.model, num_heads=args.num_heads, which=args.which)
     except (CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        out = export(model, args.format, args.out)
+        if args.format in ("onnx", "pt2"):  # deployable graphs (export_onnx.py), not weight layouts
+            from .export_onnx import export_onnx, export_program
+
+            out = (export_onnx if args.format == "onnx" else export_program)(model, args.out, args.image_size)
+        else:
+            out = export(model, args.format, args.out)
     except ValueError as exc:  # e.g. a layout that cannot hold this architecture
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -91,7 +101,8 @@ def _stage(name: str) -> Callable[[Sequence[str]], int]:
 
 
 STAGES = ("curate", "pretrain", "distill", "eval", "plan", "pipeline", "slurm", "gpu-check")
-_STAGE_HELP = {"eval": "kNN / linear probe of a frozen backbone (knn|linear --model PATH --train SRC --val SRC)",
+_STAGE_HELP = {"eval": "kNN / linear / segmentation probe of a frozen backbone "
+                       "(knn|linear|seg --model PATH --train SRC --val SRC)",
                "slurm": "submit curate -> pretrain -> distill to Slurm (submit --config configs/slurm/X.yaml [--dry-run])",
                "gpu-check": "GPU acceptance check, JSON report, non-zero exit on failure ([--out DIR] [--cpu])"}
 
@@ -105,12 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list registry variants").set_defaults(func=_cmd_models)
 
-    e = sub.add_parser("export", help="export a backbone for timm / HF transformers / DINOv2 / DINOv3 / plain safetensors")
+    e = sub.add_parser("export", help="export a backbone for timm / HF transformers / DINOv2 / DINOv3 / "
+                       "plain safetensors, or as an ONNX / torch.export graph")
     e.add_argument("--model", required=True, help="anything dinopipe.load accepts")
-    e.add_argument("--format", required=True, choices=["timm", "hf", "dinov2", "dinov3", "safetensors", "dinopipe"])
+    e.add_argument("--format", required=True,
+                   choices=["timm", "hf", "dinov2", "dinov3", "safetensors", "dinopipe", "onnx", "pt2"],
+                   help="weight layouts, or deployable graphs: onnx (onnxruntime) | pt2 (torch.export program)")
     e.add_argument("--out", required=True, help="output folder (or .pth file for --format dinov2 / dinov3)")
     e.add_argument("--which", default=None,
                    help="backbone of a run: teacher (default) | student, or a distillation student's name")
+    e.add_argument("--image-size", type=int, default=None,
+                   help="onnx / pt2: example size traced (any multiple of the patch size runs; default 4 patches)")
     e.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
     e.set_defaults(func=_cmd_export)
 

@@ -1,8 +1,10 @@
-"""``dinopipe eval knn|linear --model PATH --train SRC --val SRC [--out results.json]``
+"""``dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]``
 
 SRC is a folder of class sub-folders or webdataset ``.tar`` shards with a label per sample (see
 ``dinopipe.eval.data``). PATH is anything ``dinopipe.load`` accepts. Results are printed as a table and, with
-``--out``, written as JSON. Exit codes: 0 done, 1 the model cannot be loaded, 2 bad data arguments.
+``--out``, written as JSON. For ``seg`` SRC is a dense set, ``images/X.jpg`` + ``masks/X.png`` (class indices,
+255 = ignore; see ``dinopipe.eval.dense_data``), and the probe is linear on frozen patch tokens (mIoU).
+Exit codes: 0 done, 1 the model cannot be loaded, 2 bad data arguments.
 """
 
 from __future__ import annotations
@@ -48,7 +50,54 @@ def build_parser() -> argparse.ArgumentParser:
     lin.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     lin.add_argument("--no-refit", action="store_true",
                      help="report the sweep's head instead of retraining on all train")
+    seg = sub.add_parser("seg", help="linear segmentation probe on frozen patch tokens (mIoU), images/ + masks/")
+    seg.add_argument("--model", required=True, help="dinopipe export/run dir, DINOv2 .pth, timm file, registry name")
+    seg.add_argument("--train", required=True, help="dense set: images/X.jpg + masks/X.png (class indices)")
+    seg.add_argument("--val", required=True, help="dense set for mIoU")
+    seg.add_argument("--out", default=None, help="write results here as JSON")
+    seg.add_argument("--img-size", type=int, default=None, help="square resize (default: the model's img_size)")
+    seg.add_argument("--epochs", type=int, default=100)
+    seg.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate of the linear head")
+    seg.add_argument("--no-bn", action="store_true", help="linear layer only (no BatchNorm before it)")
+    seg.add_argument("--batch-size", type=int, default=16, help="images per forward / probe step")
+    seg.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    seg.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
     return p
+
+
+def _print_seg(res: dict) -> None:
+    print(f"{'class':>6} {'IoU %':>8}")
+    for c, v in enumerate(res["per_class_iou"]):
+        print(f"{c:>6} {'-' if v is None else f'{100 * v:8.2f}':>8}")
+    print(f"mIoU {100 * res['miou']:.2f} %  pixel acc {100 * res['pixel_acc']:.2f} %")
+
+
+def run_seg(args: argparse.Namespace) -> dict:
+    from ..hub import load
+    from .dense_data import open_dense
+    from .features import pick_device
+    from .seg import extract_dense, seg_probe
+
+    train = open_dense(args.train)  # data problems surface before the model is loaded
+    val = open_dense(args.val, num_classes=train.num_classes)
+    device = pick_device(args.device)
+    model = load(args.model, device=device, num_heads=args.num_heads)
+    size = args.img_size or int(model.patch_embed.img_size[0])
+    if size % int(model.patch_size):
+        raise LabelError(f"--img-size {size} is not a multiple of the model's patch size {model.patch_size}")
+    t0 = time.time()
+    f_train, m_train = extract_dense(model, train, size, args.batch_size, device)
+    f_val, m_val = extract_dense(model, val, size, args.batch_size, device)
+    top = int(m_val[m_val != 255].max()) if (m_val != 255).any() else 0
+    if top >= train.num_classes:
+        raise LabelError(f"--val masks hold class {top}, but --train masks only classes 0..{train.num_classes - 1}")
+    desc = lambda d: {"source": d.source, "images": len(d), "classes": train.num_classes}  # noqa: E731
+    out = {"task": "seg", "model": str(args.model), "device": str(device), "feature": "patch tokens",
+           "img_size": size, "train": desc(train), "val": desc(val),
+           "feature_seconds": round(time.time() - t0, 2)}
+    out["seg"] = seg_probe(f_train, m_train, f_val, m_val, train.num_classes, epochs=args.epochs, lr=args.lr,
+                           batch_size=args.batch_size, bn=not args.no_bn, device=device)
+    return out
 
 
 def _describe(d: LabelledImages, unreadable: int) -> dict:
@@ -113,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ..hub import CheckpointError
 
     try:
-        out = run(args)
+        out = run_seg(args) if args.task == "seg" else run(args)
     except (LabelError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -122,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     print(f"{args.task}: {out['train']['images']} train / {out['val']['images']} val images, "
           f"{out['train']['classes']} classes, feature {out['feature']} at {out['img_size']} px")
-    (_print_knn if args.task == "knn" else _print_linear)(out[args.task])
+    {"knn": _print_knn, "linear": _print_linear, "seg": _print_seg}[args.task](out[args.task])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2))
