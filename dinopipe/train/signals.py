@@ -1,16 +1,37 @@
-"""Preemption: SIGUSR1 (Slurm's ``--signal=USR1@...`` warning) or SIGTERM asks the loop to save a
-checkpoint at the next step boundary and exit, so ``--requeue`` restarts it from there."""
+"""Preemption: SIGUSR1 (Slurm's ``--signal=USR1@...`` warning) or SIGTERM (scancel, preemption, ``scontrol
+requeue``) asks the loop to save a checkpoint at the next step boundary and exit 124, so a requeue restarts it
+from there.
+
+Slurm signals *every* process of a job step, DataLoader workers included. A torch worker installs a C
+SIGTERM handler that re-raises any SIGTERM not sent by its parent, so the worker dies and the main process
+fails with "DataLoader worker ... is killed by signal: Terminated" before it can save. Workers therefore
+ignore both signals unless their own parent sends them (``worker_ignore_signals`` as ``worker_init_fn``);
+they still stop when the loader shuts them down (a sentinel on their index queue, or SIGTERM from the main
+process) or when the main process dies (torch's watchdog). A worker forked before its ``worker_init_fn``
+ran would still die, so workers are forked with the signals blocked (``signals_blocked``) and take them
+only once their handling is in place: no window is left.
+
+``maybe_test_signal`` is a test-only hook: ``DINOPIPE_TEST_SIGNAL="step:N[:SIG][@RANK]"`` or
+``"save:N[:SIG][@RANK]"`` makes the process signal its own process group (itself and its data workers,
+as Slurm would) in the middle of step N or during the checkpoint save of step N. Tests use it to hit an
+exact point instead of polling.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
-from typing import Optional
+import threading
+from typing import Iterator, Optional
 
 EXIT_PREEMPTED = 124  # what the loop exits with after a preemption save; the sbatch script requeues on it
+PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+TEST_SIGNAL_ENV = "DINOPIPE_TEST_SIGNAL"
 
 
 class PreemptionFlag:
-    def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)) -> None:
+    def __init__(self, signals=PREEMPT_SIGNALS) -> None:
         self.received: Optional[int] = None
         self._old = {}
         for s in signals:
@@ -28,6 +49,61 @@ class PreemptionFlag:
     def restore(self) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+        self._old = {}
 
 
-__all__ = ["PreemptionFlag", "EXIT_PREEMPTED"]
+def _serve_sigterm(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent:  # the loader (or multiprocessing at exit) stopping its worker: obey
+            os._exit(0)
+
+
+def worker_ignore_signals(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: a preemption signal is the main process's business, not the worker's.
+
+    SIGUSR1 is ignored. SIGTERM stays blocked (workers are forked with it blocked, see ``signals_blocked``)
+    and a thread takes it synchronously: sent by the main process (torch's fallback ``terminate()``,
+    multiprocessing's at-exit clean-up of daemon children) the worker exits, as torch's own handler does;
+    sent by anyone else (Slurm signalling the whole step) it is dropped."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # also discards one that arrived while blocked
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_serve_sigterm, args=(os.getppid(),), daemon=True, name="sigterm").start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+
+
+@contextlib.contextmanager
+def signals_blocked() -> Iterator[None]:
+    """Block the preemption signals in this thread while DataLoader workers are forked (they inherit the
+    mask); a signal arriving meanwhile stays pending and is handled as soon as the block lifts."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPT_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _parse_test_signal(spec: str) -> tuple[str, int, int, Optional[int]]:
+    where_step, _, rank = spec.partition("@")
+    parts = where_step.split(":")
+    if len(parts) not in (2, 3) or parts[0] not in ("step", "save"):
+        raise ValueError(f"{TEST_SIGNAL_ENV}={spec!r}: expected 'step:N[:SIG][@RANK]' or 'save:N[:SIG][@RANK]'")
+    sig = getattr(signal, "SIG" + parts[2].upper().removeprefix("SIG")) if len(parts) == 3 else signal.SIGTERM
+    return parts[0], int(parts[1]), int(sig), int(rank) if rank else None
+
+
+def maybe_test_signal(where: str, step: int, rank: int) -> None:
+    """Test hook (see the module docstring); a no-op unless DINOPIPE_TEST_SIGNAL is set."""
+    spec = os.environ.get(TEST_SIGNAL_ENV)
+    if not spec:
+        return
+    at, n, sig, only = _parse_test_signal(spec)
+    if at != where or n != step or (only is not None and only != rank):
+        return
+    if os.getpgid(0) != os.getpid():  # never signal whoever started us (pytest, a shell) by mistake
+        raise RuntimeError(f"{TEST_SIGNAL_ENV} needs the process to lead its own process group (start_new_session)")
+    os.killpg(os.getpgid(0), sig)
+
+
+__all__ = ["PreemptionFlag", "EXIT_PREEMPTED", "worker_ignore_signals", "signals_blocked", "maybe_test_signal",
+           "TEST_SIGNAL_ENV"]
