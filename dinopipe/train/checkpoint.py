@@ -118,8 +118,8 @@ class CheckpointManager:
         """The checkpoint to resume from, as rank 0 sees it, on every rank. Each rank reading ``latest``
         itself can disagree on a shared filesystem with attribute caching (a rank starting fresh while the
         others enter the collective load hangs them all), so one rank decides."""
-        name = self.latest().name if get_info().is_main and self.latest() is not None else None
-        name = broadcast_object(name)
+        mine = self.latest() if get_info().is_main else None
+        name = broadcast_object(mine.name if mine is not None else None)
         return self.dir / name if name else None
 
     def load(self, states: Mapping[str, Any], path: Optional[Path] = None) -> Optional[int]:

@@ -236,7 +236,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss, logs = self.task(batch, values)
         loss.backward()
-        maybe_test_signal("step", step, self.info.rank)
+        maybe_test_signal("step", step, self.info.rank, preempt)
         mean = lambda k, v: not k.startswith("corrupt/") and (torch.is_tensor(v) or isinstance(v, (int, float)))
         on_device = sorted(k for k, v in logs.items() if mean(k, v) and torch.is_tensor(v))
         on_host = sorted(k for k, v in logs.items() if mean(k, v) and not torch.is_tensor(v))

@@ -13,8 +13,8 @@ only once their handling is in place: no window is left.
 
 ``maybe_test_signal`` is a test-only hook: ``DINOPIPE_TEST_SIGNAL="step:N[:SIG][@RANK]"`` or
 ``"save:N[:SIG][@RANK]"`` makes the process signal its own process group (itself and its data workers,
-as Slurm would) in the middle of step N or during the checkpoint save of step N. Tests use it to hit an
-exact point instead of polling.
+as Slurm would) in the middle of step N or during the checkpoint save of step N; ``"wait:N"`` holds step
+N until a signal comes from outside. Tests use it to hit an exact point instead of polling.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Iterator, Optional
 
 EXIT_PREEMPTED = 124  # what the loop exits with after a preemption save; the sbatch script requeues on it
@@ -86,23 +87,32 @@ def signals_blocked() -> Iterator[None]:
 def _parse_test_signal(spec: str) -> tuple[str, int, int, Optional[int]]:
     where_step, _, rank = spec.partition("@")
     parts = where_step.split(":")
-    if len(parts) not in (2, 3) or parts[0] not in ("step", "save"):
-        raise ValueError(f"{TEST_SIGNAL_ENV}={spec!r}: expected 'step:N[:SIG][@RANK]' or 'save:N[:SIG][@RANK]'")
+    if len(parts) not in (2, 3) or parts[0] not in ("step", "save", "wait"):
+        raise ValueError(f"{TEST_SIGNAL_ENV}={spec!r}: expected 'step|save|wait:N[:SIG][@RANK]'")
     sig = getattr(signal, "SIG" + parts[2].upper().removeprefix("SIG")) if len(parts) == 3 else signal.SIGTERM
     return parts[0], int(parts[1]), int(sig), int(rank) if rank else None
 
 
-def maybe_test_signal(where: str, step: int, rank: int) -> None:
-    """Test hook (see the module docstring); a no-op unless DINOPIPE_TEST_SIGNAL is set."""
+def maybe_test_signal(where: str, step: int, rank: int, flag: Optional[PreemptionFlag] = None) -> None:
+    """Test hook (see the module docstring); a no-op unless DINOPIPE_TEST_SIGNAL is set. Several specs may be
+    given, comma-separated. ``wait:N`` holds step N until a preemption signal comes from outside (a real
+    Slurm test sends it with scancel/scontrol), so the signal lands at an exact step without a race."""
     spec = os.environ.get(TEST_SIGNAL_ENV)
     if not spec:
         return
-    at, n, sig, only = _parse_test_signal(spec)
-    if at != where or n != step or (only is not None and only != rank):
-        return
-    if os.getpgid(0) != os.getpid():  # never signal whoever started us (pytest, a shell) by mistake
-        raise RuntimeError(f"{TEST_SIGNAL_ENV} needs the process to lead its own process group (start_new_session)")
-    os.killpg(os.getpgid(0), sig)
+    for one in spec.split(","):
+        at, n, sig, only = _parse_test_signal(one.strip())
+        if n != step or (only is not None and only != rank):
+            continue
+        if at == "wait" and where == "step" and flag is not None:
+            print(f"test hook: step {step} waits for a preemption signal", flush=True)
+            deadline = time.monotonic() + 900
+            while not flag and time.monotonic() < deadline:
+                time.sleep(0.05)
+        elif at == where:
+            if os.getpgid(0) != os.getpid():  # never signal whoever started us (pytest, a shell) by mistake
+                raise RuntimeError(f"{TEST_SIGNAL_ENV} needs the process to lead its own process group")
+            os.killpg(os.getpgid(0), sig)
 
 
 __all__ = ["PreemptionFlag", "EXIT_PREEMPTED", "worker_ignore_signals", "signals_blocked", "maybe_test_signal",
