@@ -1,7 +1,8 @@
 """The generic training loop (dinov2 ``do_train`` order, torchtitan's checkpointing):
 
-    per step: seed -> schedules into the optimizer -> zero_grad -> task forward/backward -> clip ->
-              finite check -> optimizer step -> teacher EMA -> log -> checkpoint
+    per step: seed -> schedules into the optimizer -> zero_grad -> task forward/backward -> one small
+              all-reduce (preemption flag, grad norms, loss and metric sums) -> finite check -> clip ->
+              optimizer step -> teacher EMA -> log -> checkpoint
 
 A *task* owns the models and the loss (pretraining and distillation are tasks); this loop owns time:
 steps, resolution phases, data position, checkpoints, preemption and metrics. Randomness is derived from
@@ -79,7 +80,8 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
-    """Total grad norm over all (possibly sharded) parameters, clipped in place when max_norm > 0."""
+    """Total grad norm over all (possibly sharded) parameters, clipped in place when max_norm > 0 (torch's
+    own clipping with its reduction and host sync; the loop folds both into its one all-reduce instead)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
