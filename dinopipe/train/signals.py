@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Iterator, Optional
@@ -112,7 +114,35 @@ def maybe_test_signal(where: str, step: int, rank: int, flag: Optional[Preemptio
         elif at == where:
             if os.getpgid(0) != os.getpid():  # never signal whoever started us (pytest, a shell) by mistake
                 raise RuntimeError(f"{TEST_SIGNAL_ENV} needs the process to lead its own process group")
-            os.killpg(os.getpgid(0), sig)
+            # Sent by another process, as slurmstepd does: a worker treats a SIGTERM from its own parent as
+            # "shut down quietly", so signalling the group from here would not test what Slurm does.
+            subprocess.run([sys.executable, "-S", "-c", "import os, sys; os.killpg(int(sys.argv[1]), int(sys.argv[2]))",
+                            str(os.getpgid(0)), str(sig)], check=True, start_new_session=True)
+            _wait_delivered(os.getpgid(0), sig)
+
+
+def _wait_delivered(pgid: int, sig: int, limit_s: float = 30.0) -> None:
+    """Return once no other process of the group still has ``sig`` pending (each handled, ignored or died
+    of it), so what the signal does to the data workers has happened before the step goes on."""
+    bit = 1 << (sig - 1)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        pending = False
+        for d in os.listdir("/proc"):
+            if not d.isdigit() or int(d) == os.getpid():
+                continue
+            try:
+                stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+                if int(stat[2]) != pgid or stat[0] in "ZX":
+                    continue
+                status = open(f"/proc/{d}/status").read()
+            except (OSError, IndexError, ValueError):
+                continue
+            masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd", "ShdPnd"))]
+            pending = pending or any(m & bit for m in masks)
+        if not pending:
+            return
+        time.sleep(0.01)
 
 
 __all__ = ["PreemptionFlag", "EXIT_PREEMPTED", "worker_ignore_signals", "signals_blocked", "maybe_test_signal",
