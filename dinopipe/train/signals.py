@@ -116,31 +116,41 @@ def maybe_test_signal(where: str, step: int, rank: int, flag: Optional[Preemptio
                 raise RuntimeError(f"{TEST_SIGNAL_ENV} needs the process to lead its own process group")
             # Sent by another process, as slurmstepd does: a worker treats a SIGTERM from its own parent as
             # "shut down quietly", so signalling the group from here would not test what Slurm does.
+            others = _group_members(os.getpgid(0))
             subprocess.run([sys.executable, "-S", "-c", "import os, sys; os.killpg(int(sys.argv[1]), int(sys.argv[2]))",
                             str(os.getpgid(0)), str(sig)], check=True, start_new_session=True)
-            _wait_delivered(os.getpgid(0), sig)
+            if sig != signal.SIGKILL:
+                _wait_delivered(others, sig)
+                dead = [p for p in others if p not in _group_members(os.getpgid(0))]
+                print(f"test hook: signal {sig} sent to the process group at {where} {step}; "
+                      f"{len(dead)} of its {len(others)} other processes died", flush=True)
 
 
-def _wait_delivered(pgid: int, sig: int, limit_s: float = 30.0) -> None:
-    """Return once no other process of the group still has ``sig`` pending (each handled, ignored or died
-    of it), so what the signal does to the data workers has happened before the step goes on."""
+def _group_members(pgid: int) -> dict[int, str]:
+    """Live processes of a process group other than this one -> their /proc status text."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            if int(stat[2]) == pgid and stat[0] not in "ZX":
+                out[int(d)] = open(f"/proc/{d}/status").read()
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _wait_delivered(pids, sig: int, limit_s: float = 30.0) -> None:
+    """Return once none of ``pids`` still has ``sig`` pending (each handled, ignored or died of it; a dying
+    one is given time to finish), so what the signal does to the data workers has happened."""
     bit = 1 << (sig - 1)
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        pending = False
-        for d in os.listdir("/proc"):
-            if not d.isdigit() or int(d) == os.getpid():
-                continue
-            try:
-                stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
-                if int(stat[2]) != pgid or stat[0] in "ZX":
-                    continue
-                status = open(f"/proc/{d}/status").read()
-            except (OSError, IndexError, ValueError):
-                continue
-            masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd", "ShdPnd"))]
-            pending = pending or any(m & bit for m in masks)
-        if not pending:
+        live = {p: st for p, st in _group_members(os.getpgid(0)).items() if p in pids}
+        if not any(int(ln.split()[1], 16) & bit for st in live.values() for ln in st.splitlines()
+                   if ln.startswith(("SigPnd", "ShdPnd"))):
+            time.sleep(0.2)  # one that took the signal's default action is exiting: let it finish
             return
         time.sleep(0.01)
 

@@ -41,6 +41,7 @@ def test_preempted_with_persistent_workers_across_a_phase_switch_resumes_exactly
     # Step 4 is the first of phase 2: its loader's persistent workers were just forked.
     first = mini(run, "train", *opts, extra_env={"DINOPIPE_TEST_SIGNAL": "step:4:TERM"})
     assert [r[0] for r in first] == [124, 124], first
+    assert all("0 of its 2 other processes died" in r[1] for r in first), first  # the workers live on
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
     assert [r[0] for r in mini(run, "train", *opts)] == [0, 0]
     a, b = (torch.load(p / "export" / "params.pt") for p in (tmp_path / "ref", run))

@@ -7,6 +7,7 @@ its own process group at an exact point, as ``scancel --signal`` would, so nothi
 """
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -47,7 +48,14 @@ def run_one(run, pool, spec=None):
     out, err = p.communicate(timeout=600)
     if p.returncode != -signal.SIGKILL:  # (SIGKILL'd ones are the kernel's to reap, eventually)
         assert not group_alive(p.pid), "data workers outlived their main process"
+        assert workers_survived(out, 1 if spec else 0), (out + err)[-3000:]
     return p.returncode, out + err
+
+
+def workers_survived(out, hooks):
+    """Each signalled rank's hook reports how many other processes of its group (its 2 data workers) died."""
+    found = re.findall(r"(\d+) of its (\d+) other processes died", out)
+    return len(found) == hooks and all(dead == "0" and int(n) >= 2 for dead, n in found)
 
 
 def latest(run):
@@ -105,11 +113,12 @@ def test_two_ranks_preempted_and_resumed_from_rank_0s_checkpoint(tmp_path, photo
     run = tmp_path / "run"
     # Every rank's group gets SIGTERM mid-step 2.
     codes, out = go(run, DINOPIPE_TEST_SIGNAL="step:2:TERM")
-    assert codes == [124, 124] and latest(run) == "step_00000003", out[-3000:]
+    assert codes == [124, 124] and latest(run) == "step_00000003" and workers_survived(out, 2), out[-3000:]
     # Only rank 1's group gets SIGUSR1, during the save of step 4; meanwhile rank 1 cannot see `latest` (a
     # stale view of a shared filesystem): it must still resume from rank 0's choice, step 3, not start fresh.
     codes, out = go(run, DINOPIPE_TEST_SIGNAL="save:4:USR1@1", DINOPIPE_TEST_STALE_LATEST="1")
     assert codes == [124, 124] and "resuming from checkpoint at step 3" in out, out[-3000:]
+    assert workers_survived(out, 1), out[-3000:]
     assert latest(run) == "step_00000004"
     codes, out = go(run, DINOPIPE_TEST_STALE_LATEST="1")
     assert codes == [0, 0] and "resuming from checkpoint at step 4" in out, out[-3000:]
