@@ -150,14 +150,17 @@ def test_dry_run_prints_the_chain(capsys, tmp_path):
 
 
 def test_preempted_pretrain_resumes_from_its_checkpoint(slurm, pool, chain, tmp_path, capsys):
-    """Preempted twice while running: USR1 to the job steps (what --signal=USR1@lead sends before the time
-    limit; the batch script requeues the job itself), then `scontrol requeue` (SIGTERM, Slurm requeues).
-    Each time every step before the checkpoint is kept and none is run twice."""
+    """Preempted twice while running with 2 data workers: USR1 to every process of the job step, workers
+    included (what --signal=USR1@lead sends before the time limit; the batch script requeues the job
+    itself), then `scontrol requeue` (SIGTERM to the whole job; Slurm requeues). The job waits at steps 3 and
+    9 for the signal (test hook DINOPIPE_TEST_SIGNAL=wait:N), so each lands at a known step. Each time the
+    step in flight finishes, a checkpoint is saved, every step before it is kept and none is run twice."""
     run = tmp_path / "requeue"
     steps = 40  # 10 epochs x 4 steps; checkpoints only at the end and when preempted
-    rc = cli.main(["slurm", "submit", "--config", CONFIG, *SITE, f"output_dir={run}", "stages=[pretrain]",
+    site = [f"--env={ENV_SETUP} DINOPIPE_TEST_SIGNAL=wait:3,wait:9", *SITE[1:]]
+    rc = cli.main(["slurm", "submit", "--config", CONFIG, *site, f"output_dir={run}", "stages=[pretrain]",
                    *TINY_PRETRAIN, "pretrain:train.epochs=10", "pretrain:train.checkpoint_every=1000",
-                   f"pretrain:data.paths=[{pool}]"])
+                   "pretrain:data.num_workers=2", f"pretrain:data.paths=[{pool}]"])
     assert rc == 0
     job = _ids(capsys.readouterr().out)["pretrain"]
     slurm.append(job)
@@ -169,36 +172,56 @@ def test_preempted_pretrain_resumes_from_its_checkpoint(slurm, pool, chain, tmp_
     def output():
         return "".join(p.read_text() for p in (run / "logs").glob(f"dinopipe-pretrain-{job}.out"))
 
-    def wait_for(cond, what, timeout=300):
+    def wait_for(text, timeout=300):
         deadline = time.time() + timeout
-        while not cond():
+        while text not in output():
             assert time.time() < deadline and not set(_states(job)) & TERMINAL, \
-                f"{what}: {_states(job)}\n{output()[-3000:]}"
-            time.sleep(0.2)
+                f"waiting for {text!r}: {_states(job)}\n{output()[-3000:]}"
+            time.sleep(0.5)
 
     def saved_at(signal_no):
         m = re.search(rf"preempted \(signal {signal_no}\): checkpoint saved at step (\d+)", output())
         return int(m.group(1)) if m else None
 
-    wait_for(lambda: len(logged()) >= 3, "first steps")
+    wait_for("test hook: step 3 waits")
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    wait_for(lambda: saved_at(10) is not None, "checkpoint after USR1")
-    first = saved_at(10)
-    wait_for(lambda: f"resuming from checkpoint at step {first}" in output() and len(logged()) >= first + 3,
-             "rerun after USR1")
+    wait_for("test hook: step 9 waits")  # the job saved, requeued itself and resumed
+    assert saved_at(10) == 4 and "resuming from checkpoint at step 4" in output(), output()[-3000:]
     assert f"preempted: checkpoint saved, requeueing job {job}" in output()  # the script requeued itself
     subprocess.run(["scontrol", "requeue", job], check=True)
     _wait([job], run, timeout=400)
 
     out = output()
-    second = saved_at(15)
-    assert second is not None and 3 <= first < second < steps, out[-3000:]
-    assert f"resuming from checkpoint at step {second}" in out
+    assert saved_at(15) == 10 and "resuming from checkpoint at step 10" in out, out[-3000:]
+    assert "DataLoader worker" not in out and "Traceback" not in out, out[-3000:]
     assert "restart 2 on" in out  # the batch script ran three times, in the same job
     assert re.search(r"\bRestarts=2\b", subprocess.run(["scontrol", "show", "job", job], capture_output=True,
                                                         text=True).stdout)
     assert logged() == list(range(steps))  # every step exactly once: nothing lost, nothing redone
     assert (run / "pretrain" / "export" / "teacher").is_dir()
+
+
+def test_tasks_without_srun_fail_fast_on_slurm(slurm, pool, tmp_path):
+    """`python -m dinopipe.train.pretrain` typed straight into an `sbatch --ntasks=2` script (no srun): the job
+    fails at once with a one-line error instead of waiting 30 minutes for ranks that never start."""
+    script = tmp_path / "direct.sbatch"
+    script.write_text(f"#!/bin/bash\n{ENV_SETUP}\nexec {shlex.join(_pretrain_args(tmp_path / 'run', pool))}\n")
+    r = subprocess.run(["sbatch", "--parsable", "--ntasks=2", "--cpus-per-task=1", "--time=00:05:00",
+                        f"--output={tmp_path}/direct.out", str(script)], capture_output=True, text=True, check=True)
+    job = r.stdout.strip().split(";")[0]
+    slurm.append(job)
+    deadline = time.time() + 180
+    while not set(_states(job)) & TERMINAL:
+        assert time.time() < deadline, f"still {_states(job)} after 180 s: hanging?"
+        time.sleep(1)
+    out = (tmp_path / "direct.out").read_text()
+    assert _states(job) == ["FAILED"], out[-2000:]
+    assert "error: SLURM_NTASKS=2" in out and "srun" in out, out[-2000:]
+
+
+def _pretrain_args(run: Path, pool: Path) -> list[str]:
+    return [sys.executable, "-m", "dinopipe.train.pretrain", "--config", str(REPO / "configs/pretrain/quickstart.yaml"),
+            *(o.split(":", 1)[1] for o in TINY_PRETRAIN), f"data.paths=[{pool}]", f"train.output_dir={run}"]
 
 
 def test_quickstart_chain_on_slurm(chain):

@@ -138,8 +138,8 @@ def list_pool(paths: Sequence[str]) -> tuple[list[ImageRef], Callable[[ImageRef]
 
 def build_train_loader(refs: Pool | Sequence[ImageRef], read: Callable, transform: Callable, collate: Callable,
                        batch_per_rank: int, rank: int, world_size: int, seed: int, start: DataPosition,
-                       num_workers: int = 2, pin_memory: bool = False,
-                       worker_init_fn: Optional[Callable[[int], None]] = None) -> DataLoader:
+                       num_workers: int = 2, pin_memory: bool = False, worker_init_fn: Optional[Callable] = None,
+                       persistent_workers: bool = False) -> DataLoader:
     dataset = ImagePoolDataset(refs, read, transform, seed)
     sampler = GlobalBatchSampler(len(dataset), batch_per_rank, rank, world_size, seed, start)
     return DataLoader(
@@ -148,9 +148,9 @@ def build_train_loader(refs: Pool | Sequence[ImageRef], read: Callable, transfor
         collate_fn=SkipCorrupt(collate),
         num_workers=num_workers,
         pin_memory=pin_memory,
-        persistent_workers=False,
-        prefetch_factor=2 if num_workers > 0 else None,
+        persistent_workers=persistent_workers and num_workers > 0,
         worker_init_fn=worker_init_fn,
+        prefetch_factor=2 if num_workers > 0 else None,
     )
 
 

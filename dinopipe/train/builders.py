@@ -13,8 +13,9 @@ from ..data.loader import DataPosition, build_train_loader
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..data.transforms import MultiCropAugmentation, MultiCropCollator
 from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr
-from .dist import DistInfo, destroy
+from .dist import DistInfo, LaunchError, destroy
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
+from .signals import worker_ignore_signals
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def build_phases(cfg: Any, info: DistInfo, refs, read, patch_size: int) -> list[
         def loader(pos: DataPosition, aug=aug, ph=ph):
             return build_train_loader(refs, read, aug, collator, ph.batch_size_per_gpu, info.rank, info.world_size,
                                       cfg.train.seed, pos, num_workers=cfg.data.num_workers,
-                                      pin_memory=info.device.type == "cuda")
+                                      pin_memory=info.device.type == "cuda", worker_init_fn=worker_ignore_signals,
+                                      persistent_workers=getattr(cfg.data, "persistent_workers", False))
 
         phases.append(Phase(ph.name, start, end, ph.batch_size_per_gpu, ph.global_crops_size,
                             ph.local_crops_size, build_loader=loader))
@@ -122,15 +124,22 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
     except ConfigError as exc:
         exit_on_config_error(exc)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    clean = False  # every rank got here together: the final barrier is safe
     try:
-        return run(cfg)
+        rc = run(cfg)
+        clean = True
+        return rc
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         exit_on_config_error(exc)
-    except NonFiniteLossError as exc:
+    except NonFiniteLossError as exc:  # all ranks agree on it (it comes out of the step's all-reduce)
+        clean = True
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NON_FINITE
     finally:
-        destroy()
+        destroy(clean)
 
 
 __all__ = ["phase_steps", "build_schedules", "build_phases", "open_pool", "train", "stage_main", "EXIT_NON_FINITE",

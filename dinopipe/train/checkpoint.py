@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .dist import barrier, get_info
+from .dist import barrier, broadcast_object, get_info
+from .signals import maybe_test_signal
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class CheckpointManager:
         return f"step_{step:08d}"
 
     def latest(self) -> Optional[Path]:
+        if os.environ.get("DINOPIPE_TEST_STALE_LATEST") == str(get_info().rank):
+            return None  # test hook: this rank's view of a shared filesystem has not seen ``latest`` yet
         pointer = self.dir / "latest"
         if not pointer.is_file():
             return None
@@ -99,6 +102,7 @@ class CheckpointManager:
         if info.is_main and path.exists():  # a half-written save of this step from a killed run
             shutil.rmtree(path)
         barrier()
+        maybe_test_signal("save", step, info.rank)
         dcp.save(dict(states), checkpoint_id=str(path))
         barrier()
         if info.is_main:
@@ -110,9 +114,18 @@ class CheckpointManager:
         log.info("saved checkpoint %s", path)
         return path
 
+    def resume_point(self) -> Optional[Path]:
+        """The checkpoint to resume from, as rank 0 sees it, on every rank. Each rank reading ``latest``
+        itself can disagree on a shared filesystem with attribute caching (a rank starting fresh while the
+        others enter the collective load hangs them all), so one rank decides."""
+        mine = self.latest() if get_info().is_main else None
+        name = broadcast_object(mine.name if mine is not None else None)
+        return self.dir / name if name else None
+
     def load(self, states: Mapping[str, Any], path: Optional[Path] = None) -> Optional[int]:
-        """Load the latest (or given) checkpoint into ``states`` in place; returns its step or None."""
-        path = path or self.latest()
+        """Load the given checkpoint (default: rank 0's latest) into ``states`` in place; returns its step or
+        None."""
+        path = path or self.resume_point()
         if path is None:
             return None
         dcp.load(dict(states), checkpoint_id=str(path))

@@ -54,13 +54,28 @@ def _first_slurm_host(nodelist: str) -> str:
     return m.group(1) + (m.group(2) or "")
 
 
+class LaunchError(RuntimeError):
+    """The process environment cannot form a process group (e.g. Slurm tasks without an srun step)."""
+
+
 def _env_from_slurm() -> None:
-    """Translate srun's variables into torchrun's when we were started by srun without torchrun."""
+    """Translate srun's variables into torchrun's when we were started by srun without torchrun.
+
+    The batch script of ``sbatch --ntasks=4`` carries SLURM_NTASKS=4 and SLURM_PROCID=0 too, but it is one
+    process: only an srun step (SLURM_STEP_NUM_TASKS set) has the other ranks. Believing SLURM_NTASKS there
+    made rank "0 of 4" wait 30 minutes in init_process_group for ranks that never start, so it is an error.
+    """
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
         return
-    ntasks = int(os.environ.get("SLURM_NTASKS", "1"))
+    step_tasks = os.environ.get("SLURM_STEP_NUM_TASKS")
+    ntasks = int(step_tasks or os.environ.get("SLURM_NTASKS", "1"))
     if ntasks <= 1:
         return
+    if step_tasks is None:
+        raise LaunchError(
+            f"SLURM_NTASKS={ntasks} but this process is not part of an srun step (it runs in the batch script "
+            f"itself, so the other {ntasks - 1} ranks would never start): launch it with `srun python -m ...` "
+            f"(as slurm/pretrain.sbatch does) or torchrun, or submit with --ntasks=1")
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = str(ntasks)
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
@@ -130,12 +145,20 @@ def all_reduce_max_scalar(x: float) -> float:
     return float(t.item())
 
 
-def destroy() -> None:
+def destroy(clean: bool = True) -> None:
+    """Orderly end of a multi-rank run, once: a last barrier so no rank tears down its connections while
+    another still talks to it (a rank that left early made its peer abort in gloo's teardown), then the
+    process group. Threads that talk over it (metrics, checkpoint) must be joined before this is called.
+    ``clean=False`` (a rank failed on its own) skips the barrier, which the others might never reach."""
     global _INFO
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            if clean:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
     _INFO = None
 
 
-__all__ = ["DistInfo", "init_distributed", "get_info", "all_reduce_sum_fn", "barrier", "broadcast_object",
+__all__ = ["LaunchError", "DistInfo", "init_distributed", "get_info", "all_reduce_sum_fn", "barrier", "broadcast_object",
            "all_reduce_max_scalar", "destroy"]

@@ -1,7 +1,8 @@
 """The generic training loop (dinov2 ``do_train`` order, torchtitan's checkpointing):
 
-    per step: seed -> schedules into the optimizer -> zero_grad -> task forward/backward -> clip ->
-              finite check -> optimizer step -> teacher EMA -> log -> checkpoint
+    per step: seed -> schedules into the optimizer -> zero_grad -> task forward/backward -> one small
+              all-reduce (preemption flag, grad norms, loss and metric sums) -> finite check -> clip ->
+              optimizer step -> teacher EMA -> log -> checkpoint
 
 A *task* owns the models and the loss (pretraining and distillation are tasks); this loop owns time:
 steps, resolution phases, data position, checkpoints, preemption and metrics. Randomness is derived from
@@ -27,9 +28,9 @@ from ..data.loader import DataPosition
 from ..data.sources import stable_hash
 from ..ssl.param_groups import apply_optim_schedules
 from .checkpoint import CheckpointManager, ValueState
-from .dist import DistInfo, all_reduce_max_scalar
+from .dist import DistInfo, all_reduce_max_scalar, get_info
 from .metrics import MetricsLogger
-from .signals import EXIT_PREEMPTED, PreemptionFlag
+from .signals import EXIT_PREEMPTED, PreemptionFlag, maybe_test_signal, signals_blocked
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
-    """Total grad norm over all (possibly sharded) parameters, clipped in place when max_norm > 0."""
+    """Total grad norm over all (possibly sharded) parameters, clipped in place when max_norm > 0 (torch's
+    own clipping with its reduction and host sync; the loop folds both into its one all-reduce instead)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
@@ -87,6 +89,47 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
         norm = norm.full_tensor()
     return float(norm)
+
+
+def _local_grads(params: list[nn.Parameter]) -> tuple[list[torch.Tensor], list[float]]:
+    """This rank's gradient storage (views of FSDP2's shards) and, per gradient, how many ranks hold each of
+    its elements: squared norms of shards add up over ranks to the global one; replicas count once."""
+    from torch.distributed.tensor import DTensor
+
+    info = get_info()
+    grads, copies = [], []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        n = 1.0
+        if isinstance(g, DTensor):
+            for dim, pl in enumerate(g.placements):
+                if pl.is_replicate():
+                    n *= g.device_mesh.size(dim)
+                elif not pl.is_shard():
+                    raise RuntimeError(f"a gradient placed as {pl} cannot be clipped from local shards")
+            g = g.to_local()
+        elif info.distributed:
+            n = float(info.world_size)  # a plain gradient in a multi-rank run is a replica
+        grads.append(g)
+        copies.append(n)
+    return grads, copies
+
+
+def local_grad_sq(params: list[nn.Parameter]) -> torch.Tensor:
+    """Sum of squared gradient elements this rank contributes to the global norm (0-d float64, no sync)."""
+    grads, copies = _local_grads(params)
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=get_info().device)
+    norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads)])
+    return (norms.square() / torch.tensor(copies, dtype=torch.float64, device=norms.device)).sum()
+
+
+def scale_grads_(params: list[nn.Parameter], coef: float) -> None:
+    grads, _ = _local_grads(params)
+    if grads:
+        torch._foreach_mul_(grads, coef)
 
 
 class Trainer:
@@ -122,10 +165,13 @@ class Trainer:
                 return i
         return len(self.phases) - 1
 
+    def _any_rank(self, flag: bool) -> bool:
+        return all_reduce_max_scalar(1.0 if flag else 0.0) > 0
+
     # -- main -----------------------------------------------------------------------------------
     def fit(self) -> int:
         """Train to the end (returns 0) or until preempted (returns EXIT_PREEMPTED after saving)."""
-        resumed = self.ckpt.load(self._states())
+        resumed = self.ckpt.load(self._states())  # rank 0 picks the checkpoint, every rank loads it
         step = int(self.state.values["step"])
         if resumed is not None and self.info.is_main:
             print(f"resuming from checkpoint at step {step}", flush=True)
@@ -133,17 +179,20 @@ class Trainer:
         preempt = PreemptionFlag()
         bar = tqdm(total=self.total_steps, initial=step, disable=not (self.cfg.progress and self.info.is_main),
                    desc="train", dynamic_ncols=True)
-        steps_this_run, exit_code = 0, 0
+        steps_this_run = 0
         try:
             while step < self.total_steps:
                 phase = self.phases[self._phase_index(step)]
                 self.task.set_phase(phase)
                 pos = DataPosition(int(self.state.values["data_epoch"]), int(self.state.values["data_offset"]))
                 global_batch = phase.batch_per_rank * self.info.world_size
+                loader = phase.build_loader(pos)
+                with signals_blocked():  # workers are forked here; they must never die of a preemption signal
+                    batches = iter(loader)
                 t0 = time.perf_counter()
-                for batch in phase.build_loader(pos):
+                for batch in batches:
                     data_time = time.perf_counter() - t0
-                    logs = self._train_step(batch, step)
+                    logs, preempted = self._train_step(batch, step, preempt)
                     step += 1
                     steps_this_run += 1
                     pos.advance(global_batch, self.pool_size)
@@ -154,9 +203,11 @@ class Trainer:
                         metrics.log(step - 1, logs)
                         bar.set_postfix(loss=f"{logs['loss']:.4f}")
                     stop = self.cfg.stop_after is not None and steps_this_run >= self.cfg.stop_after
-                    preempted = all_reduce_max_scalar(1.0 if preempt else 0.0) > 0
                     if step % self.cfg.checkpoint_every == 0 or step == phase.end or stop or preempted:
                         self.save()
+                        # A signal that arrived during this save: the checkpoint just written is the one to
+                        # resume from (one extra all-reduce, on checkpoint steps only).
+                        preempted = preempted or self._any_rank(bool(preempt))
                     if preempted:
                         if self.info.is_main:
                             print(f"preempted (signal {preempt.received}): checkpoint saved at step {step}", flush=True)
@@ -166,47 +217,67 @@ class Trainer:
                     if step >= phase.end:
                         break
                     t0 = time.perf_counter()
+                del batches, loader  # the phase's workers stop here, not when the next phase's start
             self.task.export(self.run_dir, step)  # collective under FSDP: every rank gathers, rank 0 writes
-            return exit_code
+            return 0
         finally:
             bar.close()
             metrics.close()
             preempt.restore()
 
-    def _train_step(self, batch: Any, step: int) -> dict[str, Any]:
+    def _train_step(self, batch: Any, step: int, preempt: PreemptionFlag) -> tuple[dict[str, Any], bool]:
+        """One optimizer step. Returns the logs (global means) and whether any rank was asked to stop.
+
+        Everything the ranks must agree on travels in ONE small all-reduce, read back with ONE host sync: the
+        preemption flag, each clip group's squared gradient norm (its local shards; this replaces clipping's
+        own reduction), the loss and the task's metric sums. A non-finite loss or norm makes the sums
+        non-finite on every rank, so all ranks stop together before the optimizer touches anything."""
         seed_step(self.cfg.seed, step, self.info.rank)
         values = self._values(step)
         self._apply_schedules(values)
         self.optimizer.zero_grad(set_to_none=True)
         loss, logs = self.task(batch, values)
         loss.backward()
-        grad_norm = max(clip_grad_norm(g, self.cfg.clip_grad) for g in self._clip_groups)
-        bad = not math.isfinite(float(loss.detach())) or not math.isfinite(grad_norm)
-        if all_reduce_max_scalar(1.0 if bad else 0.0) > 0:
+        maybe_test_signal("step", step, self.info.rank, preempt)
+        mean = lambda k, v: not k.startswith("corrupt/") and (torch.is_tensor(v) or isinstance(v, (int, float)))
+        on_device = sorted(k for k, v in logs.items() if mean(k, v) and torch.is_tensor(v))
+        on_host = sorted(k for k, v in logs.items() if mean(k, v) and not torch.is_tensor(v))
+        f64 = dict(dtype=torch.float64, device=self.info.device)
+        host = torch.tensor([1.0 if preempt else 0.0] + [float(logs[k]) for k in on_host], **f64)
+        vec = torch.cat([host[:1], torch.stack([local_grad_sq(g) for g in self._clip_groups]),
+                         torch.stack([t.detach().to(torch.float64).reshape(()) for t in
+                                      [loss] + [logs[k] for k in on_device]]),
+                         host[1:]])
+        keys = on_device + on_host
+        if self.info.distributed:
+            torch.distributed.all_reduce(vec)
+        vals = vec.tolist()  # the step's one device-to-host sync
+        world, n_groups = float(self.info.world_size), len(self._clip_groups)
+        preempted = vals[0] > 0
+        norms = [math.sqrt(x) if x >= 0 else math.nan for x in vals[1 : 1 + n_groups]]
+        loss_mean = vals[1 + n_groups] / world
+        grad_norm = max(norms)
+        if not math.isfinite(loss_mean) or not all(math.isfinite(n) for n in norms):
             last = self.ckpt.latest_step()
             raise NonFiniteLossError(
-                f"loss or gradient is not finite at step {step} (loss={float(loss.detach())}, grad norm="
+                f"loss or gradient is not finite at step {step} (mean loss={loss_mean}, grad norm="
                 f"{grad_norm}); nothing was updated. The last good checkpoint is "
                 f"{'step ' + str(last) if last is not None else 'none'} in {self.ckpt.dir}. Lower the lr, check "
                 f"the data, or use fp32 (parallel.param_dtype=fp32), then rerun to resume from it."
             )
+        if self.cfg.clip_grad > 0:
+            for group, norm in zip(self._clip_groups, norms):
+                coef = self.cfg.clip_grad / (norm + 1e-6)
+                if coef < 1.0:
+                    scale_grads_(group, coef)
         self.optimizer.step()
         self.task.after_step(values)
-        out = {k: float(v) if isinstance(v, (int, float)) or torch.is_tensor(v) else v for k, v in logs.items()}
-        out["loss"] = float(loss.detach())
-        out = self._global_means(out)
-        out.update(grad_norm=grad_norm, **{k: values[k] for k in values})
-        return out
-
-    def _global_means(self, logs: dict[str, Any]) -> dict[str, Any]:
-        """Losses of the *global* batch: each rank's value averaged over ranks (equal per-rank batches), so
-        metrics do not depend on the world size. Per-rank counters (corrupt/*) stay rank 0's."""
-        if not self.info.distributed:
-            return logs
-        keys = sorted(k for k, v in logs.items() if isinstance(v, float) and not k.startswith("corrupt/"))
-        t = torch.tensor([logs[k] for k in keys], dtype=torch.float64, device=self.info.device)
-        torch.distributed.all_reduce(t)
-        return {**logs, **{k: float(v) / self.info.world_size for k, v in zip(keys, t.tolist())}}
+        # Metrics are global means (each rank's value averaged; equal per-rank batches), so they do not
+        # depend on the world size. Per-rank counters (corrupt/*) stay rank 0's.
+        out = {k: v for k, v in logs.items() if k not in keys}
+        out.update({k: v / world for k, v in zip(keys, vals[2 + n_groups:])})
+        out.update(loss=loss_mean, grad_norm=grad_norm, **values)
+        return out, preempted
 
 
 __all__ = ["Trainer", "Task", "Phase", "LoopConfig", "NonFiniteLossError", "seed_step", "EXIT_PREEMPTED"]

@@ -83,3 +83,36 @@ def metrics(run_dir):
 
 def losses(run_dir, key="loss"):
     return {r["step"]: r[key] for r in metrics(run_dir)}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(cmd, nproc, extra_env=None, timeout=600):
+    """Start ``nproc`` ranks of ``cmd`` the way srun does: one process per rank, each leading its own process
+    group (so a signal to "the job step" can reach each rank and its data workers), rendezvous through
+    MASTER_ADDR/MASTER_PORT. Returns [(returncode, stdout, stderr)] per rank."""
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        e = dict(env(), **(extra_env or {}))
+        if nproc > 1:
+            e.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    return results

@@ -1,15 +1,11 @@
 """FSDP2 on 2 gloo processes: same training as one process, resumable at another world size, across a
-resolution switch, and preemptible with SIGUSR1."""
-
-import signal
-import subprocess
-import time
+resolution switch. (Preemption on 2 ranks: test_preemption.py.)"""
 
 import pytest
 import torch
 
 import dinopipe
-from conftest import env, losses, pretrain_cmd, run_pretrain
+from conftest import losses, run_pretrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -70,23 +66,3 @@ def test_resolution_switch_resume_after_it(tmp_path, photo_pool):
     # Checkpoint at the switch (end of phase 1) and at the end are both there.
     names = {p.name for p in (run / "checkpoints").glob("step_*")}
     assert {"step_00000004", "step_00000006", "step_00000008"} <= names
-
-
-def test_sigusr1_saves_and_exits_for_requeue(tmp_path, photo_pool):
-    run = tmp_path / "preempt"
-    args = ("train.epochs=5", "train.checkpoint_every=100")
-    proc = subprocess.Popen(pretrain_cmd(run, photo_pool, *args), env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if (run / "metrics.jsonl").exists() and len(losses(run)) >= 3:
-            proc.send_signal(signal.SIGUSR1)
-            break
-        time.sleep(0.05)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 124, out[-2000:]
-    saved = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
-    assert 3 <= saved < 20 and f"checkpoint saved at step {saved}" in out
-    r = run_pretrain(run, photo_pool, *args)
-    assert f"resuming from checkpoint at step {saved}" in r.stdout
-    assert sorted(losses(run)) == list(range(20))
