@@ -146,6 +146,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (FileNotFoundError, RuntimeError, ValueError) as exc:  # e.g. a step not run yet
             print(f"curate {step}: error: {exc}", file=sys.stderr)
             return 1
+        if step == "embed" and embedder is not None:
+            embedder.release()  # the index steps may want the GPU memory for faiss-gpu
         if step in STEPS[1:4] + SHARDED:
             _save_summary(out, step if step != "search" else f"search-{cfg.knn.task_index:05d}", result)
         if step == "report":

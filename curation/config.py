@@ -223,6 +223,7 @@ def _validate_knn(cfg: CurationConfig) -> None:
         _need(val >= 1, key, f"must be >= 1, got {val}")
     _need(n.nlist is None or n.nlist >= 1, "knn.nlist", f"must be >= 1 or null, got {n.nlist}")
     _need(n.pq_m >= 0, "knn.pq_m", f"must be >= 0, got {n.pq_m}")
+    n.use_gpu = str(n.use_gpu).lower()  # YAML / dotlist turn true into a bool, the str field into 'True'
     _need(n.use_gpu in ("auto", "true", "false"), "knn.use_gpu",
           f"expected auto | true | false, got '{n.use_gpu}'")
     if n.use_gpu == "true":  # (with auto, the search says so if it lands on a GPU)
@@ -237,7 +238,7 @@ def knn_kwargs(cfg: CurationConfig) -> dict:
     """The ``knn`` dict of the pipeline steps (curation.knn_steps) for this config."""
     n = cfg.knn
     return {"chunk_size": n.chunk_size, "batch_size": n.batch_size, "nlist": n.nlist, "pq_m": n.pq_m,
-            "train_size": n.train_size, "use_gpu": {"auto": "auto", "true": True, "false": False}[n.use_gpu]}
+            "train_size": n.train_size, "use_gpu": {"auto": "auto", "true": True, "false": False}[str(n.use_gpu).lower()]}
 
 
 def _check_model(model: str, image_size: int) -> None:

@@ -175,8 +175,10 @@ def train_cpu_index(rows: Rows, kind: str, nlist: int, train_size: int | None, s
     """An empty, trained CPU IVF index (k-means on a fixed random sample, on a GPU when there is one)."""
     d = rows.dim
     index = faiss.index_factory(d, factory_string(kind, d, nlist, pq_m), faiss.METRIC_INNER_PRODUCT)
-    ivf = faiss.extract_index_ivf(index)
+    ivf = faiss.downcast_index(faiss.extract_index_ivf(index))  # the IndexIVFPQ, not its base
     ivf.cp.seed = seed
+    if hasattr(ivf, "do_polysemous_training"):
+        ivf.do_polysemous_training = False  # only for Hamming filtering, which we do not use (minutes)
     # Train on a fixed random sample: only that sample is ever fp32 in memory at once.
     rng = np.random.default_rng(seed)
     n = len(rows)
