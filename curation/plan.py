@@ -76,7 +76,8 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     train_s = KMEANS_ITERS * 2.0 * sample * nlist * dim / node_gemm
     add_s = 2.0 * pool * nlist * dim / node_gemm + pool * dim * 2 / 2e9  # assign + read the fp16 at 2 GB/s
     host = index_gib + sample * dim * 4 / GiB + 2
-    steps.append(Step("index", 1, host, (nlist * dim * 4 + sample * dim * 4) / GiB if gpus_per_node else 0,
+    # faiss-gpu k-means streams the host-side sample through the GPU: centroids + ~1 GiB scratch there
+    steps.append(Step("index", 1, host, nlist * dim * 4 / GiB + 1 if gpus_per_node else 0,
                       (train_s + add_s) / 3600, f"nlist {nlist:,}, {code} B/vector codes: index {index_gib:,.1f} GiB"))
 
     # search: each query visits nprobe lists of ~pool/nlist codes; flat: every vector
