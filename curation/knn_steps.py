@@ -45,9 +45,10 @@ def pool_params(surv: np.ndarray, k: int, threshold: float, index_kind: str, npr
             "nprobe": nprobe, **extra}
 
 
-def eval_params(n_eval: int, knn: dict | None = None) -> dict:
+def eval_params(ev: EmbeddingSet, knn: dict | None = None) -> dict:
     knn = knn or {}
-    return {"n_eval": n_eval, "kind": "flat", "k": EVAL_K,
+    ids = hashlib.sha1("\n".join(map(str, ev.ids)).encode()).hexdigest()[:16]  # a new eval set: new index
+    return {"n_eval": len(ev), "eval_ids": ids, "kind": "flat", "k": EVAL_K,
             **{key: knn[key] for key in ("chunk_size", "batch_size") if knn.get(key) is not None}}
 
 
@@ -95,7 +96,7 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
         raise ValueError(f"pool embeddings have {pool.dim} dims but eval embeddings {ev.dim}: "
                          "embed both with the same model / descriptor")
     job = KnnJob(out_dir, "eval")
-    params = {**eval_params(len(ev), knn), "pool_rows": _digest(alive)}
+    params = {**eval_params(ev, knn), "pool_rows": _digest(alive)}
     if not job.matches(params):
         job.build(Rows(ev), params, use_gpu=False)
     job.search_nearest(Rows(pool, alive), Rows(ev), 0, 1, progress=progress)
@@ -119,7 +120,7 @@ def step_index(out_dir: str, hash_enabled: bool, hash_max_distance: int, k: int,
     if eval_sources:
         ev = embed_eval(out_dir, eval_sources, batch_size, num_workers, progress)
         job = KnnJob(out_dir, "eval")
-        params = {**eval_params(len(ev), knn), "pool_rows": _digest(surv)}
+        params = {**eval_params(ev, knn), "pool_rows": _digest(surv)}
         if len(ev) and not job.matches(params):
             job.build(Rows(ev), params, use_gpu=False)
         out["eval_rows"] = len(ev)
