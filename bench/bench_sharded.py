@@ -53,9 +53,10 @@ def task(args) -> None:
     rows = Rows(np.load(args.data, mmap_mode="r"))
     with open("/proc/self/status") as f:  # what the imports (numpy, faiss, torch via curation) hold
         base = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-    t0 = time.perf_counter()
+    ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     out = KnnJob(args.job).search_pairs(rows, args.task, args.tasks, use_gpu=False)
-    out.update(seconds=time.perf_counter() - t0,
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out.update(seconds=time.perf_counter() - t0, cpu_seconds=ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime,
                maxrss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, base_mib=base)
     print(json.dumps(out))
 
@@ -128,6 +129,9 @@ def main() -> int:
         rn = run_tasks(data, many, args.tasks)
         t1, tn = r1[0]["seconds"], sum(r["seconds"] for r in rn)
         print(f"sharded_total_time_ratio ({args.tasks} tasks / 1 task): {tn / t1:.2f}  ({tn:.0f} s vs {t1:.0f} s)")
+        c1, cn = r1[0]["cpu_seconds"], sum(r["cpu_seconds"] for r in rn)
+        print(f"sharded_cpu_time_ratio ({args.tasks} tasks / 1 task): {cn / c1:.2f}  ({cn:.0f} s vs {c1:.0f} s; "
+              "CPU time is less sensitive than wall time to other jobs on the machine)")
         print(f"peak_rss_1_task_mib: {r1[0]['maxrss_mib']:.0f} (after imports: {r1[0]['base_mib']:.0f})")
         print(f"peak_rss_per_task_mib ({args.tasks} tasks): {max(r['maxrss_mib'] for r in rn):.0f} "
               "(each: " + ", ".join(f"{r['maxrss_mib']:.0f}" for r in rn) + f"; after imports: {rn[0]['base_mib']:.0f})")

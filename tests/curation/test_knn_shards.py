@@ -137,7 +137,8 @@ def test_embedder_release_keeps_it_usable():
 
 def _args(cmd, pool_root, eval_root, out, *extra):
     return [cmd, "--config", QUICKSTART, f"input.paths=[{pool_root}]", f"output.dir={out}", "progress=false",
-            f"input.eval_paths=[{eval_root}]", "knn.chunk_size=6", "knn.batch_size=4", "rebalance.mode=none", "report.enabled=false", *extra]
+            f"input.eval_paths=[{eval_root}]", "knn.chunk_size=6", "knn.batch_size=4", "rebalance.mode=none",
+            "report.enabled=false", *extra]
 
 
 def test_one_and_three_search_workers_give_identical_decisions(pool_dir, photos, tmp_path):
