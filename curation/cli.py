@@ -2,6 +2,8 @@
 
     curate run --config configs/curation/default.yaml input.paths=[DIR] output.dir=OUT [k=v ...]
     curate embed|dedup|decontaminate|rebalance|write|report --config ... [k=v ...]
+    curate index|search --config ... [knn.task_index=i knn.num_tasks=N]   (the sharded kNN)
+    curate plan --pool 142M --dim 1024 --index ivf_pq --tasks 160 [--gpus 160]   (no config)
 
 Load config -> validate (config mistakes exit 2, before anything is written) -> save the resolved
 config into output.dir -> run the step(s) -> print the manifest summary. Each step reads the
@@ -19,9 +21,10 @@ from typing import Optional, Sequence
 
 from dinopipe.config import ConfigError, exit_on_config_error, load_config, to_yaml
 
-from .config import CurationConfig, rebalance_kwargs, validate
+from .config import CurationConfig, knn_kwargs, rebalance_kwargs, validate
 
 STEPS = ("embed", "dedup", "decontaminate", "rebalance", "write", "report")
+SHARDED = ("index", "search")  # between embed and dedup, for Slurm arrays; `run` does them in-process
 
 
 def _embedder(cfg: CurationConfig):
@@ -65,8 +68,23 @@ def _load_summaries(out: str) -> dict:
 def run_step(step: str, cfg: CurationConfig, embedder=None):
     """One step with its settings from ``cfg``; returns the step's summary dict (or a path)."""
     from . import pipeline as P
+    from .dedup import resolve_threshold
 
     out, e, prog = cfg.output.dir, cfg.embed, cfg.progress
+    h, dd, knn = cfg.hash_dedup, cfg.dedup, knn_kwargs(cfg)
+    # index, search and dedup must agree on the hash survivors (hash duplicates are verified too)
+    verify_with = (cfg.input.paths, dd.verify_size, dd.verify_threshold) if dd.verify else None
+    if step == "index":
+        from .knn_steps import step_index
+
+        return step_index(out, h.enabled, h.max_distance, dd.k, resolve_threshold(dd.threshold, dd.verify),
+                          dd.index, dd.nprobe, knn, cfg.input.eval_paths or None, e.batch_size,
+                          e.num_workers, prog, verify_with=verify_with)
+    if step == "search":
+        from .knn_steps import step_search
+
+        return step_search(out, cfg.knn.task_index, cfg.knn.num_tasks, h.enabled, h.max_distance, knn, prog,
+                           verify_with=verify_with)
     if step == "embed":
         return P.step_embed(cfg.input.paths, out, embedder, getattr(embedder, "transform", None),
                             cfg.descriptor, e.shard_size, e.batch_size, e.num_workers,
@@ -74,14 +92,13 @@ def run_step(step: str, cfg: CurationConfig, embedder=None):
                             copy_image_size=cfg.dedup.image_size, device=e.device,
                             precision=e.precision)
     if step == "dedup":
-        d = cfg.dedup
-        return P.step_dedup(out, cfg.hash_dedup.max_distance, d.k, d.threshold, d.index, d.nprobe,
-                            prog, cfg.hash_dedup.enabled, sources=cfg.input.paths, verify=d.verify,
-                            verify_threshold=d.verify_threshold, verify_size=d.verify_size,
-                            grouping=d.grouping)
+        return P.step_dedup(out, h.max_distance, dd.k, dd.threshold, dd.index, dd.nprobe, prog,
+                            h.enabled, sources=cfg.input.paths, verify=dd.verify,
+                            verify_threshold=dd.verify_threshold, verify_size=dd.verify_size,
+                            grouping=dd.grouping, knn=knn)
     if step == "decontaminate":
         return P.step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate.threshold,
-                                    e.batch_size, e.num_workers, prog)
+                                    e.batch_size, e.num_workers, prog, knn=knn)
     if step == "rebalance":
         return P.step_rebalance(out, cfg.rebalance.mode, cfg.input.seed_paths or None, embedder,
                                 getattr(embedder, "transform", None), e.batch_size, e.num_workers,
@@ -107,14 +124,20 @@ def _print_manifest(out: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="curate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("run",) + STEPS, help="all steps, or one step alone")
+    p.add_argument("command", choices=("run",) + STEPS + SHARDED + ("plan",),
+                   help="all steps, or one step alone (plan: see `curate plan --help`)")
     p.add_argument("--config", default=None, help="YAML (e.g. configs/curation/default.yaml)")
     p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. output.dir=OUT")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        from .plan import main as plan_main
+
+        return plan_main(argv[1:])
+    args = build_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(CurationConfig, args.config, args.overrides)
         validate(cfg, args.command)
@@ -137,8 +160,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (FileNotFoundError, RuntimeError, ValueError) as exc:  # e.g. a step not run yet
             print(f"curate {step}: error: {exc}", file=sys.stderr)
             return 1
-        if step in STEPS[1:4]:
-            _save_summary(out, step, result)
+        if step == "embed" and embedder is not None:
+            embedder.release()  # the index steps may want the GPU memory for faiss-gpu
+        if step in STEPS[1:4] + SHARDED:
+            _save_summary(out, step if step != "search" else f"search-{cfg.knn.task_index:05d}", result)
         if step == "report":
             print(f"report: {result}")
         elif step != "write":

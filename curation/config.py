@@ -16,6 +16,7 @@ from dinopipe.config import ConfigError
 from .descriptor import DescriptorConfig
 from .hashdedup import DEFAULT_MAX_DISTANCE
 from .kmeans import INITS
+from .index import GPU_MAX_K, KINDS
 from .rebalance import MODES
 
 
@@ -76,7 +77,8 @@ class DedupConfig:
     null: 0.45 with dedup.verify (the pixels decide; 0.45 finds copies 0.6 misses), DINOv2's 0.6
     without (the cosine decides alone)."""
     index: str = "auto"
-    """auto (exact flat up to 50k images, IVF above) | flat | ivf"""
+    """auto (exact flat up to 50k images, IVF above) | flat | ivf (fp16 codes) | ivf_sq8 (1 B/dim) |
+    ivf_pq (knn.pq_m B/vector: when even SQ8 does not fit; pairs are rescored exactly)"""
     nprobe: int = 16
     """IVF lists visited per query (recall vs speed)."""
     verify: bool = True
@@ -96,6 +98,28 @@ class DedupConfig:
     sscd_disc_mixup.torchscript.pt) or anything dinopipe.load reads. null: the descriptor."""
     image_size: int = 224
     """dedup.model input side (the whole image is resized to it, no crop)."""
+
+
+@dataclass
+class KnnConfig:
+    """The sharded kNN behind dedup and decontamination (`curate index`, then `curate search` array
+    tasks; `curate run` does both in one process). Same decisions for any num_tasks."""
+
+    task_index: int = 0
+    """This search task's chunks (a Slurm array sets it from SLURM_ARRAY_TASK_ID)."""
+    num_tasks: int = 1
+    chunk_size: int = 65536
+    """Queries per chunk file: the unit of resumption and of the task split."""
+    batch_size: int = 8192
+    """Queries per faiss search call."""
+    nlist: Optional[int] = None
+    """IVF lists; null: 4*sqrt(N)."""
+    pq_m: int = 0
+    """dedup.index=ivf_pq: bytes per vector (must divide the dimension); 0: dim/16."""
+    train_size: Optional[int] = None
+    """Vectors the IVF is trained on; null: 64 per list."""
+    use_gpu: str = "auto"
+    """auto (faiss-gpu when it sees GPUs) | true | false"""
 
 
 @dataclass
@@ -165,6 +189,7 @@ class CurationConfig:
     descriptor: DescriptorConfig = field(default_factory=DescriptorConfig)
     hash_dedup: HashDedupConfig = field(default_factory=HashDedupConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    knn: KnnConfig = field(default_factory=KnnConfig)
     decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     write: WriteConfig = field(default_factory=WriteConfig)
@@ -211,9 +236,10 @@ def validate(cfg: CurationConfig, step: str = "run") -> None:
         _check_model(e.model, e.image_size)
     _need(0 <= cfg.hash_dedup.max_distance <= 32, "hash_dedup.max_distance",
           f"expected 0..32 bits, got {cfg.hash_dedup.max_distance}")
-    _need(cfg.dedup.index in ("auto", "flat", "ivf"), "dedup.index",
-          f"expected auto | flat | ivf, got '{cfg.dedup.index}'")
+    _need(cfg.dedup.index in KINDS, "dedup.index",
+          f"expected {' | '.join(KINDS)}, got '{cfg.dedup.index}'")
     _validate_dedup(cfg.dedup)
+    _validate_knn(cfg)
     for key, t in (("dedup.threshold", cfg.dedup.threshold),
                    ("decontaminate.threshold", cfg.decontaminate.threshold)):
         if t is None and key == "dedup.threshold":
@@ -232,6 +258,33 @@ def _validate_dedup(d: DedupConfig) -> None:
     _need(d.model is None or os.path.exists(d.model), "dedup.model",
           f"'{d.model}' does not exist (a TorchScript copy model such as SSCD's "
           f".torchscript.pt, or a checkpoint dinopipe.load reads)")
+
+
+def _validate_knn(cfg: CurationConfig) -> None:
+    n = cfg.knn
+    _need(n.num_tasks >= 1, "knn.num_tasks", f"must be >= 1, got {n.num_tasks}")
+    _need(0 <= n.task_index < n.num_tasks, "knn.task_index",
+          f"must be in [0, knn.num_tasks={n.num_tasks}), got {n.task_index}")
+    for key, val in (("knn.chunk_size", n.chunk_size), ("knn.batch_size", n.batch_size)):
+        _need(val >= 1, key, f"must be >= 1, got {val}")
+    _need(n.nlist is None or n.nlist >= 1, "knn.nlist", f"must be >= 1 or null, got {n.nlist}")
+    _need(n.pq_m >= 0, "knn.pq_m", f"must be >= 0, got {n.pq_m}")
+    n.use_gpu = str(n.use_gpu).lower()  # YAML / dotlist turn true into a bool, the str field into 'True'
+    _need(n.use_gpu in ("auto", "true", "false"), "knn.use_gpu",
+          f"expected auto | true | false, got '{n.use_gpu}'")
+    if n.use_gpu == "true":  # (with auto, the search says so if it lands on a GPU)
+        # faiss-gpu selects at most 2048 neighbours (and lists) per query; k+1 includes the image
+        _need(cfg.dedup.k + 1 <= GPU_MAX_K, "dedup.k", f"{cfg.dedup.k} + 1 exceeds faiss-gpu's limit "
+              f"of {GPU_MAX_K} neighbours; lower it or set knn.use_gpu=false")
+        _need(cfg.dedup.nprobe <= GPU_MAX_K, "dedup.nprobe", f"{cfg.dedup.nprobe} exceeds faiss-gpu's "
+              f"limit of {GPU_MAX_K}; lower it or set knn.use_gpu=false")
+
+
+def knn_kwargs(cfg: CurationConfig) -> dict:
+    """The ``knn`` dict of the pipeline steps (curation.knn_steps) for this config."""
+    n = cfg.knn
+    return {"chunk_size": n.chunk_size, "batch_size": n.batch_size, "nlist": n.nlist, "pq_m": n.pq_m,
+            "train_size": n.train_size, "use_gpu": {"auto": "auto", "true": True, "false": False}[str(n.use_gpu).lower()]}
 
 
 def _check_model(model: str, image_size: int) -> None:
@@ -281,4 +334,4 @@ def rebalance_kwargs(r: RebalanceConfig) -> dict:
                        "niter": r.kmeans_niter, "tol": r.kmeans_tol, "n_init": r.kmeans_n_init}}
 
 
-__all__ = ["CurationConfig", "validate", "rebalance_kwargs"]
+__all__ = ["CurationConfig", "validate", "rebalance_kwargs", "knn_kwargs"]

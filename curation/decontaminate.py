@@ -2,7 +2,9 @@
 
 Each pool image is compared with its nearest evaluation image; if the cosine exceeds the
 threshold, the image's whole copy component goes, so a kept representative cannot smuggle back
-a picture whose copy matched the test set.
+a picture whose copy matched the test set. ``curate decontaminate`` runs the same rule on the
+sharded kNN (curation.knn_steps: eval index saved once, pool rows searched in array chunks, the
+best candidates rescored exactly); :func:`decontaminate` is the in-memory form.
 """
 
 from __future__ import annotations
@@ -48,10 +50,17 @@ def decontaminate(pool, eval_embeddings, threshold: float = 0.45,
         index = build_index(ev, kind=index_kind, nprobe=nprobe, use_gpu=use_gpu)
         for pos, sims, idx in iter_knn(index, rows, 1, batch_size):
             max_sim[pos], nearest[pos] = sims[:, 0], idx[:, 0]
-    direct = max_sim > threshold
+    return expand_to_components(max_sim, nearest, threshold, components)
+
+
+def expand_to_components(max_sim: np.ndarray, nearest: np.ndarray, threshold: float,
+                         components: np.ndarray | None = None) -> DecontaminationResult:
+    """Flag images with ``max_sim`` > threshold and, with ``components``, their whole copy groups.
+    Shared by the in-memory search above and the sharded one (curation.knn_steps)."""
+    direct = np.asarray(max_sim) > threshold
     if components is None:
         removed = direct.copy()
     else:
         components = np.asarray(components)
         removed = np.isin(components, np.unique(components[direct]))
-    return DecontaminationResult(removed, direct, max_sim, nearest)
+    return DecontaminationResult(removed, direct, np.asarray(max_sim, np.float32), np.asarray(nearest))

@@ -53,8 +53,19 @@ class ModelEmbedder:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
+    def release(self) -> None:
+        """Give the accelerator memory back (weights to CPU, CUDA cache emptied) so that faiss-gpu can
+        build its index on the same GPU; the next call moves the model back."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._released = True
+
     @torch.no_grad()
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "_released", False):  # needed again (seed images) after release()
+            self.model.to(self.device)
+            self._released = False
         x = batch.to(self.device, non_blocking=True)
         with self._autocast():
             out = self.model(x)  # (B, D) CLS embedding

@@ -3,6 +3,8 @@
 Index choice by pool size, as in DINOv2's curation: exact ``IndexFlatIP`` for small pools, an
 inverted file (IVF, ``nlist ~ 4 sqrt(N)``, ``nprobe`` lists visited per query) for large ones.
 With faiss-gpu and visible GPUs the index is sharded over all of them; otherwise faiss-cpu runs.
+A trained index can be saved and read back memory-mapped (save_index / load_index): the
+sharded kNN of curation.knn_shards trains it once and lets every array task search its slice.
 Embeddings arrive as fp16 (memory-mapped) and are converted to fp32 one batch at a time, both
 when adding and when querying. IVF stores vectors as fp16 (they were fp16 anyway: no loss).
 """
@@ -10,6 +12,7 @@ when adding and when querying. IVF stores vectors as fp16 (they were fp16 anyway
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterator
 
 from ._faiss import faiss
@@ -62,17 +65,44 @@ def num_gpus() -> int:
         return 0
 
 
+GPU_MAX_K = 2048  # faiss-gpu's top-k selection (and nprobe) stop at 2048 (GPU_MAX_SELECTION_K)
+KINDS = ("auto", "flat", "ivf", "ivf_sq8", "ivf_pq")
+"""flat: exact. ivf: inverted file, fp16 codes (2 B/dim: no loss, the embeddings are fp16).
+ivf_sq8: 1 B/dim (half the memory). ivf_pq: ``pq_m`` bytes per vector (e.g. 64 B for 1024-d: 32x
+smaller) when even SQ8 does not fit; candidate pairs are then rescored exactly from the stored
+embeddings (curation.knn_shards), so only recall, not the similarities, pays for the compression."""
+
+
+def check_gpu_limit(name: str, value: int, on_gpu: bool) -> None:
+    """faiss-gpu rejects k / nprobe > 2048 deep inside a search; say it up front, with the fix."""
+    if on_gpu and value > GPU_MAX_K:
+        raise ValueError(f"{name}={value} exceeds faiss-gpu's limit of {GPU_MAX_K} per query; lower "
+                         f"{name} (DINOv2 uses k=64), or search on CPU (use_gpu=False)")
+
+
 class KnnIndex:
     """A built faiss index plus the knobs needed to query it."""
 
     def __init__(self, index, kind: str, ntotal: int, nprobe: int, on_gpu: bool):
         self.index, self.kind, self.ntotal, self.nprobe, self.on_gpu = index, kind, ntotal, nprobe, on_gpu
+        self._next_id = index.ntotal
+
+    def add(self, x: np.ndarray) -> None:
+        """Append rows; their ids continue from the rows already there (any number of calls)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if isinstance(self.index, faiss.IndexShards):  # sharded flat: explicit ids, see sharded_flat
+            self.index.add_with_ids(x, np.arange(self._next_id, self._next_id + len(x), dtype=np.int64))
+        else:
+            self.index.add(x)
+        self._next_id += len(x)
+        self.ntotal = self._next_id
 
     def search(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(B, D) fp32 queries -> (sims (B, k) fp32, positions (B, k) int64; -1 where missing)."""
         k = min(k, self.ntotal)
         if k <= 0:
             return np.zeros((len(x), 0), np.float32), np.zeros((len(x), 0), np.int64)
+        check_gpu_limit("k", k, self.on_gpu)
         sims, idx = self.index.search(np.ascontiguousarray(x, dtype=np.float32), k)
         return sims, idx
 
@@ -80,69 +110,147 @@ class KnnIndex:
         return f"KnnIndex(kind={self.kind}, n={self.ntotal}, nprobe={self.nprobe}, gpu={self.on_gpu})"
 
 
+def resolve_kind(kind: str, n: int, flat_max: int = FLAT_MAX_DEFAULT) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"index kind {kind!r}: choose one of {', '.join(KINDS)}")
+    if kind == "auto":
+        kind = "flat" if n <= flat_max else "ivf"
+    if kind != "flat" and n < 2 * 39:
+        kind = "flat"  # too few points to train even a handful of lists
+    return kind
+
+
+def default_nlist(n: int) -> int:
+    return max(1, min(int(4 * math.sqrt(n)), n // 39))
+
+
+def factory_string(kind: str, d: int, nlist: int, pq_m: int = 0) -> str:
+    """The faiss index_factory description of ``kind`` (the CPU layout that is trained and saved)."""
+    if kind == "flat":
+        return "Flat"
+    codes = {"ivf": "SQfp16", "ivf_sq8": "SQ8"}.get(kind)
+    if codes is None:  # ivf_pq
+        m = pq_m or max(1, d // 16)
+        if d % m:
+            raise ValueError(f"ivf_pq: pq_m={m} must divide the dimension {d}")
+        codes = f"PQ{m}"
+    return f"IVF{nlist},{codes}"
+
+
 def build_index(data, kind: str = "auto", nlist: int | None = None, nprobe: int = 16,
                 flat_max: int = FLAT_MAX_DEFAULT, use_gpu: bool | str = "auto",
-                batch_size: int = 65536, train_size: int | None = None, seed: int = 0) -> KnnIndex:
+                batch_size: int = 65536, train_size: int | None = None, seed: int = 0,
+                pq_m: int = 0) -> KnnIndex:
     """Build an inner-product index over ``data`` (array, memmap, EmbeddingSet or :class:`Rows`).
 
-    ``kind``: 'flat' (exact), 'ivf', or 'auto' (flat up to ``flat_max`` vectors, else ivf).
+    ``kind``: see :data:`KINDS` ('auto': flat up to ``flat_max`` vectors, else ivf).
     """
     rows = data if isinstance(data, Rows) else Rows(data)
     n, d = len(rows), rows.dim
-    if kind == "auto":
-        kind = "flat" if n <= flat_max else "ivf"
-    if kind not in ("flat", "ivf"):
-        raise ValueError(f"index kind {kind!r}: choose 'auto', 'flat' or 'ivf'")
-    if kind == "ivf" and n < 2 * 39:
-        kind = "flat"  # too few points to train even a handful of lists
+    kind = resolve_kind(kind, n, flat_max)
+    ngpu = gpus_for(use_gpu)
+    if kind == "flat":
+        index = sharded_flat(d, ngpu) if ngpu else faiss.IndexFlatIP(d)
+        knn = KnnIndex(index, kind, 0, nprobe, ngpu > 0)
+    else:
+        cpu = train_cpu_index(rows, kind, nlist or default_nlist(n), train_size, seed, pq_m, ngpu)
+        index = _to_gpus(cpu, ngpu) if ngpu else cpu
+        set_nprobe(index, nprobe, ngpu > 0)
+        knn = KnnIndex(index, kind, 0, nprobe, ngpu > 0)
+    for _, x in rows.batches(batch_size):
+        knn.add(x)
+    return knn
+
+
+def gpus_for(use_gpu: bool | str) -> int:
     ngpu = num_gpus() if use_gpu in (True, "auto") else 0
     if use_gpu is True and ngpu == 0:
         raise RuntimeError("use_gpu=True but faiss sees no GPU (is faiss-gpu installed and CUDA "
                            "visible?); use use_gpu='auto' to fall back to faiss-cpu")
-    if kind == "flat":
-        cpu_index = faiss.IndexFlatIP(d)
-        index = _to_gpus(cpu_index, ngpu) if ngpu else cpu_index
-    else:
-        nlist = nlist or max(1, min(int(4 * math.sqrt(n)), n // 39))
-        index = _train_ivf(rows, d, nlist, ngpu, train_size or nlist * 64, seed)
-        _set_nprobe(index, nprobe, ngpu > 0)
-    for _, x in rows.batches(batch_size):
-        index.add(x)
-    return KnnIndex(index, kind, n, nprobe, ngpu > 0)
+    return ngpu
 
 
-def _train_ivf(rows: Rows, d: int, nlist: int, ngpu: int, train_size: int, seed: int):
-    quantizer = faiss.IndexFlatIP(d)
-    ivf = faiss.IndexIVFScalarQuantizer(quantizer, d, nlist, faiss.ScalarQuantizer.QT_fp16,
-                                        faiss.METRIC_INNER_PRODUCT)
+def train_cpu_index(rows: Rows, kind: str, nlist: int, train_size: int | None, seed: int,
+                    pq_m: int = 0, ngpu: int = 0):
+    """An empty, trained CPU IVF index (k-means on a fixed random sample, on a GPU when there is one)."""
+    d = rows.dim
+    index = faiss.index_factory(d, factory_string(kind, d, nlist, pq_m), faiss.METRIC_INNER_PRODUCT)
+    ivf = faiss.downcast_index(faiss.extract_index_ivf(index))  # the IndexIVFPQ, not its base
     ivf.cp.seed = seed
+    if hasattr(ivf, "do_polysemous_training"):
+        ivf.do_polysemous_training = False  # only for Hamming filtering, which we do not use (minutes)
     # Train on a fixed random sample: only that sample is ever fp32 in memory at once.
     rng = np.random.default_rng(seed)
     n = len(rows)
-    sample = np.sort(rng.choice(n, size=min(n, train_size), replace=False))
+    sample = np.sort(rng.choice(n, size=min(n, train_size or nlist * 64), replace=False))
     x = np.ascontiguousarray(rows.take(sample))
-    if ngpu:
-        res = faiss.StandardGpuResources()
-        gpu_ivf = faiss.index_cpu_to_gpu(res, 0, ivf)
-        gpu_ivf.train(x)
-        ivf = faiss.index_gpu_to_cpu(gpu_ivf)
-        return _to_gpus(ivf, ngpu)  # trained once, then sharded: every shard shares the lists
-    ivf.train(x)
-    return ivf
+    if ngpu:  # only the coarse k-means runs on the GPU; the trained index comes back to CPU
+        ivf.clustering_index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0,
+                                                      faiss.IndexFlatIP(d))
+    index.train(x)
+    ivf.clustering_index = None  # the GPU k-means index is not part of the saved layout
+    return index
+
+
+def sharded_flat(d: int, n_shards: int, make_shard=None):
+    """Exact search over ``n_shards`` sub-indexes (one per GPU), accepting any number of add() calls.
+
+    ``index_cpu_to_all_gpus(IndexFlat, shard=True)`` builds an IndexShards with *successive ids*,
+    which refuses a second add() (faiss: "when adding to IndexShards with successive_ids, only
+    add() in a single pass is supported"), so a pool added batch by batch failed after its first
+    batch. Here each shard is an IndexIDMap holding the global ids of its rows; KnnIndex.add
+    passes explicit ids, and IndexShards splits every batch over the shards.
+    """
+    if make_shard is None:
+        res = [faiss.StandardGpuResources() for _ in range(n_shards)]
+
+        def make_shard(i):
+            cfg = faiss.GpuIndexFlatConfig()
+            cfg.device, cfg.useFloat16 = i, True
+            return faiss.GpuIndexFlatIP(res[i], d, cfg)
+
+    shards = faiss.IndexShards(d, True, False)  # threaded, ids given by us
+    for i in range(n_shards):
+        shards.add_shard(faiss.IndexIDMap(make_shard(i)))
+    return shards
 
 
 def _to_gpus(cpu_index, ngpu: int):
     co = faiss.GpuMultipleClonerOptions()
     co.shard = True  # each GPU holds 1/ngpu of the vectors (a replica would hold all)
     co.useFloat16 = True
+    co.common_ivf_quantizer = True  # one coarse quantizer, not one copy per shard
     return faiss.index_cpu_to_all_gpus(cpu_index, co=co, ngpu=ngpu)
 
 
-def _set_nprobe(index, nprobe: int, on_gpu: bool) -> None:
+def set_nprobe(index, nprobe: int, on_gpu: bool) -> None:
+    check_gpu_limit("nprobe", nprobe, on_gpu)
     if on_gpu:
         faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", nprobe)
     else:
         faiss.extract_index_ivf(index).nprobe = nprobe
+
+
+def save_index(knn: KnnIndex, path: str) -> None:
+    """Write a CPU copy of the index atomically (tmp + rename): a killed writer leaves no torn file."""
+    index = faiss.index_gpu_to_cpu(knn.index) if knn.on_gpu else knn.index
+    tmp = f"{path}.tmp-{os.getpid()}"
+    faiss.write_index(index, tmp)
+    os.replace(tmp, path)
+
+
+def load_index(path: str, kind: str, nprobe: int = 16, use_gpu: bool | str = False,
+               mmap: bool = True) -> KnnIndex:
+    """Read a saved index. ``mmap``: the codes stay in the page cache (shared by the tasks of a
+    node, evictable) instead of being copied into each task's heap."""
+    flags = (faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY) if mmap else 0
+    index = faiss.read_index(path, flags)
+    ngpu = gpus_for(use_gpu)
+    if ngpu:
+        index = _to_gpus(index, ngpu)
+    if kind != "flat":
+        set_nprobe(index, nprobe, ngpu > 0)
+    return KnnIndex(index, kind, index.ntotal, nprobe, ngpu > 0)
 
 
 def iter_knn(index: KnnIndex, queries, k: int, batch_size: int = 8192,
@@ -154,6 +262,8 @@ def iter_knn(index: KnnIndex, queries, k: int, batch_size: int = 8192,
     """
     rows = queries if isinstance(queries, Rows) else Rows(queries)
     kk = min(k + 1 if exclude_self else k, index.ntotal)
+    check_gpu_limit("k" if not exclude_self else "k+1 (k neighbours and the row itself)", kk,
+                    index.on_gpu)
     for start, x in rows.batches(batch_size):
         sims, idx = index.search(x, kk)
         pos = np.arange(start, start + len(x))

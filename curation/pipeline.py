@@ -24,12 +24,13 @@ import numpy as np
 
 from dinopipe.data.sources import as_multi
 
-from .dedup import copy_dedup, resolve_threshold
-from .decontaminate import decontaminate
+from .dedup import resolve_threshold
+from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
 from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
-from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, hash_dedup
+from .hashdedup import DEFAULT_MAX_DISTANCE
 from .index import Rows
+from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval
 from .rebalance import rebalance
 from .verify import DEFAULT_THRESHOLD as DEFAULT_VERIFY_THRESHOLD
 from .verify import pixel_verifier
@@ -116,36 +117,26 @@ def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: i
                threshold: float | None = None, index_kind: str = "auto", nprobe: int = 16,
                progress: bool = True, hash_enabled: bool = True, sources=None,
                verify: bool = True, verify_threshold: float = DEFAULT_VERIFY_THRESHOLD,
-               verify_size: int = 128, grouping: str = "star") -> dict:
+               verify_size: int = 128, grouping: str = "star", knn: dict | None = None) -> dict:
     """Hash pre-dedup (unless ``hash_enabled`` is False), then copy dedup of the hash survivors:
-    kNN candidates on the copy descriptors, each verified on the pixels of ``sources`` (unless
-    ``verify`` is False), grouped without chaining (``grouping='star'``). ``threshold``: the kNN
-    cosine of candidates (None: 0.45 with verification, DINOv2's 0.6 without)."""
+    kNN candidates on the copy descriptors through the sharded kNN (curation.knn_steps: the saved
+    index and the chunks of `curate search` array tasks are reused, whatever is missing is computed
+    here), each verified on the pixels of ``sources`` (unless ``verify`` is False), grouped without
+    chaining (``grouping='star'``). ``threshold``: the kNN cosine of candidates (None: 0.45 with
+    verification, DINOv2's 0.6 without)."""
     threshold = resolve_threshold(threshold, verify)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    if hash_enabled:
-        h = hash_dedup(emb.hashes, emb.ids, max_distance=hash_max_distance)
-    else:
-        h = HashDedupResult(np.arange(len(emb), dtype=np.int64), np.ones(len(emb), bool), 0)
+    if verify and sources is None:
+        raise ValueError("copy verification reads the images again: pass the pool's sources "
+                         "(or verify=False to trust the descriptor alone)")
+    verify_with = (sources, verify_size, verify_threshold) if verify else None
+    h = hash_survivors(emb, hash_enabled, hash_max_distance, verify_with)
     verifier = None
-    if verify:
-        if sources is None:
-            raise ValueError("copy verification reads the images again: pass the pool's sources "
-                             "(or verify=False to trust the descriptor alone)")
-        # pHash groups chain too, and smooth images share hashes: each hash duplicate must also
-        # be verified against its group's kept image (smallest id), else it goes on to the kNN
-        dup = np.flatnonzero(~h.keep)
-        if len(dup):
-            ok = pixel_verifier(sources, emb.ids, None, verify_size, verify_threshold)(
-                h.group[dup], dup)
-            h.keep[dup[~ok]] = True
-            h.group[dup[~ok]] = dup[~ok]
     surv = np.flatnonzero(h.keep)
     if verify:
         verifier = pixel_verifier(sources, emb.ids, surv, verify_size, verify_threshold)
-    d = copy_dedup(Rows(emb, surv), emb.ids[surv], k=k, threshold=threshold,
-                   index_kind=index_kind, nprobe=nprobe, progress=progress, verifier=verifier,
-                   grouping=grouping)
+    d = sharded_copy_dedup(out_dir, emb, surv, k, threshold, index_kind, nprobe, knn, progress,
+                           verifier=verifier, grouping=grouping)
     component = h.group.copy()  # hash duplicates join their kept image's copy component
     component[surv] = surv[d.component]
     component = component[component]  # a hash group's kept image may itself be a copy
@@ -161,22 +152,20 @@ def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: i
 
 
 def step_decontaminate(out_dir: str, eval_sources=None, threshold: float = 0.45,
-                       batch_size: int = 64, num_workers: int = 2, progress: bool = True) -> dict:
+                       batch_size: int = 64, num_workers: int = 2, progress: bool = True,
+                       knn: dict | None = None) -> dict:
     """Drop the copy component of every pool image with cosine > threshold to an eval image."""
     dd = load_step(out_dir, "dedup")
     status, component = dd["status"], dd["component"]
     max_sim = np.full(len(status), np.nan, np.float32)
     n_removed = 0
     if eval_sources:
-        fn, tf = copy_embedder(out_dir)
-        eval_dir = _p(out_dir, "embeddings", "eval")
-        embed_pool(eval_sources, fn, eval_dir, batch_size=batch_size, num_workers=num_workers,
-                   transform=tf, hash_name=None, progress=progress)
+        ev = embed_eval(out_dir, eval_sources, batch_size, num_workers, progress)
         pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-        ev = open_embeddings(eval_dir)
         alive = np.flatnonzero(status != HASH_DUP)  # hash duplicates are gone already
-        res = decontaminate(Rows(pool, alive), ev, threshold=threshold,
-                            components=component[alive])
+        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, knn, progress) if len(ev) and len(alive)
+                        else (np.full(len(alive), -np.inf), np.full(len(alive), -1, np.int64)))
+        res = expand_to_components(sim, nearest, threshold, component[alive])
         max_sim[alive] = res.max_sim
         status[alive[res.removed]] = DECONTAM
         n_removed = res.n_removed

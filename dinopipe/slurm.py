@@ -4,6 +4,8 @@ Submits the pipeline as a chain of Slurm jobs, each one starting only if the one
 (``--dependency=afterok``):
 
     curate_embed   slurm/curate.sbatch          array: task i embeds 1/N of the pool
+    curate_index   slurm/curate_finish.sbatch   (curate.search_tasks > 0) train + save the kNN index once
+    curate_search  slurm/curate.sbatch          (curate.search_tasks > 0) array: task i searches its chunks
     curate_finish  slurm/curate_finish.sbatch   dedup, decontaminate, rebalance, write shards, report
     pretrain       slurm/pretrain.sbatch        --requeue --signal=USR1@<lead>: checkpoint, requeue, resume
     distill        slurm/distill.sbatch         same, teacher = the pretrain run
@@ -73,6 +75,9 @@ class CurateStageConfig:
     """GPUs per embedding task; default 1 when slurm.gpus_per_node > 0, else 0."""
     time: Optional[str] = None
     """Time limit of each embedding task (default slurm.time); the finishing job gets the same."""
+    search_tasks: int = 0
+    """kNN search array tasks after a `curate index` job (sharded dedup/decontamination kNN, same
+    decisions for any count); 0 runs the kNN inside the finishing job. See `curate plan`."""
 
 
 @dataclass
@@ -149,6 +154,8 @@ def validate(cfg: SlurmConfig, overrides: dict[str, list[str]], check_paths: boo
                      ("slurm.signal_lead", s.signal_lead), ("curate.tasks", cfg.curate.tasks)):
         if val < 1:
             raise ConfigError(f"{key}: must be >= 1, got {val}")
+    if cfg.curate.search_tasks < 0:
+        raise ConfigError(f"curate.search_tasks: must be >= 0 (0: kNN in the finishing job), got {cfg.curate.search_tasks}")
     if s.gpus_per_node < 0:
         raise ConfigError(f"slurm.gpus_per_node: must be >= 0, got {s.gpus_per_node}")
     for stage in cfg.stages:
@@ -205,6 +212,12 @@ def build_jobs(cfg: SlurmConfig, overrides: dict[str, list[str]]) -> list[Job]:
         args = ["--config", c.config, *overrides["curate"]]
         add("curate_embed", env, ["--job-name=dinopipe-curate-embed", f"--array=0-{c.tasks - 1}", "--requeue",
                                   *site, f"--output={logs}/%x-%A_%a.out"], "curate.sbatch", args)
+        if c.search_tasks:  # the sharded kNN: index once, then an array searching query chunks
+            add("curate_index", {**env, "CURATE_STEPS": "index"},
+                ["--job-name=dinopipe-curate-index", *site, f"--output={logs}/%x-%j.out"], "curate_finish.sbatch", args)
+            add("curate_search", {**env, "CURATE_STEP": "search"},
+                ["--job-name=dinopipe-curate-search", f"--array=0-{c.search_tasks - 1}", "--requeue", *site,
+                 f"--output={logs}/%x-%A_%a.out"], "curate.sbatch", args)
         add("curate_finish", env, ["--job-name=dinopipe-curate-finish", *site, f"--output={logs}/%x-%j.out"],
             "curate_finish.sbatch", args)
     for stage in ("pretrain", "distill"):

@@ -1,6 +1,9 @@
 #!/bin/bash
 # Submit the curation stage to Slurm: an embedding array job, then the dedup/decontaminate/
 # rebalance/write/report job that starts only if every array task succeeded (afterok).
+# With --search-tasks N the kNN is sharded in between: an index job (`curate index`: train + save
+# the faiss index once) and an N-task search array (`curate search`: each task its query chunks);
+# the finishing job then only merges the pairs. Each job starts after the one before succeeded.
 #
 #   slurm/submit_curation.sh [options] -- --config configs/curation/default.yaml \
 #       input.paths=[/data/pool] output.dir=/data/curated [key=value ...]
@@ -11,6 +14,8 @@
 #   -A, --account A        account                             CURATE_ACCOUNT
 #   -t, --time T           time limit per embedding task       CURATE_TIME      (default 04:00:00)
 #       --finish-time T    time limit of the finishing job     CURATE_FINISH_TIME (default 04:00:00)
+#   -s, --search-tasks N   kNN search array tasks (0: kNN in   CURATE_SEARCH_TASKS (default 0)
+#                          the finishing job)
 #   -g, --gpus N           GPUs per embedding task (0 = CPU)   CURATE_GPUS      (default 1)
 #       --finish-gpus N    GPUs of the finishing job (faiss)   CURATE_FINISH_GPUS (default = --gpus)
 #   -c, --cpus N           CPUs per task (decode workers)      CURATE_CPUS      (default 8)
@@ -18,7 +23,7 @@
 #       --logs DIR         where the job logs go               CURATE_LOG_DIR   (default slurm-logs)
 #       --dry-run          print the sbatch commands, submit nothing
 # The jobs run CURATE_SETUP (e.g. "source .venv/bin/activate") first and call CURATE_CMD (curate).
-# Prints the two job ids. The same curate arguments run locally: curate run <the same arguments>.
+# Prints the job ids. The same curate arguments run locally: curate run <the same arguments>.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -26,11 +31,13 @@ tasks="${CURATE_TASKS:-4}" partition="${CURATE_PARTITION:-}" account="${CURATE_A
 time_limit="${CURATE_TIME:-04:00:00}" finish_time="${CURATE_FINISH_TIME:-04:00:00}"
 gpus="${CURATE_GPUS:-1}" finish_gpus="${CURATE_FINISH_GPUS:-}" cpus="${CURATE_CPUS:-8}"
 mem="${CURATE_MEM:-}" logs="${CURATE_LOG_DIR:-slurm-logs}" dry_run=0
+search_tasks="${CURATE_SEARCH_TASKS:-0}"
 
-usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 while [ $# -gt 0 ]; do
     case "$1" in
         -n|--tasks) tasks="$2"; shift 2 ;;
+        -s|--search-tasks) search_tasks="$2"; shift 2 ;;
         -p|--partition) partition="$2"; shift 2 ;;
         -A|--account) account="$2"; shift 2 ;;
         -t|--time) time_limit="$2"; shift 2 ;;
@@ -48,6 +55,7 @@ while [ $# -gt 0 ]; do
 done
 [ $# -gt 0 ] || { echo "error: give the curate arguments after --" >&2; usage; }
 [[ "$tasks" =~ ^[1-9][0-9]*$ ]] || { echo "error: --tasks must be a positive integer, got '$tasks'" >&2; exit 2; }
+[[ "$search_tasks" =~ ^[0-9]+$ ]] || { echo "error: --search-tasks must be >= 0, got '$search_tasks'" >&2; exit 2; }
 finish_gpus="${finish_gpus:-$gpus}"
 
 common=(--cpus-per-task="$cpus")
@@ -60,18 +68,45 @@ finish_opts=("${common[@]}" --time="$finish_time" --output="$logs/%x-%j.out")
 [ "$gpus" != 0 ] && embed_opts+=(--gpus-per-task="$gpus")
 [ "$finish_gpus" != 0 ] && finish_opts+=(--gpus-per-task="$finish_gpus")
 
+search_opts=("${common[@]}" --time="$time_limit" --array="0-$((search_tasks - 1))" --requeue
+             --output="$logs/%x-%A_%a.out")
+index_opts=("${common[@]}" --time="$finish_time" --output="$logs/%x-%j.out")
+[ "$gpus" != 0 ] && search_opts+=(--gpus-per-task="$gpus")
+[ "$finish_gpus" != 0 ] && index_opts+=(--gpus-per-task="$finish_gpus")
+
 if [ "$dry_run" = 1 ]; then
     printf 'sbatch --parsable %s %s %s\n' "${embed_opts[*]}" "$here/curate.sbatch" "$*"
-    printf 'sbatch --parsable --dependency=afterok:<embed job id> %s %s %s\n' \
+    prev="<embed job id>"
+    if [ "$search_tasks" != 0 ]; then
+        printf 'CURATE_STEPS=index sbatch --parsable --dependency=afterok:%s %s %s %s\n' "$prev" \
+            "${index_opts[*]}" "$here/curate_finish.sbatch" "$*"
+        printf 'CURATE_STEP=search sbatch --parsable --dependency=afterok:<index job id> %s %s %s\n' \
+            "${search_opts[*]}" "$here/curate.sbatch" "$*"
+        prev="<search job id>"
+    fi
+    printf 'sbatch --parsable --dependency=afterok:%s %s %s %s\n' "$prev" \
         "${finish_opts[*]}" "$here/curate_finish.sbatch" "$*"
     exit 0
 fi
 mkdir -p "$logs"
 embed_id="$(sbatch --parsable "${embed_opts[@]}" "$here/curate.sbatch" "$@")"
 embed_id="${embed_id%%;*}"  # "id;cluster" on multi-cluster setups
-finish_id="$(sbatch --parsable --dependency="afterok:${embed_id}" \
+echo "embed array job: ${embed_id} (${tasks} tasks)"
+prev="$embed_id"
+if [ "$search_tasks" != 0 ]; then
+    index_id="$(sbatch --parsable --dependency="afterok:${prev}" --job-name=curate-index \
+        --export=ALL,CURATE_STEPS=index,CURATE_NUM_TASKS="$tasks" "${index_opts[@]}" \
+        "$here/curate_finish.sbatch" "$@")"
+    index_id="${index_id%%;*}"
+    search_id="$(sbatch --parsable --dependency="afterok:${index_id}" --job-name=curate-search \
+        --export=ALL,CURATE_STEP=search "${search_opts[@]}" "$here/curate.sbatch" "$@")"
+    search_id="${search_id%%;*}"
+    echo "index job:       ${index_id} (after ${prev} succeeds)"
+    echo "search array job: ${search_id} (${search_tasks} tasks, after ${index_id} succeeds)"
+    prev="$search_id"
+fi
+finish_id="$(sbatch --parsable --dependency="afterok:${prev}" \
     --export=ALL,CURATE_NUM_TASKS="$tasks" "${finish_opts[@]}" "$here/curate_finish.sbatch" "$@")"
 finish_id="${finish_id%%;*}"
-echo "embed array job: ${embed_id} (${tasks} tasks)"
-echo "finish job:      ${finish_id} (after ${embed_id} succeeds)"
-echo "logs in ${logs}/; follow with: squeue -j ${embed_id},${finish_id}"
+echo "finish job:      ${finish_id} (after ${prev} succeeds)"
+echo "logs in ${logs}/; follow with: squeue -j ${embed_id},${index_id:+${index_id},${search_id},}${finish_id}"

@@ -1,0 +1,271 @@
+"""Sharded kNN over the pool: one index trained and saved once, N tasks each searching a slice.
+
+Copy dedup, decontamination and retrieval need every pool image's nearest neighbours; at LVD scale
+(142M-1.2B embeddings) neither the vectors nor the search fit one process. The work splits the
+way faiss's billion-scale recipes split it, on Slurm job arrays (no RPC layer):
+
+1. ``build_index`` (one job): train an IVF (fp16 / SQ8 / PQ codes) on a fixed sample, add all
+   rows, write ``knn/pool.index`` and ``knn/meta.json`` (the parameters every task must share).
+2. ``search_chunks`` (array task t of N): read the index memory-mapped, search its contiguous range
+   of query *chunks* and write one ``chunk-CCCCCC.npz`` per chunk (tmp + rename). A killed task is
+   simply rerun: chunks already on disk are skipped. Memory: the chunk's queries plus the index.
+3. ``merge_pairs`` (finishing job): concatenate the chunks, one line per unordered pair.
+
+Same pairs for any number of tasks, by construction rather than by luck:
+* chunk c always holds query rows [c*C, (c+1)*C) and is searched in the same batches, so every
+  faiss/BLAS call sees exactly the inputs it sees in a 1-task run (a float computed at another batch
+  shape may differ by an ulp; here no shape ever differs);
+* a candidate (faiss similarity > threshold - margin, among the k nearest) becomes a pair only if its
+  exact cosine, recomputed in float64 from the stored fp16 rows, is > threshold. That value is
+  symmetric and independent of batching, so neither the threshold nor the direction a pair was
+  found in (a's list or b's) can flip a decision; PQ/SQ8 distortions only cost recall (the margin).
+* ties at the k-th neighbour are broken by faiss identically in every run (same inputs, same order).
+
+The query-slice split suits dedup, where the queries are the indexed rows themselves; faiss's
+``contrib/big_batch_search.py`` splits by inverted-list range instead, which needs every query in
+every task and pays off when the index, not the queries, is what does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .index import KnnIndex, Rows, _drop_self, build_index, load_index, resolve_kind, save_index
+
+CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
+BATCH_DEFAULT = 8192
+MARGIN_EXACT = 1e-3  # fp16 codes: faiss's fp32 sums differ from the exact cosine by ~1e-6
+MARGIN_LOSSY = 0.05  # SQ8 / PQ codes: approximate similarities, rescored exactly afterwards
+
+
+# ---------------------------------------------------------------------------------- exact scores
+
+
+def exact_cosine(rows_a: Rows, a: np.ndarray, rows_b: Rows, b: np.ndarray,
+                 piece: int = 16384) -> np.ndarray:
+    """float64 inner products of row pairs (a[i] of ``rows_a``, b[i] of ``rows_b``).
+
+    Products of fp16-valued numbers are exact in float64 and each row is summed in a fixed order,
+    so the value depends only on the two vectors: not on batch shape, CPU kernel or pair direction.
+    """
+    out = np.empty(len(a), np.float64)
+    for s in range(0, len(a), piece):
+        xa = rows_a.take(a[s:s + piece]).astype(np.float64)
+        xb = rows_b.take(b[s:s + piece]).astype(np.float64)
+        out[s:s + piece] = (xa * xb).sum(axis=1)
+    return out
+
+
+# ---------------------------------------------------------------------------------- candidates
+
+
+def candidate_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, threshold: float,
+                    batch_size: int = BATCH_DEFAULT, margin: float = MARGIN_EXACT
+                    ) -> Iterator[dict]:
+    """Copy-candidate pairs of query rows [start, stop) against the index over the same ``rows``.
+
+    Yields per batch ``{"a", "b", "sim", "nn_sim", "nn_idx"}``: directed pairs (query a, one of its k
+    nearest other rows b) whose exact cosine is > ``threshold`` (row positions; sims float64), and
+    each query's nearest other row by the index (for reports). Batches start at ``start``.
+    """
+    kk = min(k + 1, index.ntotal)  # +1: the query itself comes back too
+    for s in range(start, stop, batch_size):
+        pos = np.arange(s, min(s + batch_size, stop), dtype=np.int64)
+        sims, idx = index.search(rows.take(pos), kk)
+        sims, idx = _drop_self(sims, idx, pos, k)
+        if idx.shape[1] == 0:
+            nn_sim, nn_idx = np.full(len(pos), -np.inf, np.float32), np.full(len(pos), -1, np.int64)
+        else:
+            nn_sim, nn_idx = sims[:, 0].astype(np.float32), idx[:, 0]
+        cand = (idx >= 0) & (sims > threshold - margin)
+        a = np.repeat(pos, cand.sum(axis=1))
+        b = idx[cand]
+        sim = exact_cosine(rows, a, rows, b)
+        keep = sim > threshold
+        yield {"a": a[keep], "b": b[keep], "sim": sim[keep], "nn_sim": nn_sim, "nn_idx": nn_idx}
+
+
+def nearest_exact(index: KnnIndex, queries: Rows, targets: Rows, start: int, stop: int,
+                  k: int = 4, batch_size: int = BATCH_DEFAULT) -> Iterator[dict]:
+    """Best target of query rows [start, stop): the index's k nearest rescored exactly (float64);
+    ties go to the smallest target position. Yields ``{"sim", "idx"}`` per batch (-inf / -1 if none)."""
+    for s in range(start, stop, batch_size):
+        pos = np.arange(s, min(s + batch_size, stop), dtype=np.int64)
+        _, idx = index.search(queries.take(pos), min(k, index.ntotal))
+        ok = idx >= 0
+        sim = np.full(idx.shape, -np.inf)
+        sim[ok] = exact_cosine(queries, np.repeat(pos, ok.sum(axis=1)), targets, idx[ok])
+        # highest exact similarity first, then the smallest target position
+        order = np.lexsort((np.where(ok, idx, np.iinfo(np.int64).max), -sim), axis=1)
+        best = order[:, 0] if idx.shape[1] else np.zeros(len(pos), np.int64)
+        rr = np.arange(len(pos))
+        best_sim = sim[rr, best] if idx.shape[1] else np.full(len(pos), -np.inf)
+        best_idx = np.where(np.isfinite(best_sim), idx[rr, best] if idx.shape[1] else -1, -1)
+        yield {"sim": best_sim, "idx": best_idx}
+
+
+# ---------------------------------------------------------------------------------- chunk files
+
+
+def n_chunks(n: int, chunk_size: int) -> int:
+    return -(-n // chunk_size)
+
+
+def task_chunks(total: int, task_index: int, num_tasks: int) -> range:
+    """The contiguous chunk range of array task ``task_index`` of ``num_tasks``."""
+    if not 0 <= task_index < num_tasks:
+        raise ValueError(f"task_index {task_index} is not in [0, num_tasks={num_tasks})")
+    return range(task_index * total // num_tasks, (task_index + 1) * total // num_tasks)
+
+
+def chunk_path(folder: str, c: int) -> str:
+    return os.path.join(folder, f"chunk-{c:06d}.npz")
+
+
+def run_chunks(folder: str, n: int, chunk_size: int, task_index: int, num_tasks: int,
+               compute: Callable[[int, int], dict], progress: bool = False) -> dict:
+    """Compute this task's missing chunks of [0, n) and write each atomically; skip finished ones."""
+    os.makedirs(folder, exist_ok=True)
+    mine = task_chunks(n_chunks(n, chunk_size), task_index, num_tasks)
+    todo = [c for c in mine if not os.path.exists(chunk_path(folder, c))]
+    from tqdm.auto import tqdm
+
+    for c in tqdm(todo, desc=f"kNN chunks ({os.path.basename(folder)})", disable=not progress):
+        arrays = compute(c * chunk_size, min((c + 1) * chunk_size, n))
+        path = chunk_path(folder, c)
+        tmp = f"{path}.tmp-{os.getpid()}.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)  # present <=> complete: a killed task leaves only a tmp file
+    return {"chunks": len(mine), "computed": len(todo), "skipped": len(mine) - len(todo)}
+
+
+def read_chunks(folder: str, n: int, chunk_size: int) -> dict[str, np.ndarray]:
+    """All chunks of [0, n), concatenated per array name; a clear error naming the missing ones."""
+    total = n_chunks(n, chunk_size)
+    missing = [c for c in range(total) if not os.path.exists(chunk_path(folder, c))]
+    if missing:
+        raise FileNotFoundError(
+            f"{folder}: {len(missing)} of {total} kNN chunks missing (first: {chunk_path(folder, missing[0])}); "
+            "rerun the `curate search` array tasks (finished chunks are skipped)")
+    parts: dict[str, list] = {}
+    for c in range(total):
+        with np.load(chunk_path(folder, c)) as z:
+            for key in z.files:
+                parts.setdefault(key, []).append(z[key])
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def merge_pairs(a: np.ndarray, b: np.ndarray, sim: np.ndarray):
+    """Directed pairs -> unordered pairs (lo < hi), each once, sorted: independent of chunking."""
+    lo, hi = np.minimum(a, b), np.maximum(a, b)
+    order = np.lexsort((hi, lo))
+    lo, hi, sim = lo[order], hi[order], sim[order]
+    first = np.ones(len(lo), bool)
+    first[1:] = (lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1])
+    return lo[first], hi[first], sim[first]
+
+
+# ---------------------------------------------------------------------------------- the kNN job
+
+
+class KnnJob:
+    """The ``knn/`` folder of a curation output: saved index, parameters and chunk files.
+
+    ``name`` is 'pool' (copy-dedup pairs: queries = indexed rows) or 'eval' (decontamination:
+    index over eval images, queries = pool rows).
+    """
+
+    def __init__(self, out_dir: str, name: str = "pool"):
+        self.dir = os.path.join(out_dir, "knn", name)
+        self.index_path = os.path.join(self.dir, "index.faiss")
+        self.meta_path = os.path.join(self.dir, "meta.json")
+        self.chunks_dir = os.path.join(self.dir, "chunks")
+
+    def meta(self) -> dict | None:
+        if not (os.path.exists(self.meta_path) and os.path.exists(self.index_path)):
+            return None
+        with open(self.meta_path) as f:
+            return json.load(f)
+
+    def matches(self, params: dict) -> bool:
+        meta = self.meta()
+        return meta is not None and meta["params"] == _jsonable(params)
+
+    def build(self, rows: Rows, params: dict, use_gpu: bool | str = "auto", progress: bool = False) -> dict:
+        """Train + fill the index over ``rows`` and save it with ``params``; old chunks are removed
+        (they belong to another index). ``params``: kind, nprobe, nlist, pq_m, train_size, seed,
+        plus whatever the searches need (k, threshold, chunk_size, ...): every task reads them here."""
+        if os.path.isdir(self.dir):
+            shutil.rmtree(self.dir)
+        os.makedirs(self.dir)
+        kind = resolve_kind(params.get("kind", "auto"), len(rows), params.get("flat_max", 50_000))
+        knn = build_index(rows, kind=kind, nlist=params.get("nlist"), nprobe=params.get("nprobe", 16),
+                          use_gpu=use_gpu, train_size=params.get("train_size"),
+                          seed=params.get("seed", 0), pq_m=params.get("pq_m", 0))
+        save_index(knn, self.index_path)
+        meta = {"params": _jsonable(params), "kind": knn.kind, "n": len(rows), "dim": rows.dim,
+                "index_bytes": os.path.getsize(self.index_path)}
+        tmp = f"{self.meta_path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, self.meta_path)  # written last: its presence marks a complete index
+        return meta
+
+    def load(self, use_gpu: bool | str = False) -> tuple[KnnIndex, dict]:
+        meta = self.meta()
+        if meta is None:
+            raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
+        return load_index(self.index_path, meta["kind"], meta["params"].get("nprobe", 16), use_gpu), meta
+
+    def search_pairs(self, rows: Rows, task_index: int = 0, num_tasks: int = 1,
+                     use_gpu: bool | str = False, progress: bool = False) -> dict:
+        """Array task ``task_index``: copy-candidate pairs of its query chunks (rows = indexed rows)."""
+        index, meta = self.load(use_gpu)
+        p = meta["params"]
+        _check_rows(meta, rows)
+        margin = p.get("margin") or (MARGIN_EXACT if meta["kind"] in ("flat", "ivf") else MARGIN_LOSSY)
+
+        def compute(start, stop):
+            parts = list(candidate_pairs(index, rows, start, stop, p["k"], p["threshold"],
+                                         p.get("batch_size", BATCH_DEFAULT), margin))
+            return {key: np.concatenate([q[key] for q in parts]) for key in parts[0]}
+
+        return run_chunks(self.chunks_dir, len(rows), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
+                          task_index, num_tasks, compute, progress)
+
+    def search_nearest(self, queries: Rows, targets: Rows, task_index: int = 0, num_tasks: int = 1,
+                       use_gpu: bool | str = False, progress: bool = False) -> dict:
+        """Array task ``task_index``: each query row's best indexed row (decontamination: pool rows
+        against the eval index); ``targets``: the indexed rows, for exact rescoring."""
+        index, meta = self.load(use_gpu)
+        p = meta["params"]
+        _check_rows(meta, targets)
+
+        def compute(start, stop):
+            parts = list(nearest_exact(index, queries, targets, start, stop, p.get("k", 4),
+                                       p.get("batch_size", BATCH_DEFAULT)))
+            return {key: np.concatenate([q[key] for q in parts]) for key in parts[0]}
+
+        return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
+                          task_index, num_tasks, compute, progress)
+
+    def read(self, n_queries: int) -> dict[str, np.ndarray]:
+        meta = self.meta()
+        if meta is None:
+            raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
+        return read_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT))
+
+
+def _check_rows(meta: dict, rows: Rows) -> None:
+    if meta["n"] != len(rows) or meta["dim"] != rows.dim:
+        raise ValueError(f"the saved index holds {meta['n']} x {meta['dim']} rows but the search got "
+                         f"{len(rows)} x {rows.dim}: the pool changed since `curate index`; rerun it")
+
+
+def _jsonable(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))

@@ -1,0 +1,166 @@
+"""The curation steps on the sharded kNN (curation.knn_shards): ``curate index`` and ``curate search``,
+and the copy dedup / decontamination that ``curate dedup`` / ``curate decontaminate`` run on their
+merged results.
+
+One code path for any number of workers: ``curate run`` (and a ``curate dedup`` that finds no
+finished search) trains the same index and searches every chunk in its own process as task 0 of 1;
+on Slurm, ``curate index`` (one job) and ``curate search knn.task_index=i knn.num_tasks=N`` (an array)
+have done that work before, and the finishing job only merges. Hence identical ``decisions.tsv``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+from .dedup import DedupResult, copy_dedup_from_pairs
+from .embeddings import EmbeddingSet, embed_pool, open_embeddings
+from .hashdedup import HashDedupResult, hash_dedup
+from .index import Rows
+from .knn_shards import KnnJob, merge_pairs
+from .verify import pixel_verifier
+
+EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
+
+
+def hash_survivors(emb: EmbeddingSet, enabled: bool, max_distance: int,
+                   verify_with: tuple | None = None) -> HashDedupResult:
+    """The perceptual-hash pre-pass (deterministic): rerun identically by every step, so `curate
+    index`, the `curate search` tasks and `curate dedup` agree on the rows they index and search.
+
+    ``verify_with=(sources, size, threshold)``: pHash groups chain too, and smooth images share
+    hashes, so each hash duplicate must also verify on pixels against its group's kept image
+    (smallest id); one that does not stays in the pool and goes on to the kNN."""
+    if not enabled:
+        return HashDedupResult(np.arange(len(emb), dtype=np.int64), np.ones(len(emb), bool), 0)
+    h = hash_dedup(emb.hashes, emb.ids, max_distance=max_distance)
+    dup = np.flatnonzero(~h.keep)
+    if verify_with is not None and len(dup):
+        sources, size, threshold = verify_with
+        ok = pixel_verifier(sources, emb.ids, None, size, threshold)(h.group[dup], dup)
+        h.keep[dup[~ok]] = True
+        h.group[dup[~ok]] = dup[~ok]
+    return h
+
+
+def _digest(positions: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(positions, np.int64).tobytes()).hexdigest()[:16]
+
+
+def pool_params(surv: np.ndarray, k: int, threshold: float, index_kind: str, nprobe: int,
+                knn: dict | None = None) -> dict:
+    """Everything the pool index and its searches depend on (a change retrains the index).
+    ``knn``: nlist, pq_m, train_size, chunk_size, batch_size, margin, seed (None: defaults)."""
+    k = max(1, min(k, len(surv) - 1))
+    extra = {key: v for key, v in (knn or {}).items() if v is not None and key not in ("use_gpu",)}
+    return {"rows": _digest(surv), "k": k, "threshold": float(threshold), "kind": index_kind,
+            "nprobe": nprobe, **extra}
+
+
+def eval_params(ev: EmbeddingSet, knn: dict | None = None) -> dict:
+    knn = knn or {}
+    ids = hashlib.sha1("\n".join(map(str, ev.ids)).encode()).hexdigest()[:16]  # a new eval set: new index
+    return {"n_eval": len(ev), "eval_ids": ids, "kind": "flat", "k": EVAL_K,
+            **{key: knn[key] for key in ("chunk_size", "batch_size") if knn.get(key) is not None}}
+
+
+def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int, threshold: float,
+                       index_kind: str = "auto", nprobe: int = 16, knn: dict | None = None,
+                       progress: bool = False, verifier=None, grouping: str = "star") -> DedupResult:
+    """Copy dedup of rows ``surv`` of ``emb``: reuse the saved index and finished chunks when their
+    parameters match, else build/search them here (as task 0 of 1), then merge the candidate pairs
+    and verify + group them (curation.dedup.copy_dedup_from_pairs: depends only on the pair set)."""
+    n = len(surv)
+    ids = emb.ids[surv]
+    if n < 2:
+        return DedupResult(np.arange(n, dtype=np.int64), np.ones(n, bool), np.full(n, -np.inf, np.float32),
+                           np.full(n, -1, np.int64), 0, "none")
+    rows = Rows(emb, surv)
+    use_gpu = (knn or {}).get("use_gpu", "auto")
+    job = KnnJob(out_dir, "pool")
+    params = pool_params(surv, k, threshold, index_kind, nprobe, knn)
+    if not job.matches(params):
+        job.build(rows, params, use_gpu=use_gpu, progress=progress)
+    job.search_pairs(rows, 0, 1, use_gpu=use_gpu, progress=progress)  # only chunks not on disk
+    r = job.read(n)
+    a, b, sim = merge_pairs(r["a"], r["b"], r["sim"])
+    res = copy_dedup_from_pairs(n, ids, a, b, sim, threshold=threshold, verifier=verifier,
+                                grouping=grouping)
+    res.nn_sim, res.nn_index, res.index_kind = r["nn_sim"], r["nn_idx"], job.meta()["kind"]
+    return res
+
+
+def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: int = 2,
+               progress: bool = False) -> EmbeddingSet:
+    """Eval images in the pool's copy space (the copy model recorded in ``out_dir``, else the
+    descriptor; resumable: finished shards are skipped)."""
+    from .pipeline import copy_embedder
+
+    fn, tf = copy_embedder(out_dir)
+    eval_dir = os.path.join(out_dir, "embeddings", "eval")
+    embed_pool(eval_sources, fn, eval_dir, batch_size=batch_size, num_workers=num_workers,
+               transform=tf, hash_name=None, progress=progress)
+    return open_embeddings(eval_dir)
+
+
+def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev: EmbeddingSet,
+                         knn: dict | None = None, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(max cosine, eval position) of every pool row in ``alive``: exact float64 rescoring of the
+    eval index's nearest candidates, from the saved chunks (searched here when missing)."""
+    if ev.dim != pool.dim:
+        raise ValueError(f"pool embeddings have {pool.dim} dims but eval embeddings {ev.dim}: "
+                         "embed both with the same model / descriptor")
+    job = KnnJob(out_dir, "eval")
+    params = {**eval_params(ev, knn), "pool_rows": _digest(alive)}
+    if not job.matches(params):
+        job.build(Rows(ev), params, use_gpu=False)
+    job.search_nearest(Rows(pool, alive), Rows(ev), 0, 1, progress=progress)
+    r = job.read(len(alive))
+    return r["sim"], r["idx"]
+
+
+def step_index(out_dir: str, hash_enabled: bool, hash_max_distance: int, k: int, threshold: float,
+               index_kind: str, nprobe: int, knn: dict | None = None, eval_sources=None,
+               batch_size: int = 64, num_workers: int = 2, progress: bool = False,
+               verify_with: tuple | None = None) -> dict:
+    """``curate index``: train and save the pool index (and the eval index) once, for the array."""
+    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    surv = np.flatnonzero(hash_survivors(emb, hash_enabled, hash_max_distance, verify_with).keep)
+    out = {"rows": int(len(surv))}
+    if len(surv) >= 2:
+        job = KnnJob(out_dir, "pool")
+        params = pool_params(surv, k, threshold, index_kind, nprobe, knn)
+        meta = job.meta() if job.matches(params) else job.build(
+            Rows(emb, surv), params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress)
+        out.update(kind=meta["kind"], index_bytes=meta["index_bytes"])
+    if eval_sources:
+        ev = embed_eval(out_dir, eval_sources, batch_size, num_workers, progress)
+        job = KnnJob(out_dir, "eval")
+        params = {**eval_params(ev, knn), "pool_rows": _digest(surv)}
+        if len(ev) and not job.matches(params):
+            job.build(Rows(ev), params, use_gpu=False)
+        out["eval_rows"] = len(ev)
+    return out
+
+
+def step_search(out_dir: str, task_index: int, num_tasks: int, hash_enabled: bool,
+                hash_max_distance: int, knn: dict | None = None, progress: bool = False,
+                verify_with: tuple | None = None) -> dict:
+    """``curate search``: array task ``task_index`` of ``num_tasks`` searches its chunks of the pool
+    (copy pairs, and nearest eval images when ``curate index`` built an eval index)."""
+    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    surv = np.flatnonzero(hash_survivors(emb, hash_enabled, hash_max_distance, verify_with).keep)
+    use_gpu = (knn or {}).get("use_gpu", "auto")
+    out = {}
+    pool_job, eval_job = KnnJob(out_dir, "pool"), KnnJob(out_dir, "eval")
+    if len(surv) >= 2:
+        if pool_job.meta() is None or pool_job.meta()["params"]["rows"] != _digest(surv):
+            raise FileNotFoundError(f"{pool_job.dir}: no index for this pool; run `curate index` first")
+        out["pool"] = pool_job.search_pairs(Rows(emb, surv), task_index, num_tasks, use_gpu, progress)
+    if eval_job.meta() is not None:
+        ev = open_embeddings(os.path.join(out_dir, "embeddings", "eval"))
+        out["eval"] = eval_job.search_nearest(Rows(emb, surv), Rows(ev), task_index, num_tasks,
+                                              progress=progress)
+    return out
