@@ -363,8 +363,9 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
         raise ValueError("need gpus >= 1, gpu_mem_gb > 0 and 0 < mfu <= 1")
     arch, heads = describe(cfg)
     p = cfg.parallel
-    sharded = gpus > 1
-    c = DTYPE_BYTES[p.param_dtype] if sharded else 4  # one GPU: no FSDP mixed precision, fp32 compute
+    # compute dtype: FSDP2's MixedPrecisionPolicy with several GPUs, autocast with one (train/parallel.py);
+    # under autocast norms and softmax stay fp32, so one GPU's bf16 figure is a slight underestimate
+    c = DTYPE_BYTES[p.param_dtype]
     state = state_memory(arch, heads, gpus, p.param_dtype, p.reduce_dtype)
     fused = cfg.model.attn_backend if cfg.model.attn_backend != "math" else "sdpa"
     configured = "math" if cfg.model.attn_backend == "math" else "fused"

@@ -92,6 +92,8 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)
     """Image folders, file lists or webdataset shard paths / globs (e.g. the curation output's shards/)."""
     num_workers: int = 2
+    persistent_workers: bool = False
+    """Keep each phase's DataLoader workers between epochs (they still stop at a phase switch)."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Optional
 from torch import nn
 
 _WRAPPER_TOKENS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
-_TOKEN_NAMES = ("cls_token", "pos_embed", "register_tokens", "mask_token")
+_TOKEN_NAMES = ("cls_token", "pos_embed", "register_tokens", "storage_tokens", "mask_token")
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
 _BLOCK_RE = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 

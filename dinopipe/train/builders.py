@@ -82,7 +82,7 @@ def build_phases(cfg: Any, info: DistInfo, refs, read, patch_size: int) -> list[
             return build_train_loader(refs, read, aug, collator, ph.batch_size_per_gpu, info.rank, info.world_size,
                                       cfg.train.seed, pos, num_workers=cfg.data.num_workers,
                                       pin_memory=info.device.type == "cuda", worker_init_fn=worker_ignore_signals,
-                                      persistent_workers=getattr(cfg.data, "persistent_workers", False))
+                                      persistent_workers=cfg.data.persistent_workers)
 
         phases.append(Phase(ph.name, start, end, ph.batch_size_per_gpu, ph.global_crops_size,
                             ph.local_crops_size, build_loader=loader))
