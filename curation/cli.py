@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from dinopipe.config import ConfigError, exit_on_config_error, load_config, to_yaml
 
-from .config import CurationConfig, knn_kwargs, rebalance_kwargs, validate
+from .config import CurationConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, validate
 
 STEPS = ("embed", "dedup", "decontaminate", "rebalance", "write", "report")
 SHARDED = ("index", "search")  # between embed and dedup, for Slurm arrays; `run` does them in-process
@@ -102,7 +102,7 @@ def run_step(step: str, cfg: CurationConfig, embedder=None):
     if step == "rebalance":
         return P.step_rebalance(out, cfg.rebalance.mode, cfg.input.seed_paths or None, embedder,
                                 getattr(embedder, "transform", None), e.batch_size, e.num_workers,
-                                prog, **rebalance_kwargs(cfg.rebalance))
+                                prog, kmeans_dir=kmeans_dir(cfg), **rebalance_kwargs(cfg.rebalance))
     if step == "write":
         return P.step_write(cfg.input.paths, out, cfg.write.shard_size, progress=prog, extra={
             "params": _params(cfg), "steps": _load_summaries(out)})

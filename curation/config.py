@@ -160,6 +160,10 @@ class RebalanceConfig:
     """Most Lloyd iterations per k-means (the early stop usually ends them sooner)."""
     kmeans_tol: float = 1e-4
     """Early stop: an iteration that lowers the objective by less than this (relative) ends it."""
+    kmeans_dir: Optional[str] = None
+    """mode=hierarchical: take the k-means tree from this folder (relative: under output.dir),
+    written by ``python -m curation.dist_kmeans --curate`` over many processes, instead of
+    clustering in the rebalance step; it must be for the same rows and rebalance.* settings."""
     kmeans_n_init: int = 1
     """Restarts keeping the lowest SSE (each costs a full k-means; 2 gained <0.1% SSE)."""
     balance_clusters: Optional[int] = None
@@ -322,6 +326,15 @@ def _validate_rebalance(cfg: CurationConfig) -> None:
     for key in ("kmeans_init_sample", "kmeans_niter", "kmeans_n_init"):
         _need(getattr(r, key) >= 1, f"rebalance.{key}", f"must be >= 1, got {getattr(r, key)}")
     _need(r.kmeans_tol >= 0, "rebalance.kmeans_tol", f"must be >= 0, got {r.kmeans_tol}")
+    _need(r.kmeans_dir is None or (r.mode == "hierarchical" and r.kmeans_dir != ""),
+          "rebalance.kmeans_dir", f"a k-means folder serves rebalance.mode=hierarchical only "
+          f"(got mode={r.mode}, kmeans_dir='{r.kmeans_dir}')")
+
+
+def kmeans_dir(cfg: CurationConfig, default: Optional[str] = None) -> Optional[str]:
+    """rebalance.kmeans_dir (or ``default``) as a path; relative paths are under output.dir."""
+    d = cfg.rebalance.kmeans_dir or default
+    return None if d is None else os.path.join(cfg.output.dir, os.path.expanduser(d))
 
 
 def rebalance_kwargs(r: RebalanceConfig) -> dict:
@@ -334,4 +347,4 @@ def rebalance_kwargs(r: RebalanceConfig) -> dict:
                        "niter": r.kmeans_niter, "tol": r.kmeans_tol, "n_init": r.kmeans_n_init}}
 
 
-__all__ = ["CurationConfig", "validate", "rebalance_kwargs", "knn_kwargs"]
+__all__ = ["CurationConfig", "validate", "rebalance_kwargs", "knn_kwargs", "kmeans_dir"]

@@ -27,6 +27,7 @@ centroid of level l-1), ``sizes_level{l}.npy`` and ``kmeans.json``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -158,15 +159,77 @@ def resample_level1(rows: Rows, labels, dists, centroids: np.ndarray, s: int, co
     return comm.broadcast(reseed)
 
 
+def rows_digest(ids) -> str:
+    """Fingerprint of the rows clustered, in order: sha256 of their image ids."""
+    h = hashlib.sha256()
+    for i in ids:
+        h.update(str(i).encode() + b"\n")
+    return h.hexdigest()
+
+
+def settings(n: int, ids, levels, sample_sizes, steps, sampling, seed, niter=50, tol=1e-4,
+             init="auto", init_sample=4, n_init=1, max_points_per_centroid=256,
+             block=BLOCK, init_centroids=None) -> dict:
+    """Everything the k-means tree depends on; recorded in kmeans.json and checked by
+    :func:`load_tree` (one process makes the same tree from the same dict)."""
+    return {"n": int(n), "rows_sha256": rows_digest(ids), "levels": [int(k) for k in levels],
+            "sample_sizes": [int(s) for s in sample_sizes], "steps": int(steps),
+            "sampling": sampling, "seed": int(seed), "niter": int(niter), "tol": float(tol),
+            "init": init, "init_sample": int(init_sample), "n_init": int(n_init),
+            "max_points_per_centroid": int(max_points_per_centroid), "block": int(block),
+            "init_centroids": init_centroids}
+
+
+def curate_settings(n: int, ids, levels, n_resampling_steps=10, sample_size=10, seed=0,
+                    kmeans=None, **_) -> dict:
+    """:func:`settings` of the tree ``curate rebalance`` (mode=hierarchical) builds in-process
+    for these rows (curation.rebalance.hierarchical_balanced with the config's rebalance.*)."""
+    from .rebalance import capped_levels
+
+    ks = capped_levels(levels, n)
+    return settings(n, ids, ks, [int(sample_size)] * len(ks), n_resampling_steps, "closest", seed,
+                    **(kmeans or {}))
+
+
+def load_tree(out: str, expected: dict, key: str = "kmeans_dir") -> list[Level]:
+    """The levels written by :func:`run` in ``out``, after checking kmeans.json records
+    ``expected`` (rows and settings); a mismatch is an error naming ``key`` and the fields."""
+    path = os.path.join(out, "kmeans.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{key}={out}: no kmeans.json there; run python -m "
+                                f"curation.dist_kmeans --curate <the curate arguments> first")
+    with open(path) as f:
+        got = json.load(f).get("settings", {})
+    diff = {k: (got.get(k), v) for k, v in expected.items() if got.get(k) != v}
+    if diff:
+        what = "; ".join(f"{k}: k-means has {a!r}, this run needs {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"{key}={out} was clustered for other rows or settings ({what}): rerun "
+                         f"python -m curation.dist_kmeans --curate with this config, or unset {key} "
+                         f"to cluster in this process")
+    lab = np.load(os.path.join(out, "level1_labels.npy"))
+    levels = [Level(np.load(os.path.join(out, "centroids_level1.npy")), lab,
+                    np.load(os.path.join(out, "level1_dist.npy")),
+                    np.load(os.path.join(out, "sizes_level1.npy")))]
+    for li in range(2, len(expected["levels"]) + 1):
+        lab = np.load(os.path.join(out, f"labels_level{li}.npy"))
+        # balanced_sample reads the distances of level 1 only
+        levels.append(Level(np.load(os.path.join(out, f"centroids_level{li}.npy")), lab,
+                            np.zeros(len(lab), np.float32),
+                            np.load(os.path.join(out, f"sizes_level{li}.npy"))))
+    return levels
+
+
 def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], steps: int = 10,
         sampling: str = "closest", seed: int = 0, init_centroids: str | None = None,
-        block: int = BLOCK, **kw) -> dict:
+        block: int = BLOCK, rows_idx: np.ndarray | None = None, **kw) -> dict:
+    """``rows_idx``: cluster only these rows of the embeddings (positions, in this order)."""
     rank, world, device = init_distributed()
     comm = Comm(device)
     if sample_sizes[0] > 1 and sampling != "closest":
         raise SystemExit("dist_kmeans: random resampling at level 1 is not distributed; use "
                          "--sampling closest, or a first --sample-sizes value of 1")
-    rows = Rows(open_embeddings(emb_dir))
+    emb = open_embeddings(emb_dir)
+    rows = Rows(emb, rows_idx)
     n = len(rows)
     t0 = time.perf_counter()
     init = None if init_centroids is None else np.load(init_centroids)
@@ -200,13 +263,56 @@ def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], step
             if li > 1:
                 np.save(os.path.join(out, f"labels_level{li}.npy"), lvl.labels)
         summary["wall_s"] = time.perf_counter() - t0
+        ids = emb.ids if rows_idx is None else emb.ids[rows_idx]
+        summary["emb_dir"] = os.path.abspath(emb_dir)
+        summary["settings"] = settings(n, ids, levels, sample_sizes, steps, sampling, seed,
+                                       block=block, init_centroids=init_centroids, **{k: v for k, v in kw.items() if k in (
+                                           "niter", "tol", "init", "init_sample", "n_init",
+                                           "max_points_per_centroid")})
         with open(os.path.join(out, "kmeans.json"), "w") as f:
             json.dump(summary, f, indent=1)
     dist.barrier()
     return summary
 
 
+def curate_main(argv: list[str]) -> int:
+    """``--curate [--config FILE] [key=value ...]``: the k-means ``curate rebalance`` needs, with
+    the rows and settings it would use -- the pool rows kept after dedup + decontamination, the
+    config's rebalance.* -- written to rebalance.kmeans_dir (default ``kmeans``, under output.dir)."""
+    from dinopipe.config import ConfigError, exit_on_config_error, load_config
+
+    from .config import CurationConfig, kmeans_dir, rebalance_kwargs, validate
+    from .pipeline import rebalance_rows
+    from .rebalance import capped_levels
+
+    p = argparse.ArgumentParser(prog="python -m curation.dist_kmeans --curate")
+    p.add_argument("--config", default=None)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(CurationConfig, a.config, a.overrides)
+        validate(cfg, "rebalance")
+        if cfg.rebalance.mode != "hierarchical":
+            raise ConfigError(f"rebalance.mode: the distributed k-means serves mode=hierarchical, "
+                              f"got '{cfg.rebalance.mode}'")
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+    space_dir, rows_idx, _, _ = rebalance_rows(cfg.output.dir)
+    kw = rebalance_kwargs(cfg.rebalance)
+    ks = capped_levels(kw["levels"], len(rows_idx))
+    summary = run(space_dir, kmeans_dir(cfg, default="kmeans"), ks, [kw["sample_size"]] * len(ks),
+                  steps=kw["n_resampling_steps"], sampling="closest", seed=kw["seed"],
+                  rows_idx=rows_idx, **kw["kmeans"])
+    if dist.get_rank() == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "settings"}))
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--curate"]:
+        return curate_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--emb-dir", required=True, help="curation embeddings folder (fp16 shards)")
     p.add_argument("--out", required=True, help="output folder")

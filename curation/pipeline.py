@@ -173,20 +173,36 @@ def step_decontaminate(out_dir: str, eval_sources=None, threshold: float = 0.45,
     return {"decontaminated": n_removed}
 
 
+def rebalance_rows(out_dir: str):
+    """What the rebalance step clusters: (embedding folder, its positions of the rows still kept
+    after dedup + decontamination, in pool order, those rows' pool positions, the statuses)."""
+    status = load_step(out_dir, "decontaminate")["status"]
+    desc_set = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+    model_dir = _p(out_dir, "embeddings", "model")
+    space_dir = model_dir if os.path.isdir(model_dir) else _p(out_dir, "embeddings", "descriptor")
+    pos_in_space = open_embeddings(space_dir).index_of()
+    alive = np.flatnonzero(status == KEPT)
+    rows_idx = np.array([pos_in_space[i] for i in desc_set.ids[alive]], np.int64)
+    return space_dir, rows_idx, alive, status
+
+
 def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
                    seed_embed_fn: Callable | None = None, seed_transform=None,
                    batch_size: int = 64, num_workers: int = 2, progress: bool = True,
-                   **mode_kwargs) -> dict:
-    """Rebalance the survivors on model embeddings (descriptors when no model was embedded)."""
-    st = load_step(out_dir, "decontaminate")
-    status = st["status"]
-    desc_set = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    model_dir = _p(out_dir, "embeddings", "model")
-    use_model = os.path.isdir(model_dir)
-    space = open_embeddings(model_dir) if use_model else desc_set
-    pos_in_space = space.index_of()
-    alive = np.flatnonzero(status == KEPT)
-    rows_idx = np.array([pos_in_space[i] for i in desc_set.ids[alive]], np.int64)
+                   kmeans_dir: str | None = None, **mode_kwargs) -> dict:
+    """Rebalance the survivors on model embeddings (descriptors when no model was embedded).
+
+    ``kmeans_dir``: mode=hierarchical takes its k-means tree from there (written by
+    ``python -m curation.dist_kmeans --curate``) after checking it was made for these rows and
+    settings, instead of clustering in this process."""
+    space_dir, rows_idx, alive, status = rebalance_rows(out_dir)
+    use_model = space_dir == _p(out_dir, "embeddings", "model")
+    space = open_embeddings(space_dir)
+    if kmeans_dir and mode == "hierarchical":
+        from .dist_kmeans import curate_settings, load_tree
+
+        mode_kwargs["tree"] = load_tree(kmeans_dir, curate_settings(
+            len(rows_idx), space.ids[rows_idx], **mode_kwargs), "rebalance.kmeans_dir")
     seeds, seed_ids = None, np.zeros(0, object)
     if seed_sources:
         seed_dir = _p(out_dir, "embeddings", "seeds")

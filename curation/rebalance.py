@@ -44,13 +44,14 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
               strategy: str = "r", n_resampling_steps: int = 10, sample_size: int = 10,
               balance_clusters: int | None = None, seed: int = 0,
               batch_size: int = 8192, progress: bool = False,
-              kmeans: dict | None = None) -> RebalanceResult:
+              kmeans: dict | None = None, tree=None) -> RebalanceResult:
     """Dispatch to one mode. ``pool``/``seeds``: L2-normalised embeddings (array/EmbeddingSet/Rows).
 
     ``balance_clusters``: size of the common k-means used to report balance before/after
     (default: ~sqrt(N), reused from the mode's own clustering where there is one).
     ``kmeans``: options of the hierarchical mode's k-means (init, init_sample, niter, tol,
-    n_init; see :func:`curation.kmeans.kmeans_fit`).
+    n_init; see :func:`curation.kmeans.kmeans_fit`). ``tree``: the hierarchical mode's k-means
+    tree computed elsewhere (:func:`curation.dist_kmeans.load_tree`) for exactly these rows.
     """
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     if mode not in MODES:
@@ -70,7 +71,7 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
         res = hierarchical_balanced(rows, levels=levels, target_size=target_size,
                                     strategy=strategy, n_resampling_steps=n_resampling_steps,
                                     sample_size=sample_size, seed=seed, progress=progress,
-                                    **(kmeans or {}))
+                                    tree=tree, **(kmeans or {}))
     if seeds is not None and len(seeds) and mode != "sample":
         _attach_nearest_seed(rows, seeds, res, batch_size)
     res.report.update(mode=mode, n_pool=len(rows), n_selected=res.n_selected)
@@ -141,23 +142,24 @@ def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster
 def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
                           target_size: int | None = None, strategy: str = "r",
                           n_resampling_steps: int = 10, sample_size: int = 10, seed: int = 0,
-                          niter: int = 50, progress: bool = False,
+                          niter: int = 50, progress: bool = False, tree=None,
                           **kmeans_kw) -> RebalanceResult:
     """Hierarchical k-means with resampling, then balanced sampling of ``target_size`` images
-    (default: half the pool). Level sizes larger than the data are capped."""
+    (default: half the pool). Level sizes larger than the data are capped. ``tree``: the k-means
+    levels already computed (by ``curation.dist_kmeans`` over many processes) for these rows."""
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     n = len(rows)
     res = _none(n)
     if n == 0:
         return res
     target = n // 2 if target_size is None else int(target_size)
-    ks, prev = [], n
-    for k in levels:
-        prev = max(1, min(int(k), prev))
-        ks.append(prev)
-    tree = hierarchical_kmeans(rows, ks, n_resampling_steps=n_resampling_steps,
-                               sample_size=sample_size, niter=niter, seed=seed,
-                               progress=progress, **kmeans_kw)
+    ks = capped_levels(levels, n)
+    if tree is None:
+        tree = hierarchical_kmeans(rows, ks, n_resampling_steps=n_resampling_steps,
+                                   sample_size=sample_size, niter=niter, seed=seed,
+                                   progress=progress, **kmeans_kw)
+    elif len(tree[0].labels) != n:
+        raise ValueError(f"the k-means tree covers {len(tree[0].labels)} rows, the pool {n}")
     picked = balanced_sample(tree, min(target, n), strategy=strategy, seed=seed)
     res.selected[:] = False
     res.selected[picked] = True
@@ -169,6 +171,15 @@ def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
     # Balance is reported on the top level: the clusters the target was split evenly over.
     res.report["_labels_k"] = (_top_labels(tree), ks[-1])
     return res
+
+
+def capped_levels(levels: Sequence[int], n: int) -> list[int]:
+    """Clusters per level, each capped at the level below (the data at level 1)."""
+    ks, prev = [], n
+    for k in levels:
+        prev = max(1, min(int(k), prev))
+        ks.append(prev)
+    return ks
 
 
 def _top_labels(tree) -> np.ndarray:
