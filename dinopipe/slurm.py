@@ -6,7 +6,11 @@ Submits the pipeline as a chain of Slurm jobs, each one starting only if the one
     curate_embed   slurm/curate.sbatch          array: task i embeds 1/N of the pool
     curate_index   slurm/curate_finish.sbatch   (curate.search_tasks > 0) train + save the kNN index once
     curate_search  slurm/curate.sbatch          (curate.search_tasks > 0) array: task i searches its chunks
+    curate_prepare slurm/curate_finish.sbatch   (curate.kmeans_tasks > 0) dedup, decontaminate
+    curate_kmeans  slurm/curate_kmeans.sbatch   (curate.kmeans_tasks > 0) srun --ntasks N: the distributed
+                                                hierarchical k-means of the survivors (curation.dist_kmeans)
     curate_finish  slurm/curate_finish.sbatch   dedup, decontaminate, rebalance, write shards, report
+                                                (with kmeans_tasks: rebalance on that k-means, write, report)
     pretrain       slurm/pretrain.sbatch        --requeue --signal=USR1@<lead>: checkpoint, requeue, resume
     distill        slurm/distill.sbatch         same, teacher = the pretrain run
 
@@ -78,6 +82,10 @@ class CurateStageConfig:
     search_tasks: int = 0
     """kNN search array tasks after a `curate index` job (sharded dedup/decontamination kNN, same
     decisions for any count); 0 runs the kNN inside the finishing job. See `curate plan`."""
+    kmeans_tasks: int = 0
+    """Processes (srun --ntasks) of a distributed hierarchical k-means job between decontamination and
+    the rebalancing (rebalance.mode=hierarchical; the same selection as in one process, written to
+    output.dir/kmeans unless rebalance.kmeans_dir is set); 0 clusters inside the finishing job."""
 
 
 @dataclass
@@ -156,6 +164,8 @@ def validate(cfg: SlurmConfig, overrides: dict[str, list[str]], check_paths: boo
             raise ConfigError(f"{key}: must be >= 1, got {val}")
     if cfg.curate.search_tasks < 0:
         raise ConfigError(f"curate.search_tasks: must be >= 0 (0: kNN in the finishing job), got {cfg.curate.search_tasks}")
+    if cfg.curate.kmeans_tasks < 0:
+        raise ConfigError(f"curate.kmeans_tasks: must be >= 0 (0: k-means in the finishing job), got {cfg.curate.kmeans_tasks}")
     if s.gpus_per_node < 0:
         raise ConfigError(f"slurm.gpus_per_node: must be >= 0, got {s.gpus_per_node}")
     for stage in cfg.stages:
@@ -179,6 +189,9 @@ def validate(cfg: SlurmConfig, overrides: dict[str, list[str]], check_paths: boo
             raise ConfigError(f"{stage} stage ({path}): {exc}") from None
         if stage == "curate" and not c.input.paths:
             raise ConfigError("input_paths: give the images to curate, e.g. input_paths=[/data/images]")
+        if stage == "curate" and cfg.curate.kmeans_tasks and c.rebalance.mode != "hierarchical":
+            raise ConfigError(f"curate.kmeans_tasks: the distributed k-means serves rebalance.mode=hierarchical, "
+                              f"the curation config has mode={c.rebalance.mode}")
 
 
 def _site_flags(s: ClusterConfig, time: str) -> list[str]:
@@ -218,7 +231,16 @@ def build_jobs(cfg: SlurmConfig, overrides: dict[str, list[str]]) -> list[Job]:
             add("curate_search", {**env, "CURATE_STEP": "search"},
                 ["--job-name=dinopipe-curate-search", f"--array=0-{c.search_tasks - 1}", "--requeue", *site,
                  f"--output={logs}/%x-%A_%a.out"], "curate.sbatch", args)
-        add("curate_finish", env, ["--job-name=dinopipe-curate-finish", *site, f"--output={logs}/%x-%j.out"],
+        finish_env = env
+        if c.kmeans_tasks:  # survivors known after decontamination -> k-means on N ranks -> select
+            add("curate_prepare", {**env, "CURATE_STEPS": "dedup decontaminate"},
+                ["--job-name=dinopipe-curate-prepare", *site, f"--output={logs}/%x-%j.out"], "curate_finish.sbatch", args)
+            if not any(a.startswith("rebalance.kmeans_dir=") for a in args):
+                args = [*args, "rebalance.kmeans_dir=kmeans"]  # under output.dir
+            add("curate_kmeans", env, ["--job-name=dinopipe-curate-kmeans", f"--ntasks={c.kmeans_tasks}", *site,
+                                       f"--output={logs}/%x-%j.out"], "curate_kmeans.sbatch", args)
+            finish_env = {**env, "CURATE_STEPS": "rebalance write report"}
+        add("curate_finish", finish_env, ["--job-name=dinopipe-curate-finish", *site, f"--output={logs}/%x-%j.out"],
             "curate_finish.sbatch", args)
     for stage in ("pretrain", "distill"):
         if stage not in cfg.stages:

@@ -3,7 +3,11 @@
 # rebalance/write/report job that starts only if every array task succeeded (afterok).
 # With --search-tasks N the kNN is sharded in between: an index job (`curate index`: train + save
 # the faiss index once) and an N-task search array (`curate search`: each task its query chunks);
-# the finishing job then only merges the pairs. Each job starts after the one before succeeded.
+# the finishing job then only merges the pairs. With --kmeans-tasks N (rebalance.mode=hierarchical)
+# the finishing job is split around a distributed k-means: a dedup/decontaminate job, one
+# `srun --ntasks N python -m curation.dist_kmeans --curate` job (slurm/curate_kmeans.sbatch), then
+# rebalance (on that k-means: rebalance.kmeans_dir=kmeans)/write/report. Each job starts after the
+# one before succeeded.
 #
 #   slurm/submit_curation.sh [options] -- --config configs/curation/default.yaml \
 #       input.paths=[/data/pool] output.dir=/data/curated [key=value ...]
@@ -15,6 +19,8 @@
 #   -t, --time T           time limit per embedding task       CURATE_TIME      (default 04:00:00)
 #       --finish-time T    time limit of the finishing job     CURATE_FINISH_TIME (default 04:00:00)
 #   -s, --search-tasks N   kNN search array tasks (0: kNN in   CURATE_SEARCH_TASKS (default 0)
+#                          the finishing job)
+#   -k, --kmeans-tasks N   k-means processes (0: k-means in    CURATE_KMEANS_TASKS (default 0)
 #                          the finishing job)
 #   -g, --gpus N           GPUs per embedding task (0 = CPU)   CURATE_GPUS      (default 1)
 #       --finish-gpus N    GPUs of the finishing job (faiss)   CURATE_FINISH_GPUS (default = --gpus)
@@ -31,13 +37,14 @@ tasks="${CURATE_TASKS:-4}" partition="${CURATE_PARTITION:-}" account="${CURATE_A
 time_limit="${CURATE_TIME:-04:00:00}" finish_time="${CURATE_FINISH_TIME:-04:00:00}"
 gpus="${CURATE_GPUS:-1}" finish_gpus="${CURATE_FINISH_GPUS:-}" cpus="${CURATE_CPUS:-8}"
 mem="${CURATE_MEM:-}" logs="${CURATE_LOG_DIR:-slurm-logs}" dry_run=0
-search_tasks="${CURATE_SEARCH_TASKS:-0}"
+search_tasks="${CURATE_SEARCH_TASKS:-0}" kmeans_tasks="${CURATE_KMEANS_TASKS:-0}"
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 while [ $# -gt 0 ]; do
     case "$1" in
         -n|--tasks) tasks="$2"; shift 2 ;;
         -s|--search-tasks) search_tasks="$2"; shift 2 ;;
+        -k|--kmeans-tasks) kmeans_tasks="$2"; shift 2 ;;
         -p|--partition) partition="$2"; shift 2 ;;
         -A|--account) account="$2"; shift 2 ;;
         -t|--time) time_limit="$2"; shift 2 ;;
@@ -56,7 +63,12 @@ done
 [ $# -gt 0 ] || { echo "error: give the curate arguments after --" >&2; usage; }
 [[ "$tasks" =~ ^[1-9][0-9]*$ ]] || { echo "error: --tasks must be a positive integer, got '$tasks'" >&2; exit 2; }
 [[ "$search_tasks" =~ ^[0-9]+$ ]] || { echo "error: --search-tasks must be >= 0, got '$search_tasks'" >&2; exit 2; }
+[[ "$kmeans_tasks" =~ ^[0-9]+$ ]] || { echo "error: --kmeans-tasks must be >= 0, got '$kmeans_tasks'" >&2; exit 2; }
 finish_gpus="${finish_gpus:-$gpus}"
+finish_args=("$@")
+if [ "$kmeans_tasks" != 0 ]; then
+    case " $* " in *" rebalance.kmeans_dir="*) ;; *) finish_args+=(rebalance.kmeans_dir=kmeans) ;; esac
+fi
 
 common=(--cpus-per-task="$cpus")
 [ -n "$partition" ] && common+=(--partition="$partition")
@@ -73,6 +85,8 @@ search_opts=("${common[@]}" --time="$time_limit" --array="0-$((search_tasks - 1)
 index_opts=("${common[@]}" --time="$finish_time" --output="$logs/%x-%j.out")
 [ "$gpus" != 0 ] && search_opts+=(--gpus-per-task="$gpus")
 [ "$finish_gpus" != 0 ] && index_opts+=(--gpus-per-task="$finish_gpus")
+kmeans_opts=("${common[@]}" --time="$finish_time" --ntasks="$kmeans_tasks" --output="$logs/%x-%j.out")
+[ "$finish_gpus" != 0 ] && kmeans_opts+=(--gpus-per-task="$finish_gpus")
 
 if [ "$dry_run" = 1 ]; then
     printf 'sbatch --parsable %s %s %s\n' "${embed_opts[*]}" "$here/curate.sbatch" "$*"
@@ -84,8 +98,16 @@ if [ "$dry_run" = 1 ]; then
             "${search_opts[*]}" "$here/curate.sbatch" "$*"
         prev="<search job id>"
     fi
-    printf 'sbatch --parsable --dependency=afterok:%s %s %s %s\n' "$prev" \
-        "${finish_opts[*]}" "$here/curate_finish.sbatch" "$*"
+    finish_env=""
+    if [ "$kmeans_tasks" != 0 ]; then
+        printf 'CURATE_STEPS="dedup decontaminate" sbatch --parsable --dependency=afterok:%s %s %s %s\n' \
+            "$prev" "${finish_opts[*]}" "$here/curate_finish.sbatch" "$*"
+        printf 'sbatch --parsable --dependency=afterok:<prepare job id> %s %s %s\n' \
+            "${kmeans_opts[*]}" "$here/curate_kmeans.sbatch" "${finish_args[*]}"
+        prev="<kmeans job id>" finish_env='CURATE_STEPS="rebalance write report" '
+    fi
+    printf '%ssbatch --parsable --dependency=afterok:%s %s %s %s\n' "$finish_env" "$prev" \
+        "${finish_opts[*]}" "$here/curate_finish.sbatch" "${finish_args[*]}"
     exit 0
 fi
 mkdir -p "$logs"
@@ -105,8 +127,22 @@ if [ "$search_tasks" != 0 ]; then
     echo "search array job: ${search_id} (${search_tasks} tasks, after ${index_id} succeeds)"
     prev="$search_id"
 fi
+finish_steps="dedup decontaminate rebalance write report"
+if [ "$kmeans_tasks" != 0 ]; then
+    prep_id="$(sbatch --parsable --dependency="afterok:${prev}" --job-name=curate-prepare \
+        --export=ALL,CURATE_STEPS="dedup decontaminate",CURATE_NUM_TASKS="$tasks" "${finish_opts[@]}" \
+        "$here/curate_finish.sbatch" "$@")"
+    prep_id="${prep_id%%;*}"
+    kmeans_id="$(sbatch --parsable --dependency="afterok:${prep_id}" \
+        --export=ALL,CURATE_NUM_TASKS="$tasks" "${kmeans_opts[@]}" "$here/curate_kmeans.sbatch" "${finish_args[@]}")"
+    kmeans_id="${kmeans_id%%;*}"
+    echo "prepare job:     ${prep_id} (dedup + decontaminate, after ${prev} succeeds)"
+    echo "k-means job:     ${kmeans_id} (${kmeans_tasks} tasks, after ${prep_id} succeeds)"
+    prev="$kmeans_id" finish_steps="rebalance write report"
+fi
 finish_id="$(sbatch --parsable --dependency="afterok:${prev}" \
-    --export=ALL,CURATE_NUM_TASKS="$tasks" "${finish_opts[@]}" "$here/curate_finish.sbatch" "$@")"
+    --export=ALL,CURATE_STEPS="$finish_steps",CURATE_NUM_TASKS="$tasks" "${finish_opts[@]}" \
+    "$here/curate_finish.sbatch" "${finish_args[@]}")"
 finish_id="${finish_id%%;*}"
 echo "finish job:      ${finish_id} (after ${prev} succeeds)"
-echo "logs in ${logs}/; follow with: squeue -j ${embed_id},${index_id:+${index_id},${search_id},}${finish_id}"
+echo "logs in ${logs}/; follow with: squeue -j ${embed_id},${index_id:+${index_id},${search_id},}${kmeans_id:+${prep_id},${kmeans_id},}${finish_id}"
