@@ -3,6 +3,11 @@
     torchrun --nproc-per-node 8 -m curation.dist_kmeans --emb-dir OUT/embeddings --out OUT/kmeans \\
         --levels 4000 400 40 10 --sample-sizes 1 10 5 3
     srun --ntasks 24 python -m curation.dist_kmeans --emb-dir ... --out ...   # Slurm: one step
+    torchrun ... -m curation.dist_kmeans --curate --config C.yaml output.dir=OUT [k=v ...]
+
+``--curate``: the k-means of ``curate rebalance`` (mode=hierarchical) -- the rows kept after dedup +
+decontamination, the config's rebalance.* settings -- written to rebalance.kmeans_dir, where
+``curate rebalance rebalance.kmeans_dir=...`` checks (:func:`load_tree`) and selects from it.
 
 Level 1 (the points) is distributed: every rank memory-maps the fp16 embedding shards and owns a
 contiguous range of the rows Lloyd iterates over, assigns them (torch matmul on its GPU when there
