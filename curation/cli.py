@@ -77,9 +77,17 @@ def run_step(step: str, cfg: CurationConfig, embedder=None):
     if step == "index":
         from .knn_steps import step_index
 
-        return step_index(out, h.enabled, h.max_distance, dd.k, resolve_threshold(dd.threshold, dd.verify),
-                          dd.index, dd.nprobe, knn, cfg.input.eval_paths or None, e.batch_size,
-                          e.num_workers, prog, verify_with=verify_with)
+        res = step_index(out, h.enabled, h.max_distance, dd.k, resolve_threshold(dd.threshold, dd.verify),
+                         dd.index, dd.nprobe, knn, cfg.input.eval_paths or None, e.batch_size,
+                         e.num_workers, prog, verify_with=verify_with)
+        if _retrieval(cfg) and os.path.exists(os.path.join(out, "steps", "decontaminate.npz")):
+            # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
+            from .knn_steps import step_retrieval_index
+
+            P.embed_seeds(out, cfg.input.seed_paths, embedder, getattr(embedder, "transform", None),
+                          e.batch_size, e.num_workers, prog)
+            res.update(step_retrieval_index(out, cfg.rebalance.k, knn, prog))
+        return res
     if step == "search":
         from .knn_steps import step_search
 
@@ -102,7 +110,8 @@ def run_step(step: str, cfg: CurationConfig, embedder=None):
     if step == "rebalance":
         return P.step_rebalance(out, cfg.rebalance.mode, cfg.input.seed_paths or None, embedder,
                                 getattr(embedder, "transform", None), e.batch_size, e.num_workers,
-                                prog, kmeans_dir=kmeans_dir(cfg), **rebalance_kwargs(cfg.rebalance))
+                                prog, kmeans_dir=kmeans_dir(cfg), knn=knn,
+                                **rebalance_kwargs(cfg.rebalance))
     if step == "write":
         return P.step_write(cfg.input.paths, out, cfg.write.shard_size, progress=prog, extra={
             "params": _params(cfg), "steps": _load_summaries(out)})
@@ -111,6 +120,11 @@ def run_step(step: str, cfg: CurationConfig, embedder=None):
 
         return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples)
     raise ValueError(step)
+
+
+def _retrieval(cfg: CurationConfig) -> bool:
+    """Sample-based retrieval with seeds: its kNN runs sharded too (`curate index` after decontaminate)."""
+    return cfg.rebalance.mode == "sample" and bool(cfg.input.seed_paths)
 
 
 def _print_manifest(out: str) -> None:
@@ -143,7 +157,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         validate(cfg, args.command)
         # the model is needed to embed, and to embed seed images like the pool was
         needs_model = args.command in ("run", "embed") or (
-            args.command == "rebalance" and bool(cfg.input.seed_paths))
+            args.command == "rebalance" and bool(cfg.input.seed_paths)) or (
+            args.command == "index" and _retrieval(cfg)
+            and os.path.exists(os.path.join(cfg.output.dir, "steps", "decontaminate.npz")))
         embedder = _embedder(cfg) if needs_model else None
     except ConfigError as exc:
         exit_on_config_error(exc)

@@ -109,6 +109,18 @@ def nearest_exact(index: KnnIndex, queries: Rows, targets: Rows, start: int, sto
         yield {"sim": best_sim, "idx": best_idx}
 
 
+def retrieval_candidates(index: KnnIndex, queries: Rows, targets: Rows, start: int, stop: int, k: int,
+                         batch_size: int = BATCH_DEFAULT) -> Iterator[dict]:
+    """Retrieval (rebalance mode 'sample'): each query row (a seed) of [start, stop) with its k nearest
+    indexed rows (pool positions), rescored exactly in float64. Yields ``{"seed", "pos", "sim"}``."""
+    for s in range(start, stop, batch_size):
+        pos = np.arange(s, min(s + batch_size, stop), dtype=np.int64)
+        _, idx = index.search(queries.take(pos), min(k, index.ntotal))
+        ok = idx >= 0
+        seed, tgt = np.repeat(pos, ok.sum(axis=1)), idx[ok].astype(np.int64)
+        yield {"seed": seed, "pos": tgt, "sim": exact_cosine(queries, seed, targets, tgt)}
+
+
 # ---------------------------------------------------------------------------------- chunk files
 
 
@@ -176,8 +188,9 @@ def merge_pairs(a: np.ndarray, b: np.ndarray, sim: np.ndarray):
 class KnnJob:
     """The ``knn/`` folder of a curation output: saved index, parameters and chunk files.
 
-    ``name`` is 'pool' (copy-dedup pairs: queries = indexed rows) or 'eval' (decontamination:
-    index over eval images, queries = pool rows).
+    ``name`` is 'pool' (copy-dedup pairs: queries = indexed rows), 'eval' (decontamination:
+    index over eval images, queries = pool rows) or 'retrieval' (rebalance mode 'sample': index
+    over the rebalanced rows in the model space, queries = seed images).
     """
 
     def __init__(self, out_dir: str, name: str = "pool"):
@@ -249,6 +262,22 @@ class KnnJob:
         def compute(start, stop):
             parts = list(nearest_exact(index, queries, targets, start, stop, p.get("k", 4),
                                        p.get("batch_size", BATCH_DEFAULT)))
+            return {key: np.concatenate([q[key] for q in parts]) for key in parts[0]}
+
+        return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
+                          task_index, num_tasks, compute, progress)
+
+    def search_retrieval(self, queries: Rows, targets: Rows, task_index: int = 0, num_tasks: int = 1,
+                         use_gpu: bool | str = False, progress: bool = False) -> dict:
+        """Array task ``task_index``: (seed, pool position, exact sim) of its chunks of seed rows
+        against the pool index ('retrieval'); ``targets``: the indexed pool rows, for rescoring."""
+        index, meta = self.load(use_gpu)
+        p = meta["params"]
+        _check_rows(meta, targets)
+
+        def compute(start, stop):
+            parts = list(retrieval_candidates(index, queries, targets, start, stop, p["k"],
+                                              p.get("batch_size", BATCH_DEFAULT)))
             return {key: np.concatenate([q[key] for q in parts]) for key in parts[0]}
 
         return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),

@@ -186,17 +186,31 @@ def rebalance_rows(out_dir: str):
     return space_dir, rows_idx, alive, status
 
 
+def embed_seeds(out_dir: str, seed_sources, seed_embed_fn: Callable | None = None, seed_transform=None,
+                batch_size: int = 64, num_workers: int = 2, progress: bool = True):
+    """Seed images in the rebalance space (the model's, else the copy space), resumable."""
+    use_model = os.path.isdir(_p(out_dir, "embeddings", "model"))
+    seed_dir = _p(out_dir, "embeddings", "seeds")
+    if use_model and seed_embed_fn is None:
+        raise ValueError("seed images must be embedded with the same model as the pool: "
+                         "pass seed_embed_fn (and seed_transform)")
+    fn, tf = (seed_embed_fn, seed_transform) if use_model else copy_embedder(out_dir)
+    embed_pool(seed_sources, fn, seed_dir, batch_size=batch_size, num_workers=num_workers,
+               transform=tf, hash_name=None, progress=progress)
+    return open_embeddings(seed_dir)
+
+
 def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
                    seed_embed_fn: Callable | None = None, seed_transform=None,
                    batch_size: int = 64, num_workers: int = 2, progress: bool = True,
-                   kmeans_dir: str | None = None, **mode_kwargs) -> dict:
+                   kmeans_dir: str | None = None, knn: dict | None = None, **mode_kwargs) -> dict:
     """Rebalance the survivors on model embeddings (descriptors when no model was embedded).
 
     ``kmeans_dir``: mode=hierarchical takes its k-means tree from there (written by
     ``python -m curation.dist_kmeans --curate``) after checking it was made for these rows and
-    settings, instead of clustering in this process."""
+    settings, instead of clustering in this process. mode=sample retrieves through the sharded kNN
+    (curation.knn_steps.sharded_retrieval: the chunks of `curate search` tasks, else searched here)."""
     space_dir, rows_idx, alive, status = rebalance_rows(out_dir)
-    use_model = space_dir == _p(out_dir, "embeddings", "model")
     space = open_embeddings(space_dir)
     if kmeans_dir and mode == "hierarchical":
         from .dist_kmeans import curate_settings, load_tree
@@ -205,15 +219,14 @@ def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
             len(rows_idx), space.ids[rows_idx], **mode_kwargs), "rebalance.kmeans_dir")
     seeds, seed_ids = None, np.zeros(0, object)
     if seed_sources:
-        seed_dir = _p(out_dir, "embeddings", "seeds")
-        if use_model and seed_embed_fn is None:
-            raise ValueError("seed images must be embedded with the same model as the pool: "
-                             "pass seed_embed_fn (and seed_transform)")
-        fn, tf = (seed_embed_fn, seed_transform) if use_model else copy_embedder(out_dir)
-        embed_pool(seed_sources, fn, seed_dir, batch_size=batch_size, num_workers=num_workers,
-                   transform=tf, hash_name=None, progress=progress)
-        seed_set = open_embeddings(seed_dir)
+        seed_set = embed_seeds(out_dir, seed_sources, seed_embed_fn, seed_transform, batch_size,
+                               num_workers, progress)
         seeds, seed_ids = Rows(seed_set), seed_set.ids
+        if mode == "sample" and len(seed_set) and len(rows_idx):
+            from .knn_steps import sharded_retrieval
+
+            mode_kwargs["candidates"] = sharded_retrieval(out_dir, space, rows_idx, seed_set,
+                                                          mode_kwargs.get("k", 4), knn, progress)
     res = rebalance(mode, Rows(space, rows_idx), seeds, progress=progress, **mode_kwargs)
     status = status.copy()
     status[alive[~res.selected]] = NOT_SELECTED

@@ -44,7 +44,7 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
               strategy: str = "r", n_resampling_steps: int = 10, sample_size: int = 10,
               balance_clusters: int | None = None, seed: int = 0,
               batch_size: int = 8192, progress: bool = False,
-              kmeans: dict | None = None, tree=None) -> RebalanceResult:
+              kmeans: dict | None = None, tree=None, candidates=None) -> RebalanceResult:
     """Dispatch to one mode. ``pool``/``seeds``: L2-normalised embeddings (array/EmbeddingSet/Rows).
 
     ``balance_clusters``: size of the common k-means used to report balance before/after
@@ -52,6 +52,8 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     ``kmeans``: options of the hierarchical mode's k-means (init, init_sample, niter, tol,
     n_init; see :func:`curation.kmeans.kmeans_fit`). ``tree``: the hierarchical mode's k-means
     tree computed elsewhere (:func:`curation.dist_kmeans.load_tree`) for exactly these rows.
+    ``candidates``: mode 'sample''s (seed, pool position, exact sim) arrays found elsewhere (the
+    sharded kNN: curation.knn_steps.sharded_retrieval) instead of searching here.
     """
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     if mode not in MODES:
@@ -61,6 +63,8 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
                          f"embeddings (a curated seed set), or use 'hierarchical' / 'none'")
     if mode == "none":
         res = _none(len(rows))
+    elif mode == "sample" and candidates is not None:
+        res = sample_from_candidates(len(rows), *candidates, k=k)
     elif mode == "sample":
         res = retrieval_sample_based(rows, seeds, k=k, batch_size=batch_size)
     elif mode == "cluster":
@@ -87,28 +91,35 @@ def _none(n: int) -> RebalanceResult:
 def retrieval_sample_based(pool, seeds, k: int = 4, batch_size: int = 8192,
                            index_kind: str = "auto", nprobe: int = 64) -> RebalanceResult:
     """Each seed retrieves its k nearest pool images; a pool image retrieved by several seeds
-    records the most similar one."""
+    records the most similar one (exact float64 cosine, as the sharded path scores them)."""
+    from .knn_shards import retrieval_candidates
+
     rows = pool if isinstance(pool, Rows) else Rows(pool)
-    n = len(rows)
+    seed_rows = seeds if isinstance(seeds, Rows) else Rows(seeds)
+    if not len(rows):
+        return sample_from_candidates(0, *(np.zeros(0, np.int64),) * 2, np.zeros(0), k=k)
+    index = build_index(rows, kind=index_kind, nprobe=nprobe)
+    parts = list(retrieval_candidates(index, seed_rows, rows, 0, len(seed_rows), k, batch_size))
+    cand = [np.concatenate([q[key] for q in parts]) for key in ("seed", "pos", "sim")]
+    return sample_from_candidates(len(rows), *cand, k=k)
+
+
+def sample_from_candidates(n: int, seed: np.ndarray, pos: np.ndarray, sim: np.ndarray,
+                           k: int) -> RebalanceResult:
+    """The selection from retrieval candidates (seed, pool position, exact sim): every retrieved
+    position, with its most similar seed (ties: the smallest seed). Depends only on the candidate
+    set, not on its order, so 1 and N search tasks select the same."""
     res = _none(n)
     res.selected[:] = False
-    best = np.full(n, -np.inf, np.float32)
-    if n:
-        index = build_index(rows, kind=index_kind, nprobe=nprobe)
-        for spos, sims, idx in iter_knn(index, seeds, k, batch_size):
-            flat_idx, flat_sim = idx.ravel(), sims.ravel()
-            flat_seed = np.repeat(spos, idx.shape[1])
-            ok = flat_idx >= 0
-            flat_idx, flat_sim, flat_seed = flat_idx[ok], flat_sim[ok], flat_seed[ok]
-            # Highest similarity first, so the first write per pool image is its best seed.
-            o = np.lexsort((flat_seed, -flat_sim))
-            uniq, first = np.unique(flat_idx[o], return_index=True)
-            cand_sim, cand_seed = flat_sim[o][first], flat_seed[o][first]
-            better = cand_sim > best[uniq]
-            best[uniq[better]] = cand_sim[better]
-            res.nearest_seed[uniq[better]] = cand_seed[better]
-            res.selected[uniq] = True
-    res.seed_sim = np.where(res.selected, best, np.nan).astype(np.float32)
+    if len(pos):
+        o = np.lexsort((seed, -sim, pos))  # per position: highest sim first, then smallest seed
+        p_o = pos[o]
+        first = np.ones(len(o), bool)
+        first[1:] = p_o[1:] != p_o[:-1]
+        uniq = p_o[first]
+        res.selected[uniq] = True
+        res.nearest_seed[uniq] = seed[o][first]
+        res.seed_sim[uniq] = sim[o][first].astype(np.float32)
     res.report["k"] = k
     return res
 
