@@ -225,7 +225,8 @@ def step_retrieval_index(out_dir: str, k: int, knn: dict | None = None, progress
 
 def step_retrieval_search(out_dir: str, task_index: int, num_tasks: int, knn: dict | None = None,
                           progress: bool = False) -> dict | None:
-    """``curate search``: this task's chunks of the seeds against the retrieval index, if built."""
+    """``curate search``: this task's chunks of the seeds against the retrieval index, if built
+    for the current rows and seeds."""
     job = KnnJob(out_dir, "retrieval")
     meta = job.meta()
     if meta is None:
@@ -233,8 +234,9 @@ def step_retrieval_search(out_dir: str, task_index: int, num_tasks: int, knn: di
     got = retrieval_inputs(out_dir)
     if got is None or meta["params"]["rows"] != _digest(got[1]) or meta["params"]["seeds"] != \
             retrieval_params(got[1], got[2].ids, 1)["seeds"]:
-        raise FileNotFoundError(f"{job.dir}: the retrieval index is for other rows or seeds; "
-                                "rerun `curate index` after decontaminate")
+        # stale (an earlier run in this folder): not an error for the pool/eval search before dedup;
+        # `curate rebalance` rebuilds it in-process unless `curate index` is rerun after decontaminate
+        return {"skipped": "index for other rows or seeds: rerun `curate index` after decontaminate"}
     space, rows_idx, seeds = got
     return job.search_retrieval(Rows(seeds), Rows(space, rows_idx), task_index, num_tasks,
                                 (knn or {}).get("use_gpu", "auto"), progress)

@@ -65,6 +65,14 @@ def test_one_and_three_search_tasks_retrieve_the_same_selection(pool_dir, photos
         assert (r1["seed_sim"][kept] > 0.99).sum() >= 6 and np.isnan(r1["seed_sim"][~kept]).all()
         stems = [s.rsplit("/", 1)[-1] for s in r1["nearest_seed"][kept]]
         assert len(set(stems)) == 6
+    # a stale retrieval index (other rows) does not block a later pool search; it is reported
+    meta_path = three / "knn" / "retrieval" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["params"]["rows"] = "0" * 16
+    meta_path.write_text(json.dumps(meta))
+    assert main(_args("search", root, seed_root, three)) == 0
+    with open(three / "steps" / "search-00000.json") as f:
+        assert "rerun `curate index`" in json.load(f)["retrieval"]["skipped"]
 
 
 def test_sample_mode_scores_exactly_and_breaks_ties_by_seed():
