@@ -6,11 +6,14 @@ Submits the pipeline as a chain of Slurm jobs, each one starting only if the one
     curate_embed   slurm/curate.sbatch          array: task i embeds 1/N of the pool
     curate_index   slurm/curate_finish.sbatch   (curate.search_tasks > 0) train + save the kNN index once
     curate_search  slurm/curate.sbatch          (curate.search_tasks > 0) array: task i searches its chunks
-    curate_prepare slurm/curate_finish.sbatch   (curate.kmeans_tasks > 0) dedup, decontaminate
+    curate_prepare slurm/curate_finish.sbatch   (curate.kmeans_tasks > 0, or search_tasks > 0 with
+                                                rebalance.mode=sample and seeds) dedup, decontaminate
+    curate_retrieval_index / curate_retrieval_search   (search_tasks > 0, mode=sample with seeds) the
+                                                seeds' retrieval index, then an array searching seed chunks
     curate_kmeans  slurm/curate_kmeans.sbatch   (curate.kmeans_tasks > 0) srun --ntasks N: the distributed
                                                 hierarchical k-means of the survivors (curation.dist_kmeans)
     curate_finish  slurm/curate_finish.sbatch   dedup, decontaminate, rebalance, write shards, report
-                                                (with kmeans_tasks: rebalance on that k-means, write, report)
+                                                (after curate_prepare: rebalance, write, report only)
     pretrain       slurm/pretrain.sbatch        --requeue --signal=USR1@<lead>: checkpoint, requeue, resume
     distill        slurm/distill.sbatch         same, teacher = the pretrain run
 
@@ -206,6 +209,14 @@ def log_dir(cfg: SlurmConfig) -> str:
     return f"{cfg.output_dir.rstrip('/')}/logs"
 
 
+def _sample_retrieval(c: "CurateStageConfig", overrides: list[str]) -> bool:
+    """Whether the curation config retrieves with seeds (rebalance.mode=sample + input.seed_paths)."""
+    from curation.config import CurationConfig
+
+    cc = load_config(CurationConfig, c.config, [*overrides, f"embed.num_tasks={c.tasks}"])
+    return cc.rebalance.mode == "sample" and bool(cc.input.seed_paths)
+
+
 def build_jobs(cfg: SlurmConfig, overrides: dict[str, list[str]]) -> list[Job]:
     """The chain, in submission order; each job depends on the one before it."""
     s = cfg.slurm
@@ -232,6 +243,19 @@ def build_jobs(cfg: SlurmConfig, overrides: dict[str, list[str]]) -> list[Job]:
                 ["--job-name=dinopipe-curate-search", f"--array=0-{c.search_tasks - 1}", "--requeue", *site,
                  f"--output={logs}/%x-%A_%a.out"], "curate.sbatch", args)
         finish_env = env
+        if c.search_tasks and _sample_retrieval(c, overrides["curate"]):
+            # seeds retrieve among the images kept after decontamination: a second index + search pass
+            # (`curate index` adds the retrieval index, the array searches seed chunks; pool chunks on
+            # disk are skipped), then the finishing job only merges the retrieval candidates
+            add("curate_prepare", {**env, "CURATE_STEPS": "dedup decontaminate"},
+                ["--job-name=dinopipe-curate-prepare", *site, f"--output={logs}/%x-%j.out"], "curate_finish.sbatch", args)
+            add("curate_retrieval_index", {**env, "CURATE_STEPS": "index"},
+                ["--job-name=dinopipe-curate-retrieval-index", *site, f"--output={logs}/%x-%j.out"],
+                "curate_finish.sbatch", args)
+            add("curate_retrieval_search", {**env, "CURATE_STEP": "search"},
+                ["--job-name=dinopipe-curate-retrieval-search", f"--array=0-{c.search_tasks - 1}", "--requeue",
+                 *site, f"--output={logs}/%x-%A_%a.out"], "curate.sbatch", args)
+            finish_env = {**env, "CURATE_STEPS": "rebalance write report"}
         if c.kmeans_tasks:  # survivors known after decontamination -> k-means on N ranks -> select
             add("curate_prepare", {**env, "CURATE_STEPS": "dedup decontaminate"},
                 ["--job-name=dinopipe-curate-prepare", *site, f"--output={logs}/%x-%j.out"], "curate_finish.sbatch", args)

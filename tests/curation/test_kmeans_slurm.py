@@ -67,3 +67,28 @@ def test_submit_curation_sh_chains_the_kmeans_job(tmp_path):
     bad = subprocess.run(["bash", str(ROOT / "slurm" / "submit_curation.sh"), "--kmeans-tasks", "x", "--dry-run",
                           "--", "--config", QUICKSTART], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "--kmeans-tasks" in bad.stderr
+
+
+def test_dinopipe_submit_shards_the_seed_retrieval_after_decontamination(tmp_path, capsys):
+    """rebalance.mode=sample with seeds: the retrieval index needs the images kept after decontamination, so
+    the chain gets prepare -> retrieval index -> retrieval search array before the finishing job."""
+    (tmp_path / "seeds").mkdir()
+    assert _submit(tmp_path, "curate.search_tasks=2", "curate:rebalance.mode=sample",
+                   f"curate:input.seed_paths=[{tmp_path}/seeds]") == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "sbatch" in ln]
+    assert [ln.split("=")[0] for ln in lines] == ["curate_embed", "curate_index", "curate_search", "curate_prepare",
+                                                   "curate_retrieval_index", "curate_retrieval_search",
+                                                   "curate_finish"]
+    prepare, r_index, r_search, finish = lines[3:]
+    assert "CURATE_STEPS='dedup decontaminate'" in prepare
+    assert "CURATE_STEPS=index" in r_index and '"--dependency=afterok:${curate_prepare}"' in r_index
+    assert "CURATE_STEP=search" in r_search and "--array=0-1" in r_search
+    assert '"--dependency=afterok:${curate_retrieval_index}"' in r_search
+    assert "CURATE_STEPS='rebalance write report'" in finish
+    assert '"--dependency=afterok:${curate_retrieval_search}"' in finish
+
+
+def test_without_seeds_the_search_chain_has_no_retrieval_pass(tmp_path, capsys):
+    assert _submit(tmp_path, "curate.search_tasks=2", "curate:rebalance.mode=none") == 0
+    names = [ln.split("=")[0] for ln in capsys.readouterr().out.splitlines() if "sbatch" in ln]
+    assert names == ["curate_embed", "curate_index", "curate_search", "curate_finish"]
