@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT)]
 
 from bench.common import interleaved_times, paired_ratio, print_ratio, print_table, setup  # noqa: E402
 
@@ -158,10 +158,10 @@ def _knn_dict(index, mm, q) -> dict:
 def bench_embed(n_images: int, batch_size: int, num_workers: int, repeats: int) -> dict:
     import torch
 
-    from _photos import encode, make_copy, real_photos
     from curation.embedder import build_embedder
     from curation.embeddings import embed_pool
     from dinopipe.data.decode import safe_decode
+    from dinopipe.data.samples import encode, make_copy, real_photos
     from dinopipe.data.sources import as_multi
 
     photos = real_photos()

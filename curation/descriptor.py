@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from dinopipe.utils.io import atomic_path
+
 # ----------------------------------------------------------------------------- thumbnails
 
 
@@ -164,12 +166,11 @@ class PCADescriptor:
     def save(self, path: str | os.PathLike) -> None:
         """Atomic save (.npz); every array task must embed with the same descriptor."""
         path = str(path)
-        tmp = f"{path}.tmp-{os.getpid()}.npz"
         arrays = {"config": np.array(json.dumps(asdict(self.config)))}
         if self.projection is not None:
             arrays.update(mean=self.mean, projection=self.projection)
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
+        with atomic_path(path, suffix=".npz") as tmp:
+            np.savez(tmp, **arrays)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "PCADescriptor":

@@ -27,6 +27,7 @@ from PIL import Image
 
 from dinopipe.data.decode import DEFAULT_MAX_PIXELS, safe_decode
 from dinopipe.data.sources import ImageRef, MultiSource, as_multi, check_split
+from dinopipe.utils.io import atomic_open, atomic_write_json
 
 from .descriptor import HASHES
 
@@ -37,27 +38,12 @@ def shard_stem(task_index: int, shard_index: int) -> str:
     return f"part-{task_index:05d}-{shard_index:05d}"
 
 
-def _atomic_write_bytes(path: str, write: Callable[[str], None]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def save_shard(out_dir: str, stem: str, emb: np.ndarray, meta: dict) -> None:
     """Write one shard atomically: the embeddings first, the ids json (the completion mark) last."""
     os.makedirs(out_dir, exist_ok=True)
-    npy = os.path.join(out_dir, f"{stem}.npy")
-
-    def _npy(tmp):
-        with open(tmp, "wb") as f:
-            np.save(f, np.ascontiguousarray(emb, dtype=np.float16))
-
-    def _json(tmp):
-        with open(tmp, "w") as f:
-            json.dump(meta, f)
-
-    _atomic_write_bytes(npy, _npy)
-    _atomic_write_bytes(os.path.join(out_dir, f"{stem}.ids.json"), _json)
+    with atomic_open(os.path.join(out_dir, f"{stem}.npy"), "wb") as f:
+        np.save(f, np.ascontiguousarray(emb, dtype=np.float16))
+    atomic_write_json(os.path.join(out_dir, f"{stem}.ids.json"), meta, indent=None)
 
 
 def l2_normalise_fp16(x: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -371,13 +357,7 @@ def _shard_complete(out_dir, stem, refs, shard, shard_size) -> bool:
 
 def _mark_task_done(out_dir, task_index, num_tasks, counts) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"task-{task_index:05d}-of-{num_tasks:05d}.json")
-
-    def _json(tmp):
-        with open(tmp, "w") as f:
-            json.dump(counts, f, indent=1)
-
-    _atomic_write_bytes(path, _json)
+    atomic_write_json(os.path.join(out_dir, f"task-{task_index:05d}-of-{num_tasks:05d}.json"), counts)
 
 
 def _progress(total: int, desc: str, enabled: bool):

@@ -12,11 +12,12 @@ when adding and when querying. IVF stores vectors as fp16 (they were fp16 anyway
 from __future__ import annotations
 
 import math
-import os
 from typing import Iterator
 
 from ._faiss import faiss
 import numpy as np
+
+from dinopipe.utils.io import atomic_path
 
 from .embeddings import EmbeddingSet
 
@@ -234,9 +235,8 @@ def set_nprobe(index, nprobe: int, on_gpu: bool) -> None:
 def save_index(knn: KnnIndex, path: str) -> None:
     """Write a CPU copy of the index atomically (tmp + rename): a killed writer leaves no torn file."""
     index = faiss.index_gpu_to_cpu(knn.index) if knn.on_gpu else knn.index
-    tmp = f"{path}.tmp-{os.getpid()}"
-    faiss.write_index(index, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        faiss.write_index(index, tmp)
 
 
 def load_index(path: str, kind: str, nprobe: int = 16, use_gpu: bool | str = False,

@@ -35,6 +35,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from dinopipe.utils.io import atomic_path, atomic_write_json
+
 from .index import KnnIndex, Rows, _drop_self, build_index, load_index, resolve_kind, save_index
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
@@ -150,9 +152,8 @@ def run_chunks(folder: str, n: int, chunk_size: int, task_index: int, num_tasks:
     for c in tqdm(todo, desc=f"kNN chunks ({os.path.basename(folder)})", disable=not progress):
         arrays = compute(c * chunk_size, min((c + 1) * chunk_size, n))
         path = chunk_path(folder, c)
-        tmp = f"{path}.tmp-{os.getpid()}.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)  # present <=> complete: a killed task leaves only a tmp file
+        with atomic_path(path, suffix=".npz") as tmp:  # present <=> complete: a killed task leaves only a tmp file
+            np.savez(tmp, **arrays)
     return {"chunks": len(mine), "computed": len(todo), "skipped": len(mine) - len(todo)}
 
 
@@ -223,10 +224,7 @@ class KnnJob:
         save_index(knn, self.index_path)
         meta = {"params": _jsonable(params), "kind": knn.kind, "n": len(rows), "dim": rows.dim,
                 "index_bytes": os.path.getsize(self.index_path)}
-        tmp = f"{self.meta_path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(tmp, self.meta_path)  # written last: its presence marks a complete index
+        atomic_write_json(self.meta_path, meta)  # written last: its presence marks a complete index
         return meta
 
     def load(self, use_gpu: bool | str = False) -> tuple[KnnIndex, dict]:

@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from dinopipe.data.sources import as_multi
+from dinopipe.utils.io import atomic_open, atomic_path
 
 from .dedup import resolve_threshold
 from .decontaminate import expand_to_components
@@ -48,9 +49,8 @@ def _p(out_dir: str, *parts: str) -> str:
 def _save_step(out_dir: str, name: str, **arrays) -> None:
     os.makedirs(_p(out_dir, "steps"), exist_ok=True)
     path = _p(out_dir, "steps", f"{name}.npz")
-    tmp = f"{path}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    with atomic_path(path, suffix=".npz") as tmp:
+        np.savez(tmp, **arrays)
 
 
 def load_step(out_dir: str, name: str) -> dict:
@@ -272,13 +272,11 @@ def step_write(sources, out_dir: str, shard_size: int = 1000, extra: dict | None
         "shards": [os.path.relpath(s, out_dir) for s in out["shards"]], **(extra or {})})
     write_json_atomic(_p(out_dir, "manifest.json"), manifest)
     group = {str(emb.ids[i]): str(emb.ids[c]) for i, c in enumerate(component)}
-    tmp = _p(out_dir, f"decisions.tsv.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:  # why each image was kept or dropped, for people to grep
+    with atomic_open(_p(out_dir, "decisions.tsv")) as f:  # why each image was kept or dropped, for people to grep
         f.write("id\tsource\tstatus\tgroup_or_reason\n")
         for image_id in sorted(statuses):
             why = reasons.get(image_id) or group.get(image_id, "")
             f.write(f"{image_id}\t{srcs[image_id]}\t{statuses[image_id]}\t{why}\n")
-    os.replace(tmp, _p(out_dir, "decisions.tsv"))
     return manifest
 
 

@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 
 from dinopipe.data.decode import safe_decode  # noqa: E402
 from dinopipe.data.sources import as_multi  # noqa: E402
+from dinopipe.utils.io import atomic_write  # noqa: E402
 
 from .embeddings import open_embeddings  # noqa: E402
 from .pipeline import _STATUS_NAMES, KEPT, NOT_SELECTED, load_step  # noqa: E402
@@ -60,10 +61,7 @@ def make_report(out_dir: str, sources, params: dict, n_examples: int = 8) -> str
     }
     groups = group_lines(emb.ids, dd["component"], n_examples)
     path = os.path.join(rep, "summary.md")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(summary_markdown(manifest, params, balance, dd["nn_sim"], plots, out_dir, groups))
-    os.replace(tmp, path)
+    atomic_write(path, summary_markdown(manifest, params, balance, dd["nn_sim"], plots, out_dir, groups))
     return path
 
 

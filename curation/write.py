@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import io
+import itertools
 import json
 import os
 import tarfile
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 
 from dinopipe.data.pool_index import INDEX_NAME, member_locations, tar_index, write_index
 from dinopipe.data.sources import MultiSource, extension_of
+from dinopipe.utils.io import atomic_path, atomic_write_json
 
 # Every input image ends in exactly one of these (manifest.json counts them).
 STATUSES = ("kept", "hash_duplicates", "copy_duplicates", "decontaminated", "unreadable",
@@ -46,36 +48,32 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
         os.remove(index_path)  # it describes the shards about to be replaced (a stale one would not validate)
     refs = source.ref_index()
     shards, failed, written, members = [], [], 0, []
-    tf, tmp, n_in_shard = None, None, 0
     bar = tqdm(total=len(ids), desc="write shards", unit="img", disable=not progress,
                mininterval=2.0)
-    for image_id, meta in zip(ids, metadata):
-        bar.update(1)
-        ref = refs.get(image_id)
-        data = source.read(ref) if ref is not None else None
-        if not data:
-            failed.append((image_id, "read_error"))
-            continue
-        if tf is None:
-            path = os.path.join(out_dir, f"{prefix}-{len(shards):06d}.tar")
-            tmp = f"{path}.tmp-{os.getpid()}"
-            tf = tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT)
-            shards.append(path)
-            members.append([])
-        key = f"{written:09d}"
-        ext = extension_of(image_id) or "bin"
-        members[-1].append((f"{key}.{ext}", _add(tf, f"{key}.{ext}", data), len(data)))
-        _add(tf, f"{key}.json", json.dumps({"key": key, **meta}, sort_keys=True).encode())
-        written += 1
-        n_in_shard += 1
-        if n_in_shard == shard_size:
-            tf.close()
-            os.replace(tmp, shards[-1])
-            tf, n_in_shard = None, 0
+
+    def readable():  # (id, bytes, metadata) of the images still readable; the others go to `failed`
+        for image_id, meta in zip(ids, metadata):
+            bar.update(1)
+            ref = refs.get(image_id)
+            data = source.read(ref) if ref is not None else None
+            if data:
+                yield image_id, data, meta
+            else:
+                failed.append((image_id, "read_error"))
+
+    images = readable()
+    while (first := next(images, None)) is not None:  # streamed: one image's bytes in memory at a time
+        path = os.path.join(out_dir, f"{prefix}-{len(shards):06d}.tar")
+        members.append([])
+        with atomic_path(path) as tmp, tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
+            for image_id, data, meta in itertools.chain([first], itertools.islice(images, shard_size - 1)):
+                key = f"{written:09d}"
+                ext = extension_of(image_id) or "bin"
+                members[-1].append((f"{key}.{ext}", _add(tf, f"{key}.{ext}", data), len(data)))
+                _add(tf, f"{key}.json", json.dumps({"key": key, **meta}, sort_keys=True).encode())
+                written += 1
+        shards.append(path)
     bar.close()
-    if tf is not None:
-        tf.close()
-        os.replace(tmp, shards[-1])
     # Shards left over from an earlier, larger selection would be read by training: remove them.
     for old in glob.glob(os.path.join(out_dir, f"{prefix}-*.tar")):
         if old not in shards:
@@ -146,10 +144,7 @@ def check_manifest(manifest: dict) -> None:
 
 
 def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False, default=_json_default)
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, default=_json_default)
 
 
 def _json_default(o):

@@ -16,6 +16,8 @@ from typing import Any, NoReturn, Optional, Sequence, Type, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .utils.io import atomic_write
+
 T = TypeVar("T")
 
 EXIT_CONFIG_ERROR = 2
@@ -91,15 +93,12 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
-def save_config(cfg: Any, run_dir: str | Path, name: str = "config.yaml") -> Path:
-    """Write the resolved config into the run directory (atomically), so a run documents itself."""
+def save_config(cfg: Any, run_dir: str | Path, name: str = "config.yaml", header: str = "") -> Path:
+    """Write the resolved config into the run directory (atomically), so a run documents itself.
+    ``header``: a comment line put first (e.g. which command wrote it)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / name
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(out)
-    return out
+    return atomic_write(run_dir / name, (f"# {header}\n" if header else "") + to_yaml(cfg))
 
 
 def exit_on_config_error(exc: ConfigError) -> NoReturn:

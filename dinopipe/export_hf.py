@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .models.block import swiglu_hidden
 from .models.convert_hf import hf_dinov3_config, to_hf_dinov3
+from .utils.io import atomic_path
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -164,10 +165,9 @@ def export_hf(model, out_dir: str | Path) -> Path:
     else:
         cfg = hf_config(arch)
         sd = to_hf(model.state_dict(), arch)
-    tmp = out / "model.safetensors.tmp"
     # HF refuses safetensors files without a 'format' entry in their metadata.
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in sd.items()}, tmp, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     pre = hf_dinov3_preprocessor_config if arch.get("family") == "dinov3" else hf_preprocessor_config
     (out / "preprocessor_config.json").write_text(json.dumps(pre(cfg["image_size"]), indent=2))

@@ -27,6 +27,7 @@ from .models.convert import convert_checkpoint, infer_arch, timm_model_args, to_
 from .models.convert_dinov3 import timm_dinov3_model_args, to_official_dinov3, to_timm_dinov3
 from .models.registry import TRAINING_ONLY_KEYS, build_vit, list_models, model_defaults
 from .models.vit import DinoVisionTransformer
+from .utils.io import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -287,9 +288,8 @@ def save_backbone(model: nn.Module, out_dir: str | Path, extra: Optional[dict] =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arch = export_arch(model)
-    tmp = out / (WEIGHTS_NAME + ".tmp")
-    save_file(_contiguous_cpu(model.state_dict()), str(tmp), metadata={ARCH_METADATA_KEY: json.dumps(arch)})
-    tmp.replace(out / WEIGHTS_NAME)
+    with atomic_path(out / WEIGHTS_NAME) as tmp:
+        save_file(_contiguous_cpu(model.state_dict()), tmp, metadata={ARCH_METADATA_KEY: json.dumps(arch)})
     cfg = {"format": EXPORT_FORMAT, "arch": arch, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, **(extra or {})}
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
     return out

@@ -16,40 +16,8 @@ import zlib
 import numpy as np
 from PIL import Image
 
-from dinopipe.data.samples import real_photos  # noqa: E402,F401  (the product's own loader)
-
-
-def encode(arr: np.ndarray, fmt: str = "JPEG", quality: int = 95) -> bytes:
-    buf = io.BytesIO()
-    img = Image.fromarray(arr)
-    if fmt == "JPEG":
-        img.save(buf, format="JPEG", quality=quality)
-    else:
-        img.save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def make_copy(arr: np.ndarray, kind: str) -> np.ndarray:
-    """A near-duplicate of ``arr`` as the web makes them ('resize', 'jpeg', 'crop', 'combo')."""
-    img = Image.fromarray(arr)
-    w, h = img.size
-    if kind == "resize":
-        img = img.resize((max(16, w // 2), max(16, h // 2)), Image.BILINEAR)
-    elif kind == "jpeg":
-        img = Image.open(io.BytesIO(encode(arr, quality=30))).convert("RGB")
-    elif kind == "crop":  # about 5% off: 2.5% from each border
-        dx, dy = max(1, int(0.025 * w)), max(1, int(0.025 * h))
-        img = img.crop((dx, dy, w - dx, h - dy))
-    elif kind == "combo":
-        dx, dy = max(1, int(0.02 * w)), max(1, int(0.02 * h))
-        img = img.crop((dx, 0, w - dx, h - dy)).resize((int(w * 0.7), int(h * 0.7)), Image.BICUBIC)
-        img = Image.open(io.BytesIO(encode(np.asarray(img), quality=50))).convert("RGB")
-    else:
-        raise ValueError(kind)
-    return np.asarray(img)
-
-
-COPY_KINDS = ("resize", "jpeg", "crop", "combo")
+# the product's own loaders and copy makers (bench/ uses them too)
+from dinopipe.data.samples import COPY_KINDS, encode, make_copy, real_photos  # noqa: F401
 
 
 def write_pool(root: str, copies_of: list[str] | None = None, kinds=COPY_KINDS,

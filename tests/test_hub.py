@@ -16,7 +16,7 @@ from dinopipe.models import create_model
 from dinopipe.models.block import swiglu_hidden
 from dinopipe.models.convert import detect_format, to_canonical, to_dinov2
 
-from _dinov2_reference import chunk_blocks, official_keys, reference_forward
+from tests._dinov2_reference import chunk_blocks, official_keys, reference_forward
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from dinopipe.models import create_model
 from dinopipe.plan import block_saved_bytes, crop_forward_flops, describe, param_counts, rope_table_bytes, tokens
 from dinopipe.ssl.config import PretrainConfig
 
-from test_plan import VITG, saved_bytes
+from tests.test_plan import VITG, saved_bytes
 
 
 def arch_of(*overrides):

@@ -34,6 +34,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from ..utils.io import atomic_open
+
 from .sources import FileListSource, FolderSource, ImageSource, TarShardSource, open_source
 
 MAGIC = b"DPPOOL\x00\x01"
@@ -69,14 +71,12 @@ def write_index(path: str, header: dict, arrays: dict[str, np.ndarray]) -> None:
         rel = _align(rel + a.nbytes)
     head = json.dumps({**header, "format": "dinopipe-pool-index", "version": VERSION, "arrays": meta}).encode()
     data_start = _align(len(MAGIC) + 8 + len(head))
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb") as f:
         f.write(MAGIC + struct.pack("<Q", len(head)) + head)
         for name, a in arrays.items():
             f.seek(data_start + meta[name]["offset"])
             f.write(a.tobytes())
         f.truncate(data_start + rel)
-    os.replace(tmp, path)
 
 
 def _path_table(paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -109,6 +109,39 @@ def _near_copy(arr: np.ndarray, rng: np.random.Generator) -> bytes:
     return buf.getvalue()
 
 
+def encode(arr: np.ndarray, fmt: str = "JPEG", quality: int = 95) -> bytes:
+    buf = io.BytesIO()
+    img = Image.fromarray(arr)
+    if fmt == "JPEG":
+        img.save(buf, format="JPEG", quality=quality)
+    else:
+        img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def make_copy(arr: np.ndarray, kind: str) -> np.ndarray:
+    """A near-duplicate (tests and bench plant them to measure copy detection) of ``arr`` as the web makes them ('resize', 'jpeg', 'crop', 'combo')."""
+    img = Image.fromarray(arr)
+    w, h = img.size
+    if kind == "resize":
+        img = img.resize((max(16, w // 2), max(16, h // 2)), Image.BILINEAR)
+    elif kind == "jpeg":
+        img = Image.open(io.BytesIO(encode(arr, quality=30))).convert("RGB")
+    elif kind == "crop":  # about 5% off: 2.5% from each border
+        dx, dy = max(1, int(0.025 * w)), max(1, int(0.025 * h))
+        img = img.crop((dx, dy, w - dx, h - dy))
+    elif kind == "combo":
+        dx, dy = max(1, int(0.02 * w)), max(1, int(0.02 * h))
+        img = img.crop((dx, 0, w - dx, h - dy)).resize((int(w * 0.7), int(h * 0.7)), Image.BICUBIC)
+        img = Image.open(io.BytesIO(encode(np.asarray(img), quality=50))).convert("RGB")
+    else:
+        raise ValueError(kind)
+    return np.asarray(img)
+
+
+COPY_KINDS = ("resize", "jpeg", "crop", "combo")
+
+
 CORRUPT_FILES = {
     "corrupt_empty.jpg": b"",
     "corrupt_not_an_image.jpg": b"<html><body>404 Not Found</body></html>",

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..utils.io import atomic_write
 from .dist import barrier, broadcast_object, get_info
 from .signals import maybe_test_signal
 
@@ -106,9 +107,7 @@ class CheckpointManager:
         dcp.save(dict(states), checkpoint_id=str(path))
         barrier()
         if info.is_main:
-            tmp = self.dir / "latest.tmp"
-            tmp.write_text(path.name + "\n")
-            os.replace(tmp, self.dir / "latest")  # atomic: readers see the old or the new name, never half
+            atomic_write(self.dir / "latest", path.name + "\n")  # readers see the old or the new name, never half
             self._prune(keep=path.name)
         barrier()
         log.info("saved checkpoint %s", path)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import io
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests/_photos.py
-
-from _photos import COPY_KINDS, encode, make_copy, real_photos, write_pool  # noqa: E402
+from tests._photos import COPY_KINDS, encode, make_copy, real_photos, write_pool
 
 N_COPIED = 8  # photos that get planted copies (4 kinds each)
 

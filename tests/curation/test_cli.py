@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _photos import bad_file_kinds, write_pool
+from tests._photos import bad_file_kinds, write_pool
 
 from curation.cli import main
 from curation.write import STATUSES

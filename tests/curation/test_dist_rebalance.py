@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _photos import write_pool
+from tests._photos import write_pool
 
 from curation.cli import main
 from curation.pipeline import KEPT, load_step

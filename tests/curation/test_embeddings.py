@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from _photos import bad_file_kinds
+from tests._photos import bad_file_kinds
 
 from curation.descriptor import DescriptorConfig, PCADescriptor
 from curation.embeddings import embed_pool, open_embeddings

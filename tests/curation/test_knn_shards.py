@@ -13,7 +13,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 import pytest
-from test_index_dedup import clustered
+from tests.curation.test_index_dedup import clustered
 
 from curation.cli import main
 from curation.index import GPU_MAX_K, KnnIndex, Rows, iter_knn, sharded_flat

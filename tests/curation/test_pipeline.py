@@ -11,7 +11,7 @@ import tarfile
 import numpy as np
 import pytest
 import webdataset as wds
-from _photos import bad_file_kinds, encode, make_copy
+from tests._photos import bad_file_kinds, encode, make_copy
 
 from curation.pipeline import run_curation
 from curation.write import STATUSES, build_manifest

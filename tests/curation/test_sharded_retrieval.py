@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from _photos import encode, make_copy
+from tests._photos import encode, make_copy
 
 from curation.cli import main
 from curation.index import Rows

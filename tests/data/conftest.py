@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests/_photos.py
-
-from _photos import bad_file_kinds  # noqa: E402
+from tests._photos import bad_file_kinds
 
 
 @pytest.fixture(scope="session")
 def photo() -> np.ndarray:
-    from _photos import real_photos
+    from tests._photos import real_photos
 
     return real_photos()["chelsea"]  # 300 x 451 RGB cat
 

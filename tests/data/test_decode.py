@@ -6,7 +6,7 @@ import io
 
 import numpy as np
 import pytest
-from _photos import jpeg_bytes, png_bytes
+from tests._photos import jpeg_bytes, png_bytes
 from PIL import Image
 
 from dinopipe.data.decode import REASONS, safe_decode

@@ -20,7 +20,7 @@ PHASE = "phases=[{{name: base, fraction: 1.0, global_crops_size: 56, local_crops
 
 @pytest.fixture(scope="module")
 def curated_shards(tmp_path_factory):
-    from _photos import write_pool
+    from tests._photos import write_pool
 
     from curation.write import write_shards
     from dinopipe.data.pool_index import INDEX_NAME

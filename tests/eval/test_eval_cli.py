@@ -2,23 +2,18 @@
 
 import io
 import json
-import sys
 import tarfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests/_photos.py
-
-from _photos import real_photos  # noqa: E402
-
-from dinopipe import hub  # noqa: E402
-from dinopipe.cli import main  # noqa: E402
-from dinopipe.eval.data import LabelError, open_labelled  # noqa: E402
-from dinopipe.models import create_model  # noqa: E402
+from dinopipe import hub
+from dinopipe.cli import main
+from dinopipe.eval.data import LabelError, open_labelled
+from dinopipe.models import create_model
+from tests._photos import real_photos
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 

@@ -12,16 +12,13 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from conftest import REPO, TINY  # noqa: E402
-
 from dinopipe.config import load_config  # noqa: E402
 from dinopipe.hub import load  # noqa: E402
 from dinopipe.ssl.config import PretrainConfig, validate  # noqa: E402
 from dinopipe.train.dist import destroy, get_info, init_distributed  # noqa: E402
 from dinopipe.train.metrics import read_metrics  # noqa: E402
 from dinopipe.train.pretrain import run  # noqa: E402
+from tests.train.conftest import REPO, TINY  # noqa: E402  (torchrun runs this file; PYTHONPATH holds the repo)
 
 # Same global batch (8) at any world size; KoLeo and iBOT masks are per-rank by design, so they are off.
 SAME = ["train.epochs=1", "train.checkpoint_every=100", "dino.koleo_loss_weight=0.0", "ibot.mask_sample_probability=0.0"]

@@ -10,8 +10,6 @@ import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
 
 # vit_test at 56 px, 2 local crops of 28 px, small heads: a step takes well under a second on 2 cores.
 TINY = [
@@ -27,7 +25,7 @@ TINY = [
 
 @pytest.fixture(scope="session")
 def photo_pool(tmp_path_factory):
-    from _photos import write_pool
+    from tests._photos import write_pool
 
     root = tmp_path_factory.mktemp("pool")
     write_pool(str(root))

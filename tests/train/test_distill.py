@@ -12,7 +12,7 @@ import dinopipe
 from dinopipe.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from dinopipe.hub import export_dinov2
 from dinopipe.models import create_model
-from conftest import losses, metrics, run_distill, run_pretrain
+from tests.train.conftest import losses, metrics, run_distill, run_pretrain
 
 pytestmark = pytest.mark.slow
 

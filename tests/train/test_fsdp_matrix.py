@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dinopipe
-from conftest import REPO, env
+from tests.train.conftest import REPO, env
 from dinopipe.train.parallel import ema_update_
 
 WORKER = str(REPO / "tests" / "train" / "_fsdp_matrix_worker.py")

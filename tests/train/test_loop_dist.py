@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import env, launch_ranks
+from tests.train.conftest import env, launch_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import dinopipe.models.attention as attention
-from conftest import REPO, TINY
+from tests.train.conftest import REPO, TINY
 from dinopipe.config import load_config
 from dinopipe.data.transforms import MultiCropAugmentation, MultiCropCollator
 from dinopipe.ssl.config import PretrainConfig

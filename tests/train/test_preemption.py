@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import dinopipe
-from conftest import env, launch_ranks, losses, metrics, pretrain_cmd
+from tests.train.conftest import env, launch_ranks, losses, metrics, pretrain_cmd
 
 pytestmark = pytest.mark.slow
 

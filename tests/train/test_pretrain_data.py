@@ -9,13 +9,13 @@ import torch
 import dinopipe
 from dinopipe.hub import export_dinov2
 from dinopipe.models import create_model
-from conftest import losses, run_pretrain
+from tests.train.conftest import losses, run_pretrain
 
 pytestmark = pytest.mark.slow
 
 
 def test_corrupt_images_are_skipped_and_counted(tmp_path, photo_pool):
-    from _photos import bad_file_kinds
+    from tests._photos import bad_file_kinds
 
     pool = tmp_path / "pool"
     shutil.copytree(photo_pool, pool)

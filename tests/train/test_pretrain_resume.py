@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dinopipe
-from conftest import losses, run_pretrain
+from tests.train.conftest import losses, run_pretrain
 
 pytestmark = pytest.mark.slow
 

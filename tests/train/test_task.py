@@ -12,7 +12,7 @@ from dinopipe.data.transforms import MultiCropAugmentation, MultiCropCollator
 from dinopipe.ssl.config import PretrainConfig
 from dinopipe.ssl.param_groups import build_param_groups
 from dinopipe.ssl.task import SSLTask
-from conftest import REPO, TINY
+from tests.train.conftest import REPO, TINY
 
 
 @pytest.fixture(scope="module")
