@@ -11,7 +11,8 @@ Lines ``name: X.XX`` (goals from issue 2):
   518 px shapes (B, 6 heads, 1370 tokens, 64 dims), laid out as the model lays them out (views of one qkv
   GEMM output). Memory is the torch allocator peak above the live set (see common.py). Goals <= 0.3, <= 1.0.
 - ``res518_time_over_flop_ratio``: (per-image step time at 518 / at 224) / (per-image FLOPs at 518 / at
-  224), FLOPs from 24 N d^2 + 4 N^2 d per block. 518 runs at a batch with about as many tokens as the 224
+  224), FLOPs from the planner's model (``dinopipe.plan.crop_forward_flops``: patch embedding + per block
+  the linear layers' 24 N d^2 and attention's 4 N^2 d). 518 runs at a batch with about as many tokens as the 224
   batch. 1.0 means time grows exactly like FLOPs. Goal <= 1.15.
 - ``train_step_mfu``: analytic model FLOPs (3 x forward: blocks + patch embed) per second of the 224 px
   fwd+bwd step, over the FLOP rate of a fp32 2048^2 GEMM timed in the same rounds. Goal >= 0.75.
@@ -32,6 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import dinopipe  # noqa: E402
 from dinopipe.models.attention import math_attention  # noqa: E402
+from dinopipe.plan import backbone_arch, crop_forward_flops  # noqa: E402
 
 ARCH = "vit_s14"
 DIM, DEPTH, HEADS, PATCH = 384, 12, 6, 14
@@ -149,13 +151,13 @@ def bench_res_mfu(args) -> dict:
     t = C.interleaved_times({"train224": train_step(model, x224), "train518": train_step(model, x518),
                              "gemm": gemm}, args.repeats, device=args.device)
 
-    fwd224 = C.vit_forward_flops(224, PATCH, DIM, DEPTH)
+    arch = backbone_arch(model)  # the planner's FLOP model (dinopipe plan), not a second copy here
+    fwd224 = crop_forward_flops(arch, 224)
     model_flops = 3 * fwd224 * b224
     gemm_rates = [gemm.rate(s) for s in t["gemm"]]
     mfu = C.median((model_flops / a) / g for a, g in zip(t["train224"], gemm_rates))
 
-    n224, n518 = (224 // PATCH) ** 2 + 1, (518 // PATCH) ** 2 + 1
-    flop_ratio = C.vit_block_flops(n518, DIM) / C.vit_block_flops(n224, DIM)
+    flop_ratio = crop_forward_flops(arch, 518) / crop_forward_flops(arch, 224)
     time_ratio = C.paired_ratio([s / b518 for s in t["train518"]], [s / b224 for s in t["train224"]])
 
     counted = C.counted_flops(train_step(model, x224[:1])) * b224  # cross-check of the analytic count

@@ -184,18 +184,7 @@ def run_probe(script: str, args: list[str], timeout: float = 900) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# -- FLOPs ---------------------------------------------------------------------------------------
-def vit_block_flops(num_tokens: int, dim: int) -> int:
-    """Forward FLOPs of one ViT block (MLP ratio 4): 24 N d^2 (qkv, proj, fc1, fc2) + 4 N^2 d (QK^T, AV)."""
-    return 24 * num_tokens * dim * dim + 4 * num_tokens * num_tokens * dim
-
-
-def vit_forward_flops(img: int, patch: int, dim: int, depth: int, in_chans: int = 3, prefix: int = 1) -> int:
-    """Analytic forward FLOPs per image: blocks plus the patch-embedding GEMM (norms/softmax/GELU not counted)."""
-    patches = (img // patch) ** 2
-    return depth * vit_block_flops(patches + prefix, dim) + 2 * patches * in_chans * patch * patch * dim
-
-
+# -- FLOPs (the analytic model is the planner's: dinopipe.plan.crop_forward_flops) -------------------
 def counted_flops(fn: Callable[[], object]) -> int:
     """FLOPs of ``fn`` as torch.utils.flop_counter counts them (matmuls, convs, attention; fwd and bwd)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -234,7 +223,7 @@ def print_ratio(name: str, value: float) -> None:
 
 __all__ = [
     "setup", "sync", "interleaved_times", "median", "paired_ratio", "Gemm", "torch_peak_bytes",
-    "rss_peak_bytes", "run_probe", "vit_block_flops", "vit_forward_flops", "counted_flops", "print_table",
+    "rss_peak_bytes", "run_probe", "counted_flops", "print_table",
     "fmt_s", "fmt_bytes", "print_ratio", "meets_goal",
 ]
 

@@ -16,19 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from dinopipe.config import ConfigError
+from dinopipe.utils.device import pick_device
 
 from .embeddings import eval_transform
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(spec: str = "auto") -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is a mistake, said so."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"embed.device: '{spec}' but torch sees no CUDA device; use auto or cpu")
-    return torch.device(spec)
 
 
 class ModelEmbedder:
@@ -36,7 +28,7 @@ class ModelEmbedder:
 
     def __init__(self, model: torch.nn.Module, image_size: int = 224, device: str = "auto",
                  precision: str = "auto"):
-        self.device = pick_device(device) if isinstance(device, str) else device
+        self.device = pick_device(device, key="embed.device")
         patch = int(getattr(model, "patch_size", 1))
         if image_size % patch:
             raise ConfigError(f"embed.image_size: {image_size} is not a multiple of the model's "
@@ -82,7 +74,7 @@ def build_embedder(model: str, image_size: int = 224, device: str = "auto",
     from dinopipe.hub import CheckpointError, load
     from dinopipe.models import list_models
 
-    dev = pick_device(device)
+    dev = pick_device(device, key="embed.device")
     if model in list_models():
         log.warning("embed.model=%s is a registry name: random weights, so retrieval and "
                     "clustering follow no semantics (use real DINOv2 weights for curation)", model)
@@ -93,4 +85,4 @@ def build_embedder(model: str, image_size: int = 224, device: str = "auto",
     return ModelEmbedder(net, image_size, dev, precision)
 
 
-__all__ = ["ModelEmbedder", "build_embedder", "pick_device"]
+__all__ = ["ModelEmbedder", "build_embedder"]

@@ -159,6 +159,19 @@ def dataclass_fields(schema: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
 
 
+def phase_steps(cfg: Any) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` steps of each of ``cfg.phases`` (a stage config with ``phases[].fraction``
+    and ``train.epochs``, ``train.epoch_length``); the last phase takes the rounding remainder, so the
+    ends reach ``epochs * epoch_length`` exactly. The trainer's schedules and the planner both split here."""
+    total = cfg.train.epochs * cfg.train.epoch_length
+    bounds, start = [], 0
+    for i, ph in enumerate(cfg.phases):
+        end = total if i == len(cfg.phases) - 1 else start + int(round(ph.fraction * total))
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
 __all__ = [
     "ConfigError",
     "EXIT_CONFIG_ERROR",
@@ -168,4 +181,5 @@ __all__ = [
     "to_yaml",
     "exit_on_config_error",
     "field",
+    "phase_steps",
 ]

@@ -45,14 +45,6 @@ class Skip(Exception):
     """A check that does not apply here (no GPU, package not installed); recorded with its reason."""
 
 
-def pick_device(cpu: bool) -> torch.device:
-    if cpu:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit("error: no CUDA device visible; run on a GPU node, or use --cpu for the CPU smoke subset")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float().cpu() - b.float().cpu()).abs().max())
 
@@ -254,7 +246,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated subset of checks")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    dev = pick_device(args.cpu)
+    if not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("error: no CUDA device visible; run on a GPU node, or use --cpu for the CPU smoke subset")
+    dev = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
     only = [s for s in args.only.split(",") if s] if args.only else None
     report = run_checks(dev, Path(args.out), only)
     print(f"report: {Path(args.out) / 'report.json'}; failed: {report['failed'] or 'none'}", flush=True)

@@ -27,6 +27,7 @@ import torch
 from timm.layers import GluMlp, LayerScale, Mlp
 from torch import nn
 
+from .config import phase_steps
 from .models import DINOHead, create_model
 from .models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
 
@@ -93,24 +94,29 @@ def describe(cfg) -> tuple[Arch, list[HeadArch]]:
             heads_cfg.append(("ibot_head", cfg.ibot.head))
         heads = [(n, DINOHead(bb.embed_dim, h.n_prototypes, h.hidden_dim, h.bottleneck_dim, h.nlayers))
                  for n, h in heads_cfg]
-    blk = bb.blocks[0]
-    if not isinstance(blk.mlp, (Mlp, GluMlp)):
-        raise ValueError(f"planner knows Mlp and GluMlp (SwiGLU) blocks, not {type(blk.mlp).__name__}")
-    lin = sum(2 * m.in_features * m.out_features for m in blk.modules() if isinstance(m, nn.Linear))
-    block_params = [sum(p.numel() for p in b.parameters()) for b in bb.blocks]
-    arch = Arch(
-        dim=bb.embed_dim, depth=len(bb.blocks), num_heads=bb.num_heads, patch_size=bb.patch_size,
-        num_register_tokens=bb.num_register_tokens, block_linear_flops=lin, fc1_out=blk.mlp.fc1.out_features,
-        layer_scale=isinstance(blk.ls1, LayerScale), drop_rates=[b.drop_path_rate for b in bb.blocks],
-        efficient_drop_path=blk.efficient_drop_path, block_params=block_params,
-        root_params=sum(p.numel() for p in bb.parameters()) - sum(block_params), backbone_numels=_shapes(bb),
-        rope=hasattr(bb, "rope_embed"))
+    arch = backbone_arch(bb)
     head_archs = []
     for name, h in heads:
         linears = [m for m in h.mlp if isinstance(m, nn.Linear)]
         head_archs.append(HeadArch(name, bb.embed_dim, [m.out_features for m in linears[:-1]],
                                    linears[-1].out_features, h.last_layer.out_features, _shapes(h)))
     return arch, head_archs
+
+
+def backbone_arch(bb: nn.Module) -> Arch:
+    """The planner's shapes of a built backbone (any device, meta included); the benches count FLOPs with it."""
+    blk = bb.blocks[0]
+    if not isinstance(blk.mlp, (Mlp, GluMlp)):
+        raise ValueError(f"planner knows Mlp and GluMlp (SwiGLU) blocks, not {type(blk.mlp).__name__}")
+    lin = sum(2 * m.in_features * m.out_features for m in blk.modules() if isinstance(m, nn.Linear))
+    block_params = [sum(p.numel() for p in b.parameters()) for b in bb.blocks]
+    return Arch(
+        dim=bb.embed_dim, depth=len(bb.blocks), num_heads=bb.num_heads, patch_size=bb.patch_size,
+        num_register_tokens=bb.num_register_tokens, block_linear_flops=lin, fc1_out=blk.mlp.fc1.out_features,
+        layer_scale=isinstance(blk.ls1, LayerScale), drop_rates=[b.drop_path_rate for b in bb.blocks],
+        efficient_drop_path=blk.efficient_drop_path, block_params=block_params,
+        root_params=sum(p.numel() for p in bb.parameters()) - sum(block_params), backbone_numels=_shapes(bb),
+        rope=hasattr(bb, "rope_embed"))
 
 
 # -- parameters, gradients, optimizer ---------------------------------------------------------------------
@@ -325,17 +331,6 @@ def step_flops(cfg, arch: Arch, heads: list[HeadArch], phase, b: int) -> dict:
 # -- the plan -----------------------------------------------------------------------------------------
 
 
-def phase_steps(cfg) -> list[int]:
-    """Steps of each phase (as the trainer splits ``train.epochs * train.epoch_length``)."""
-    total = cfg.train.epochs * cfg.train.epoch_length
-    out, start = [], 0
-    for i, ph in enumerate(cfg.phases):
-        end = total if i == len(cfg.phases) - 1 else start + int(round(ph.fraction * total))
-        out.append(end - start)
-        start = end
-    return out
-
-
 def _fits(total: float, gpu_mem_gb: float) -> bool:
     return total <= gpu_mem_gb * GiB
 
@@ -375,7 +370,8 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
         return (state["total"] + act) * (1 + margin) + overhead_gb * GiB
 
     phases = []
-    for phase, steps in zip(cfg.phases, phase_steps(cfg)):
+    for phase, (start, end) in zip(cfg.phases, phase_steps(cfg)):
+        steps = end - start
         b = phase.batch_size_per_gpu
         mem = {}
         for attn_name, attn in (("fused", fused), ("math", "math")):
@@ -499,5 +495,5 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["plan", "format_report", "describe", "block_saved_bytes", "crop_forward_flops", "step_flops",
+__all__ = ["plan", "format_report", "describe", "backbone_arch", "block_saved_bytes", "crop_forward_flops", "step_flops",
            "step_memory", "state_memory", "largest_batch", "implied_mfu", "main"]

@@ -75,12 +75,12 @@ def _print_seg(res: dict) -> None:
 def run_seg(args: argparse.Namespace) -> dict:
     from ..hub import load
     from .dense_data import open_dense
-    from .features import pick_device
+    from ..utils.device import pick_device
     from .seg import extract_dense, seg_probe
 
     train = open_dense(args.train)  # data problems surface before the model is loaded
     val = open_dense(args.val, num_classes=train.num_classes)
-    device = pick_device(args.device)
+    device = pick_device(args.device, key="--device")
     model = load(args.model, device=device, num_heads=args.num_heads)
     size = args.img_size or int(model.patch_embed.img_size[0])
     if size % int(model.patch_size):
@@ -123,13 +123,14 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from ..hub import load
-    from .features import eval_crop_size, extract_features, pick_device
+    from ..utils.device import pick_device
+    from .features import eval_crop_size, extract_features
     from .knn import knn_classify
     from .linear import linear_probe
 
     train = open_labelled(args.train)  # data problems surface before the model is loaded
     val = open_labelled(args.val, classes=train.classes)
-    device = pick_device(args.device)
+    device = pick_device(args.device, key="--device")
     model = load(args.model, device=device, num_heads=args.num_heads)
     t0 = time.time()
     kw = dict(img_size=args.img_size, batch_size=args.batch_size, num_workers=args.workers, device=device,
@@ -159,11 +160,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..config import ConfigError
     from ..hub import CheckpointError
 
     try:
         out = run_seg(args) if args.task == "seg" else run(args)
-    except (LabelError, FileNotFoundError) as exc:
+    except (LabelError, FileNotFoundError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except CheckpointError as exc:

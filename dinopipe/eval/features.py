@@ -20,6 +20,7 @@ from torchvision.transforms import v2
 
 from ..data.decode import safe_decode
 from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ..utils.device import pick_device
 from .data import LabelError, LabelledImages
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,6 @@ class Features:
     unreadable: int
 
 
-def pick_device(device: str = "auto") -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
-
-
 @torch.no_grad()
 def model_features(model: nn.Module, x: Tensor, avgpool: bool = False) -> Tensor:
     out = model.forward_features(x)
@@ -94,7 +91,7 @@ def extract_features(
     ``img_size`` defaults to the size the model was built for. With ``avgpool`` and ``normalize`` the CLS and
     average-patch halves are normalised separately, so neither dominates the concatenation.
     """
-    device = pick_device(device) if isinstance(device, str) else device
+    device = pick_device(device)
     patch = int(model.patch_size)
     size = img_size or int(model.patch_embed.img_size[0])
     crop = eval_crop_size(size, patch)
@@ -121,4 +118,4 @@ def extract_features(
     return Features(torch.cat(feats), torch.cat(labels).long(), bad)
 
 
-__all__ = ["Features", "extract_features", "eval_transform", "eval_crop_size", "model_features", "pick_device"]
+__all__ = ["Features", "extract_features", "eval_transform", "eval_crop_size", "model_features"]

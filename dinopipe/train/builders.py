@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from ..config import ConfigError, exit_on_config_error, load_config
+from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
 from ..data.loader import DataPosition, build_train_loader
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..data.transforms import MultiCropAugmentation, MultiCropCollator
@@ -23,16 +23,6 @@ EXIT_NON_FINITE = 3  # the loss or gradients became nan/inf; the last good check
 
 # ``cfg`` below is any stage config with the sections phases, crops, ibot (masking), optim, teacher
 # (temperatures, momentum), data, train (PretrainConfig, DistillConfig).
-
-
-def phase_steps(cfg: Any) -> list[tuple[int, int]]:
-    total = cfg.train.epochs * cfg.train.epoch_length
-    bounds, start = [], 0
-    for i, ph in enumerate(cfg.phases):
-        end = total if i == len(cfg.phases) - 1 else start + int(round(ph.fraction * total))
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def build_schedules(cfg: Any, world_size: int) -> dict:
