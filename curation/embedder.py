@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from dinopipe.config import ConfigError
+from dinopipe.data.transforms import eval_transform
 from dinopipe.utils.device import pick_device
 
-from .embeddings import eval_transform
 
 log = logging.getLogger(__name__)
 

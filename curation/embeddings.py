@@ -23,10 +23,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from PIL import Image
 
 from dinopipe.data.decode import DEFAULT_MAX_PIXELS, safe_decode
 from dinopipe.data.sources import ImageRef, MultiSource, as_multi, check_split
+from dinopipe.data.transforms import eval_transform
 from dinopipe.utils.io import atomic_open, atomic_write_json
 
 from .descriptor import HASHES
@@ -161,18 +161,6 @@ def _check_tasks_done(emb_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------- runner
-
-
-def eval_transform(size: int = 224) -> Callable[[Image.Image], torch.Tensor]:
-    """Resize (shorter side size*256/224) + centre crop + ImageNet normalisation, as DINOv2 evals."""
-    from torchvision import transforms as T
-
-    return T.Compose([
-        T.Resize(int(round(size * 256 / 224)), interpolation=T.InterpolationMode.BICUBIC),
-        T.CenterCrop(size),
-        T.ToTensor(),
-        T.Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)),
-    ])
 
 
 class _DecodeDataset(torch.utils.data.Dataset):

@@ -28,10 +28,9 @@ from torch import Tensor
 
 from .models.block import swiglu_hidden
 from .models.convert_hf import hf_dinov3_config, to_hf_dinov3
-from .utils.io import atomic_path
+from dinopipe.utils.io import atomic_path
+from dinopipe.utils.norm import IMAGENET_MEAN, IMAGENET_STD
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def hf_config(arch: Mapping[str, Any]) -> dict[str, Any]:

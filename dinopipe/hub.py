@@ -27,7 +27,8 @@ from .models.convert import convert_checkpoint, infer_arch, timm_model_args, to_
 from .models.convert_dinov3 import timm_dinov3_model_args, to_official_dinov3, to_timm_dinov3
 from .models.registry import TRAINING_ONLY_KEYS, build_vit, list_models, model_defaults
 from .models.vit import DinoVisionTransformer
-from .utils.io import atomic_path
+from dinopipe.utils.io import atomic_path
+from dinopipe.utils.norm import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,6 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 ARCH_METADATA_KEY = "dinopipe_arch"
 EXPORT_FORMAT = "dinopipe-backbone/1"
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class CheckpointError(ValueError):

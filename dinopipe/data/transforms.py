@@ -20,10 +20,9 @@ import torch
 from torch import Tensor
 from torchvision.transforms import v2
 
+from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD
 from .masking import MaskingGenerator, mask_token_weights, masks_upperbound, sample_masks
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def _blur(p: float) -> v2.Transform:
@@ -193,4 +192,24 @@ class MultiCropCollator:
         return out
 
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MultiCropAugmentation", "MultiCropCollator"]
+def eval_crop_size(img_size: int, patch_size: int) -> int:
+    """The largest multiple of the patch size not above ``img_size`` (at least one patch)."""
+    return max(patch_size, img_size // patch_size * patch_size)
+
+
+def eval_transform(crop: int = 224, resize_ratio: float = 256 / 224) -> v2.Compose:
+    """DINOv2's eval preprocessing: resize the shorter side to ``crop * resize_ratio`` (bicubic), centre crop,
+    ImageNet normalisation -> float32 (3, crop, crop). Used by the kNN / linear evals and by curation's
+    embedder. A PIL image is resized and cropped by PIL (what DINOv2's torchvision-v1 evals did, so
+    embeddings match theirs); ``ToImage`` comes after, so a uint8 tensor input works too."""
+    return v2.Compose([
+        v2.Resize(int(round(crop * resize_ratio)), interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
+        v2.CenterCrop(crop),
+        v2.ToImage(),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MultiCropAugmentation", "MultiCropCollator", "eval_transform",
+           "eval_crop_size"]

@@ -16,29 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
-from torchvision.transforms import v2
 
 from ..data.decode import safe_decode
-from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ..data.transforms import eval_crop_size, eval_transform
 from ..utils.device import pick_device
 from .data import LabelError, LabelledImages
 
 log = logging.getLogger(__name__)
-
-
-def eval_crop_size(img_size: int, patch_size: int) -> int:
-    """The largest multiple of the patch size not above ``img_size`` (at least one patch)."""
-    return max(patch_size, img_size // patch_size * patch_size)
-
-
-def eval_transform(crop: int, resize_ratio: float = 256 / 224) -> v2.Compose:
-    return v2.Compose([
-        v2.ToImage(),
-        v2.Resize(int(round(crop * resize_ratio)), interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
-        v2.CenterCrop(crop),
-        v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
 
 
 class _EvalDataset(Dataset):
