@@ -199,19 +199,12 @@ class TarShardSource(ImageSource):
         return out
 
     def _shard_refs(self, shard: str, shard_name: str) -> list[ImageRef]:
-        out, problem, size = [], None, os.path.getsize(shard)
-        try:
-            with tarfile.open(shard, mode="r:") as tf:
-                for member in tf:  # iterating reads headers only and seeks over the data
-                    if member.offset_data + member.size > size:
-                        # tarfile treats a cut-off file as a normal end: check sizes ourselves.
-                        problem = "the file is cut off"
-                    if member.isfile() and extension_of(member.name) in IMAGE_EXTENSIONS:
-                        image_id = f"{self.name}/{shard_name}/{member.name}"
-                        loc = (shard, member.offset_data, member.size)
-                        out.append(ImageRef(image_id, self.name, loc))
-        except (tarfile.TarError, OSError) as e:
-            problem = str(e) or type(e).__name__
+        out, walk = [], TarWalk(shard)
+        for member in walk:
+            if extension_of(member.name) in IMAGE_EXTENSIONS:
+                image_id = f"{self.name}/{shard_name}/{member.name}"
+                out.append(ImageRef(image_id, self.name, (shard, member.offset_data, member.size)))
+        problem = walk.error or ("the file is cut off" if walk.cut_off else None)
         if problem:
             # Keep what was listed and add one placeholder so the damage shows in the manifest
             # (the images after the damage cannot be counted: their headers are gone).
@@ -231,6 +224,44 @@ class TarShardSource(ImageSource):
                 data = f.read(size)
             return data  # a short read decodes as 'truncated', which is what it is
         except OSError:
+            return None
+
+
+class TarWalk:
+    """The regular-file members of one uncompressed tar shard, reading headers only (iterating a tarfile
+    seeks over the data), each with ``offset_data`` and ``size`` for reading it later by offset. The one
+    tar walker of the package (training pool, curation sources, labelled eval shards).
+
+    A damaged shard does not raise: the walk stops at the damage and says so — ``error`` (the tarfile or
+    OS error's text) or ``cut_off`` (a member's data runs past the end of the file, which tarfile itself
+    treats as a normal end). ``read(member)`` returns a small member's bytes during the walk (labels)."""
+
+    def __init__(self, shard: str) -> None:
+        self.shard = shard
+        self.error: str | None = None
+        self.cut_off = False
+        self._tar: tarfile.TarFile | None = None
+
+    def __iter__(self) -> Iterator[tarfile.TarInfo]:
+        try:
+            size = os.path.getsize(self.shard)
+            with tarfile.open(self.shard, mode="r:") as self._tar:
+                for member in self._tar:
+                    self.cut_off |= member.offset_data + member.size > size
+                    if member.isfile():
+                        yield member
+        except (tarfile.TarError, OSError) as e:
+            self.error = str(e) or type(e).__name__
+        finally:
+            self._tar = None
+
+    def read(self, member: tarfile.TarInfo) -> bytes | None:
+        """The member's bytes (during the walk); None, with ``error`` set, when they cannot be read."""
+        try:
+            f = self._tar.extractfile(member) if self._tar is not None else None
+            return None if f is None else f.read()
+        except (tarfile.TarError, OSError) as e:
+            self.error = self.error or str(e) or type(e).__name__
             return None
 
 

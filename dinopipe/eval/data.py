@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ..data.sources import IMAGE_EXTENSIONS, FolderSource, ImageRef, TarShardSource, extension_of
+from ..data.sources import IMAGE_EXTENSIONS, FolderSource, ImageRef, TarShardSource, TarWalk, extension_of
 
 LABEL_JSON_KEYS = ("label", "cls")
 LABEL_MEMBER_EXTS = ("cls", "label")
@@ -79,11 +78,10 @@ def _folder(root: Path, classes: Optional[Sequence[str]]) -> LabelledImages:
     return LabelledImages(refs, labels, cls, src.read, str(root))
 
 
-def _label_from_member(tf: tarfile.TarFile, member: tarfile.TarInfo, ext: str) -> Optional[str]:
-    data = tf.extractfile(member)
+def _label_from_member(data: Optional[bytes], ext: str) -> Optional[str]:
     if data is None:
         return None
-    text = data.read().decode("utf-8", errors="replace").strip()
+    text = data.decode("utf-8", errors="replace").strip()
     if ext == "json":
         try:
             meta = json.loads(text)
@@ -105,24 +103,21 @@ def _shards(spec: str, classes: Optional[Sequence[str]]) -> LabelledImages:
     for shard in src.shards:
         images: dict[str, ImageRef] = {}
         labels: dict[str, str] = {}
-        try:
-            with tarfile.open(shard, mode="r:") as tf:
-                for m in tf:
-                    if not m.isfile():
-                        continue
-                    d, base = os.path.split(m.name)
-                    stem, _, ext = base.partition(".")
-                    key, ext = f"{d}/{stem}" if d else stem, ext.lower()
-                    last = extension_of(base)
-                    if last in IMAGE_EXTENSIONS:
-                        images[key] = ImageRef(f"{src.name}/{Path(shard).name}/{m.name}", src.name,
-                                               (shard, m.offset_data, m.size))
-                    elif ext in ("json",) + LABEL_MEMBER_EXTS:
-                        label = _label_from_member(tf, m, ext)
-                        if label is not None and (ext != "json" or key not in labels):
-                            labels[key] = label
-        except (tarfile.TarError, OSError) as exc:
-            raise LabelError(f"{shard}: cannot read the tar shard ({exc}); re-create or re-download it") from None
+        walk = TarWalk(shard)
+        for m in walk:
+            d, base = os.path.split(m.name)
+            stem, _, ext = base.partition(".")
+            key, ext = f"{d}/{stem}" if d else stem, ext.lower()
+            last = extension_of(base)
+            if last in IMAGE_EXTENSIONS:
+                images[key] = ImageRef(f"{src.name}/{Path(shard).name}/{m.name}", src.name,
+                                       (shard, m.offset_data, m.size))
+            elif ext in ("json",) + LABEL_MEMBER_EXTS:
+                label = _label_from_member(walk.read(m), ext)
+                if label is not None and (ext != "json" or key not in labels):
+                    labels[key] = label
+        if walk.error:  # (a cut-off last image is read short and counted unreadable, as in training)
+            raise LabelError(f"{shard}: cannot read the tar shard ({walk.error}); re-create or re-download it")
         for key, ref in images.items():
             if key in labels:
                 refs.append(ref)
