@@ -33,6 +33,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from curation.config import DedupConfig, EmbedConfig  # noqa: E402
 from curation.embeddings import open_embeddings  # noqa: E402
 from curation.pipeline import load_step, step_dedup, step_embed  # noqa: E402
 from dinopipe.data.samples import _to_rgb_uint8, build_sample_pool  # noqa: E402
@@ -124,12 +125,12 @@ def evaluate(out: str, src_name: str, pairs: dict) -> dict:
 
 def run_pool(name: str, root: str, pairs: dict, out: str, k: int = 64, index: str = "auto") -> dict:
     t0 = time.perf_counter()
-    step_embed([root], out, batch_size=64, num_workers=0, progress=False)
+    step_embed([root], out, EmbedConfig(batch_size=64, num_workers=0), progress=False)
     t_embed = time.perf_counter() - t0
     res = {}
     for mode, kw in MODES.items():
         t0 = time.perf_counter()
-        d = step_dedup(out, k=k, index_kind=index, progress=False, sources=[root], **kw)
+        d = step_dedup(out, DedupConfig(k=k, index=index, **kw), progress=False, sources=[root])
         r = evaluate(out, os.path.basename(root), pairs)
         r.update(seconds=time.perf_counter() - t0, candidates=d["candidates"], edges=d["edges"],
                  verify_seconds=d["verify_seconds"], embed_seconds=t_embed)

@@ -285,8 +285,8 @@ def _validate_knn(cfg: CurationConfig) -> None:
 
 
 def knn_kwargs(cfg: CurationConfig) -> dict:
-    """The ``knn`` dict of the pipeline steps (curation.knn_steps) for this config."""
-    n = cfg.knn
+    """The ``knn`` dict of the pipeline steps (curation.knn_steps) for this config (or its knn section)."""
+    n = getattr(cfg, "knn", cfg)
     return {"chunk_size": n.chunk_size, "batch_size": n.batch_size, "nlist": n.nlist, "pq_m": n.pq_m,
             "train_size": n.train_size, "use_gpu": {"auto": "auto", "true": True, "false": False}[str(n.use_gpu).lower()]}
 

@@ -17,23 +17,24 @@ Each step reads the previous steps' files; ``curate embed|dedup|...`` map onto t
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from dinopipe.data.sources import as_multi
 from dinopipe.utils.io import atomic_open, atomic_path
 
+from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
+                     RebalanceConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs)
 from .dedup import resolve_threshold
 from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
 from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
-from .hashdedup import DEFAULT_MAX_DISTANCE
 from .index import Rows
 from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval
-from .rebalance import rebalance
-from .verify import DEFAULT_THRESHOLD as DEFAULT_VERIFY_THRESHOLD
+from .rebalance import rebalance as select
 from .verify import pixel_verifier
 from .write import build_manifest, write_json_atomic, write_shards
 
@@ -92,51 +93,50 @@ def copy_embedder(out_dir: str, sources=None, config: DescriptorConfig | None = 
     return emb, emb.transform
 
 
-def step_embed(sources, out_dir: str, model_embed_fn: Callable | None = None,
-               model_transform=None, descriptor_config: DescriptorConfig | None = None,
-               shard_size: int = 10000, batch_size: int = 64, num_workers: int = 2,
-               task_index: int = 0, num_tasks: int = 1, progress: bool = True,
-               copy_model: str | None = None, copy_image_size: int = 224,
-               device: str = "auto", precision: str = "auto") -> dict:
-    """Copy descriptors (+ perceptual hashes) of this task's share of the pool; model embeddings
-    too when ``model_embed_fn`` is given. Resumable and split by ``task_index/num_tasks``.
-    ``copy_model``: a copy-detection model (TorchScript or ``dinopipe.load``) in place of the
-    descriptor (see :mod:`curation.copymodel`)."""
-    fn, tf = copy_embedder(out_dir, sources, descriptor_config, copy_model, copy_image_size,
-                           device, precision)
+def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
+               descriptor: DescriptorConfig | None = None, dedup: DedupConfig | None = None,
+               embedder: Callable | None = None, progress: bool = True) -> dict:
+    """Copy descriptors (+ perceptual hashes) of this task's share of the pool (``embed.task_index`` of
+    ``embed.num_tasks``); model embeddings too when an ``embedder`` (the built ``embed.model``, with its
+    ``transform``) is given. Resumable. ``dedup.model``: a copy-detection model (TorchScript or
+    ``dinopipe.load``) in place of the descriptor (see :mod:`curation.copymodel`)."""
+    e, dd = embed or EmbedConfig(), dedup or DedupConfig()
+    fn, tf = copy_embedder(out_dir, sources, descriptor, dd.model, dd.image_size, e.device, e.precision)
     targets = {"descriptor": EmbedTarget(fn, _p(out_dir, "embeddings", "descriptor"), tf, "phash")}
-    if model_embed_fn is not None:  # the same decoded image feeds both (one read + decode per image)
-        targets["model"] = EmbedTarget(model_embed_fn, _p(out_dir, "embeddings", "model"), model_transform)
-    counts = embed_pool_multi(sources, list(targets.values()), shard_size=shard_size, batch_size=batch_size,
-                              num_workers=num_workers, task_index=task_index, num_tasks=num_tasks,
+    if embedder is not None:  # the same decoded image feeds both (one read + decode per image)
+        targets["model"] = EmbedTarget(embedder, _p(out_dir, "embeddings", "model"), _transform(embedder))
+    counts = embed_pool_multi(sources, list(targets.values()), shard_size=e.shard_size, batch_size=e.batch_size,
+                              num_workers=e.num_workers, task_index=e.task_index, num_tasks=e.num_tasks,
                               progress=progress)
     return dict(zip(targets, counts))
 
 
-def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,
-               threshold: float | None = None, index_kind: str = "auto", nprobe: int = 16,
-               progress: bool = True, hash_enabled: bool = True, sources=None,
-               verify: bool = True, verify_threshold: float = DEFAULT_VERIFY_THRESHOLD,
-               verify_size: int = 128, grouping: str = "star", knn: dict | None = None) -> dict:
-    """Hash pre-dedup (unless ``hash_enabled`` is False), then copy dedup of the hash survivors:
+def _transform(embedder):
+    return getattr(embedder, "transform", None)
+
+
+def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashDedupConfig | None = None,
+               knn: KnnConfig | None = None, sources=None, progress: bool = True) -> dict:
+    """Hash pre-dedup (unless ``hash_dedup.enabled`` is False), then copy dedup of the hash survivors:
     kNN candidates on the copy descriptors through the sharded kNN (curation.knn_steps: the saved
     index and the chunks of `curate search` array tasks are reused, whatever is missing is computed
-    here), each verified on the pixels of ``sources`` (unless ``verify`` is False), grouped without
-    chaining (``grouping='star'``). ``threshold``: the kNN cosine of candidates (None: 0.45 with
-    verification, DINOv2's 0.6 without)."""
-    threshold = resolve_threshold(threshold, verify)
+    here), each verified on the pixels of ``sources`` (unless ``dedup.verify`` is False), grouped
+    without chaining (``dedup.grouping='star'``). ``dedup.threshold``: the kNN cosine of candidates
+    (None: 0.45 with verification, DINOv2's 0.6 without)."""
+    dd, hc = dedup or DedupConfig(), hash_dedup or HashDedupConfig()
+    threshold = resolve_threshold(dd.threshold, dd.verify)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    if verify and sources is None:
+    if dd.verify and sources is None:
         raise ValueError("copy verification reads the images again: pass the pool's sources "
-                         "(or verify=False to trust the descriptor alone)")
-    verify_with = (sources, verify_size, verify_threshold) if verify else None
-    h = hash_survivors(emb, hash_enabled, hash_max_distance, verify_with)
+                         "(or dedup.verify=False to trust the descriptor alone)")
+    verify_with = (sources, dd.verify_size, dd.verify_threshold) if dd.verify else None
+    h = hash_survivors(emb, hc.enabled, hc.max_distance, verify_with)
     verifier = None
     surv = np.flatnonzero(h.keep)
-    if verify:
-        verifier = pixel_verifier(sources, emb.ids, surv, verify_size, verify_threshold)
-    d = sharded_copy_dedup(out_dir, emb, surv, k, threshold, index_kind, nprobe, knn, progress,
-                           verifier=verifier, grouping=grouping)
+    if dd.verify:
+        verifier = pixel_verifier(sources, emb.ids, surv, dd.verify_size, dd.verify_threshold)
+    d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, _knn(knn), progress,
+                           verifier=verifier, grouping=dd.grouping)
     component = h.group.copy()  # hash duplicates join their kept image's copy component
     component[surv] = surv[d.component]
     component = component[component]  # a hash group's kept image may itself be a copy
@@ -151,19 +151,28 @@ def step_dedup(out_dir: str, hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: i
             "threshold": threshold, "verify_seconds": round(d.verify_seconds, 2)}
 
 
-def step_decontaminate(out_dir: str, eval_sources=None, threshold: float = 0.45,
-                       batch_size: int = 64, num_workers: int = 2, progress: bool = True,
-                       knn: dict | None = None) -> dict:
-    """Drop the copy component of every pool image with cosine > threshold to an eval image."""
+def _knn(knn: KnnConfig | None) -> dict | None:
+    """The ``knn`` dict of curation.knn_steps (None: its defaults)."""
+    return None if knn is None else knn_kwargs(knn)
+
+
+def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: DecontaminateConfig | None = None,
+                       embed: EmbedConfig | None = None, knn: KnnConfig | None = None,
+                       progress: bool = True) -> dict:
+    """Drop the copy component of every pool image with cosine > ``decontaminate.threshold`` to an
+    eval image (eval images embedded with ``embed.batch_size`` / ``embed.num_workers``)."""
+    threshold = (decontaminate or DecontaminateConfig()).threshold
+    e = embed or EmbedConfig()
     dd = load_step(out_dir, "dedup")
     status, component = dd["status"], dd["component"]
     max_sim = np.full(len(status), np.nan, np.float32)
     n_removed = 0
     if eval_sources:
-        ev = embed_eval(out_dir, eval_sources, batch_size, num_workers, progress)
+        ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
         pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
         alive = np.flatnonzero(status != HASH_DUP)  # hash duplicates are gone already
-        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, knn, progress) if len(ev) and len(alive)
+        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress)
+                        if len(ev) and len(alive)
                         else (np.full(len(alive), -np.inf), np.full(len(alive), -1, np.int64)))
         res = expand_to_components(sim, nearest, threshold, component[alive])
         max_sim[alive] = res.max_sim
@@ -186,30 +195,32 @@ def rebalance_rows(out_dir: str):
     return space_dir, rows_idx, alive, status
 
 
-def embed_seeds(out_dir: str, seed_sources, seed_embed_fn: Callable | None = None, seed_transform=None,
-                batch_size: int = 64, num_workers: int = 2, progress: bool = True):
+def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, embed: EmbedConfig | None = None,
+                progress: bool = True):
     """Seed images in the rebalance space (the model's, else the copy space), resumable."""
+    e = embed or EmbedConfig()
     use_model = os.path.isdir(_p(out_dir, "embeddings", "model"))
     seed_dir = _p(out_dir, "embeddings", "seeds")
-    if use_model and seed_embed_fn is None:
+    if use_model and embedder is None:
         raise ValueError("seed images must be embedded with the same model as the pool: "
-                         "pass seed_embed_fn (and seed_transform)")
-    fn, tf = (seed_embed_fn, seed_transform) if use_model else copy_embedder(out_dir)
-    embed_pool(seed_sources, fn, seed_dir, batch_size=batch_size, num_workers=num_workers,
+                         "pass the embedder (embed.model) the pool was embedded with")
+    fn, tf = (embedder, _transform(embedder)) if use_model else copy_embedder(out_dir)
+    embed_pool(seed_sources, fn, seed_dir, batch_size=e.batch_size, num_workers=e.num_workers,
                transform=tf, hash_name=None, progress=progress)
     return open_embeddings(seed_dir)
 
 
-def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
-                   seed_embed_fn: Callable | None = None, seed_transform=None,
-                   batch_size: int = 64, num_workers: int = 2, progress: bool = True,
-                   kmeans_dir: str | None = None, knn: dict | None = None, **mode_kwargs) -> dict:
+def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_sources=None,
+                   embedder: Callable | None = None, embed: EmbedConfig | None = None,
+                   knn: KnnConfig | None = None, progress: bool = True, kmeans_dir: str | None = None) -> dict:
     """Rebalance the survivors on model embeddings (descriptors when no model was embedded).
 
     ``kmeans_dir``: mode=hierarchical takes its k-means tree from there (written by
     ``python -m curation.dist_kmeans --curate``) after checking it was made for these rows and
     settings, instead of clustering in this process. mode=sample retrieves through the sharded kNN
     (curation.knn_steps.sharded_retrieval: the chunks of `curate search` tasks, else searched here)."""
+    r = rebalance or RebalanceConfig()
+    mode, mode_kwargs = r.mode, rebalance_kwargs(r)
     space_dir, rows_idx, alive, status = rebalance_rows(out_dir)
     space = open_embeddings(space_dir)
     if kmeans_dir and mode == "hierarchical":
@@ -219,15 +230,14 @@ def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
             len(rows_idx), space.ids[rows_idx], **mode_kwargs), "rebalance.kmeans_dir")
     seeds, seed_ids = None, np.zeros(0, object)
     if seed_sources:
-        seed_set = embed_seeds(out_dir, seed_sources, seed_embed_fn, seed_transform, batch_size,
-                               num_workers, progress)
+        seed_set = embed_seeds(out_dir, seed_sources, embedder, embed, progress)
         seeds, seed_ids = Rows(seed_set), seed_set.ids
         if mode == "sample" and len(seed_set) and len(rows_idx):
             from .knn_steps import sharded_retrieval
 
-            mode_kwargs["candidates"] = sharded_retrieval(out_dir, space, rows_idx, seed_set,
-                                                          mode_kwargs.get("k", 4), knn, progress)
-    res = rebalance(mode, Rows(space, rows_idx), seeds, progress=progress, **mode_kwargs)
+            mode_kwargs["candidates"] = sharded_retrieval(out_dir, space, rows_idx, seed_set, r.k, _knn(knn),
+                                                          progress)
+    res = select(mode, Rows(space, rows_idx), seeds, progress=progress, **mode_kwargs)
     status = status.copy()
     status[alive[~res.selected]] = NOT_SELECTED
     n = len(status)
@@ -244,9 +254,11 @@ def step_rebalance(out_dir: str, mode: str = "none", seed_sources=None,
     return res.report
 
 
-def step_write(sources, out_dir: str, shard_size: int = 1000, extra: dict | None = None,
+def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: dict | None = None,
                progress: bool = False) -> dict:
-    """Write kept images as webdataset shards; write manifest.json and decisions.tsv."""
+    """Write kept images as webdataset shards (``write.shard_size`` images each); write manifest.json
+    and decisions.tsv."""
+    shard_size = (write or WriteConfig()).shard_size
     src = as_multi(sources)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
     rb, dd = load_step(out_dir, "rebalance"), load_step(out_dir, "dedup")
@@ -284,31 +296,151 @@ def _num(x) -> float | None:
     return None if not np.isfinite(x) else round(float(x), 5)
 
 
-def run_curation(inputs, out_dir: str, *, eval_sources=None, seed_sources=None,
-                 model_embed_fn: Callable | None = None, model_transform=None,
-                 descriptor_config: DescriptorConfig | None = None,
-                 hash_max_distance: int = DEFAULT_MAX_DISTANCE, k: int = 64,
-                 dedup_threshold: float | None = None, decontam_threshold: float = 0.45,
-                 index_kind: str = "auto", nprobe: int = 16,
-                 rebalance_mode: str = "none", rebalance_kwargs: dict | None = None,
-                 embed_shard_size: int = 10000, batch_size: int = 64, num_workers: int = 2,
-                 write_shard_size: int = 1000, progress: bool = True, verify: bool = True,
-                 verify_threshold: float = DEFAULT_VERIFY_THRESHOLD) -> dict:
-    """All steps on one machine: embed -> dedup -> decontaminate -> rebalance -> write."""
-    src = as_multi(inputs)
-    step_embed(src, out_dir, model_embed_fn, model_transform, descriptor_config,
-               embed_shard_size, batch_size, num_workers, progress=progress)
-    summary = {"dedup": step_dedup(out_dir, hash_max_distance, k, dedup_threshold, index_kind,
-                                   nprobe, progress, sources=src, verify=verify,
-                                   verify_threshold=verify_threshold)}
-    summary["decontaminate"] = step_decontaminate(out_dir, eval_sources, decontam_threshold,
-                                                  batch_size, num_workers, progress)
-    summary["rebalance"] = step_rebalance(
-        out_dir, rebalance_mode, seed_sources, model_embed_fn, model_transform, batch_size,
-        num_workers, progress, **(rebalance_kwargs or {}))
-    params = {"hash_max_distance": hash_max_distance, "k": k,
-              "dedup_threshold": resolve_threshold(dedup_threshold, verify), "verify": verify,
-              "decontam_threshold": decontam_threshold, "rebalance_mode": rebalance_mode}
-    return step_write(src, out_dir, write_shard_size, extra={"params": params,
-                                                              "steps": summary},
-                      progress=progress)
+# ----------------------------------------------------------------------------- the orchestrator
+# One code path for every way curation runs: `curate run|<step>` (curation.cli), `dinopipe pipeline`
+# (through the CLI) and the Slurm finishing job (the CLI once per step, in one process).
+
+STEPS = ("embed", "dedup", "decontaminate", "rebalance", "write", "report")
+SHARDED = ("index", "search")  # between embed and dedup, for Slurm arrays; `run` does them in-process
+_SUMMARIZED = ("dedup", "decontaminate", "rebalance")  # steps/<step>.json, gathered into the manifest
+
+
+class StepError(RuntimeError):
+    """A step that cannot run (e.g. the one before it has not run yet); names the step."""
+
+    def __init__(self, step: str, exc: Exception) -> None:
+        super().__init__(f"curate {step}: error: {exc}")
+        self.step = step
+
+
+def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command: str = "run",
+              echo: Callable[[str, object], None] | None = None) -> dict:
+    """Run ``steps`` in order with their settings from ``cfg`` (validated); returns each step's result.
+
+    Writes the resolved config into ``output.dir`` first. ``embedder``: the built ``embed.model`` (see
+    :func:`build_embedder_for`), needed to embed and to embed seed images like the pool was.
+    ``echo(step, result)`` is called after each step (the CLI prints there)."""
+    from dinopipe.config import save_config
+
+    out = cfg.output.dir
+    save_config(cfg, out, header=f"resolved config of `curate {command}`")  # array tasks may race: atomic
+    results = {}
+    for step in steps:
+        try:
+            result = run_step(step, cfg, embedder)
+        except (FileNotFoundError, RuntimeError, ValueError) as exc:
+            raise StepError(step, exc) from exc
+        if step == "embed" and embedder is not None:
+            embedder.release()  # the index steps may want the GPU memory for faiss-gpu
+        if step in _SUMMARIZED + SHARDED:
+            name = step if step != "search" else f"search-{cfg.knn.task_index:05d}"
+            os.makedirs(_p(out, "steps"), exist_ok=True)
+            write_json_atomic(_p(out, "steps", f"{name}.json"), result)
+        results[step] = result
+        if echo is not None:
+            echo(step, result)
+    return results
+
+
+def run_curation(cfg: CurationConfig, embedder=None, echo: Callable[[str, object], None] | None = None) -> dict:
+    """All steps on one machine (``curate run``): embed -> dedup -> decontaminate -> rebalance -> write
+    (-> report unless ``report.enabled`` is false). ``cfg`` is validated here; returns the manifest."""
+    from .config import validate
+
+    validate(cfg, "run")
+    if embedder is None and cfg.embed.model is not None:
+        embedder = build_embedder_for(cfg)
+    return run_steps(cfg, steps_of("run", cfg), embedder, "run", echo)["write"]
+
+
+def steps_of(command: str, cfg: CurationConfig) -> tuple[str, ...]:
+    """The steps a ``curate`` command runs: ``run`` is all of them (the report unless disabled)."""
+    if command != "run":
+        return (command,)
+    return STEPS if cfg.report.enabled else STEPS[:-1]
+
+
+def needs_embedder(cfg: CurationConfig, command: str) -> bool:
+    """The model is needed to embed, and to embed seed images like the pool was."""
+    return command in ("run", "embed") or (command == "rebalance" and bool(cfg.input.seed_paths)) or (
+        command == "index" and _retrieval(cfg) and os.path.exists(_p(cfg.output.dir, "steps", "decontaminate.npz")))
+
+
+def build_embedder_for(cfg: CurationConfig):
+    """The ``embed.model`` embedder, or None (descriptor only); config mistakes raise ConfigError."""
+    if cfg.embed.model is None:
+        return None
+    from .embedder import build_embedder
+
+    e = cfg.embed
+    return build_embedder(e.model, e.image_size, e.device, e.precision)
+
+
+def run_step(step: str, cfg: CurationConfig, embedder=None):
+    """One step with its config sections from ``cfg``; returns the step's summary dict (or a path)."""
+    out, e, prog, dd, knn = cfg.output.dir, cfg.embed, cfg.progress, cfg.dedup, cfg.knn
+    if step in SHARDED:
+        return _run_sharded(step, cfg, embedder)
+    if step == "embed":
+        return step_embed(cfg.input.paths, out, e, cfg.descriptor, dd, embedder, prog)
+    if step == "dedup":
+        return step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog)
+    if step == "decontaminate":
+        return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog)
+    if step == "rebalance":
+        return step_rebalance(out, cfg.rebalance, cfg.input.seed_paths or None, embedder, e, knn, prog,
+                              kmeans_dir=kmeans_dir(cfg))
+    if step == "write":
+        return step_write(cfg.input.paths, out, cfg.write, progress=prog, extra={
+            "params": _params(cfg), "steps": _load_summaries(out)})
+    if step == "report":
+        from .report import make_report
+
+        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples)
+    raise ValueError(f"unknown step '{step}'; choose from {', '.join(STEPS + SHARDED)}")
+
+
+def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
+    """`curate index` / `curate search`: the sharded kNN behind dedup, decontamination and retrieval."""
+    from .knn_steps import step_index, step_retrieval_index, step_search
+
+    out, e, prog, h, dd, knn = cfg.output.dir, cfg.embed, cfg.progress, cfg.hash_dedup, cfg.dedup, knn_kwargs(cfg)
+    # index, search and dedup must agree on the hash survivors (hash duplicates are verified too)
+    verify_with = (cfg.input.paths, dd.verify_size, dd.verify_threshold) if dd.verify else None
+    if step == "search":
+        return step_search(out, cfg.knn.task_index, cfg.knn.num_tasks, h.enabled, h.max_distance, knn, prog,
+                           verify_with=verify_with)
+    res = step_index(out, h.enabled, h.max_distance, dd.k, resolve_threshold(dd.threshold, dd.verify),
+                     dd.index, dd.nprobe, knn, cfg.input.eval_paths or None, e.batch_size,
+                     e.num_workers, prog, verify_with=verify_with)
+    if _retrieval(cfg) and os.path.exists(_p(out, "steps", "decontaminate.npz")):
+        # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
+        embed_seeds(out, cfg.input.seed_paths, embedder, e, prog)
+        res.update(step_retrieval_index(out, cfg.rebalance.k, knn, prog))
+    return res
+
+
+def _retrieval(cfg: CurationConfig) -> bool:
+    """Sample-based retrieval with seeds: its kNN runs sharded too (`curate index` after decontaminate)."""
+    return cfg.rebalance.mode == "sample" and bool(cfg.input.seed_paths)
+
+
+def _params(cfg: CurationConfig) -> dict:
+    """The settings recorded in manifest.json and the report."""
+    return {"hash_enabled": cfg.hash_dedup.enabled, "hash_max_distance": cfg.hash_dedup.max_distance,
+            "k": cfg.dedup.k, "index": cfg.dedup.index,
+            "dedup_threshold": resolve_threshold(cfg.dedup.threshold, cfg.dedup.verify),
+            "verify": cfg.dedup.verify, "verify_threshold": cfg.dedup.verify_threshold,
+            "grouping": cfg.dedup.grouping, "copy_model": cfg.dedup.model,
+            "decontam_threshold": cfg.decontaminate.threshold, "rebalance_mode": cfg.rebalance.mode,
+            "embed_model": cfg.embed.model}
+
+
+def _load_summaries(out: str) -> dict:
+    found = {}
+    for step in _SUMMARIZED:
+        path = _p(out, "steps", f"{step}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                found[step] = json.load(f)
+    return found

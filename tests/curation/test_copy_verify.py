@@ -167,6 +167,7 @@ class _TinyCopyNet(torch.nn.Module):
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # SSCD ships TorchScript only
 def test_torchscript_copy_model_replaces_the_descriptor(pool_dir, tmp_path):
+    from curation.config import DedupConfig, EmbedConfig
     from curation.embeddings import open_embeddings
     from curation.pipeline import step_decontaminate, step_dedup, step_embed
 
@@ -174,8 +175,8 @@ def test_torchscript_copy_model_replaces_the_descriptor(pool_dir, tmp_path):
     torch.jit.save(torch.jit.script(_TinyCopyNet().eval()), str(path))
     root, _ = pool_dir
     out = tmp_path / "out"
-    step_embed([str(root)], str(out), batch_size=16, num_workers=0, progress=False,
-               copy_model=str(path), copy_image_size=64)
+    step_embed([str(root)], str(out), EmbedConfig(batch_size=16, num_workers=0),
+               dedup=DedupConfig(model=str(path), image_size=64), progress=False)
     emb = open_embeddings(str(out / "embeddings" / "descriptor"))
     assert emb.dim == 32
     rows = emb.rows(np.arange(len(emb)))
@@ -183,14 +184,14 @@ def test_torchscript_copy_model_replaces_the_descriptor(pool_dir, tmp_path):
     net = torch.jit.load(str(path))
     step_dedup(str(out), progress=False, sources=[str(root)])
     # later steps embed eval images with the same model, found through copy_model.json
-    step_decontaminate(str(out), [str(root)], progress=False, num_workers=0)
+    step_decontaminate(str(out), [str(root)], embed=EmbedConfig(num_workers=0), progress=False)
     ev = open_embeddings(str(out / "embeddings" / "eval"))
     assert ev.dim == 32
     ref = net(torch.zeros(1, 3, 64, 64))
     assert ref.shape == (1, 32)
     with pytest.raises(Exception, match="dedup.model"):  # the pool was embedded with the model
-        step_embed([str(root)], str(out), num_workers=0, progress=False,
-                   copy_model=str(tmp_path / "other.pt"))
+        step_embed([str(root)], str(out), EmbedConfig(num_workers=0),
+                   dedup=DedupConfig(model=str(tmp_path / "other.pt")), progress=False)
 
 
 def test_config_checks_name_the_dedup_key(tmp_path):

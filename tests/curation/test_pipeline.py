@@ -13,6 +13,7 @@ import pytest
 import webdataset as wds
 from tests._photos import bad_file_kinds, encode, make_copy
 
+from curation.config import CurationConfig
 from curation.pipeline import run_curation
 from curation.write import STATUSES, build_manifest
 
@@ -50,6 +51,17 @@ def inputs(pool_dir, photos, copied, tmp_path_factory):
             "eval_of": eval_of, "groups": pool_dir[1], "n_bad": len(bad), "base": base}
 
 
+def _config(sources, out, eval_paths=(), seed_paths=(), **sections) -> CurationConfig:
+    """A CurationConfig as `curate run` would load it; ``sections``: {"embed": {"batch_size": 16}, ...}."""
+    cfg = CurationConfig()
+    cfg.input.paths, cfg.input.eval_paths, cfg.input.seed_paths = list(sources), list(eval_paths), list(seed_paths)
+    cfg.output.dir, cfg.progress, cfg.report.enabled = str(out), False, False
+    for section, values in sections.items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
 def _add(tf, name, data):
     info = tarfile.TarInfo(name)
     info.size = len(data)
@@ -59,9 +71,9 @@ def _add(tf, name, data):
 @pytest.fixture(scope="module")
 def run(inputs):
     out = inputs["base"] / "out"
-    manifest = run_curation(inputs["sources"], str(out), eval_sources=inputs["eval"],
-                            num_workers=2, batch_size=16, embed_shard_size=25,
-                            write_shard_size=10, progress=False)
+    manifest = run_curation(_config(inputs["sources"], out, inputs["eval"],
+                                    embed={"num_workers": 2, "batch_size": 16, "shard_size": 25},
+                                    write={"shard_size": 10}))
     return out, manifest
 
 
@@ -142,8 +154,9 @@ def test_shards_read_back_with_webdataset(run, inputs):
 def test_second_run_gives_identical_selection_and_shards(run, inputs):
     out, m = run
     out2 = inputs["base"] / "out2"
-    m2 = run_curation(inputs["sources"], str(out2), eval_sources=inputs["eval"], num_workers=0,
-                      batch_size=7, embed_shard_size=1000, write_shard_size=10, progress=False)
+    m2 = run_curation(_config(inputs["sources"], out2, inputs["eval"],
+                              embed={"num_workers": 0, "batch_size": 7, "shard_size": 1000},
+                              write={"shard_size": 10}))
     assert m2["counts"] == m["counts"]
     assert _decisions(out2) == _decisions(out)
     for s in m["shards"]:
@@ -162,9 +175,8 @@ def test_seed_retrieval_records_nearest_seed_in_shards(inputs, photos, tmp_path)
     for n in names[5:8]:  # resized copies of three pool photos act as the curated seed set
         (seeds / f"{n}.jpg").write_bytes(encode(make_copy(photos[n], "resize")))
     out = tmp_path / "out"
-    m = run_curation(inputs["sources"][:1], str(out), seed_sources=[str(seeds)],
-                     rebalance_mode="sample", rebalance_kwargs={"k": 1}, num_workers=0,
-                     progress=False)
+    m = run_curation(_config(inputs["sources"][:1], out, seed_paths=[str(seeds)],
+                             rebalance={"mode": "sample", "k": 1}, embed={"num_workers": 0}))
     assert m["counts"]["kept"] == 3 and m["counts"]["not_selected"] > 20
     metas = [json.loads(s["json"]) for s in
              wds.WebDataset([str(out / s) for s in m["shards"]], shardshuffle=False)]
