@@ -15,7 +15,8 @@ import os
 
 import numpy as np
 
-from .dedup import DedupResult, copy_dedup_from_pairs
+from .config import DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig, knn_kwargs
+from .dedup import DedupResult, copy_dedup_from_pairs, resolve_threshold
 from .embeddings import EmbeddingSet, embed_pool, open_embeddings
 from .hashdedup import HashDedupResult, hash_dedup
 from .index import Rows
@@ -121,22 +122,30 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
     return r["sim"], r["idx"]
 
 
-def step_index(out_dir: str, hash_enabled: bool, hash_max_distance: int, k: int, threshold: float,
-               index_kind: str, nprobe: int, knn: dict | None = None, eval_sources=None,
-               batch_size: int = 64, num_workers: int = 2, progress: bool = False,
-               verify_with: tuple | None = None) -> dict:
+def _survivors(emb: EmbeddingSet, sources, dedup: DedupConfig, hash_dedup: HashDedupConfig) -> np.ndarray:
+    """The hash survivors, as `curate dedup` will find them (index, search and dedup must agree; hash
+    duplicates are verified on the pixels of ``sources`` too, unless dedup.verify is off)."""
+    verify_with = (sources, dedup.verify_size, dedup.verify_threshold) if dedup.verify else None
+    return np.flatnonzero(hash_survivors(emb, hash_dedup.enabled, hash_dedup.max_distance, verify_with).keep)
+
+
+def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, knn_cfg: KnnConfig,
+               sources=None, eval_sources=None, embed: EmbedConfig | None = None,
+               progress: bool = False) -> dict:
     """``curate index``: train and save the pool index (and the eval index) once, for the array."""
+    e, knn = embed or EmbedConfig(), knn_kwargs(knn_cfg)
     emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
-    surv = np.flatnonzero(hash_survivors(emb, hash_enabled, hash_max_distance, verify_with).keep)
+    surv = _survivors(emb, sources, dedup, hash_dedup)
     out = {"rows": int(len(surv))}
     if len(surv) >= 2:
         job = KnnJob(out_dir, "pool")
-        params = pool_params(surv, k, threshold, index_kind, nprobe, knn)
+        params = pool_params(surv, dedup.k, resolve_threshold(dedup.threshold, dedup.verify), dedup.index,
+                             dedup.nprobe, knn)
         meta = job.meta() if job.matches(params) else job.build(
             Rows(emb, surv), params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress)
         out.update(kind=meta["kind"], index_bytes=meta["index_bytes"])
     if eval_sources:
-        ev = embed_eval(out_dir, eval_sources, batch_size, num_workers, progress)
+        ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
         job = KnnJob(out_dir, "eval")
         params = {**eval_params(ev, knn), "pool_rows": _digest(surv)}
         if len(ev) and not job.matches(params):
@@ -145,13 +154,13 @@ def step_index(out_dir: str, hash_enabled: bool, hash_max_distance: int, k: int,
     return out
 
 
-def step_search(out_dir: str, task_index: int, num_tasks: int, hash_enabled: bool,
-                hash_max_distance: int, knn: dict | None = None, progress: bool = False,
-                verify_with: tuple | None = None) -> dict:
-    """``curate search``: array task ``task_index`` of ``num_tasks`` searches its chunks of the pool
-    (copy pairs, and nearest eval images when ``curate index`` built an eval index)."""
+def step_search(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, knn_cfg: KnnConfig,
+                sources=None, progress: bool = False) -> dict:
+    """``curate search``: array task ``knn.task_index`` of ``knn.num_tasks`` searches its chunks of the
+    pool (copy pairs, and nearest eval images when ``curate index`` built an eval index)."""
+    task_index, num_tasks, knn = knn_cfg.task_index, knn_cfg.num_tasks, knn_kwargs(knn_cfg)
     emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
-    surv = np.flatnonzero(hash_survivors(emb, hash_enabled, hash_max_distance, verify_with).keep)
+    surv = _survivors(emb, sources, dedup, hash_dedup)
     use_gpu = (knn or {}).get("use_gpu", "auto")
     out = {}
     pool_job, eval_job = KnnJob(out_dir, "pool"), KnnJob(out_dir, "eval")

@@ -404,19 +404,14 @@ def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
     """`curate index` / `curate search`: the sharded kNN behind dedup, decontamination and retrieval."""
     from .knn_steps import step_index, step_retrieval_index, step_search
 
-    out, e, prog, h, dd, knn = cfg.output.dir, cfg.embed, cfg.progress, cfg.hash_dedup, cfg.dedup, knn_kwargs(cfg)
-    # index, search and dedup must agree on the hash survivors (hash duplicates are verified too)
-    verify_with = (cfg.input.paths, dd.verify_size, dd.verify_threshold) if dd.verify else None
+    out, prog, sections = cfg.output.dir, cfg.progress, (cfg.dedup, cfg.hash_dedup, cfg.knn)
     if step == "search":
-        return step_search(out, cfg.knn.task_index, cfg.knn.num_tasks, h.enabled, h.max_distance, knn, prog,
-                           verify_with=verify_with)
-    res = step_index(out, h.enabled, h.max_distance, dd.k, resolve_threshold(dd.threshold, dd.verify),
-                     dd.index, dd.nprobe, knn, cfg.input.eval_paths or None, e.batch_size,
-                     e.num_workers, prog, verify_with=verify_with)
+        return step_search(out, *sections, cfg.input.paths, prog)
+    res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog)
     if _retrieval(cfg) and os.path.exists(_p(out, "steps", "decontaminate.npz")):
         # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
-        embed_seeds(out, cfg.input.seed_paths, embedder, e, prog)
-        res.update(step_retrieval_index(out, cfg.rebalance.k, knn, prog))
+        embed_seeds(out, cfg.input.seed_paths, embedder, cfg.embed, prog)
+        res.update(step_retrieval_index(out, cfg.rebalance.k, knn_kwargs(cfg), prog))
     return res
 
 
