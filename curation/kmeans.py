@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from dinopipe.utils.device import pick_device
+
 from .index import Rows
 
 INITS = ("auto", "kmeans++", "random")
@@ -47,15 +49,11 @@ same matrix shapes (BLAS picks kernels by shape: a different blocking can move a
 ulp and flip a tie)."""
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class Nearest:
     """Nearest centroid of row blocks: faiss IndexFlatL2 on CPU, a torch matmul on CUDA."""
 
     def __init__(self, centroids: np.ndarray, device: str = "auto"):
-        self.device = default_device() if device == "auto" else device
+        self.device = str(pick_device(device, key="device"))
         c = np.ascontiguousarray(centroids, dtype=np.float32)
         if self.device.startswith("cuda"):
             self.c = torch.from_numpy(c).to(self.device)
@@ -144,7 +142,7 @@ def kmeans_plusplus(x: np.ndarray, k: int, rng: np.random.Generator,
     m = len(x)
     k = min(k, m)
     trials = n_trials or 2 + int(math.log(k))
-    device = default_device() if device == "auto" else device
+    device = str(pick_device(device, key="device"))
     X = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(device)
     xn = (X * X).sum(1)
     chosen = np.empty(k, np.int64)
