@@ -239,7 +239,9 @@ class Trainer:
         loss, logs = self.task(batch, values)
         loss.backward()
         maybe_test_signal("step", step, self.info.rank, preempt)
-        mean = lambda k, v: not k.startswith("corrupt/") and (torch.is_tensor(v) or isinstance(v, (int, float)))
+        def mean(k: str, v: Any) -> bool:  # a per-rank value averaged over ranks (corrupt/* counters stay rank 0's)
+            return not k.startswith("corrupt/") and (torch.is_tensor(v) or isinstance(v, (int, float)))
+
         on_device = sorted(k for k, v in logs.items() if mean(k, v) and torch.is_tensor(v))
         on_host = sorted(k for k, v in logs.items() if mean(k, v) and not torch.is_tensor(v))
         f64 = dict(dtype=torch.float64, device=self.info.device)
