@@ -20,6 +20,7 @@ import sys
 from typing import Optional, Sequence
 
 from dinopipe.config import ConfigError, exit_on_config_error, load_config, to_yaml
+from dinopipe.logs import setup_logging
 
 from .config import CurationConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, validate
 
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
     if argv[:1] == ["plan"]:
         from .plan import main as plan_main
 
