@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import ModelConfig
+from ..config import ModelConfig, check_choices, choices
 from ..train.parallel import ParallelConfig
 from ..train.parallel import check_config as check_parallel_config
 
@@ -35,9 +35,12 @@ class IbotConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
 
 
+Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
+
+
 @dataclass
 class TeacherConfig:
-    centering: str = "centering"
+    centering: Centering = Centering.centering
     """centering (EMA centre) | sinkhorn_knopp"""
     momentum_teacher: float = 0.992
     final_momentum_teacher: float = 1.0
@@ -132,11 +135,10 @@ def validate(cfg: PretrainConfig) -> None:
     """Cross-field checks the type system cannot do; raise ConfigError naming the key."""
     from ..config import ConfigError
 
+    check_choices(cfg)  # enum fields (teacher.centering, model.attn_backend, ...) of a config built in Python
     total = sum(p.fraction for p in cfg.phases)
     if not cfg.phases or abs(total - 1.0) > 1e-6:
         raise ConfigError(f"phases: fractions must sum to 1, got {total}")
-    if cfg.teacher.centering not in ("centering", "sinkhorn_knopp"):
-        raise ConfigError(f"teacher.centering: expected 'centering' or 'sinkhorn_knopp', got '{cfg.teacher.centering}'")
     if not cfg.data.paths:
         raise ConfigError("data.paths: give at least one image folder, file list or shard path")
     check_parallel_config(cfg.parallel)
