@@ -101,3 +101,25 @@ def test_bad_choice_on_the_command_line_exits_2_before_writing(tmp_path, capsys,
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"key '{key}'" in err and "expected one of" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.log_every=0", "train.log_every"),  # the loop's `step % log_every` would divide by zero mid-run
+    ("train.epoch_length=0", "train.epoch_length"),
+    ("crops.local_crops_scale=[0.5,0.1]", "crops.local_crops_scale"),
+    ("teacher.teacher_temp=0", "teacher.teacher_temp"),
+    ("ibot.mask_sample_probability=1.5", "ibot.mask_sample_probability"),
+    ("phases=[{name: a, fraction: 0.0}, {name: b, fraction: 1.0}]", "phases.0.fraction"),
+    ("phases=[{name: a, fraction: 1.0, global_crops_size: 60}]", "phases.0.global_crops_size"),  # vit_test: 14 px
+    ("model.name=vit_tset", "model.name"),
+])
+def test_pretrain_value_mistakes_exit_2_naming_the_key_before_writing(tmp_path, capsys, override, key):
+    from dinopipe.train.pretrain import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(REPO / "configs/pretrain/quickstart.yaml"), f"data.paths=[{tmp_path}]",
+              f"train.output_dir={out}", "model.name=vit_test", override])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"config error: {key}" in err, err
+    assert not out.exists()

@@ -68,6 +68,13 @@ def validate(cfg: DistillConfig) -> None:
     names = [s.name for s in cfg.students]
     if not names or len(set(names)) != len(names):
         raise ConfigError(f"students: need at least one, with distinct names (got {names})")
+    for i, s in enumerate(cfg.students):
+        if not s.lr_scale > 0:
+            raise ConfigError(f"students.{i}.lr_scale: must be > 0, got {s.lr_scale}")
+    f = cfg.feature
+    if f.cls_weight < 0 or f.patch_weight < 0 or f.cls_weight + f.patch_weight == 0:
+        raise ConfigError(f"feature.cls_weight / feature.patch_weight: need >= 0 and not both 0, got "
+                          f"{f.cls_weight} / {f.patch_weight}")
 
 
 __all__ = ["DistillConfig", "StudentConfig", "TeacherModelConfig", "FeatureLossConfig", "validate"]
