@@ -173,6 +173,14 @@ def test_python_examples_run(tmp_path, monkeypatch):
     exec("import torch\n" + code, ns)  # noqa: S102
 
 
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.startswith(".venv/bin/ruff ")])
+def test_lint_command_runs(cmd):
+    """The README's lint command passes on this tree (ruff comes with the dev extra; CI runs it first)."""
+    r = subprocess.run([sys.executable, "-m", "ruff", *_tokens(cmd)[1:]], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+
 def _module(cmd: str) -> str | None:
     toks = _tokens(cmd)
     return toks[toks.index("-m") + 1] if "-m" in toks[:-1] else None
@@ -228,6 +236,8 @@ def _checked_by(cmd: str) -> list[str]:
         checks.append("module exists")
     if _pip_extras(cmd):
         checks.append("pip extra exists")
+    if cmd.startswith(".venv/bin/ruff "):
+        checks.append("lint runs")
     return checks
 
 
