@@ -32,6 +32,7 @@ def test_config_enums_match_the_code_that_uses_them():
 @pytest.mark.parametrize("schema, override, allowed", [
     (PretrainConfig, "teacher.centering=center", "centering, sinkhorn_knopp"),
     (PretrainConfig, "model.attn_backend=flash", "auto, sdpa, xformers, math"),
+    (PretrainConfig, "train.device=gpu", "auto, cpu, cuda"),
     (DistillConfig, "mode=kd", "auto, ssl, feature"),
     (DistillConfig, "feature.loss=l2", "cosine, smooth_l1"),
     (CurationConfig, "rebalance.mode=random", "none, sample, cluster, hierarchical"),

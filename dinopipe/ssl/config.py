@@ -36,6 +36,7 @@ class IbotConfig:
 
 
 Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
+Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
 
 
 @dataclass
@@ -109,8 +110,8 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 500
     keep_last: int = 3
-    device: str = "auto"
-    """auto | cpu | cuda"""
+    device: Device = Device.auto
+    """auto (CUDA when available) | cpu | cuda (each rank takes the GPU of its local rank)"""
     stop_after: Optional[int] = None
     """Leave after this many steps of this invocation (with a checkpoint); rerunning resumes."""
     progress: bool = True
