@@ -278,7 +278,8 @@ def main(argv=None) -> int:
     if args.pool_digits:  # the unlabelled digits *train* split joins the pool (the val split is never trained on)
         n_digits = add_unlabelled(work / "digits" / "train", work / "pool" / "digits_train_unlabelled")
     times["data"] = time.perf_counter() - t0
-    print(f"pretraining pool: {r['pool']} crops of {pool['photos']} photos + {n_digits} unlabelled digits; photos eval: {photos}; digits: {digits}")
+    print(f"pretraining pool: {r['pool']} crops of {pool['photos']} photos + {n_digits} unlabelled digits; "
+          f"photos eval: {photos}; digits: {digits}")
 
     pool_dir = work / "pool"
     if reuse:

@@ -21,6 +21,7 @@ import sys
 from typing import Optional, Sequence
 
 from dinopipe.config import ConfigError, exit_on_config_error, load_config
+from dinopipe.logs import setup_logging
 
 from .config import CurationConfig, validate
 from .pipeline import SHARDED, STEPS, StepError, build_embedder_for, needs_embedder, run_steps, steps_of
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
     if argv[:1] == ["plan"]:
         from .plan import main as plan_main
 

@@ -11,13 +11,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dinopipe.config import ConfigError
+from dinopipe.config import ConfigError, check_choices, choices
 
 from .descriptor import DescriptorConfig
 from .hashdedup import DEFAULT_MAX_DISTANCE
 from .kmeans import INITS
 from .index import GPU_MAX_K, KINDS
 from .rebalance import MODES
+
+IndexKind = choices("IndexKind", KINDS, __name__)
+Grouping = choices("Grouping", ("star", "components"), __name__)
+Precision = choices("Precision", ("auto", "fp32", "bf16"), __name__)
+RebalanceMode = choices("RebalanceMode", MODES, __name__)
+Strategy = choices("Strategy", ("r", "c"), __name__)
+KMeansInit = choices("KMeansInit", INITS, __name__)
 
 
 @dataclass
@@ -56,7 +63,7 @@ class EmbedConfig:
     num_tasks: int = 1
     device: str = "auto"
     """auto (CUDA when available) | cpu | cuda | cuda:N"""
-    precision: str = "auto"
+    precision: Precision = Precision.auto
     """auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16"""
 
 
@@ -76,7 +83,7 @@ class DedupConfig:
     """kNN cosine (copy descriptor or dedup.model) above which two images are a candidate pair.
     null: 0.45 with dedup.verify (the pixels decide; 0.45 finds copies 0.6 misses), DINOv2's 0.6
     without (the cosine decides alone)."""
-    index: str = "auto"
+    index: IndexKind = IndexKind.auto
     """auto (exact flat up to 50k images, IVF above) | flat | ivf (fp16 codes) | ivf_sq8 (1 B/dim) |
     ivf_pq (knn.pq_m B/vector: when even SQ8 does not fit; pairs are rescored exactly)"""
     nprobe: int = 16
@@ -90,7 +97,7 @@ class DedupConfig:
     distinct tiles of one scene <= 0.45; bench/bench_copy.py)."""
     verify_size: int = 128
     """Side (px) at which pairs are compared; the descriptor sees 64."""
-    grouping: str = "star"
+    grouping: Grouping = Grouping.star
     """star: an image is removed only as a verified copy of its group's kept image (no
     chaining) | components: connected components (DINOv2; chains A~B~C)."""
     model: Optional[str] = None
@@ -130,7 +137,7 @@ class DecontaminateConfig:
 
 @dataclass
 class RebalanceConfig:
-    mode: str = "none"
+    mode: RebalanceMode = RebalanceMode.none
     """none | sample (k nearest pool images per seed) | cluster (clusters holding >= min_seeds
     seeds) | hierarchical (hierarchical k-means + balanced sampling, no seeds needed)"""
     k: int = 4
@@ -146,12 +153,12 @@ class RebalanceConfig:
     pool size, so small pools work with the same list."""
     target_size: Optional[int] = None
     """mode=hierarchical: images to keep; null = half the deduplicated pool."""
-    strategy: str = "r"
+    strategy: Strategy = Strategy.r
     """mode=hierarchical: 'r' random or 'c' closest-to-centroid within bottom clusters."""
     n_resampling_steps: int = 10
     sample_size: int = 10
     """Points per cluster in each resampling step."""
-    kmeans_init: str = "auto"
+    kmeans_init: KMeansInit = KMeansInit.auto
     """mode=hierarchical k-means seeding: auto (k-means++ up to 20k clusters, random rows above)
     | kmeans++ | random. k-means++ cut level-1 SSE by 3.5-4% (bench/bench_kmeans.py)."""
     kmeans_init_sample: int = 4
@@ -209,6 +216,7 @@ def _need(cond: bool, key: str, msg: str) -> None:
 
 def validate(cfg: CurationConfig, step: str = "run") -> None:
     """Cross-field checks; raise ConfigError naming the key. ``step`` is the CLI command."""
+    check_choices(cfg)  # the enum fields, for a config built or changed in Python
     _need(bool(cfg.output.dir), "output.dir", "set the output folder (output.dir=OUT)")
     _need(bool(cfg.input.paths), "input.paths",
           "give at least one image folder, file list or tar shard (input.paths=[a,b])")
@@ -234,14 +242,10 @@ def validate(cfg: CurationConfig, step: str = "run") -> None:
     _need(e.num_workers >= 0, "embed.num_workers", f"must be >= 0, got {e.num_workers}")
     _need(e.device == "auto" or e.device == "cpu" or e.device.split(":")[0] == "cuda",
           "embed.device", f"expected auto | cpu | cuda | cuda:N, got '{e.device}'")
-    _need(e.precision in ("auto", "fp32", "bf16"), "embed.precision",
-          f"expected auto | fp32 | bf16, got '{e.precision}'")
     if e.model is not None:
         _check_model(e.model, e.image_size)
     _need(0 <= cfg.hash_dedup.max_distance <= 32, "hash_dedup.max_distance",
           f"expected 0..32 bits, got {cfg.hash_dedup.max_distance}")
-    _need(cfg.dedup.index in KINDS, "dedup.index",
-          f"expected {' | '.join(KINDS)}, got '{cfg.dedup.index}'")
     _validate_dedup(cfg.dedup)
     _validate_knn(cfg)
     for key, t in (("dedup.threshold", cfg.dedup.threshold),
@@ -253,8 +257,6 @@ def validate(cfg: CurationConfig, step: str = "run") -> None:
 
 
 def _validate_dedup(d: DedupConfig) -> None:
-    _need(d.grouping in ("star", "components"), "dedup.grouping",
-          f"expected star | components, got '{d.grouping}'")
     _need(-1.0 <= d.verify_threshold <= 1.0, "dedup.verify_threshold",
           f"a normalised correlation in [-1, 1], got {d.verify_threshold}")
     _need(d.verify_size >= 32, "dedup.verify_size", f"must be >= 32 px, got {d.verify_size}")
@@ -306,12 +308,10 @@ def _check_model(model: str, image_size: int) -> None:
 
 def _validate_rebalance(cfg: CurationConfig) -> None:
     r = cfg.rebalance
-    _need(r.mode in MODES, "rebalance.mode", f"expected one of {' | '.join(MODES)}, got '{r.mode}'")
     if r.mode in ("sample", "cluster"):
         _need(bool(cfg.input.seed_paths), "input.seed_paths",
               f"rebalance.mode={r.mode} retrieves around curated seed images: set "
               f"input.seed_paths, or use rebalance.mode=hierarchical|none")
-    _need(r.strategy in ("r", "c"), "rebalance.strategy", f"expected r | c, got '{r.strategy}'")
     _need(bool(r.levels) and all(k >= 1 for k in r.levels), "rebalance.levels",
           f"a non-empty list of positive cluster counts, got {list(r.levels)}")
     _need(list(r.levels) == sorted(r.levels, reverse=True), "rebalance.levels",
@@ -321,8 +321,6 @@ def _validate_rebalance(cfg: CurationConfig) -> None:
     _need(r.min_seeds >= 1, "rebalance.min_seeds", f"must be >= 1, got {r.min_seeds}")
     _need(r.n_resampling_steps >= 0, "rebalance.n_resampling_steps",
           f"must be >= 0, got {r.n_resampling_steps}")
-    _need(r.kmeans_init in INITS, "rebalance.kmeans_init",
-          f"expected one of {' | '.join(INITS)}, got '{r.kmeans_init}'")
     for key in ("kmeans_init_sample", "kmeans_niter", "kmeans_n_init"):
         _need(getattr(r, key) >= 1, f"rebalance.{key}", f"must be >= 1, got {getattr(r, key)}")
     _need(r.kmeans_tol >= 0, "rebalance.kmeans_tol", f"must be >= 0, got {r.kmeans_tol}")

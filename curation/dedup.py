@@ -8,7 +8,8 @@ Here the kNN only proposes *candidate* pairs (recall); each candidate is verifie
 (:mod:`curation.verify`) before it becomes an edge (precision); and groups are stars, not
 components: images are visited by how many verified copies they have (ties: smaller id first),
 an image not yet claimed keeps itself and claims its unclaimed verified copies. So an image is
-removed only if it was verified as a copy of the image its group keeps. Both steps depend only on the *set* of candidate pairs, so a sharded kNN that
+removed only if it was verified as a copy of the image its group keeps. Both steps depend only on the *set* of
+candidate pairs, so a sharded kNN that
 yields the same pairs gives the same decisions (:func:`copy_dedup_from_pairs`).
 """
 

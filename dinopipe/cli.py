@@ -22,6 +22,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from .config import ConfigError, ModelConfig, exit_on_config_error, load_config, to_yaml
+from .logs import setup_logging
 
 # Config schemas `dinopipe config --kind` knows; stages register theirs here.
 SCHEMAS: dict[str, Callable[[], type]] = {"model": lambda: ModelConfig}
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
     if argv and argv[0] in STAGES:
         return _stage(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)

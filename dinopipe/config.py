@@ -8,7 +8,9 @@ type can be reported with *where it came from* (the file or the override), befor
 from __future__ import annotations
 
 import dataclasses
+import enum
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence, Type, TypeVar
@@ -106,9 +108,63 @@ def exit_on_config_error(exc: ConfigError) -> NoReturn:
     raise SystemExit(EXIT_CONFIG_ERROR)
 
 
+class Choice(str, enum.Enum):
+    """A string choice of a config field. OmegaConf rejects any other value while merging the YAML file or an
+    override (exit 2, naming the key and listing the allowed values); YAML and overrides give the lowercase
+    strings, the saved config.yaml shows them, and a member compares, hashes, prints and formats as its string
+    (``cfg.mode == "ssl"``, ``{"ssl": ...}[cfg.mode]``, ``f"{cfg.mode}"``), so code reading configs needs no
+    change. Members are named by their values (OmegaConf matches names), hence ``choices()`` below."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def choices(name: str, values: Sequence[str], module: str) -> Any:
+    """A :class:`Choice` enum whose members are ``values`` (names may hold characters such as ``kmeans++``);
+    assign it to a module-level ``name`` in ``module`` so it pickles."""
+    return Choice(name, {v: v for v in values}, module=module, qualname=name)
+
+
+def _choice_type(tp: Any) -> Optional[type]:
+    for t in (tp, *typing.get_args(tp)):  # Optional[E] is Union[E, None]
+        if isinstance(t, type) and issubclass(t, Choice):
+            return t
+    return None
+
+
+def check_choices(cfg: Any, prefix: str = "") -> None:
+    """Turn the string in each :class:`Choice` field into its member, or raise ConfigError naming the key and
+    the allowed values. OmegaConf already did this for configs loaded from YAML / overrides; this covers a
+    config built or changed in Python (``cfg.dedup.grouping = "chain"``) before it is used."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            check_choices(value, key + ".")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    check_choices(item, f"{key}.{i}.")
+        elif value is not None and (kind := _choice_type(hints.get(f.name))) is not None:
+            try:
+                setattr(cfg, f.name, kind(value))
+            except ValueError:
+                raise ConfigError(f"key '{key}': invalid value '{value}', expected one of "
+                                  f"[{', '.join(m.value for m in kind)}]") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared sections. Stage configs (curation, pretrain, distill, pipeline) compose these.
 # ---------------------------------------------------------------------------------------------
+
+
+AttnBackend = choices("AttnBackend", ("auto", "sdpa", "xformers", "math"), __name__)
+"""dinopipe.models.attention.BACKENDS (a test keeps the two equal; configs import nothing above them)."""
+FFN = choices("FFN", ("mlp", "swiglu", "swiglu32", "swiglu64", "swiglu128"), __name__)
+"""dinopipe.models.registry.FFN_LAYERS."""
 
 
 @dataclass
@@ -124,13 +180,14 @@ class ModelConfig:
     drop_path_uniform: bool = False
     efficient_drop_path: bool = True
     """Run each residual branch only on the kept samples (DINOv2's subset stochastic depth)."""
-    attn_backend: str = "auto"
+    attn_backend: AttnBackend = AttnBackend.auto
     """auto | sdpa | xformers | math"""
     num_register_tokens: Optional[int] = None
     init_values: Optional[float] = 1.0e-5
     """LayerScale init; null disables LayerScale."""
-    ffn: Optional[str] = None
-    """mlp | swiglu; null keeps the variant's default."""
+    ffn: Optional[FFN] = None
+    """mlp | swiglu (| swiglu32 | swiglu64 | swiglu128: DINOv3's aligned widths); null keeps the variant's
+    default."""
     num_heads: Optional[int] = None
     """Override the head count; also tells it for ``pretrained`` files whose heads are not 64-dim."""
     embed_dim: Optional[int] = None
@@ -146,12 +203,13 @@ class ModelConfig:
             "drop_path_rate": self.drop_path_rate,
             "drop_path_uniform": self.drop_path_uniform,
             "efficient_drop_path": self.efficient_drop_path,
-            "attn_backend": self.attn_backend,
+            "attn_backend": str(self.attn_backend),  # model code gets plain strings, not config enums
             "init_values": self.init_values,
         }
         for key in ("patch_size", "num_register_tokens", "ffn", "num_heads", "embed_dim", "depth"):
             if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
+                v = getattr(self, key)
+                out[key] = str(v) if isinstance(v, Choice) else v
         return out
 
 
@@ -173,6 +231,9 @@ def phase_steps(cfg: Any) -> list[tuple[int, int]]:
 
 
 __all__ = [
+    "Choice",
+    "choices",
+    "check_choices",
     "ConfigError",
     "EXIT_CONFIG_ERROR",
     "ModelConfig",

@@ -57,7 +57,8 @@ def resample_matrix(n_out: Tensor, n_in: int, offset: float, antialias: bool,
 
     ``n_out`` is any tensor whose length is the output length: the size is read as a tensor
     (``arange(len)[-1] + 1``), never as a Python int, so tracing keeps it symbolic and adds no guard.
-    ``offset`` > 0 is DINOv2's legacy ``scale_factor = (n_out + offset) / n_in`` rule; eager DINOv2 skips the resample when the whole grid is the native one, so the
+    ``offset`` > 0 is DINOv2's legacy ``scale_factor = (n_out + offset) / n_in`` rule; eager DINOv2 skips the
+    resample when the whole grid is the native one, so the
     scale is 1 where ``native`` (a bool tensor: both axes at the native size) holds.
     """
     dd = dict(dtype=torch.float64, device=n_out.device)  # coordinates in double, as ATen computes them

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 
 class Skip(Exception):
@@ -143,7 +142,8 @@ def check_block(dev: torch.device, small: bool) -> dict:
         grads_rel.append(max(_rel(res[0][n], res[1][n]) for n in res[1]))
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    return {"backend": backend or "eager (CPU smoke: AC + drop path only)", "dtype": str(dtype), "sizes": sizes, "grad_rel_max": max(grads_rel),
+    return {"backend": backend or "eager (CPU smoke: AC + drop path only)", "dtype": str(dtype), "sizes": sizes,
+            "grad_rel_max": max(grads_rel),
             "unique_graphs": graphs, "graph_breaks": breaks, "seconds": time.perf_counter() - t_compile,
             "ok": max(grads_rel) < tol and breaks == 0 and graphs <= 2}
 

@@ -187,7 +187,9 @@ def test_largest_batch_is_monotone_in_gpu_memory():
                                    g))
     assert found == sorted(found) and found[0] < found[-1]
     # and the batch it returns is the largest that fits
-    need = lambda b: step_memory(cfg, arch, heads, cfg.phases[0], b, 2, "fused", False)["peak"]
+    def need(b):
+        return step_memory(cfg, arch, heads, cfg.phases[0], b, 2, "fused", False)["peak"]
+
     b = largest_batch(need, 40)
     assert need(b) <= 40 * GiB < need(b + 1)
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..logs import setup_logging
 from .data import LabelError, LabelledImages, open_labelled
 
 
@@ -160,6 +161,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging()
     from ..config import ConfigError
     from ..hub import CheckpointError
 

@@ -9,7 +9,6 @@ probes; images are resized to a square ``img_size`` (a multiple of the patch siz
 
 from __future__ import annotations
 
-from typing import Optional
 
 import numpy as np
 import torch

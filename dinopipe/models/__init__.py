@@ -1,4 +1,5 @@
-"""Single-device model code: DINOv2 and DINOv3 (RoPE) ViT backbones, attention backends, blocks, DINO head, registry, converters."""
+"""Single-device model code: DINOv2 and DINOv3 (RoPE) ViT backbones, attention backends, blocks, DINO head,
+registry, converters."""
 
 from .attention import BACKENDS, Attention
 from .block import Block, SwiGLU

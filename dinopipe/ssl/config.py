@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import ModelConfig
+from ..config import ModelConfig, check_choices, choices
 from ..train.parallel import ParallelConfig
 from ..train.parallel import check_config as check_parallel_config
 
@@ -35,9 +35,13 @@ class IbotConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
 
 
+Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
+Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
+
+
 @dataclass
 class TeacherConfig:
-    centering: str = "centering"
+    centering: Centering = Centering.centering
     """centering (EMA centre) | sinkhorn_knopp"""
     momentum_teacher: float = 0.992
     final_momentum_teacher: float = 1.0
@@ -106,8 +110,8 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 500
     keep_last: int = 3
-    device: str = "auto"
-    """auto | cpu | cuda"""
+    device: Device = Device.auto
+    """auto (CUDA when available) | cpu | cuda (each rank takes the GPU of its local rank)"""
     stop_after: Optional[int] = None
     """Leave after this many steps of this invocation (with a checkpoint); rerunning resumes."""
     progress: bool = True
@@ -132,17 +136,63 @@ def validate(cfg: PretrainConfig) -> None:
     """Cross-field checks the type system cannot do; raise ConfigError naming the key."""
     from ..config import ConfigError
 
+    check_choices(cfg)  # enum fields (teacher.centering, model.attn_backend, ...) of a config built in Python
     total = sum(p.fraction for p in cfg.phases)
     if not cfg.phases or abs(total - 1.0) > 1e-6:
         raise ConfigError(f"phases: fractions must sum to 1, got {total}")
-    if cfg.teacher.centering not in ("centering", "sinkhorn_knopp"):
-        raise ConfigError(f"teacher.centering: expected 'centering' or 'sinkhorn_knopp', got '{cfg.teacher.centering}'")
     if not cfg.data.paths:
         raise ConfigError("data.paths: give at least one image folder, file list or shard path")
     check_parallel_config(cfg.parallel)
-    lo, hi = cfg.ibot.mask_ratio_min_max
-    if not 0 <= lo <= hi < 1:
-        raise ConfigError(f"ibot.mask_ratio_min_max: need 0 <= min <= max < 1, got {[lo, hi]}")
+    ratio = list(cfg.ibot.mask_ratio_min_max)
+    if len(ratio) != 2 or not 0 <= ratio[0] <= ratio[1] < 1:
+        raise ConfigError(f"ibot.mask_ratio_min_max: need [min, max] with 0 <= min <= max < 1, got {ratio}")
+    check_ranges(cfg)
+
+
+def _need(ok: bool, key: str, msg: str) -> None:
+    from ..config import ConfigError
+
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def check_ranges(cfg: PretrainConfig) -> None:
+    """Values the loop would otherwise trip over mid-run (a modulo by zero, an empty schedule, a crop scale the
+    augmentation rejects), checked before anything is written. Shared with distillation."""
+    t = cfg.train
+    for key in ("epochs", "epoch_length", "log_every", "checkpoint_every", "keep_last"):
+        _need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    _need(t.stop_after is None or t.stop_after >= 1, "train.stop_after", f"must be >= 1 or null, got {t.stop_after}")
+    _need(cfg.data.num_workers >= 0, "data.num_workers", f"must be >= 0, got {cfg.data.num_workers}")
+    for i, ph in enumerate(cfg.phases):
+        key = f"phases.{i}"
+        _need(ph.fraction > 0, f"{key}.fraction", f"must be > 0, got {ph.fraction}")
+        _need(ph.batch_size_per_gpu >= 1, f"{key}.batch_size_per_gpu", f"must be >= 1, got {ph.batch_size_per_gpu}")
+        for size in ("global_crops_size", "local_crops_size"):
+            _need(getattr(ph, size) >= 1, f"{key}.{size}", f"must be >= 1 px, got {getattr(ph, size)}")
+        _need(ph.lr_scale > 0, f"{key}.lr_scale", f"must be > 0, got {ph.lr_scale}")
+        _need(0 <= ph.warmup_fraction < 1, f"{key}.warmup_fraction", f"must be in [0, 1), got {ph.warmup_fraction}")
+    names = [ph.name for ph in cfg.phases]
+    _need(len(set(names)) == len(names), "phases", f"names must be distinct (metrics log them), got {names}")
+    c = cfg.crops
+    _need(c.local_crops_number >= 0, "crops.local_crops_number", f"must be >= 0, got {c.local_crops_number}")
+    for key in ("global_crops_scale", "local_crops_scale"):
+        s = list(getattr(c, key))
+        _need(len(s) == 2 and 0 < s[0] <= s[1] <= 1, f"crops.{key}", f"need [min, max] with 0 < min <= max <= 1, "
+              f"got {s}")
+    _need(0 <= cfg.ibot.mask_sample_probability <= 1, "ibot.mask_sample_probability",
+          f"a probability in [0, 1], got {cfg.ibot.mask_sample_probability}")
+    tc = cfg.teacher
+    for key in ("teacher_temp", "warmup_teacher_temp", "student_temp"):
+        _need(getattr(tc, key) > 0, f"teacher.{key}", f"a temperature must be > 0, got {getattr(tc, key)}")
+    for key in ("momentum_teacher", "final_momentum_teacher", "center_momentum"):
+        _need(0 <= getattr(tc, key) <= 1, f"teacher.{key}", f"a momentum in [0, 1], got {getattr(tc, key)}")
+    o = cfg.optim
+    _need(o.base_lr > 0, "optim.base_lr", f"must be > 0, got {o.base_lr}")
+    for key in ("min_lr", "warmup_epochs", "clip_grad", "freeze_last_layer_epochs"):
+        _need(getattr(o, key) >= 0, f"optim.{key}", f"must be >= 0, got {getattr(o, key)}")
+    for key in ("adamw_beta1", "adamw_beta2"):
+        _need(0 <= getattr(o, key) < 1, f"optim.{key}", f"must be in [0, 1), got {getattr(o, key)}")
 
 
 __all__ = ["PretrainConfig", "PhaseConfig", "validate"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, choices
 from ..train.parallel import ParallelConfig
 from .config import CropsConfig, DataConfig, DinoConfig, IbotConfig, OptimConfig, PhaseConfig, TeacherConfig, TrainConfig
 
@@ -29,9 +29,13 @@ class StudentConfig:
     """This student's lr relative to the schedule (each student has its own optimizer)."""
 
 
+DistillMode = choices("DistillMode", ("auto", "ssl", "feature"), __name__)
+FeatureLoss = choices("FeatureLoss", ("cosine", "smooth_l1"), __name__)
+
+
 @dataclass
 class FeatureLossConfig:
-    loss: str = "cosine"
+    loss: FeatureLoss = FeatureLoss.cosine
     """cosine | smooth_l1 (on L2-normalised features)."""
     cls_weight: float = 1.0
     patch_weight: float = 1.0
@@ -39,7 +43,7 @@ class FeatureLossConfig:
 
 @dataclass
 class DistillConfig:
-    mode: str = "auto"
+    mode: DistillMode = DistillMode.auto
     """auto (ssl when the teacher run has heads, else feature) | ssl | feature."""
     teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
     students: list[StudentConfig] = field(default_factory=lambda: [StudentConfig()])
@@ -60,14 +64,17 @@ class DistillConfig:
 def validate(cfg: DistillConfig) -> None:
     from .config import validate as validate_common
 
-    validate_common(cfg)  # phases, centering, data paths, mask ratios
-    if cfg.mode not in ("auto", "ssl", "feature"):
-        raise ConfigError(f"mode: expected auto | ssl | feature, got '{cfg.mode}'")
-    if cfg.feature.loss not in ("cosine", "smooth_l1"):
-        raise ConfigError(f"feature.loss: expected cosine | smooth_l1, got '{cfg.feature.loss}'")
+    validate_common(cfg)  # enum fields (mode, feature.loss, ...), phases, data paths, mask ratios
     names = [s.name for s in cfg.students]
     if not names or len(set(names)) != len(names):
         raise ConfigError(f"students: need at least one, with distinct names (got {names})")
+    for i, s in enumerate(cfg.students):
+        if not s.lr_scale > 0:
+            raise ConfigError(f"students.{i}.lr_scale: must be > 0, got {s.lr_scale}")
+    f = cfg.feature
+    if f.cls_weight < 0 or f.patch_weight < 0 or f.cls_weight + f.patch_weight == 0:
+        raise ConfigError(f"feature.cls_weight / feature.patch_weight: need >= 0 and not both 0, got "
+                          f"{f.cls_weight} / {f.patch_weight}")
 
 
 __all__ = ["DistillConfig", "StudentConfig", "TeacherModelConfig", "FeatureLossConfig", "validate"]

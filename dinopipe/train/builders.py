@@ -12,6 +12,7 @@ from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
 from ..data.loader import DataPosition, build_train_loader
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..data.transforms import MultiCropAugmentation, MultiCropCollator
+from ..logs import setup_logging
 from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr
 from .dist import DistInfo, LaunchError, destroy
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
@@ -113,7 +114,7 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
         validate(cfg)
     except ConfigError as exc:
         exit_on_config_error(exc)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     clean = False  # every rank got here together: the final barrier is safe
     try:
         rc = run(cfg)

@@ -174,7 +174,7 @@ class Trainer:
         resumed = self.ckpt.load(self._states())  # rank 0 picks the checkpoint, every rank loads it
         step = int(self.state.values["step"])
         if resumed is not None and self.info.is_main:
-            print(f"resuming from checkpoint at step {step}", flush=True)
+            log.info("resuming from checkpoint at step %d", step)
         metrics = MetricsLogger(self.run_dir, enabled=self.info.is_main, resume_step=step)
         preempt = PreemptionFlag()
         bar = tqdm(total=self.total_steps, initial=step, disable=not (self.cfg.progress and self.info.is_main),
@@ -210,7 +210,7 @@ class Trainer:
                         preempted = preempted or self._any_rank(bool(preempt))
                     if preempted:
                         if self.info.is_main:
-                            print(f"preempted (signal {preempt.received}): checkpoint saved at step {step}", flush=True)
+                            log.info("preempted (signal %s): checkpoint saved at step %d", preempt.received, step)
                         return EXIT_PREEMPTED
                     if stop:
                         return 0
@@ -239,7 +239,10 @@ class Trainer:
         loss, logs = self.task(batch, values)
         loss.backward()
         maybe_test_signal("step", step, self.info.rank, preempt)
-        mean = lambda k, v: not k.startswith("corrupt/") and (torch.is_tensor(v) or isinstance(v, (int, float)))
+
+        def mean(k: str, v: Any) -> bool:  # a per-rank value averaged over ranks (corrupt/* counters stay rank 0's)
+            return not k.startswith("corrupt/") and (torch.is_tensor(v) or isinstance(v, (int, float)))
+
         on_device = sorted(k for k, v in logs.items() if mean(k, v) and torch.is_tensor(v))
         on_host = sorted(k for k, v in logs.items() if mean(k, v) and not torch.is_tensor(v))
         f64 = dict(dtype=torch.float64, device=self.info.device)

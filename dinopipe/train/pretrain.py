@@ -12,10 +12,11 @@ from typing import Optional, Sequence
 import torch
 
 from ..config import save_config
-from ..ssl.config import PretrainConfig, validate
+from ..ssl.config import PretrainConfig
 from ..ssl.param_groups import build_param_groups
 from ..ssl.task import SSLTask
 from .builders import EXIT_NON_FINITE, open_pool, stage_main, train
+from .checks import validate_pretrain
 from .dist import all_reduce_sum_fn, init_distributed
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def run(cfg: PretrainConfig) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return stage_main("pretrain", PretrainConfig, validate, run, argv, __doc__)
+    return stage_main("pretrain", PretrainConfig, validate_pretrain, run, argv, __doc__)
 
 
 if __name__ == "__main__":

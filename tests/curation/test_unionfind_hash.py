@@ -89,12 +89,10 @@ def test_hash_dedup_distance_zero_is_exact_only():
     assert res1.keep.sum() == 1  # 4-5 and 5-7 differ by one bit: all one group (transitive)
 
 
-def test_flood_of_identical_hashes_is_cheap():
-    import time
-
+def test_flood_of_identical_hashes_collapses_to_one_group():
+    # 199,800 identical hashes (a flood of blank images) plus 200 far apart: the flood is one group kept once.
+    # How fast this runs is bench/bench_curation.py's business, not a test's (no wall-clock asserts here).
     h = np.zeros(200_000, np.uint64)
     h[::1000] = np.arange(200, dtype=np.uint64) * 0x0101010101010101
-    t = time.time()
     res = hash_dedup(h, [f"{i:07d}" for i in range(len(h))], max_distance=3)
-    assert time.time() - t < 10
     assert res.keep[0] and res.n_duplicates >= 199_000 - 200

@@ -17,7 +17,7 @@ from PIL import Image
 from dinopipe.data import pool_index
 from dinopipe.data.loader import DataPosition, GlobalBatchSampler, ImagePoolDataset, epoch_permutation, list_pool
 from dinopipe.data.sources import stable_hash
-from dinopipe.data.pool_index import INDEX_NAME, Pool, PoolIndex, open_pool
+from dinopipe.data.pool_index import INDEX_NAME, open_pool
 
 
 def _png(i: int) -> bytes:

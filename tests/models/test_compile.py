@@ -10,7 +10,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import dinopipe.models.attention as attention

@@ -6,7 +6,6 @@ The signals come from the test hook DINOPIPE_TEST_SIGNAL (dinopipe/train/signals
 its own process group at an exact point, as ``scancel --signal`` would, so nothing here polls or races.
 """
 
-import os
 import re
 import signal
 import subprocess

@@ -1,0 +1,35 @@
+"""Pretraining config checks that need the model registry (so they cannot live with the dataclasses in
+``ssl/config.py``, which import nothing above them): run by ``dinopipe pretrain`` before anything is written."""
+
+from __future__ import annotations
+
+from ..config import ConfigError
+from ..models import list_models, model_defaults
+from ..ssl.config import PretrainConfig, validate
+
+
+def check_backbone(cfg: PretrainConfig) -> None:
+    """model.name is a registry variant, and every crop tiles into its patches (the collator would otherwise
+    fail on the first batch, after the run directory was written)."""
+    m = cfg.model
+    if m.name not in list_models():
+        raise ConfigError(f"model.name: unknown model '{m.name}' (choose from {', '.join(list_models())})")
+    if m.pretrained:  # the patch size is the file's (checked when it is loaded)
+        return
+    patch = int({**model_defaults(m.name), **m.create_kwargs()}["patch_size"])
+    for i, ph in enumerate(cfg.phases):
+        sizes = [("global_crops_size", ph.global_crops_size)]
+        if cfg.crops.local_crops_number:
+            sizes.append(("local_crops_size", ph.local_crops_size))
+        for key, size in sizes:
+            if size % patch:
+                raise ConfigError(f"phases.{i}.{key}: {size} px is not a multiple of {m.name}'s patch size {patch} "
+                                  f"(e.g. {max(patch, size // patch * patch)})")
+
+
+def validate_pretrain(cfg: PretrainConfig) -> None:
+    validate(cfg)
+    check_backbone(cfg)
+
+
+__all__ = ["check_backbone", "validate_pretrain"]
