@@ -23,11 +23,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dinopipe.config import save_config
 from dinopipe.data.sources import as_multi
 from dinopipe.utils.io import atomic_open, atomic_path
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
-                     RebalanceConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs)
+                     RebalanceConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, validate)
 from .dedup import resolve_threshold
 from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
@@ -320,8 +321,6 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     Writes the resolved config into ``output.dir`` first. ``embedder``: the built ``embed.model`` (see
     :func:`build_embedder_for`), needed to embed and to embed seed images like the pool was.
     ``echo(step, result)`` is called after each step (the CLI prints there)."""
-    from dinopipe.config import save_config
-
     out = cfg.output.dir
     save_config(cfg, out, header=f"resolved config of `curate {command}`")  # array tasks may race: atomic
     results = {}
@@ -345,8 +344,6 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
 def run_curation(cfg: CurationConfig, embedder=None, echo: Callable[[str, object], None] | None = None) -> dict:
     """All steps on one machine (``curate run``): embed -> dedup -> decontaminate -> rebalance -> write
     (-> report unless ``report.enabled`` is false). ``cfg`` is validated here; returns the manifest."""
-    from .config import validate
-
     validate(cfg, "run")
     if embedder is None and cfg.embed.model is not None:
         embedder = build_embedder_for(cfg)
