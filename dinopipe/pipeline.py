@@ -77,6 +77,31 @@ def validate(cfg: PipelineConfig) -> None:
     for name in ("curate", "pretrain", "distill"):
         if name in cfg.stages and not Path(getattr(cfg, name).config).is_file():
             raise ConfigError(f"{name}.config: '{getattr(cfg, name).config}' does not exist")
+    _check_stage_overrides(cfg)
+
+
+# The keys the pipeline sets itself to chain the stages (placeholders here: the paths do not exist yet).
+_CHAINED = {"curate": ["input.paths=[.]", "output.dir=."], "pretrain": ["data.paths=[.]", "train.output_dir=."],
+            "distill": ["teacher_model.path=.", "data.paths=[.]", "train.output_dir=."]}
+
+
+def _check_stage_overrides(cfg: PipelineConfig) -> None:
+    """Merge each stage's YAML and overrides now, so a mistyped key or a bad choice in `pretrain.overrides`
+    exits 2 before curation has run for minutes (each stage's own checks run again when it starts)."""
+    from curation.config import CurationConfig
+
+    from .config import load_config
+    from .ssl.config import PretrainConfig
+    from .ssl.distill_config import DistillConfig
+
+    schemas = {"curate": CurationConfig, "pretrain": PretrainConfig, "distill": DistillConfig}
+    for name, schema in schemas.items():
+        if name in cfg.stages:
+            stage = getattr(cfg, name)
+            try:
+                load_config(schema, stage.config, [*stage.overrides, *_CHAINED[name]])
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
 
 
 class Paths:

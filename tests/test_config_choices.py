@@ -124,3 +124,16 @@ def test_pretrain_value_mistakes_exit_2_naming_the_key_before_writing(tmp_path, 
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"config error: {key}" in err, err
     assert not out.exists()
+
+
+def test_pipeline_checks_every_stage_config_before_running_any(tmp_path, capsys):
+    """A bad choice in `pretrain.overrides` exits 2 at once, not after curation ran for minutes."""
+    from dinopipe.cli import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["pipeline", "--config", str(REPO / "configs/pipeline/quickstart.yaml"), f"output_dir={out}",
+              "pretrain.overrides=[teacher.centering=sk]"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "pretrain: override 'teacher.centering=sk': key 'teacher.centering'" in err, err
+    assert not out.exists()
