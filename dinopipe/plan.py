@@ -495,5 +495,5 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["plan", "format_report", "describe", "backbone_arch", "block_saved_bytes", "crop_forward_flops", "step_flops",
-           "step_memory", "state_memory", "largest_batch", "implied_mfu", "main"]
+__all__ = ["plan", "format_report", "describe", "backbone_arch", "block_saved_bytes", "crop_forward_flops",
+           "step_flops", "step_memory", "state_memory", "largest_batch", "implied_mfu", "main"]

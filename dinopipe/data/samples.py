@@ -120,8 +120,8 @@ def encode(arr: np.ndarray, fmt: str = "JPEG", quality: int = 95) -> bytes:
 
 
 def make_copy(arr: np.ndarray, kind: str) -> np.ndarray:
-    """A near-duplicate of ``arr`` as the web makes them ('resize', 'jpeg', 'crop', 'combo'); tests and bench
-    plant them to measure copy detection."""
+    """A near-duplicate of ``arr`` as the web makes them ('resize', 'jpeg', 'crop', 'combo'); tests and
+    benches plant them to measure copy detection."""
     img = Image.fromarray(arr)
     w, h = img.size
     if kind == "resize":
