@@ -60,12 +60,14 @@ def test_all_stages_produce_their_outputs(pipeline_run):
         for k, a in accs.items():
             assert ev["knn_top1_se"][name][k] == pytest.approx(math.sqrt(a * (1 - a) / ev["val"]))
     report = (run / "report" / "report.md").read_text()
-    t, r = ev["knn_top1"]["teacher"]["20"], ev["knn_top1"]["random init (teacher arch)"]["20"]
-    se_t, se_r = math.sqrt(t * (1 - t) / 64), math.sqrt(r * (1 - r) / 64)
+    acc_t, acc_r = ev["knn_top1"]["teacher"]["20"], ev["knn_top1"]["random init (teacher arch)"]["20"]
+    se_t, se_r = math.sqrt(acc_t * (1 - acc_t) / 64), math.sqrt(acc_r * (1 - acc_r) / 64)
+    acc, gain = f"{acc_t:.3f} ± {se_t:.3f}", f"{acc_t - acc_r:+.3f} ± {math.hypot(se_t, se_r):.3f}"
     teacher_row = next(line for line in report.splitlines() if line.startswith("| teacher |"))
-    assert f"{t:.3f} ± {se_t:.3f}" in teacher_row and f"{t - r:+.3f} ± {math.hypot(se_t, se_r):.3f}" in teacher_row
+    assert acc in teacher_row and gain in teacher_row
     assert "student small" in report
-    assert f"teacher                            {t:.3f} ± {se_t:.3f}" in r.stdout  # the printed summary too
+    summary = [line.split() for line in r.stdout.splitlines()]  # the printed summary states them too
+    assert ["teacher", *acc.split(), *gain.split(), "over", "random", "init", "(teacher", "arch)"] in summary
     assert (run / "report" / "pretrain_loss.png").is_file() and (run / "report" / "distill_loss.png").is_file()
     for link in [line.split("](")[1].rstrip(")") for line in report.splitlines() if line.startswith("![")]:
         assert (run / "report" / link).is_file(), link  # relative links that resolve
