@@ -154,12 +154,13 @@ def _students(p: Paths) -> dict[str, Path]:
 
 
 def run_eval(cfg: PipelineConfig, p: Paths) -> int:
-    """kNN on the held-out set: random init vs teacher vs each distilled student."""
+    """kNN on the held-out set: each trained model against a random init of its own architecture."""
     import torch
 
     from .eval import extract_features, knn_classify, open_labelled
     from .hub import load
     from .models import build_vit
+    from .pipeline_report import RANDOM_TEACHER, binomial_se
 
     if not (p.eval_train and p.eval_val):
         print("eval: no labelled eval set (input.eval_train / input.eval_val); skipped")
@@ -167,17 +168,28 @@ def run_eval(cfg: PipelineConfig, p: Paths) -> int:
     train = open_labelled(p.eval_train)
     val = open_labelled(p.eval_val, classes=train.classes)
     teacher = load(p.pretrain)
-    torch.manual_seed(0)
-    models = {"random init (teacher arch)": build_vit(**teacher.arch_config()).eval(), "teacher": teacher}
-    models.update({f"student {n}": load(d) for n, d in _students(p).items()})
-    results = {}
+    students = {f"student {n}": load(d) for n, d in _students(p).items()}
+
+    def random_init(model):
+        torch.manual_seed(0)  # the same baseline on every rerun
+        return build_vit(**model.arch_config()).eval()
+
+    models = {RANDOM_TEACHER: random_init(teacher), "teacher": teacher}
+    for name, model in students.items():
+        # Each student is compared with a random net of its own (smaller) architecture.
+        models[f"random init ({name} arch)"] = random_init(model)
+        models[name] = model
+    results, se = {}, {}
     for name, model in models.items():
-        kw = dict(img_size=cfg.eval.img_size, num_workers=0, device="cpu")
+        kw = {"img_size": cfg.eval.img_size, "num_workers": 0, "device": "cpu"}
         ft, fv = extract_features(model, train, **kw), extract_features(model, val, **kw)
         res = knn_classify(ft.feats, ft.labels, fv.feats, fv.labels, ks=cfg.eval.k, num_classes=len(train.classes))
         results[name] = {str(k): v["top1"] for k, v in res.items()}
-        print(f"eval: {name:32s} " + "  ".join(f"k={k} top-1 {v:.3f}" for k, v in results[name].items()))
-    out = {"classes": len(train.classes), "train": len(train), "val": len(val), "knn_top1": results}
+        se[name] = {k: binomial_se(v, len(fv.labels)) for k, v in results[name].items()}
+        print(f"eval: {name:34s} " + "  ".join(f"k={k} top-1 {v:.3f} ± {se[name][k]:.3f}"
+                                                for k, v in results[name].items()))
+    out = {"classes": len(train.classes), "train": len(train), "val": len(val), "knn_top1": results,
+           "knn_top1_se": se}
     p.eval.write_text(json.dumps(out, indent=2))
     return 0
 
@@ -196,7 +208,7 @@ def _done(stage: str, p: Paths) -> bool:
 
 def run(cfg: PipelineConfig) -> int:
     from .data.samples import build_eval_set, build_sample_pool, build_seed_set
-    from .pipeline_report import write_report
+    from .pipeline_report import summary_lines, write_report
 
     p = Paths(cfg)
     save_config(cfg, p.root, name="pipeline.yaml")
@@ -224,6 +236,9 @@ def run(cfg: PipelineConfig) -> int:
             return rc
     if "report" in cfg.stages:
         report = write_report(p, timings)
+        if p.eval.is_file():
+            ev = json.loads(p.eval.read_text())
+            print("\n".join(summary_lines(ev, max(int(k) for k in next(iter(ev["knn_top1"].values()))))))
         print(f"report: {report}")
     return 0
 

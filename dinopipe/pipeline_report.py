@@ -1,9 +1,11 @@
 """The pipeline's one report: ``RUN/report/report.md`` with loss curves, the curation plots, the kNN table
-and where every artefact is."""
+(each accuracy with its standard error, and each model's gain over a random init with the SE of that
+difference) and where every artefact is."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -39,6 +41,61 @@ def _loss_plot(run_dir: Path, keys: list[str], out: Path, title: str) -> bool:
     return True
 
 
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of a top-1 accuracy ``p`` measured on ``n`` queries: sqrt(p (1 - p) / n)."""
+    return math.sqrt(p * (1.0 - p) / n) if n > 0 else float("nan")
+
+
+def diff_se(se_a: float, se_b: float) -> float:
+    """SE of a difference of two accuracies, treated as independent: sqrt(se_a^2 + se_b^2). Both models answer
+    the same queries, so their errors are positively correlated and this overstates the paired SE: a
+    difference of two of these SEs or more is real, not held-out-set noise."""
+    return math.sqrt(se_a ** 2 + se_b ** 2)
+
+
+RANDOM_TEACHER = "random init (teacher arch)"
+
+
+def baseline_of(name: str, names) -> str | None:
+    """The random init a model is compared with: a student with its own architecture, else the teacher's."""
+    if name.startswith("random init"):
+        return None
+    if name.startswith("student "):
+        own = f"random init ({name} arch)"
+        if own in names:
+            return own
+    return RANDOM_TEACHER if RANDOM_TEACHER in names else None
+
+
+def knn_rows(ev: dict, k: int | str) -> list[dict]:
+    """One row per model at ``k``: top-1, its SE, and (not for the random inits) the gain over its random
+    baseline with the SE of that difference. ``ev`` is eval_results.json."""
+    k, n, accs = str(k), int(ev["val"]), ev["knn_top1"]
+    rows = []
+    for name, v in accs.items():
+        p = v[k]
+        row = {"model": name, "top1": p, "se": binomial_se(p, n)}
+        base = baseline_of(name, accs)
+        if base is not None:
+            q = accs[base][k]
+            row.update(baseline=base, gain=p - q, gain_se=diff_se(row["se"], binomial_se(q, n)))
+        rows.append(row)
+    return rows
+
+
+def summary_lines(ev: dict, k: int | str) -> list[str]:
+    """The pipeline's printed kNN summary at ``k`` (plain text, one line per model)."""
+    head = (f"kNN top-1 at k={k} on {ev['val']} held-out queries ({ev['classes']} classes, {ev['train']} gallery); "
+            "± one standard error")
+    out = [head]
+    for r in knn_rows(ev, k):
+        line = f"  {r['model']:34s} {r['top1']:.3f} ± {r['se']:.3f}"
+        if "gain" in r:
+            line += f"   {r['gain']:+.3f} ± {r['gain_se']:.3f} over {r['baseline']}"
+        out.append(line)
+    return out
+
+
 def _rel(path: Path, start: Path) -> str:
     """Links relative to the report, so the run folder can be moved or copied and still render."""
     return os.path.relpath(path.resolve(), start.resolve())
@@ -69,9 +126,19 @@ def write_report(p, timings: dict) -> Path:
     if p.eval.is_file():
         ev = json.loads(p.eval.read_text())
         ks = list(next(iter(ev["knn_top1"].values())))
+        rows = {k: knn_rows(ev, k) for k in ks}
         lines += [f"## kNN on the held-out set ({ev['classes']} classes, {ev['train']} gallery / {ev['val']} queries)",
-                  "", "| model | " + " | ".join(f"top-1 k={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
-        lines += [f"| {name} | " + " | ".join(f"{v[k]:.3f}" for k in ks) + " |" for name, v in ev["knn_top1"].items()]
+                  "", ("Top-1 ± one standard error (binomial, sqrt(p(1-p)/n)); gain = top-1 minus the random init "
+                       "of the same architecture, ± the SE of that difference (sqrt(se1² + se2²))."), "",
+                  "| model | " + " | ".join(f"top-1 k={k} | gain k={k}" for k in ks) + " |",
+                  "|---" * (2 * len(ks) + 1) + "|"]
+        for i, name in enumerate(ev["knn_top1"]):
+            cells = []
+            for k in ks:
+                r = rows[k][i]
+                cells += [f"{r['top1']:.3f} ± {r['se']:.3f}",
+                          f"{r['gain']:+.3f} ± {r['gain_se']:.3f}" if "gain" in r else "—"]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Artefacts", "", "| what | where |", "|---|---|",
               f"| curated shards | `{p.curated / 'shards'}` |", f"| manifest | `{manifest}` |",
