@@ -1,4 +1,4 @@
-"""Loading backbones from anywhere and exporting them for other libraries.
+"""Loading backbones from anywhere (the writers are in ``dinopipe.export`` and re-exported here).
 
 ``load()`` accepts: a dinopipe export folder or run directory (pretraining: the teacher; distillation: the
 student you name), a run's DCP checkpoint folder (``RUN/checkpoints/step_N``, read in one process without
@@ -19,23 +19,44 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
-from safetensors.torch import load_file, safe_open, save_file
-from torch import Tensor, nn
+from safetensors.torch import load_file, safe_open
+from torch import Tensor
 
-from .export_hf import export_hf
-from .models.convert import convert_checkpoint, infer_arch, timm_model_args, to_dinov2, to_timm
-from .models.convert_dinov3 import timm_dinov3_model_args, to_official_dinov3, to_timm_dinov3
-from .models.registry import TRAINING_ONLY_KEYS, build_vit, list_models, model_defaults
+from .export import (  # noqa: F401
+    ARCH_METADATA_KEY,
+    CONFIG_NAME,
+    EXPORT_FORMAT,
+    EXPORTERS,
+    HEADS_NAME,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    WEIGHTS_NAME,
+    export,
+    export_arch,
+    export_dinov2,
+    export_dinov3,
+    export_hf,
+    export_timm,
+    save_backbone,
+    save_heads,
+)
+from .models.convert import (  # noqa: F401  (reachable as hub.*)
+    convert_checkpoint,
+    infer_arch,
+    timm_model_args,
+    to_dinov2,
+    to_timm,
+)
+from .models.convert_dinov3 import (  # noqa: F401
+    timm_dinov3_model_args,
+    to_official_dinov3,
+    to_timm_dinov3,
+)
+from .models.registry import build_vit, list_models, model_defaults
 from .models.vit import DinoVisionTransformer
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-ARCH_METADATA_KEY = "dinopipe_arch"
-EXPORT_FORMAT = "dinopipe-backbone/1"
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class CheckpointError(ValueError):
@@ -167,7 +188,9 @@ def _flatten(d: Mapping, prefix: str = "") -> dict[str, Tensor]:
 def read_dcp_backbone(path: Path, which: Optional[str] = None) -> tuple[dict[str, Tensor], str]:
     """(backbone state dict, state name) from a DCP folder, in this process, without a process group."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.state_dict_loader import (
+        _load_state_dict_from_keys,
+    )
 
     keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     marker = ".model.backbone."
@@ -268,9 +291,6 @@ def load(
     return model.to(device).eval()
 
 
-HEADS_NAME = "heads.safetensors"
-
-
 def _heads_file(path: Path) -> Optional[Path]:
     for cand in (path / "export" / "teacher" / HEADS_NAME, path / HEADS_NAME):
         if cand.is_file():
@@ -316,129 +336,9 @@ def backbone_arch(path_or_name: str | Path, num_heads: Optional[int] = None, whi
     return kwargs
 
 
-# -- writing ------------------------------------------------------------------------------------------
-
-
-def _is_dinov3(arch: Mapping[str, Any]) -> bool:
-    return arch.get("family") == "dinov3"
-
-
-def _ffn_hidden(model: nn.Module) -> int:
-    return int(model.blocks[0].mlp.fc2.in_features)
-
-
-def export_arch(model: DinoVisionTransformer) -> dict[str, Any]:
-    arch = model.arch_config() or infer_arch(model.state_dict(), num_heads=model.num_heads)
-    return {k: v for k, v in arch.items() if k not in TRAINING_ONLY_KEYS}
-
-
-def _contiguous_cpu(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-
-
-def save_backbone(model: nn.Module, out_dir: str | Path, extra: Optional[dict] = None) -> Path:
-    """dinopipe export folder: model.safetensors (arch in its metadata) + config.json. No torch.distributed."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    arch = export_arch(model)
-    tmp = out / (WEIGHTS_NAME + ".tmp")
-    save_file(_contiguous_cpu(model.state_dict()), str(tmp), metadata={ARCH_METADATA_KEY: json.dumps(arch)})
-    tmp.replace(out / WEIGHTS_NAME)
-    cfg = {"format": EXPORT_FORMAT, "arch": arch, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, **(extra or {})}
-    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
-    return out
-
-
-def save_heads(out_dir: str | Path, heads: Mapping[str, Mapping[str, Tensor]]) -> Path:
-    """{head name: state dict} -> OUT/heads.safetensors (what ``load_heads`` reads back)."""
-    out = Path(out_dir) / HEADS_NAME
-    save_file({f"{name}.{k}": v.detach().to("cpu").contiguous() for name, sd in heads.items() for k, v in sd.items()},
-              str(out))
-    return out
-
-
-def export_timm(model: DinoVisionTransformer, out_dir: str | Path) -> Path:
-    """A folder that ``timm.create_model('local-dir:DIR', pretrained=True)`` loads, as timm's hub folders."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    arch = export_arch(model)
-    if _is_dinov3(arch):
-        name, model_args = timm_dinov3_model_args(arch, _ffn_hidden(model))
-        weights = to_timm_dinov3(model.state_dict(), arch)
-    else:
-        name, model_args = timm_model_args(arch)
-        weights = to_timm(model.state_dict())
-    size = int(arch["img_size"])
-    cfg = {
-        "architecture": name,
-        "num_classes": 0,
-        "num_features": int(arch["embed_dim"]),
-        "model_args": model_args,
-        "pretrained_cfg": {
-            "tag": "dinopipe",
-            "input_size": [int(arch.get("in_chans", 3)), size, size],
-            "fixed_input_size": False,
-            "interpolation": "bicubic",
-            "crop_pct": 1.0,
-            "crop_mode": "center",
-            "mean": list(IMAGENET_MEAN),
-            "std": list(IMAGENET_STD),
-            "num_classes": 0,
-            "pool_size": None,
-            "first_conv": "patch_embed.proj",
-            "classifier": "head",
-            "license": "apache-2.0",
-        },
-    }
-    save_file(_contiguous_cpu(weights), str(out / WEIGHTS_NAME))
-    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
-    return out
-
-
-def export_dinov2(model: DinoVisionTransformer, out_path: str | Path) -> Path:
-    """A ``.pth`` in the official DINOv2 hub layout (plain tensors, loadable with weights_only=True)."""
-    out = Path(out_path)
-    if out.suffix != ".pth":
-        out.mkdir(parents=True, exist_ok=True)
-        out = out / "backbone.pth"
-    arch = export_arch(model)
-    if _is_dinov3(arch):
-        raise ValueError("a DINOv3 backbone (RoPE, no position embedding) has no DINOv2 layout: use --format dinov3")
-    torch.save(to_dinov2(_contiguous_cpu(model.state_dict()), arch.get("ffn", "mlp")), out)
-    return out
-
-
-def export_dinov3(model: nn.Module, out_path: str | Path) -> Path:
-    """A ``.pth`` in the official DINOv3 layout: ``dinov3.hub.backbones.dinov3_*(weights=PATH)`` loads it
-    (strict), with ``rope_embed.periods`` and the masked key bias's ``bias_mask``."""
-    out = Path(out_path)
-    if out.suffix != ".pth":
-        out.mkdir(parents=True, exist_ok=True)
-        out = out / "backbone.pth"
-    arch = export_arch(model)
-    if not _is_dinov3(arch):
-        raise ValueError("only DINOv3 backbones (RoPE) have the DINOv3 layout: use --format dinov2 for this one")
-    torch.save(to_official_dinov3(_contiguous_cpu(model.state_dict()), arch), out)
-    return out
-
-
-EXPORTERS = {
-    "dinopipe": save_backbone,
-    "safetensors": save_backbone,
-    "timm": export_timm,
-    "dinov2": export_dinov2,
-    "dinov3": export_dinov3,
-    "hf": export_hf,  # transformers Dinov2Model / Dinov2WithRegistersModel / DINOv3ViTModel folder
-}
-
-
-def export(model: DinoVisionTransformer, fmt: str, out: str | Path) -> Path:
-    if fmt not in EXPORTERS:
-        raise ValueError(f"unknown export format '{fmt}'; choose from {sorted(EXPORTERS)}")
-    return EXPORTERS[fmt](model, out)
-
-
+# Writers live in dinopipe/export (imported above, so ``hub.save_backbone``, ``hub.export(...)`` keep working).
 __all__ = [
-    "load", "load_heads", "has_heads", "backbone_arch", "save_heads", "read_checkpoint", "read_dcp_backbone", "save_backbone", "export", "export_timm", "export_dinov2",
-    "export_dinov3", "export_hf", "CheckpointError",
+    "load", "load_heads", "has_heads", "backbone_arch", "read_checkpoint", "read_dcp_backbone", "CheckpointError",
+    "save_backbone", "save_heads", "export", "export_arch", "export_timm", "export_dinov2", "export_dinov3",
+    "export_hf",
 ]

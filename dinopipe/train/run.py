@@ -17,6 +17,7 @@ import torch
 
 from .. import hub
 from ..config import ParallelConfig, save_config
+from ..export import save_backbone, save_heads
 from ..models import build_vit
 from ..ssl.base import TeacherStudentTask
 from ..ssl.param_groups import build_param_groups
@@ -64,9 +65,9 @@ def export_task(task: TeacherStudentTask, run_dir: str | Path, step: int) -> Non
         model = build_vit(**spec.backbone.arch_config())
         model.load_state_dict(backbone_sd)
         out = Path(run_dir) / "export" / spec.name
-        hub.save_backbone(model, out, extra=spec.extra)
+        save_backbone(model, out, extra=spec.extra)
         if heads_sd:
-            hub.save_heads(out, heads_sd)
+            save_heads(out, heads_sd)
         log.info("exported %s backbone to %s", spec.name, out)
 
 
