@@ -16,6 +16,7 @@ PACKAGES = ("dinopipe", "curation")
 GROUPS: dict[str, str] = {
     # 0: configs (structured dataclasses + validation); stage configs count here wherever they live
     "dinopipe.config": "config",
+    "dinopipe.utils": "util",  # one home per small helper (atomic writes, normalisation, device picking)
     "dinopipe.ssl.config": "config",
     "dinopipe.ssl.distill_config": "config",
     # 1
@@ -44,20 +45,28 @@ GROUPS: dict[str, str] = {
     "curation.cli": "app",
 }
 
-ALL = {"config", "models", "data", "ssl", "export", "train", "eval", "curation", "app"}
+ALL = {"util", "config", "models", "data", "ssl", "export", "train", "eval", "curation", "app"}
+_BOTTOM = {"util", "config"}
 ALLOWED: dict[str, set[str]] = {
-    "config": {"config"},
-    "models": {"config", "models"},
-    "data": {"config", "data"},
-    "ssl": {"config", "models", "ssl"},
-    "export": {"config", "models", "export"},
-    "train": {"config", "models", "data", "ssl", "export", "train"},
-    "eval": {"config", "models", "data", "export", "eval"},
-    "curation": {"config", "models", "data", "export", "curation"},
+    "util": _BOTTOM,
+    "config": _BOTTOM,
+    "models": _BOTTOM | {"models"},
+    "data": _BOTTOM | {"data"},
+    "ssl": _BOTTOM | {"models", "ssl"},
+    "export": _BOTTOM | {"models", "export"},
+    "train": _BOTTOM | {"models", "data", "ssl", "export", "train"},
+    "eval": _BOTTOM | {"models", "data", "export", "eval"},
+    "curation": _BOTTOM | {"models", "data", "export", "curation"},
     "app": ALL,
 }
 # Model code is single-device (STYLE.md 3): distribution lives in dinopipe/train.
 FORBIDDEN_EXTERNAL = {"models": ("torch.distributed",)}
+# Within a layer: the writers never import the reader (hub imports export, not the other way: no cycle).
+FORBIDDEN_WITHIN = {"dinopipe.export": ("dinopipe.hub", "dinopipe")}
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
 
 
 def group_of(module: str) -> str | None:
@@ -108,10 +117,14 @@ def violations(root: Path, packages=PACKAGES) -> list[str]:
             if src_group is None:
                 found.append(f"{path.relative_to(root)}: module {module} has no layer in tests/test_layers.py")
                 continue
+            within = [bad for src, bads in FORBIDDEN_WITHIN.items() if _under(module, src) for bad in bads]
             for line, target in imports_of(path.read_text(), module, path.name == "__init__.py", root):
                 for bad in FORBIDDEN_EXTERNAL.get(src_group, ()):
-                    if target == bad or target.startswith(bad + "."):
+                    if _under(target, bad):
                         found.append(f"{path.relative_to(root)}:{line}: {src_group} imports {target}")
+                if any(target == bad for bad in within) or any(_under(target, b) for b in within if b != "dinopipe"):
+                    found.append(f"{path.relative_to(root)}:{line}: {module} imports {target} (a cycle: "
+                                 f"dinopipe.hub imports dinopipe.export)")
                 dst_group = group_of(target)
                 if dst_group is not None and dst_group not in ALLOWED[src_group]:
                     found.append(f"{path.relative_to(root)}:{line}: {src_group} ({module}) imports {dst_group} "
@@ -128,18 +141,20 @@ def test_imports_point_down_the_layers():
     ("dinopipe/ssl/task.py", "from ..train.checkpoint import full_state_dict\n", "ssl (dinopipe.ssl.task) imports train"),
     ("dinopipe/ssl/task.py", "def f():\n    from dinopipe import hub\n", "ssl (dinopipe.ssl.task) imports export"),
     ("dinopipe/config.py", "from .train.parallel import ParallelConfig\n", "config (dinopipe.config) imports train"),
+    ("dinopipe/utils/io.py", "from ..models import create_model\n", "util (dinopipe.utils.io) imports models"),
     ("dinopipe/models/vit.py", "import torch.distributed as dist\n", "models imports torch.distributed"),
     ("dinopipe/hub.py", "from .train.checkpoint import full_state_dict\n", "export (dinopipe.hub) imports train"),
     ("curation/embedder.py", "from dinopipe.train.dist import init_distributed\n", "curation (curation.embedder) imports train"),
     ("curation/embedder.py", "from dinopipe.cli import main\n", "curation (curation.embedder) imports app"),
     ("dinopipe/eval/knn.py", "from ..train.loop import Trainer\n", "eval (dinopipe.eval.knn) imports train"),
+    ("dinopipe/export/hf.py", "def f():\n    from ..hub import export_arch\n", "dinopipe.export.hf imports dinopipe.hub"),
 ])
 def test_checker_catches_a_wrong_way_import(tmp_path, where, code, rule):
     """A synthetic tree: one file per package layer, plus one bad import."""
     for pkg in PACKAGES:
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
-    for sub in ("ssl", "models", "train", "eval"):
+    for sub in ("ssl", "models", "train", "eval", "export", "utils"):
         (tmp_path / "dinopipe" / sub).mkdir()
         (tmp_path / "dinopipe" / sub / "__init__.py").write_text("")
     for f in ("dinopipe/train/checkpoint.py", "dinopipe/train/parallel.py", "dinopipe/train/dist.py",

@@ -71,8 +71,8 @@ class DistillTask(TeacherStudentTask):
             # Students see unmasked crops: a parameter that never gets a gradient must be frozen, or its
             # optimizer state would be missing from checkpoints and resuming would fail.
             backbone.mask_token.requires_grad_(False)
-            if self.mode == "ssl":  # fresh heads shaped like the teacher's, on the student's width
-                mods = {name: build_head(backbone.embed_dim, head_config(sd)) for name, sd in head_sds.items()}
+            if self.mode == "ssl":
+                mods = {name: self._student_head(sd, backbone.embed_dim) for name, sd in head_sds.items()}
             else:
                 mods = {"proj_cls": nn.Linear(backbone.embed_dim, t_dim), "proj_patch": nn.Linear(backbone.embed_dim, t_dim)}
             self.students[s.name] = nn.ModuleDict({"backbone": backbone, **mods})
@@ -84,6 +84,11 @@ class DistillTask(TeacherStudentTask):
             ibot = t_heads.get("ibot_head", t_heads["dino_head"])
             self.ibot_loss = IBOTPatchLoss(n_prototypes(ibot), t.student_temp, t.center_momentum, t.centering,
                                            all_reduce_fn=all_reduce_fn)
+
+    @staticmethod
+    def _student_head(teacher_head: dict[str, Tensor], in_dim: int) -> nn.Module:
+        """DINOv2: a fresh head shaped like the teacher's (same prototypes), on the student's width."""
+        return build_head(in_dim, head_config(teacher_head))
 
     # -- declarations -----------------------------------------------------------------------------------
     def trained_groups(self) -> dict[str, nn.ModuleDict]:

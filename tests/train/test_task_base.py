@@ -14,7 +14,7 @@ from dinopipe.ssl.config import HeadConfig, PretrainConfig
 from dinopipe.ssl.task import SSLTask
 from dinopipe.train import distill
 from dinopipe.train.run import checkpoint_states
-from conftest import REPO, TINY, TINY_DISTILL
+from tests.train.conftest import REPO, TINY, TINY_DISTILL
 
 
 def test_head_from_config_and_rebuilt_from_its_weights():
