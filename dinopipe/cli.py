@@ -39,7 +39,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .hub import CheckpointError, export, load
+    from .export import export
+    from .hub import CheckpointError, load
 
     if args.image_size is not None and args.format not in ("onnx", "pt2"):
         print(f"error: --image-size only applies to --format onnx | pt2 (weights in the '{args.format}' "
@@ -51,8 +52,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        if args.format in ("onnx", "pt2"):  # deployable graphs (export_onnx.py), not weight layouts
-            from .export_onnx import export_onnx, export_program
+        if args.format in ("onnx", "pt2"):  # deployable graphs (dinopipe/export/onnx.py), not weight layouts
+            from .export.onnx import export_onnx, export_program
 
             out = (export_onnx if args.format == "onnx" else export_program)(model, args.out, args.image_size)
         else:

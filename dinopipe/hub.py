@@ -1,4 +1,4 @@
-"""Loading backbones from anywhere and exporting them for other libraries.
+"""Loading backbones from anywhere (the writers are in ``dinopipe.export`` and re-exported here).
 
 ``load()`` accepts: a dinopipe export folder or run directory (pretraining: the teacher; distillation: the
 student you name), a run's DCP checkpoint folder (``RUN/checkpoints/step_N``, read in one process without
@@ -19,23 +19,44 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
-from safetensors.torch import load_file, safe_open, save_file
-from torch import Tensor, nn
+from safetensors.torch import load_file, safe_open
+from torch import Tensor
 
-from .export_hf import export_hf
-from .models.convert import convert_checkpoint, infer_arch, timm_model_args, to_dinov2, to_timm
-from .models.convert_dinov3 import timm_dinov3_model_args, to_official_dinov3, to_timm_dinov3
-from .models.registry import TRAINING_ONLY_KEYS, build_vit, list_models, model_defaults
+from .export import (  # noqa: F401
+    ARCH_METADATA_KEY,
+    CONFIG_NAME,
+    EXPORT_FORMAT,
+    EXPORTERS,
+    HEADS_NAME,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    WEIGHTS_NAME,
+    export,
+    export_arch,
+    export_dinov2,
+    export_dinov3,
+    export_hf,
+    export_timm,
+    save_backbone,
+    save_heads,
+)
+from .models.convert import (  # noqa: F401  (reachable as hub.*)
+    convert_checkpoint,
+    infer_arch,
+    timm_model_args,
+    to_dinov2,
+    to_timm,
+)
+from .models.convert_dinov3 import (  # noqa: F401
+    timm_dinov3_model_args,
+    to_official_dinov3,
+    to_timm_dinov3,
+)
+from .models.registry import build_vit, list_models, model_defaults
 from .models.vit import DinoVisionTransformer
-from dinopipe.utils.io import atomic_path
-from dinopipe.utils.norm import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-ARCH_METADATA_KEY = "dinopipe_arch"
-EXPORT_FORMAT = "dinopipe-backbone/1"
 
 
 class CheckpointError(ValueError):
@@ -167,7 +188,9 @@ def _flatten(d: Mapping, prefix: str = "") -> dict[str, Tensor]:
 def read_dcp_backbone(path: Path, which: Optional[str] = None) -> tuple[dict[str, Tensor], str]:
     """(backbone state dict, state name) from a DCP folder, in this process, without a process group."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.state_dict_loader import (
+        _load_state_dict_from_keys,
+    )
 
     keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     marker = ".model.backbone."
@@ -203,6 +226,33 @@ def _run_arch(ckpt: Path, state: str) -> Optional[dict]:
     return {**model_defaults(model["name"]), **kwargs}
 
 
+def _read_backbone(path: Path, num_heads: Optional[int], which: Optional[str]
+                   ) -> tuple[dict, dict, Path, Optional[int]]:
+    """(canonical state dict, architecture kwargs the file records or its shapes imply, file read, head count
+    given or found in a timm folder's config)."""
+    dcp_dir = _dcp_dir(path, which) if path.is_dir() else None
+    file_arch, hf_cfg = None, {}
+    if dcp_dir is not None:
+        obj, state = read_dcp_backbone(dcp_dir, which)
+        file, file_arch = dcp_dir, _run_arch(dcp_dir, state)
+    else:
+        files, file_arch, hf_cfg = _resolve_path(path, which)
+        file = files[0]
+        obj = {}
+        for f in files:
+            part, part_arch = read_checkpoint(f)
+            obj = part if len(files) == 1 else {**obj, **part}
+            file_arch = file_arch or part_arch
+    if not num_heads and isinstance(hf_cfg.get("model_args"), Mapping):
+        num_heads = hf_cfg["model_args"].get("num_heads")
+    hf_cfg = hf_cfg if hf_cfg.get("model_type") in HF_MODEL_TYPES else {}
+    try:
+        sd, inferred = convert_checkpoint(obj, num_heads=num_heads, hf_config=hf_cfg or None)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{file}: {exc}") from None
+    return sd, dict(file_arch or inferred), file, num_heads
+
+
 def load(
     path_or_name: str | Path,
     arch: Optional[Mapping[str, Any]] = None,
@@ -226,28 +276,7 @@ def load(
 
         log.warning("dinopipe.load('%s'): a registry name, so the weights are randomly initialised", name)
         return create_model(name, **overrides).to(device).eval()
-    path = Path(path_or_name)
-    dcp_dir = _dcp_dir(path, which) if path.is_dir() else None
-    file_arch, hf_cfg = None, {}
-    if dcp_dir is not None:
-        obj, state = read_dcp_backbone(dcp_dir, which)
-        file, file_arch = dcp_dir, _run_arch(dcp_dir, state)
-    else:
-        files, file_arch, hf_cfg = _resolve_path(path, which)
-        file = files[0]
-        obj = {}
-        for f in files:
-            part, part_arch = read_checkpoint(f)
-            obj = part if len(files) == 1 else {**obj, **part}
-            file_arch = file_arch or part_arch
-    if not num_heads and isinstance(hf_cfg.get("model_args"), Mapping):
-        num_heads = hf_cfg["model_args"].get("num_heads")
-    hf_cfg = hf_cfg if hf_cfg.get("model_type") in HF_MODEL_TYPES else {}
-    try:
-        sd, inferred = convert_checkpoint(obj, num_heads=num_heads, hf_config=hf_cfg or None)
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"{file}: {exc}") from None
-    kwargs = dict(file_arch or inferred)
+    sd, kwargs, file, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
     kwargs.update(arch or {})
     if num_heads:
         kwargs["num_heads"] = num_heads
@@ -262,120 +291,54 @@ def load(
     return model.to(device).eval()
 
 
-# -- writing ------------------------------------------------------------------------------------------
+def _heads_file(path: Path) -> Optional[Path]:
+    for cand in (path / "export" / "teacher" / HEADS_NAME, path / HEADS_NAME):
+        if cand.is_file():
+            return cand
+    return None
 
 
-def _is_dinov3(arch: Mapping[str, Any]) -> bool:
-    return arch.get("family") == "dinov3"
+def has_heads(path: str | Path) -> bool:
+    """Whether a pretraining run / export carries its DINO heads (file metadata only, nothing is loaded)."""
+    path = Path(path)
+    return path.is_dir() and _heads_file(path) is not None
 
 
-def _ffn_hidden(model: nn.Module) -> int:
-    return int(model.blocks[0].mlp.fc2.in_features)
+def load_heads(path: str | Path) -> dict[str, dict[str, Tensor]]:
+    """{'dino_head': sd, 'ibot_head': sd} exported next to a pretraining run's teacher ({} for a bare backbone)."""
+    path = Path(path)
+    hf = _heads_file(path) if path.is_dir() else None
+    if hf is None:
+        return {}
+    sd = load_file(str(hf))
+    heads = {}
+    for name in ("dino_head", "ibot_head"):
+        part = {k[len(name) + 1:]: v for k, v in sd.items() if k.startswith(name + ".")}
+        if part:
+            heads[name] = part
+    return heads
 
 
-def export_arch(model: DinoVisionTransformer) -> dict[str, Any]:
-    arch = model.arch_config() or infer_arch(model.state_dict(), num_heads=model.num_heads)
-    return {k: v for k, v in arch.items() if k not in TRAINING_ONLY_KEYS}
+def backbone_arch(path_or_name: str | Path, num_heads: Optional[int] = None, which: Optional[str] = None
+                  ) -> dict[str, Any]:
+    """The architecture kwargs ``load`` would build (patch size, width, ...) without building the model."""
+    name = str(path_or_name)
+    if name in list_models() and not Path(name).exists():
+        return model_defaults(name)
+    path = Path(path_or_name)
+    if path.is_dir() and _dcp_dir(path, which) is None:  # an export folder records its arch: skip the weights
+        file_arch = _resolve_path(path, which)[1]
+        if file_arch:
+            return {**file_arch, **({"num_heads": num_heads} if num_heads else {})}
+    _, kwargs, _, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
+    if num_heads:
+        kwargs["num_heads"] = num_heads
+    return kwargs
 
 
-def _contiguous_cpu(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-
-
-def save_backbone(model: nn.Module, out_dir: str | Path, extra: Optional[dict] = None) -> Path:
-    """dinopipe export folder: model.safetensors (arch in its metadata) + config.json. No torch.distributed."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    arch = export_arch(model)
-    with atomic_path(out / WEIGHTS_NAME) as tmp:
-        save_file(_contiguous_cpu(model.state_dict()), tmp, metadata={ARCH_METADATA_KEY: json.dumps(arch)})
-    cfg = {"format": EXPORT_FORMAT, "arch": arch, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, **(extra or {})}
-    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
-    return out
-
-
-def export_timm(model: DinoVisionTransformer, out_dir: str | Path) -> Path:
-    """A folder that ``timm.create_model('local-dir:DIR', pretrained=True)`` loads, as timm's hub folders."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    arch = export_arch(model)
-    if _is_dinov3(arch):
-        name, model_args = timm_dinov3_model_args(arch, _ffn_hidden(model))
-        weights = to_timm_dinov3(model.state_dict(), arch)
-    else:
-        name, model_args = timm_model_args(arch)
-        weights = to_timm(model.state_dict())
-    size = int(arch["img_size"])
-    cfg = {
-        "architecture": name,
-        "num_classes": 0,
-        "num_features": int(arch["embed_dim"]),
-        "model_args": model_args,
-        "pretrained_cfg": {
-            "tag": "dinopipe",
-            "input_size": [int(arch.get("in_chans", 3)), size, size],
-            "fixed_input_size": False,
-            "interpolation": "bicubic",
-            "crop_pct": 1.0,
-            "crop_mode": "center",
-            "mean": list(IMAGENET_MEAN),
-            "std": list(IMAGENET_STD),
-            "num_classes": 0,
-            "pool_size": None,
-            "first_conv": "patch_embed.proj",
-            "classifier": "head",
-            "license": "apache-2.0",
-        },
-    }
-    save_file(_contiguous_cpu(weights), str(out / WEIGHTS_NAME))
-    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
-    return out
-
-
-def export_dinov2(model: DinoVisionTransformer, out_path: str | Path) -> Path:
-    """A ``.pth`` in the official DINOv2 hub layout (plain tensors, loadable with weights_only=True)."""
-    out = Path(out_path)
-    if out.suffix != ".pth":
-        out.mkdir(parents=True, exist_ok=True)
-        out = out / "backbone.pth"
-    arch = export_arch(model)
-    if _is_dinov3(arch):
-        raise ValueError("a DINOv3 backbone (RoPE, no position embedding) has no DINOv2 layout: use --format dinov3")
-    torch.save(to_dinov2(_contiguous_cpu(model.state_dict()), arch.get("ffn", "mlp")), out)
-    return out
-
-
-def export_dinov3(model: nn.Module, out_path: str | Path) -> Path:
-    """A ``.pth`` in the official DINOv3 layout: ``dinov3.hub.backbones.dinov3_*(weights=PATH)`` loads it
-    (strict), with ``rope_embed.periods`` and the masked key bias's ``bias_mask``."""
-    out = Path(out_path)
-    if out.suffix != ".pth":
-        out.mkdir(parents=True, exist_ok=True)
-        out = out / "backbone.pth"
-    arch = export_arch(model)
-    if not _is_dinov3(arch):
-        raise ValueError("only DINOv3 backbones (RoPE) have the DINOv3 layout: use --format dinov2 for this one")
-    torch.save(to_official_dinov3(_contiguous_cpu(model.state_dict()), arch), out)
-    return out
-
-
-EXPORTERS = {
-    "dinopipe": save_backbone,
-    "safetensors": save_backbone,
-    "timm": export_timm,
-    "dinov2": export_dinov2,
-    "dinov3": export_dinov3,
-    "hf": export_hf,  # transformers Dinov2Model / Dinov2WithRegistersModel / DINOv3ViTModel folder
-}
-
-
-def export(model: DinoVisionTransformer, fmt: str, out: str | Path) -> Path:
-    if fmt not in EXPORTERS:
-        raise ValueError(f"unknown export format '{fmt}'; choose from {sorted(EXPORTERS)}")
-    return EXPORTERS[fmt](model, out)
-
-
+# Writers live in dinopipe/export (imported above, so ``hub.save_backbone``, ``hub.export(...)`` keep working).
 __all__ = [
-    "load", "read_checkpoint", "read_dcp_backbone", "save_backbone", "export", "export_timm", "export_dinov2",
-    "export_dinov3", "export_hf", "CheckpointError",
+    "load", "load_heads", "has_heads", "backbone_arch", "read_checkpoint", "read_dcp_backbone", "CheckpointError",
+    "save_backbone", "save_heads", "export", "export_arch", "export_timm", "export_dinov2", "export_dinov3",
+    "export_hf",
 ]

@@ -10,7 +10,7 @@ transformers = pytest.importorskip(
 
 from dinopipe import hub  # noqa: E402
 from dinopipe.cli import main as cli_main  # noqa: E402
-from dinopipe.export_hf import export_hf  # noqa: E402
+from dinopipe.export.hf import export_hf  # noqa: E402
 from dinopipe.models import create_model  # noqa: E402
 
 HAS_REGISTERS = hasattr(transformers, "Dinov2WithRegistersModel")

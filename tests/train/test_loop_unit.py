@@ -96,9 +96,6 @@ class FakeTask:
     def checkpoint_states(self, optimizer):
         return {"model": ModelOptimState(self.model, optimizer), "ema": ModelOptimState(self.ema)}
 
-    def set_phase(self, phase):  # (older loops call it)
-        pass
-
     def export(self, run_dir, step):
         self.events.append("export")
         self.exported = step

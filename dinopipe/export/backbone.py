@@ -1,0 +1,64 @@
+"""The dinopipe export folder every training run writes (RUN/export/NAME): ``model.safetensors`` with the
+architecture in its metadata, ``config.json`` (format, arch, normalisation, provenance) and, for a pretraining
+teacher, ``heads.safetensors``. ``dinopipe.hub.load`` reads it back; nothing here needs torch.distributed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from ..models.convert import infer_arch
+from ..models.registry import TRAINING_ONLY_KEYS
+from ..utils.io import atomic_path
+from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+HEADS_NAME = "heads.safetensors"
+ARCH_METADATA_KEY = "dinopipe_arch"
+EXPORT_FORMAT = "dinopipe-backbone/1"
+
+
+def _is_dinov3(arch: Mapping[str, Any]) -> bool:
+    return arch.get("family") == "dinov3"
+
+
+def _ffn_hidden(model: nn.Module) -> int:
+    return int(model.blocks[0].mlp.fc2.in_features)
+
+
+def export_arch(model: nn.Module) -> dict[str, Any]:
+    arch = model.arch_config() or infer_arch(model.state_dict(), num_heads=model.num_heads)
+    return {k: v for k, v in arch.items() if k not in TRAINING_ONLY_KEYS}
+
+
+def _contiguous_cpu(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+
+
+def save_backbone(model: nn.Module, out_dir: str | Path, extra: Optional[dict] = None) -> Path:
+    """dinopipe export folder: model.safetensors (arch in its metadata) + config.json. No torch.distributed."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arch = export_arch(model)
+    with atomic_path(out / WEIGHTS_NAME) as tmp:
+        save_file(_contiguous_cpu(model.state_dict()), tmp, metadata={ARCH_METADATA_KEY: json.dumps(arch)})
+    cfg = {"format": EXPORT_FORMAT, "arch": arch, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, **(extra or {})}
+    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def save_heads(out_dir: str | Path, heads: Mapping[str, Mapping[str, Tensor]]) -> Path:
+    """{head name: state dict} -> OUT/heads.safetensors (what ``load_heads`` reads back)."""
+    out = Path(out_dir) / HEADS_NAME
+    save_file({f"{name}.{k}": v.detach().to("cpu").contiguous() for name, sd in heads.items() for k, v in sd.items()},
+              str(out))
+    return out
+
+
+__all__ = ["save_backbone", "save_heads", "export_arch", "WEIGHTS_NAME", "CONFIG_NAME", "HEADS_NAME",
+           "ARCH_METADATA_KEY", "EXPORT_FORMAT", "IMAGENET_MEAN", "IMAGENET_STD"]

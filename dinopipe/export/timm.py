@@ -1,0 +1,64 @@
+"""timm layout: a folder ``timm.create_model('local-dir:DIR', pretrained=True)`` loads (DINOv2 ``vit_*`` or
+DINOv3 ``vit_*_dinov3`` architectures, with their ``model_args``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import nn
+
+from ..models.convert import timm_model_args, to_timm
+from ..models.convert_dinov3 import timm_dinov3_model_args, to_timm_dinov3
+from .backbone import (
+    CONFIG_NAME,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    WEIGHTS_NAME,
+    _contiguous_cpu,
+    _ffn_hidden,
+    _is_dinov3,
+    export_arch,
+)
+
+
+def export_timm(model: nn.Module, out_dir: str | Path) -> Path:
+    """A folder that ``timm.create_model('local-dir:DIR', pretrained=True)`` loads, as timm's hub folders."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arch = export_arch(model)
+    if _is_dinov3(arch):
+        name, model_args = timm_dinov3_model_args(arch, _ffn_hidden(model))
+        weights = to_timm_dinov3(model.state_dict(), arch)
+    else:
+        name, model_args = timm_model_args(arch)
+        weights = to_timm(model.state_dict())
+    size = int(arch["img_size"])
+    cfg = {
+        "architecture": name,
+        "num_classes": 0,
+        "num_features": int(arch["embed_dim"]),
+        "model_args": model_args,
+        "pretrained_cfg": {
+            "tag": "dinopipe",
+            "input_size": [int(arch.get("in_chans", 3)), size, size],
+            "fixed_input_size": False,
+            "interpolation": "bicubic",
+            "crop_pct": 1.0,
+            "crop_mode": "center",
+            "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD),
+            "num_classes": 0,
+            "pool_size": None,
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+            "license": "apache-2.0",
+        },
+    }
+    save_file(_contiguous_cpu(weights), str(out / WEIGHTS_NAME))
+    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+__all__ = ["export_timm"]
