@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _photos import write_pool
+from tests._photos import write_pool
 
 from dinopipe.logs import setup_logging
 from dinopipe.train.builders import stage_main
