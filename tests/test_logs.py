@@ -52,7 +52,7 @@ def root_level():
 def test_stage_main_leaves_root_alone_and_logs_package_info_on_rank_0(monkeypatch, capsys, root_level):
     root = logging.getLogger()
     assert _run_stage(monkeypatch, None) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert (root.level, root.handlers) == root_level  # untouched: no level, no handler added
     assert "INFO dinopipe.train.fake: package info line n=7" in out
     assert "WARNING curation.fake: package warning line" in out
@@ -63,18 +63,18 @@ def test_stage_main_leaves_root_alone_and_logs_package_info_on_rank_0(monkeypatc
 def test_other_ranks_log_warnings_only(monkeypatch, capsys, root_level):
     try:
         assert _run_stage(monkeypatch, "1") == 0
-        out = capsys.readouterr().out
+        out = capsys.readouterr().err
         assert "package info line" not in out and "WARNING curation.fake: package warning line" in out
     finally:
         setup_logging(rank=0)
 
 
-def test_setup_is_idempotent_and_follows_a_replaced_stdout(capsys):
+def test_setup_is_idempotent_and_follows_a_replaced_stderr(capsys):
     setup_logging(rank=0)
     setup_logging(rank=0)  # the pipeline runs several stages in one process
     logging.getLogger("dinopipe.x").info("once")
-    assert capsys.readouterr().out.count("once") == 1
-    assert sum(1 for h in logging.getLogger("dinopipe").handlers if type(h).__name__ == "_StdoutHandler") == 1
+    assert capsys.readouterr().err.count("once") == 1
+    assert sum(1 for h in logging.getLogger("dinopipe").handlers if type(h).__name__ == "_StderrHandler") == 1
 
 
 @pytest.mark.slow

@@ -201,7 +201,7 @@ def test_stop_and_resume_repeats_the_uninterrupted_run(tmp_path, capsys):
     second = FakeTask(events)  # a fresh process: same initial weights, state comes from the checkpoint
     trainer, _ = _trainer(tmp_path / "run", second, events)
     assert trainer.fit() == 0
-    assert "resuming from checkpoint at step 4" in capsys.readouterr().out
+    assert "resuming from checkpoint at step 4" in capsys.readouterr().err
     assert second.batches == ref.batches[4:] and len(second.values) == 2
     torch.testing.assert_close(second.model.weight, ref.model.weight)
     torch.testing.assert_close(second.ema.weight, ref.ema.weight)

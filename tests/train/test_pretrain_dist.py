@@ -41,7 +41,7 @@ def test_resume_world_size_1_checkpoint_with_2_processes(tmp_path, photo_pool, s
     run_pretrain(run, photo_pool, *SAME, PHASE.format(b=8), "train.stop_after=4")
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     r = run_pretrain(run, photo_pool, *SAME, PHASE.format(b=4), nproc=2)
-    assert "resuming from checkpoint at step 4" in r.stdout
+    assert "resuming from checkpoint at step 4" in r.stderr
     ref, got = losses(single), losses(run)
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=2e-4), step
