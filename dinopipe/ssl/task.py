@@ -22,11 +22,13 @@ from ..models import DINOHead, build_vit, create_model
 from ..train.checkpoint import ModelOptimState, full_state_dict
 from ..train.parallel import ParallelConfig, ema_update_, parallelize, reshard_
 from .config import PretrainConfig
+from .gram import GramTeacher
 from .losses import DINOLoss, IBOTPatchLoss, koleo_loss
 
 log = logging.getLogger(__name__)
 
 _TRAINING_KWARGS = ("drop_path_rate", "drop_path_uniform", "efficient_drop_path", "attn_backend")
+_DINOV3_TRAINING_KWARGS = ("rope_rescale", "rope_shift", "rope_jitter")
 
 
 def build_backbone(cfg: PretrainConfig) -> nn.Module:
@@ -34,8 +36,10 @@ def build_backbone(cfg: PretrainConfig) -> nn.Module:
     kwargs = cfg.model.create_kwargs()
     if cfg.model.pretrained:
         # Keep the file's architecture (incl. its position-embedding grid; other sizes are interpolated).
+        # Training-only DINOv3 settings (RoPE augmentations) apply too when given (they change no weights).
+        extra = {k: kwargs[k] for k in _DINOV3_TRAINING_KWARGS if k in kwargs}
         model = load_backbone(cfg.model.pretrained, num_heads=cfg.model.num_heads,
-                              **{k: kwargs[k] for k in _TRAINING_KWARGS})
+                              **{k: kwargs[k] for k in _TRAINING_KWARGS}, **extra)
         log.info("initialised backbone from %s", cfg.model.pretrained)
         return model.train()
     return create_model(cfg.model.name, **kwargs)
@@ -65,6 +69,8 @@ class SSLTask(nn.Module):
         ibot_dim = (cfg.ibot.head if cfg.ibot.separate_head else cfg.dino.head).n_prototypes
         self.ibot_loss = IBOTPatchLoss(ibot_dim, t.student_temp, t.center_momentum, t.centering,
                                        all_reduce_fn=all_reduce_fn)
+        # Gram anchoring (DINOv3): a frozen copy of the EMA teacher, refreshed at the steps gram.py schedules.
+        self.gram = GramTeacher(self.teacher["backbone"], cfg.gram) if cfg.gram.enabled else None
         self.phase = None
         self.compute_dtype = "fp32"  # set by parallelize(); reported in metrics.jsonl
 
@@ -74,12 +80,15 @@ class SSLTask(nn.Module):
         teacher (no backward) always reshards after forward."""
         self.compute_dtype = parallelize(list(self.student.values()), info, pcfg)
         parallelize(list(self.teacher.values()), info, pcfg, frozen=True)
+        if self.gram is not None:  # sharded like the EMA teacher, so a refresh copies shard to shard
+            parallelize([self.gram.backbone], info, pcfg, frozen=True)
         if info.distributed:
             from torch.distributed.fsdp import register_fsdp_forward_method
 
-            for group in (self.student, self.teacher):
+            backbones = [g["backbone"] for g in (self.student, self.teacher)]
+            for backbone in backbones + ([self.gram.backbone] if self.gram is not None else []):
                 # The task calls this method, not forward(): FSDP2 must unshard the root params around it.
-                register_fsdp_forward_method(group["backbone"], "forward_features_list")
+                register_fsdp_forward_method(backbone, "forward_features_list")
 
     # -- loop interface -------------------------------------------------------------------------------
     def trainable_parameters(self):
@@ -125,12 +134,33 @@ class SSLTask(nn.Module):
         ibot = self.ibot_loss(patch_logits, teacher_patch, n_images=n_g, masks_weight=batch["masks_weight"])
         koleo = sum(koleo_loss(c) for c in g_cls.chunk(2))  # per global crop, as DINOv2
         loss = cfg.dino.loss_weight * dino + cfg.ibot.loss_weight * ibot + cfg.dino.koleo_loss_weight * koleo
+        extra = self._gram_loss(batch, outs[0]["x_norm_patchtokens"], values)
+        if extra is not None:
+            loss = loss + values["gram_weight"] * extra
         logs = {"dino_loss": dino.detach(), "ibot_loss": ibot.detach(), "koleo_loss": koleo.detach(),
                 "n_masked": int(batch["mask_indices"].numel()), "n_images": int(batch.get("n_images", n_g // 2)),
                 "compute_dtype": self.compute_dtype}
+        if extra is not None:
+            logs["gram_loss"] = extra.detach()
         for reason, n in (batch.get("corrupt") or {}).items():
             logs[f"corrupt/{reason}"] = n
         return loss, logs
+
+    def _gram_loss(self, batch: dict, student_patches: Tensor, values: dict) -> Optional[Tensor]:
+        """Gram anchoring of the student's global-crop patch tokens (2B, N, D); None while it is off."""
+        if self.gram is None:
+            return None
+        if values.get("gram_refresh", 0.0) > 0:  # before this step's forward: the EMA teacher after the last step
+            self.gram.refresh_(self.teacher["backbone"])
+        if values.get("gram_weight", 0.0) <= 0:
+            return None
+        p = self.student["backbone"].patch_size
+        crops = batch.get("gram_crops")
+        crops = batch["global_crops"] if crops is None else crops  # no Gram crop size: the student's own crops
+        grid = (batch["global_crops"].shape[-2] // p, batch["global_crops"].shape[-1] // p)
+        targets = self.gram.targets(crops, grid)
+        reshard_(self.gram)  # no backward will free the gathered copies
+        return self.gram.loss(student_patches, crops, grid, targets=targets)
 
     def after_step(self, values: dict) -> None:
         ema_update_(self.teacher, self.student, values["momentum"])
@@ -140,6 +170,8 @@ class SSLTask(nn.Module):
             "student": ModelOptimState(self.student, optimizer),
             "teacher": ModelOptimState(self.teacher),
             "loss_state": ModelOptimState(nn.ModuleDict({"dino": self.dino_loss, "ibot": self.ibot_loss})),
+            # An earlier teacher, not rebuildable from the current state: saved so a resume keeps the anchor.
+            **({"gram_teacher": ModelOptimState(self.gram.backbone)} if self.gram is not None else {}),
         }
 
     def export(self, run_dir: Path, step: int) -> None:
