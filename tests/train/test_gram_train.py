@@ -70,3 +70,53 @@ def test_two_fsdp2_ranks_sigkilled_and_resumed_match_one_process(tmp_path, photo
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(dinopipe.load(single)(x), dinopipe.load(run)(x), atol=2e-4, rtol=2e-4)
+
+
+def _released(seed=0):
+    from dinopipe.models import create_model
+
+    torch.manual_seed(seed)
+    model = create_model("vit_test_dinov3", init_values=1.0).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def test_continued_pretraining_from_an_official_dinov3_pth_anchored_to_it(tmp_path, photo_pool):
+    from dinopipe.hub import export_dinov3
+
+    released = _released()
+    path = export_dinov3(released, tmp_path / "dinov3_vit_test.pth")  # official layout (storage_tokens, periods)
+    run = tmp_path / "cont"
+    # Gram anchor = the released backbone from step 0, never refreshed (DINOv3 users' continued pretraining).
+    run_pretrain(run, photo_pool, f"model.pretrained={path}", "model.rope_rescale=0", "train.epochs=1",
+                 "train.epoch_length=2", "optim.warmup_epochs=0", "gram.enabled=true", "gram.first_step=0",
+                 "ibot.mask_sample_probability=0.0",
+                 "phases=[{name: base, fraction: 1.0, global_crops_size: 64, local_crops_size: 32,"
+                 " batch_size_per_gpu: 4}]")
+    rows = {r["step"]: r for r in metrics(run)}
+    # Step 0: student, EMA teacher and Gram teacher are all the released weights, on the same unmasked crops.
+    assert rows[0]["gram_loss"] == pytest.approx(0.0, abs=1e-6) and rows[0]["gram_refresh"] == 1.0
+    assert rows[1]["gram_loss"] > 0 and rows[1]["gram_refresh"] == 0.0
+    got = dinopipe.load(run)
+    assert got.num_register_tokens == 4 and got.patch_size == 16
+
+
+def test_pretrained_hf_folder_initialises_the_backbone(tmp_path):
+    from dinopipe.hub import export
+    from dinopipe.ssl.config import PretrainConfig
+    from dinopipe.config import load_config
+    from dinopipe.ssl.task import build_backbone
+
+    released = _released(1)
+    folder = export(released, "hf", tmp_path / "hf")  # DINOv3ViTModel: config.json + model.safetensors
+    cfg = load_config(PretrainConfig, None, [f"model.pretrained={folder}", "model.drop_path_rate=0.1",
+                                            "model.rope_rescale=2.0", "data.paths=[x]"])
+    model = build_backbone(cfg)
+    assert model.training and model.rope_embed.rescale == 2.0
+    assert {b.drop_path_rate for b in model.blocks} == {0.1}  # DINOv3: uniform stochastic depth
+    model.eval()
+    x = torch.randn(1, 3, 64, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), released(x), atol=1e-5, rtol=1e-5)
