@@ -29,7 +29,7 @@ from torch import nn
 
 from .models import DINOHead, create_model
 from .models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
-from .plan_gram import describe_gram, gram_state_bytes, gram_step_flops, gram_step_memory, largest_variant, phase_variants
+from .plan_gram import describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory, largest_variant, phase_variants
 
 GiB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -383,7 +383,7 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
         act = step_memory(cfg, arch, heads, phase, b, c, attn, ac)["peak"]
         return (state["total"] + act) * (1 + margin) + overhead_gb * GiB
 
-    phases = []
+    phases, start = [], 0
     for full_phase, steps in zip(cfg.phases, phase_steps(cfg)):
         # A high-res adaptation phase draws a size triple per batch: memory for the largest, FLOPs for the mix.
         phase, variants = largest_variant(full_phase), phase_variants(full_phase)
@@ -398,6 +398,8 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
                             "max_batch": largest_batch(lambda x: need(x, phase, ac, attn), gpu_mem_gb)}
         per = [(step_flops(cfg, arch, heads, v, b), w) for v, w in variants]
         fl = {k: sum(f[k] * w for f, w in per) for k in per[0][0]}
+        fl = gram_active_flops(cfg, fl, start, start + steps)  # no Gram teacher forward before gram.first_step
+        start += steps
         ph = {"name": phase.name, "steps": steps, "batch_per_gpu": b, "global_batch": b * gpus,
               "global_crops_size": phase.global_crops_size, "local_crops_size": phase.local_crops_size,
               "tokens": [n for _, n in _groups(cfg, phase, 1, arch)[0]],

@@ -63,6 +63,17 @@ def gram_step_flops(cfg: Any, arch: Any, phase: Any, b: int, crop_forward_flops)
     return crop_forward_flops(arch, gram_size(phase), None, 2 * b) + 2 * grams + 2 * grams / 2
 
 
+def gram_active_flops(cfg: Any, flops: dict, start: int, end: int) -> dict:
+    """Per-step FLOPs averaged over a phase's steps [start, end): the Gram teacher runs from gram.first_step."""
+    if not gram_on(cfg) or not flops.get("gram") or end <= start:
+        return flops
+    frac = max(0, end - max(start, cfg.gram.first_step)) / (end - start)
+    out = dict(flops, gram=flops["gram"] * frac)
+    out["model"] = flops["model"] - flops["gram"] + out["gram"]
+    out["hardware_ac"] = flops["hardware_ac"] - flops["gram"] + out["gram"]
+    return out
+
+
 def describe_gram(cfg: Any) -> Optional[str]:
     if not gram_on(cfg):
         return None
@@ -72,5 +83,5 @@ def describe_gram(cfg: Any) -> Optional[str]:
     return f"Gram anchoring: frozen Gram teacher copied from the EMA teacher at step {g.first_step}{every}{most}"
 
 
-__all__ = ["gram_on", "phase_variants", "largest_variant", "gram_state_bytes", "gram_step_memory",
+__all__ = ["gram_active_flops", "gram_on", "phase_variants", "largest_variant", "gram_state_bytes", "gram_step_memory",
            "gram_step_flops", "describe_gram"]

@@ -47,3 +47,34 @@ def test_multi_size_phase_fits_the_largest_and_times_the_mix():
     assert mixed["global_crops_size"] == 768
     expected = 0.25 * small["flops"]["model"] + 0.75 * large["flops"]["model"]
     assert mixed["flops"]["model"] == pytest.approx(expected)
+
+
+def test_gram_flops_count_only_the_anchored_steps():
+    one = "phases=[{name: a, global_crops_size: 256, local_crops_size: 112, batch_size_per_gpu: 16, gram_crops_size: 512}]"
+    full = run(one, "gram.enabled=true")["phases"][0]["flops"]
+    late = run(one, "gram.enabled=true", "gram.first_step=75")["phases"][0]["flops"]  # 25 of 100 steps
+    assert late["gram"] == pytest.approx(0.25 * full["gram"])
+
+
+@pytest.mark.parametrize("name", ["vitl16_dinov3", "vitl16_dinov3_highres", "dinov3_continue"])
+def test_dinov3_recipes_validate_and_plan(name):
+    from pathlib import Path
+
+    from dinopipe.ssl.config import validate
+
+    cfg = load_config(PretrainConfig, Path(__file__).parents[1] / "configs/pretrain" / f"{name}.yaml")
+    validate(cfg)
+    assert cfg.gram.enabled and cfg.model.name.endswith("_dinov3") and cfg.teacher.centering == "sinkhorn_knopp"
+    r = plan(cfg, 32, 80.0, 989.0)
+    assert r["state"]["gram_teacher_params"] > 0 and r["phases"][0]["flops"]["gram"] > 0
+
+
+def test_dinov3_distill_config_validates():
+    from pathlib import Path
+
+    from dinopipe.ssl.distill_config import DistillConfig, validate
+
+    cfg = load_config(DistillConfig, Path(__file__).parents[1] / "configs/distill/dinov3_vit7b_to_s_b_l.yaml")
+    validate(cfg)
+    assert cfg.mode == "feature" and [s.model.name for s in cfg.students] == [
+        "vit_s16_dinov3", "vit_b16_dinov3", "vit_l16_dinov3"]
