@@ -120,3 +120,20 @@ def test_pretrained_hf_folder_initialises_the_backbone(tmp_path):
     x = torch.randn(1, 3, 64, 48)
     with torch.no_grad():
         torch.testing.assert_close(model(x), released(x), atol=1e-5, rtol=1e-5)
+
+
+def test_multi_student_feature_distillation_from_a_dinov3_teacher(tmp_path, photo_pool):
+    from conftest import run_distill
+    from dinopipe.hub import export_dinov3
+
+    teacher = export_dinov3(_released(2), tmp_path / "dinov3_teacher.pth")  # a released backbone: no heads
+    run = tmp_path / "distill"
+    run_distill(run, photo_pool, f"teacher_model.path={teacher}", "mode=feature", "train.epochs=1",
+                "train.epoch_length=2",
+                "students=[{name: s, model: {name: vit_test_dinov3, embed_dim: 32, num_heads: 1, depth: 2, img_size: 64}},"
+                " {name: s_swiglu, model: {name: vit_test_dinov3_swiglu, depth: 2, img_size: 64}}]",
+                "phases=[{name: base, fraction: 1.0, global_crops_size: 64, local_crops_size: 32, batch_size_per_gpu: 4}]")
+    assert sorted(losses(run)) == [0, 1]
+    for name, dim in (("s", 32), ("s_swiglu", 64)):
+        student = dinopipe.load(run, which=name)
+        assert student.embed_dim == dim and student.num_register_tokens == 4 and hasattr(student, "rope_embed")
