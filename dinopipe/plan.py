@@ -29,7 +29,8 @@ from torch import nn
 
 from .models import DINOHead, create_model
 from .models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
-from .plan_gram import describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory, largest_variant, phase_variants
+from .plan_gram import (describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory,
+                        largest_variant, phase_variants)
 
 GiB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
