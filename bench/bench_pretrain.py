@@ -12,7 +12,7 @@ Batches are random crops through the real ``MultiCropCollator`` (iBOT masks draw
 step is the trainer's: zero_grad -> task forward/backward -> clip grad norm -> AdamW step -> teacher EMA.
 
 Lines ``name: X.XX`` (goals from issue 4 where it gives one):
-- ``fsdp2_world2_bytes_per_rank_over_single``: FSDP2 (``task.parallelize``: fully_shard per block and root)
+- ``fsdp2_world2_bytes_per_rank_over_single``: FSDP2 (``parallelize_task``: fully_shard per block and root)
   at world size 2 on gloo, launched with torchrun, vs one plain process: bytes of parameters (student +
   teacher) + gradients + AdamW state that a rank holds after one real step, counted as the local shards
   (``DTensor.to_local()``), largest rank over single. fp32 params (``param_dtype=fp32``). Goal <= 0.52.
@@ -24,7 +24,7 @@ Lines ``name: X.XX`` (goals from issue 4 where it gives one):
   the losses are checked equal). Median of paired rounds.
 - ``ac_peak_memory_ratio`` / ``ac_time_ratio``: torch allocator peak above the live set, and step time, of
   the train step with activation checkpointing on every block (``ParallelConfig(activation_checkpointing=
-  True)`` through ``task.parallelize`` with a single-process DistInfo) over without.
+  True)`` through ``parallelize_task`` with a single-process DistInfo) over without.
 
 Time ratios use process CPU seconds by default (``--clock cpu``): the machines are 2 cores shared with other
 jobs, and under that load a step's wall time varied 4x between identical rounds while its CPU time stayed
@@ -56,6 +56,7 @@ from dinopipe.ssl.task import SSLTask  # noqa: E402
 from dinopipe.train.dist import DistInfo  # noqa: E402
 from dinopipe.train.loop import clip_grad_norm  # noqa: E402
 from dinopipe.train.parallel import ParallelConfig, local_tensor  # noqa: E402
+from dinopipe.train.run import parallelize_task  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -186,7 +187,7 @@ def fsdp_worker(args) -> None:
     info = init_distributed("cpu") if args.worker == "fsdp" else DistInfo()
     cfg = make_cfg(args, 112, 2)
     task = make_task(cfg, all_reduce_sum_fn())
-    task.parallelize(info, ParallelConfig(param_dtype=args.param_dtype))
+    parallelize_task(task, info, ParallelConfig(param_dtype=args.param_dtype))
     opt = make_optimizer(task, cfg)
     batch = make_batch(2, 112, 56, 2, seed=info.rank)  # per-rank batch; bytes do not depend on it
     t0 = time.perf_counter()
@@ -296,7 +297,7 @@ def bench_ac(args) -> dict:
     tasks, steps = {}, {}
     for name, ac in (("no_ac", False), ("ac", True)):
         tasks[name] = task = make_task(cfg)
-        task.parallelize(DistInfo(), ParallelConfig(param_dtype="fp32", activation_checkpointing=ac))
+        parallelize_task(task, DistInfo(), ParallelConfig(param_dtype="fp32", activation_checkpointing=ac))
         steps[name] = train_step(task, make_optimizer(task, cfg), batch, cfg.optim.clip_grad)
     t = timed(steps, args)  # its warm-up step creates the AdamW state before memory is measured
     peak = {name: C.torch_peak_bytes(step, before=lambda t=tasks[name]: t.student.zero_grad(set_to_none=True))

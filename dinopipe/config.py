@@ -170,6 +170,38 @@ class ModelConfig:
         return out
 
 
+COMPUTE_DTYPES = ("fp32", "bf16")  # fp16 would need a gradient scaler (refused by check_parallel_config)
+
+
+@dataclass
+class ParallelConfig:
+    """How a training stage shards and runs its models (applied by dinopipe/train/parallel.py)."""
+
+    param_dtype: str = "bf16"
+    """Compute dtype of parameters and activations (bf16 / fp32), at any world size: FSDP2's mixed-precision
+    policy with several processes, autocast in one. fp16 is refused (it would need a gradient scaler)."""
+    reduce_dtype: str = "fp32"
+    """dtype of gradient reduce-scatter (fp32 / bf16)."""
+    activation_checkpointing: bool = False
+    compile: bool = False
+    """Per-block torch.compile(fullgraph=True) (useful on CUDA; slow to compile on CPU)."""
+    reshard_after_forward: bool = True
+    """Student only: free the gathered parameters after forward (re-gather in backward). Frozen models
+    (teachers, EMAs) always reshard."""
+
+
+def check_parallel_config(cfg: ParallelConfig) -> None:
+    """Config errors (exit 2, naming the key) for choices the type system cannot check."""
+    if cfg.param_dtype == "fp16":
+        raise ConfigError("parallel.param_dtype: fp16 is not supported: it needs a gradient scaler, which the "
+                          "training loop does not have (gradients underflow/overflow). Use bf16 (same speed on "
+                          "A100/H100, fp32's exponent range) or fp32.")
+    if cfg.param_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"parallel.param_dtype: expected one of {list(COMPUTE_DTYPES)}, got '{cfg.param_dtype}'")
+    if cfg.reduce_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"parallel.reduce_dtype: expected one of {list(COMPUTE_DTYPES)}, got '{cfg.reduce_dtype}'")
+
+
 def dataclass_fields(schema: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
 
@@ -178,6 +210,8 @@ __all__ = [
     "ConfigError",
     "EXIT_CONFIG_ERROR",
     "ModelConfig",
+    "ParallelConfig",
+    "check_parallel_config",
     "load_config",
     "save_config",
     "to_yaml",

@@ -116,10 +116,11 @@ def _task_config(small: bool, compile_: bool):
 def _build(cfg, info, seed: int):
     from .ssl.param_groups import build_param_groups
     from .ssl.task import SSLTask
+    from .train.run import parallelize_task
 
     torch.manual_seed(seed)
     task = SSLTask(cfg).to(info.device)
-    task.parallelize(info, cfg.parallel)
+    parallelize_task(task, info, cfg.parallel)
     return task, torch.optim.AdamW(build_param_groups(task.student), lr=1e-4)
 
 
@@ -152,6 +153,7 @@ def _task(dev: torch.device, small: bool, out_dir: Path, info) -> dict:
     from torch.distributed.tensor import DTensor
 
     from . import plan as planner
+    from .train.run import checkpoint_states
 
     cfg = _task_config(small, compile_=not small)  # compile on CPU would dominate the smoke's budget
     task, opt = _build(cfg, info, seed=0)
@@ -209,12 +211,12 @@ def _task(dev: torch.device, small: bool, out_dir: Path, info) -> dict:
                    peak_memory_gb=torch.cuda.max_memory_allocated(dev) / 2**30, plan_predicted_gb=predicted / 2**30)
     # DCP save, then load into a fresh task built from another seed: every tensor identical
     ckpt = out_dir / "task_dcp"
-    states = task.checkpoint_states(opt)
+    states = checkpoint_states(task, opt)
     dcp.save(states, checkpoint_id=str(ckpt))
     task2, opt2 = _build(cfg, info, seed=1)
     task2(batch, values)[0].backward()  # materialise optimizer state to load into
     opt2.step()
-    dcp.load(task2.checkpoint_states(opt2), checkpoint_id=str(ckpt))
+    dcp.load(checkpoint_states(task2, opt2), checkpoint_id=str(ckpt))
     a, b2 = _local_states(task, opt), _local_states(task2, opt2)
     res["dcp_roundtrip_identical"] = a.keys() == b2.keys() and all(torch.equal(a[k], b2[k]) for k in a)
     res["ok"] = bool(res["teacher_fp32_dtensors_after_forward"] and res["ema_moved_teacher"]

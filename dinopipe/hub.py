@@ -203,6 +203,33 @@ def _run_arch(ckpt: Path, state: str) -> Optional[dict]:
     return {**model_defaults(model["name"]), **kwargs}
 
 
+def _read_backbone(path: Path, num_heads: Optional[int], which: Optional[str]
+                   ) -> tuple[dict, dict, Path, Optional[int]]:
+    """(canonical state dict, architecture kwargs the file records or its shapes imply, file read, head count
+    given or found in a timm folder's config)."""
+    dcp_dir = _dcp_dir(path, which) if path.is_dir() else None
+    file_arch, hf_cfg = None, {}
+    if dcp_dir is not None:
+        obj, state = read_dcp_backbone(dcp_dir, which)
+        file, file_arch = dcp_dir, _run_arch(dcp_dir, state)
+    else:
+        files, file_arch, hf_cfg = _resolve_path(path, which)
+        file = files[0]
+        obj = {}
+        for f in files:
+            part, part_arch = read_checkpoint(f)
+            obj = part if len(files) == 1 else {**obj, **part}
+            file_arch = file_arch or part_arch
+    if not num_heads and isinstance(hf_cfg.get("model_args"), Mapping):
+        num_heads = hf_cfg["model_args"].get("num_heads")
+    hf_cfg = hf_cfg if hf_cfg.get("model_type") in HF_MODEL_TYPES else {}
+    try:
+        sd, inferred = convert_checkpoint(obj, num_heads=num_heads, hf_config=hf_cfg or None)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{file}: {exc}") from None
+    return sd, dict(file_arch or inferred), file, num_heads
+
+
 def load(
     path_or_name: str | Path,
     arch: Optional[Mapping[str, Any]] = None,
@@ -226,28 +253,7 @@ def load(
 
         log.warning("dinopipe.load('%s'): a registry name, so the weights are randomly initialised", name)
         return create_model(name, **overrides).to(device).eval()
-    path = Path(path_or_name)
-    dcp_dir = _dcp_dir(path, which) if path.is_dir() else None
-    file_arch, hf_cfg = None, {}
-    if dcp_dir is not None:
-        obj, state = read_dcp_backbone(dcp_dir, which)
-        file, file_arch = dcp_dir, _run_arch(dcp_dir, state)
-    else:
-        files, file_arch, hf_cfg = _resolve_path(path, which)
-        file = files[0]
-        obj = {}
-        for f in files:
-            part, part_arch = read_checkpoint(f)
-            obj = part if len(files) == 1 else {**obj, **part}
-            file_arch = file_arch or part_arch
-    if not num_heads and isinstance(hf_cfg.get("model_args"), Mapping):
-        num_heads = hf_cfg["model_args"].get("num_heads")
-    hf_cfg = hf_cfg if hf_cfg.get("model_type") in HF_MODEL_TYPES else {}
-    try:
-        sd, inferred = convert_checkpoint(obj, num_heads=num_heads, hf_config=hf_cfg or None)
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"{file}: {exc}") from None
-    kwargs = dict(file_arch or inferred)
+    sd, kwargs, file, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
     kwargs.update(arch or {})
     if num_heads:
         kwargs["num_heads"] = num_heads
@@ -260,6 +266,54 @@ def load(
             f"{file}: weights do not fit the architecture {kwargs}: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     return model.to(device).eval()
+
+
+HEADS_NAME = "heads.safetensors"
+
+
+def _heads_file(path: Path) -> Optional[Path]:
+    for cand in (path / "export" / "teacher" / HEADS_NAME, path / HEADS_NAME):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def has_heads(path: str | Path) -> bool:
+    """Whether a pretraining run / export carries its DINO heads (file metadata only, nothing is loaded)."""
+    path = Path(path)
+    return path.is_dir() and _heads_file(path) is not None
+
+
+def load_heads(path: str | Path) -> dict[str, dict[str, Tensor]]:
+    """{'dino_head': sd, 'ibot_head': sd} exported next to a pretraining run's teacher ({} for a bare backbone)."""
+    path = Path(path)
+    hf = _heads_file(path) if path.is_dir() else None
+    if hf is None:
+        return {}
+    sd = load_file(str(hf))
+    heads = {}
+    for name in ("dino_head", "ibot_head"):
+        part = {k[len(name) + 1:]: v for k, v in sd.items() if k.startswith(name + ".")}
+        if part:
+            heads[name] = part
+    return heads
+
+
+def backbone_arch(path_or_name: str | Path, num_heads: Optional[int] = None, which: Optional[str] = None
+                  ) -> dict[str, Any]:
+    """The architecture kwargs ``load`` would build (patch size, width, ...) without building the model."""
+    name = str(path_or_name)
+    if name in list_models() and not Path(name).exists():
+        return model_defaults(name)
+    path = Path(path_or_name)
+    if path.is_dir() and _dcp_dir(path, which) is None:  # an export folder records its arch: skip the weights
+        file_arch = _resolve_path(path, which)[1]
+        if file_arch:
+            return {**file_arch, **({"num_heads": num_heads} if num_heads else {})}
+    _, kwargs, _, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
+    if num_heads:
+        kwargs["num_heads"] = num_heads
+    return kwargs
 
 
 # -- writing ------------------------------------------------------------------------------------------
@@ -292,6 +346,14 @@ def save_backbone(model: nn.Module, out_dir: str | Path, extra: Optional[dict] =
     tmp.replace(out / WEIGHTS_NAME)
     cfg = {"format": EXPORT_FORMAT, "arch": arch, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, **(extra or {})}
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def save_heads(out_dir: str | Path, heads: Mapping[str, Mapping[str, Tensor]]) -> Path:
+    """{head name: state dict} -> OUT/heads.safetensors (what ``load_heads`` reads back)."""
+    out = Path(out_dir) / HEADS_NAME
+    save_file({f"{name}.{k}": v.detach().to("cpu").contiguous() for name, sd in heads.items() for k, v in sd.items()},
+              str(out))
     return out
 
 
@@ -377,6 +439,6 @@ def export(model: DinoVisionTransformer, fmt: str, out: str | Path) -> Path:
 
 
 __all__ = [
-    "load", "read_checkpoint", "read_dcp_backbone", "save_backbone", "export", "export_timm", "export_dinov2",
+    "load", "load_heads", "has_heads", "backbone_arch", "save_heads", "read_checkpoint", "read_dcp_backbone", "save_backbone", "export", "export_timm", "export_dinov2",
     "export_dinov3", "export_hf", "CheckpointError",
 ]

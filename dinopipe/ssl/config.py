@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import ModelConfig
-from ..train.parallel import ParallelConfig
-from ..train.parallel import check_config as check_parallel_config
+from ..config import ModelConfig, ParallelConfig, check_parallel_config
 
 
 @dataclass

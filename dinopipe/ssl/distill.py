@@ -18,59 +18,20 @@ from __future__ import annotations
 
 import copy
 import logging
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from ..config import ConfigError
-from ..hub import load as load_backbone
-from ..hub import save_backbone
-from ..models import DINOHead, build_vit, create_model
-from ..train.checkpoint import ModelOptimState, full_state_dict
-from ..train.parallel import ParallelConfig, ema_update_, parallelize, reshard_
-from .distill_config import DistillConfig
-from .losses import DINOLoss, IBOTPatchLoss, koleo_loss
+from ..models import create_model
+from .base import (ExportSpec, LoadBackbone, LoadHeads, TeacherStudentTask, build_head, head_config,
+                   koleo_per_global_crop, n_prototypes)
+from .distill_config import DistillConfig, resolve_mode
+from .ema import reshard_
+from .losses import DINOLoss, IBOTPatchLoss
 
 log = logging.getLogger(__name__)
-
-
-# -- teacher ----------------------------------------------------------------------------------------------
-
-
-def _heads_file(path: Path) -> Optional[Path]:
-    for cand in (path / "export" / "teacher" / "heads.safetensors", path / "heads.safetensors"):
-        if cand.is_file():
-            return cand
-    return None
-
-
-def head_from_state_dict(sd: dict[str, Tensor]) -> DINOHead:
-    """Rebuild a DINOHead from its weights' shapes (layers, widths, prototypes, learnable gain or not)."""
-    linear = sorted((int(k.split(".")[1]), v) for k, v in sd.items() if k.startswith("mlp.") and k.endswith(".weight")
-                    and v.dim() == 2)
-    in_dim, hidden = linear[0][1].shape[1], linear[0][1].shape[0]
-    head = DINOHead(in_dim, sd["last_layer.weight"].shape[0], hidden_dim=hidden, bottleneck_dim=linear[-1][1].shape[0],
-                    nlayers=len(linear), norm_last_layer="last_layer_gain" not in sd)
-    head.load_state_dict(sd)
-    return head
-
-
-def load_teacher(cfg: DistillConfig) -> tuple[nn.Module, dict[str, DINOHead]]:
-    path = Path(cfg.teacher_model.path)
-    backbone = load_backbone(path, num_heads=cfg.teacher_model.num_heads)
-    heads: dict[str, DINOHead] = {}
-    hf = _heads_file(path) if path.is_dir() else None
-    if hf is not None:
-        sd = load_file(str(hf))
-        for name in ("dino_head", "ibot_head"):
-            part = {k[len(name) + 1:]: v for k, v in sd.items() if k.startswith(name + ".")}
-            if part:
-                heads[name] = head_from_state_dict(part)
-    return backbone, heads
 
 
 def resample_patch_tokens(x: Tensor, src_hw: tuple[int, int], dst_hw: tuple[int, int]) -> Tensor:
@@ -86,40 +47,21 @@ def _grid(crops: Tensor, patch: int) -> tuple[int, int]:
     return crops.shape[-2] // patch, crops.shape[-1] // patch
 
 
-class MultiOptimizer:
-    """One optimizer per student behind the interface the loop uses (param_groups, zero_grad, step)."""
+class DistillTask(TeacherStudentTask):
+    """Students (backbone + heads or projections), each with its EMA, learning from one frozen teacher that
+    ``load_backbone`` / ``load_heads`` (``dinopipe.load`` and its heads reader, handed in by the train
+    layer) read from ``teacher_model.path``."""
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]) -> None:
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for opt in self.optimizers.values() for g in opt.param_groups]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers.values():
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
-        for opt in self.optimizers.values():
-            opt.step()
-
-
-# -- task -------------------------------------------------------------------------------------------------
-
-
-class DistillTask(nn.Module):
-    def __init__(self, cfg: DistillConfig, all_reduce_fn=None) -> None:
-        super().__init__()
-        self.cfg = cfg
-        t_backbone, t_heads = load_teacher(cfg)
-        self.mode = cfg.mode if cfg.mode != "auto" else ("ssl" if "dino_head" in t_heads else "feature")
-        if self.mode == "ssl" and "dino_head" not in t_heads:
-            raise ValueError(f"mode=ssl needs the teacher's heads, but {cfg.teacher_model.path} has none "
-                             f"(a bare backbone); use mode=feature")
-        if self.mode == "feature" and cfg.dino.koleo_loss_weight:
-            raise ConfigError("dino.koleo_loss_weight: KoLeo is a term of the ssl-mode losses; this run distils "
-                              "features (a teacher without heads, or mode=feature), so set it to 0")
+    def __init__(self, cfg: DistillConfig, all_reduce_fn=None, load_backbone: Optional[LoadBackbone] = None,
+                 load_heads: Optional[LoadHeads] = None) -> None:
+        super().__init__(cfg, all_reduce_fn, load_backbone, load_heads)
+        if load_backbone is None:
+            raise TypeError("DistillTask needs load_backbone (e.g. dinopipe.load) to read the teacher")
+        path = cfg.teacher_model.path
+        t_backbone = load_backbone(path, num_heads=cfg.teacher_model.num_heads)
+        head_sds = load_heads(path) if load_heads is not None else {}
+        self.mode = resolve_mode(cfg, has_heads="dino_head" in head_sds)  # ConfigError: checked before the run
+        t_heads = {name: build_head(state_dict=sd) for name, sd in head_sds.items()}
         self.teacher = nn.ModuleDict({"backbone": t_backbone, **(t_heads if self.mode == "ssl" else {})})
         self.teacher.requires_grad_(False).eval()
         t_dim = t_backbone.embed_dim
@@ -129,59 +71,49 @@ class DistillTask(nn.Module):
             # Students see unmasked crops: a parameter that never gets a gradient must be frozen, or its
             # optimizer state would be missing from checkpoints and resuming would fail.
             backbone.mask_token.requires_grad_(False)
-            if self.mode == "ssl":
-                mods = {name: self._new_head_like(h, backbone.embed_dim) for name, h in t_heads.items()}
+            if self.mode == "ssl":  # fresh heads shaped like the teacher's, on the student's width
+                mods = {name: build_head(backbone.embed_dim, head_config(sd)) for name, sd in head_sds.items()}
             else:
                 mods = {"proj_cls": nn.Linear(backbone.embed_dim, t_dim), "proj_patch": nn.Linear(backbone.embed_dim, t_dim)}
             self.students[s.name] = nn.ModuleDict({"backbone": backbone, **mods})
         self.emas = copy.deepcopy(self.students).requires_grad_(False)
         t = cfg.teacher
         if self.mode == "ssl":
-            self.dino_loss = DINOLoss(t_heads["dino_head"].last_layer.weight.shape[0], t.student_temp,
-                                      t.center_momentum, t.centering, all_reduce_fn=all_reduce_fn)
+            self.dino_loss = DINOLoss(n_prototypes(t_heads["dino_head"]), t.student_temp, t.center_momentum,
+                                      t.centering, all_reduce_fn=all_reduce_fn)
             ibot = t_heads.get("ibot_head", t_heads["dino_head"])
-            self.ibot_loss = IBOTPatchLoss(ibot.last_layer.weight.shape[0], t.student_temp, t.center_momentum,
-                                           t.centering, all_reduce_fn=all_reduce_fn)
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+            self.ibot_loss = IBOTPatchLoss(n_prototypes(ibot), t.student_temp, t.center_momentum, t.centering,
+                                           all_reduce_fn=all_reduce_fn)
 
-    @staticmethod
-    def _new_head_like(head: DINOHead, in_dim: int) -> DINOHead:
-        lin = [m for m in head.mlp if isinstance(m, nn.Linear)]
-        return DINOHead(in_dim, head.last_layer.weight.shape[0], hidden_dim=lin[0].out_features,
-                        bottleneck_dim=lin[-1].out_features, nlayers=len(lin))
+    # -- declarations -----------------------------------------------------------------------------------
+    def trained_groups(self) -> dict[str, nn.ModuleDict]:
+        return {f"student.{name}": group for name, group in self.students.items()}
 
-    # -- set-up -------------------------------------------------------------------------------------------
-    def parallelize(self, info, pcfg: Optional[ParallelConfig] = None) -> None:
-        # Students train; the teacher and the EMAs never run backward, so they always reshard after forward.
-        self.compute_dtype = parallelize([m for s in self.students.values() for m in s.values()], info, pcfg)
-        frozen = list(self.teacher.values()) + [m for s in self.emas.values() for m in s.values()]
-        parallelize(frozen, info, pcfg, frozen=True)
-        if info.distributed:
-            from torch.distributed.fsdp import register_fsdp_forward_method
+    def kept_groups(self) -> dict[str, tuple[nn.ModuleDict, nn.ModuleDict]]:
+        return {f"ema.{name}": (self.emas[name], self.students[name]) for name in self.students}
 
-            for group in [self.teacher] + list(self.students.values()) + list(self.emas.values()):
-                register_fsdp_forward_method(group["backbone"], "forward_features_list")
+    def frozen_groups(self) -> list[nn.ModuleDict]:
+        return [self.teacher]  # never written into checkpoints: it is reloaded from its own path
 
-    def build_optimizer(self, param_groups_fn) -> MultiOptimizer:
-        o = self.cfg.optim
-        for s in self.cfg.students:
-            groups = param_groups_fn(self.students[s.name])
-            for g in groups:
-                g["lr_multiplier"] *= s.lr_scale
-            self.optimizers[s.name] = torch.optim.AdamW(groups, betas=(o.adamw_beta1, o.adamw_beta2))
-        return MultiOptimizer(self.optimizers)
+    def loss_modules(self) -> dict[str, nn.Module]:
+        return {"dino": self.dino_loss, "ibot": self.ibot_loss} if self.mode == "ssl" else {}
 
-    # -- loop interface ---------------------------------------------------------------------------------------
-    def trainable_parameters(self):
-        return self.students.parameters()
+    @property
+    def data_patch_size(self) -> int:
+        return self.teacher["backbone"].patch_size
 
-    def clip_groups(self) -> list[list[nn.Parameter]]:
-        """Each student's gradients are clipped on their own: students must not slow each other down."""
-        return [list(s.parameters()) for s in self.students.values()]
+    def lr_scales(self) -> dict[str, float]:
+        """Each student's lr relative to the schedule (``build_optimizer``'s ``lr_scales``)."""
+        return {f"student.{s.name}": s.lr_scale for s in self.cfg.students}
 
-    def set_phase(self, phase) -> None:
-        self.phase = phase
+    def export_specs(self, step: int) -> list[ExportSpec]:
+        """Each student's EMA backbone to RUN/export/NAME."""
+        return [ExportSpec(name, ema["backbone"], {},
+                           {"step": step, "source": f"dinopipe distill ({self.mode}), EMA of student '{name}'",
+                            "teacher": str(self.cfg.teacher_model.path)})
+                for name, ema in self.emas.items()]
 
+    # -- loss -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _teacher_outputs(self, crops: list[Tensor], values: dict) -> dict[str, Any]:
         outs = self.teacher["backbone"].forward_features_list(crops)
@@ -212,7 +144,7 @@ class DistillTask(nn.Module):
         loss = self.cfg.dino.loss_weight * dino + self.cfg.ibot.loss_weight * ibot
         logs = {"dino_loss": dino.detach(), "ibot_loss": ibot.detach()}
         if self.cfg.dino.koleo_loss_weight:  # off by default for distillation; on, as in pretraining
-            koleo = sum(koleo_loss(c) for c in g["x_norm_clstoken"].chunk(2))  # per global crop
+            koleo = koleo_per_global_crop(g["x_norm_clstoken"])
             loss = loss + self.cfg.dino.koleo_loss_weight * koleo
             logs["koleo_loss"] = koleo.detach()
         return loss, logs
@@ -235,10 +167,7 @@ class DistillTask(nn.Module):
         loss = (f.cls_weight * cls_loss + f.patch_weight * patch_loss) / len(outs)
         return loss, {"cls_loss": cls_loss.detach() / len(outs), "patch_loss": patch_loss.detach() / len(outs)}
 
-    def forward(self, batch: dict, values: dict) -> tuple[Tensor, dict[str, Any]]:
-        device = next(self.students.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-        crops = [batch["global_crops"]] + ([batch["local_crops"]] if batch.get("local_crops") is not None else [])
+    def compute_loss(self, batch: dict, crops: list[Tensor], values: dict) -> tuple[Tensor, dict[str, Any]]:
         self.teacher.eval()
         t = self._teacher_outputs(crops, values)  # once, for every student
         total, logs = 0.0, {}
@@ -250,36 +179,7 @@ class DistillTask(nn.Module):
             total = total + loss
             logs[f"{name}/loss"] = loss.detach()
             logs.update({f"{name}/{k}": v for k, v in parts.items()})
-        for reason, n in (batch.get("corrupt") or {}).items():
-            logs[f"corrupt/{reason}"] = n
-        logs["compute_dtype"] = getattr(self, "compute_dtype", "fp32")
         return total, logs
 
-    def after_step(self, values: dict) -> None:
-        for name in self.students:
-            ema_update_(self.emas[name], self.students[name], values["momentum"])
 
-    def checkpoint_states(self, optimizer) -> dict[str, Any]:
-        states: dict[str, Any] = {}
-        for name in self.students:
-            states[f"student.{name}"] = ModelOptimState(self.students[name], self.optimizers[name])
-            states[f"ema.{name}"] = ModelOptimState(self.emas[name])
-        if self.mode == "ssl":
-            states["loss_state"] = ModelOptimState(nn.ModuleDict({"dino": self.dino_loss, "ibot": self.ibot_loss}))
-        return states  # the frozen teacher is never saved: it is reloaded from its own path
-
-    def export(self, run_dir: Path, step: int) -> None:
-        """Each student's EMA backbone to RUN/export/NAME (collective under FSDP: every rank calls this)."""
-        from ..train.dist import get_info
-
-        for name, ema in self.emas.items():
-            sd = full_state_dict(ema["backbone"])
-            if get_info().is_main:
-                model = build_vit(**ema["backbone"].arch_config())
-                model.load_state_dict(sd)
-                save_backbone(model, Path(run_dir) / "export" / name,
-                              extra={"step": step, "source": f"dinopipe distill ({self.mode}), EMA of student '{name}'",
-                                     "teacher": str(self.cfg.teacher_model.path)})
-
-
-__all__ = ["DistillTask", "MultiOptimizer", "load_teacher", "head_from_state_dict", "resample_patch_tokens"]
+__all__ = ["DistillTask", "resample_patch_tokens"]

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import ConfigError, ModelConfig
-from ..train.parallel import ParallelConfig
+from ..config import ConfigError, ModelConfig, ParallelConfig
 from .config import CropsConfig, DataConfig, DinoConfig, IbotConfig, OptimConfig, PhaseConfig, TeacherConfig, TrainConfig
 
 
@@ -70,4 +69,18 @@ def validate(cfg: DistillConfig) -> None:
         raise ConfigError(f"students: need at least one, with distinct names (got {names})")
 
 
-__all__ = ["DistillConfig", "StudentConfig", "TeacherModelConfig", "FeatureLossConfig", "validate"]
+def resolve_mode(cfg: DistillConfig, has_heads: bool) -> str:
+    """The distillation mode for a teacher with or without exported DINO heads (``auto`` picks); raises
+    ConfigError, naming the key, for a mode or loss term that teacher cannot serve. Called before the run
+    starts (from the teacher's files) and again by the task (from what it loaded)."""
+    mode = cfg.mode if cfg.mode != "auto" else ("ssl" if has_heads else "feature")
+    if mode == "ssl" and not has_heads:
+        raise ConfigError(f"mode: mode=ssl needs the teacher's heads, but {cfg.teacher_model.path} has none "
+                          f"(a bare backbone); use mode=feature")
+    if mode == "feature" and cfg.dino.koleo_loss_weight:
+        raise ConfigError("dino.koleo_loss_weight: KoLeo is a term of the ssl-mode losses; this run distils "
+                          "features (a teacher without heads, or mode=feature), so set it to 0")
+    return mode
+
+
+__all__ = ["DistillConfig", "resolve_mode", "StudentConfig", "TeacherModelConfig", "FeatureLossConfig", "validate"]

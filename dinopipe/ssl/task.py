@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import copy
 import logging
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from ..hub import load as load_backbone
-from ..hub import save_backbone
-from ..models import DINOHead, build_vit, create_model
-from ..train.checkpoint import ModelOptimState, full_state_dict
-from ..train.parallel import ParallelConfig, ema_update_, parallelize, reshard_
+from ..models import create_model
+from .base import ExportSpec, LoadBackbone, TeacherStudentTask, build_head, koleo_per_global_crop
 from .config import PretrainConfig
+from .ema import reshard_
 from .gram import GramTeacher
-from .losses import DINOLoss, IBOTPatchLoss, koleo_loss
+from .losses import DINOLoss, IBOTPatchLoss
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +28,13 @@ _TRAINING_KWARGS = ("drop_path_rate", "drop_path_uniform", "efficient_drop_path"
 _DINOV3_TRAINING_KWARGS = ("rope_rescale", "rope_shift", "rope_jitter")
 
 
-def build_backbone(cfg: PretrainConfig) -> nn.Module:
-    """Fresh backbone from the registry, or released / earlier weights for continued pretraining."""
+def build_backbone(cfg: PretrainConfig, load_backbone: Optional[LoadBackbone] = None) -> nn.Module:
+    """Fresh backbone from the registry, or released / earlier weights for continued pretraining (read with
+    ``load_backbone``, i.e. ``dinopipe.load``, which the train layer hands in)."""
     kwargs = cfg.model.create_kwargs()
     if cfg.model.pretrained:
+        if load_backbone is None:
+            raise TypeError("model.pretrained is set: pass load_backbone (e.g. dinopipe.load) to read it")
         # Keep the file's architecture (incl. its position-embedding grid; other sizes are interpolated).
         # Training-only DINOv3 settings (RoPE augmentations) apply too when given (they change no weights).
         extra = {k: kwargs[k] for k in _DINOV3_TRAINING_KWARGS if k in kwargs}
@@ -45,19 +45,17 @@ def build_backbone(cfg: PretrainConfig) -> nn.Module:
     return create_model(cfg.model.name, **kwargs)
 
 
-def _head(in_dim: int, h) -> DINOHead:
-    return DINOHead(in_dim, h.n_prototypes, h.hidden_dim, h.bottleneck_dim, h.nlayers)
+class SSLTask(TeacherStudentTask):
+    """DINOv2 pretraining: the student (backbone + DINO head [+ iBOT head]) and its EMA, the teacher."""
 
-
-class SSLTask(nn.Module):
-    def __init__(self, cfg: PretrainConfig, all_reduce_fn=None) -> None:
-        super().__init__()
-        self.cfg = cfg
-        backbone = build_backbone(cfg)
+    def __init__(self, cfg: PretrainConfig, all_reduce_fn=None, load_backbone: Optional[LoadBackbone] = None,
+                 load_heads=None) -> None:
+        super().__init__(cfg, all_reduce_fn, load_backbone, load_heads)
+        backbone = build_backbone(cfg, load_backbone)
         dim = backbone.embed_dim
-        student = {"backbone": backbone, "dino_head": _head(dim, cfg.dino.head)}
+        student = {"backbone": backbone, "dino_head": build_head(dim, cfg.dino.head)}
         if cfg.ibot.separate_head:
-            student["ibot_head"] = _head(dim, cfg.ibot.head)
+            student["ibot_head"] = build_head(dim, cfg.ibot.head)
         self.student = nn.ModuleDict(student)
         self.teacher = copy.deepcopy(self.student)  # same init, as DINOv2
         for blk in self.teacher["backbone"].blocks:
@@ -71,32 +69,43 @@ class SSLTask(nn.Module):
                                        all_reduce_fn=all_reduce_fn)
         # Gram anchoring (DINOv3): a frozen copy of the EMA teacher, refreshed at the steps gram.py schedules.
         self.gram = GramTeacher(self.teacher["backbone"], cfg.gram) if cfg.gram.enabled else None
-        self.phase = None
-        self.compute_dtype = "fp32"  # set by parallelize(); reported in metrics.jsonl
 
-    # -- distribution -------------------------------------------------------------------------------
-    def parallelize(self, info, pcfg: Optional[ParallelConfig] = None) -> None:
-        """Same sharding for student and teacher, so the EMA update pairs local shards one to one; the
-        teacher (no backward) always reshards after forward."""
-        self.compute_dtype = parallelize(list(self.student.values()), info, pcfg)
-        parallelize(list(self.teacher.values()), info, pcfg, frozen=True)
-        if self.gram is not None:  # sharded like the EMA teacher, so a refresh copies shard to shard
-            parallelize([self.gram.backbone], info, pcfg, frozen=True)
-        if info.distributed:
-            from torch.distributed.fsdp import register_fsdp_forward_method
+    # -- declarations -----------------------------------------------------------------------------------
+    def trained_groups(self) -> dict[str, nn.ModuleDict]:
+        return {"student": self.student}
 
-            backbones = [g["backbone"] for g in (self.student, self.teacher)]
-            for backbone in backbones + ([self.gram.backbone] if self.gram is not None else []):
-                # The task calls this method, not forward(): FSDP2 must unshard the root params around it.
-                register_fsdp_forward_method(backbone, "forward_features_list")
+    def kept_groups(self) -> dict[str, tuple[nn.ModuleDict, nn.ModuleDict]]:
+        return {"teacher": (self.teacher, self.student)}
 
-    # -- loop interface -------------------------------------------------------------------------------
-    def trainable_parameters(self):
-        return self.student.parameters()
+    def loss_modules(self) -> dict[str, nn.Module]:
+        return {"dino": self.dino_loss, "ibot": self.ibot_loss}
 
-    def set_phase(self, phase) -> None:
-        self.phase = phase
+    # The Gram teacher: frozen, sharded like the EMA teacher (so a refresh copies shard to shard) and saved with
+    # every checkpoint (it is an earlier teacher, not rebuildable from the current state): resume stays exact.
+    def shard_groups(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        trained, frozen = super().shard_groups()
+        return trained, frozen + ([self.gram.backbone] if self.gram is not None else [])
 
+    def backbones(self) -> list[nn.Module]:
+        return super().backbones() + ([self.gram.backbone] if self.gram is not None else [])
+
+    def state_modules(self, optimizer=None) -> dict:
+        out = super().state_modules(optimizer)
+        if self.gram is not None:
+            out["gram_teacher"] = (self.gram.backbone, None)
+        return out
+
+    @property
+    def data_patch_size(self) -> int:
+        return self.student["backbone"].patch_size
+
+    def export_specs(self, step: int) -> list[ExportSpec]:
+        """The EMA teacher's backbone + heads (heads: a later distillation can use DINOv2's recipe)."""
+        heads = {name: m for name, m in self.teacher.items() if name != "backbone"}
+        return [ExportSpec("teacher", self.teacher["backbone"], heads,
+                           {"step": step, "source": "dinopipe pretrain (EMA teacher)"})]
+
+    # -- loss -------------------------------------------------------------------------------------------
     def _heads(self, group: nn.ModuleDict, cls: Tensor, patches: Tensor) -> tuple[Tensor, Tensor]:
         """CLS -> DINO logits, masked patches -> iBOT logits (one head call when the head is shared)."""
         if "ibot_head" in group:
@@ -114,14 +123,10 @@ class SSLTask(nn.Module):
         temp = values["teacher_temp"]
         return self.dino_loss.teacher_probs(cls_logits, temp), self.ibot_loss.teacher_probs(patch_logits, temp)
 
-    def forward(self, batch: dict, values: dict) -> tuple[Tensor, dict[str, Any]]:
+    def compute_loss(self, batch: dict, crops: list[Tensor], values: dict) -> tuple[Tensor, dict[str, Any]]:
         cfg = self.cfg
-        device = next(self.student.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         teacher_cls, teacher_patch = self._teacher_targets(batch, values)
-
         self.student.train()
-        crops = [batch["global_crops"]] + ([batch["local_crops"]] if batch.get("local_crops") is not None else [])
         masks = [batch["masks"]] + [None] * (len(crops) - 1)
         outs = self.student["backbone"].forward_features_list(crops, masks)  # one packed forward
         g_cls = outs[0]["x_norm_clstoken"]  # (2B, D)
@@ -132,18 +137,14 @@ class SSLTask(nn.Module):
 
         dino = self.dino_loss(cls_logits[:n_g], teacher_cls, cls_logits[n_g:] if len(outs) > 1 else None)
         ibot = self.ibot_loss(patch_logits, teacher_patch, n_images=n_g, masks_weight=batch["masks_weight"])
-        koleo = sum(koleo_loss(c) for c in g_cls.chunk(2))  # per global crop, as DINOv2
+        koleo = koleo_per_global_crop(g_cls)
         loss = cfg.dino.loss_weight * dino + cfg.ibot.loss_weight * ibot + cfg.dino.koleo_loss_weight * koleo
-        extra = self._gram_loss(batch, outs[0]["x_norm_patchtokens"], values)
-        if extra is not None:
-            loss = loss + values["gram_weight"] * extra
         logs = {"dino_loss": dino.detach(), "ibot_loss": ibot.detach(), "koleo_loss": koleo.detach(),
-                "n_masked": int(batch["mask_indices"].numel()), "n_images": int(batch.get("n_images", n_g // 2)),
-                "compute_dtype": self.compute_dtype}
-        if extra is not None:
-            logs["gram_loss"] = extra.detach()
-        for reason, n in (batch.get("corrupt") or {}).items():
-            logs[f"corrupt/{reason}"] = n
+                "n_masked": int(batch["mask_indices"].numel()), "n_images": int(batch.get("n_images", n_g // 2))}
+        gram = self._gram_loss(batch, outs[0]["x_norm_patchtokens"], values)
+        if gram is not None:
+            loss = loss + values["gram_weight"] * gram
+            logs["gram_loss"] = gram.detach()
         return loss, logs
 
     def _gram_loss(self, batch: dict, student_patches: Tensor, values: dict) -> Optional[Tensor]:
@@ -161,37 +162,6 @@ class SSLTask(nn.Module):
         targets = self.gram.targets(crops, grid)
         reshard_(self.gram)  # no backward will free the gathered copies
         return self.gram.loss(student_patches, crops, grid, targets=targets)
-
-    def after_step(self, values: dict) -> None:
-        ema_update_(self.teacher, self.student, values["momentum"])
-
-    def checkpoint_states(self, optimizer) -> dict[str, Any]:
-        return {
-            "student": ModelOptimState(self.student, optimizer),
-            "teacher": ModelOptimState(self.teacher),
-            "loss_state": ModelOptimState(nn.ModuleDict({"dino": self.dino_loss, "ibot": self.ibot_loss})),
-            # An earlier teacher, not rebuildable from the current state: saved so a resume keeps the anchor.
-            **({"gram_teacher": ModelOptimState(self.gram.backbone)} if self.gram is not None else {}),
-        }
-
-    def export(self, run_dir: Path, step: int) -> None:
-        """Consolidated teacher backbone (+ heads) under RUN/export/teacher; every rank must call this."""
-        from ..train.dist import get_info
-
-        backbone_sd = full_state_dict(self.teacher["backbone"])
-        heads_sd = {name: full_state_dict(m) for name, m in self.teacher.items() if name != "backbone"}
-        if not get_info().is_main:
-            return
-        arch = self.teacher["backbone"].arch_config()
-        model = build_vit(**arch)
-        model.load_state_dict(backbone_sd)
-        out = Path(run_dir) / "export" / "teacher"
-        save_backbone(model, out, extra={"step": step, "source": "dinopipe pretrain (EMA teacher)"})
-        heads = {f"{name}.{k}": v.contiguous() for name, sd in heads_sd.items() for k, v in sd.items()}
-        from safetensors.torch import save_file
-
-        save_file(heads, str(out / "heads.safetensors"))
-        log.info("exported teacher backbone to %s", out)
 
 
 __all__ = ["SSLTask", "build_backbone"]

@@ -6,38 +6,44 @@ Same loop, phases, checkpoints, resume and preemption handling as pretraining; t
 from __future__ import annotations
 
 import sys
-from functools import partial
 from typing import Optional, Sequence
 
-import torch
-
-from ..config import ConfigError, save_config
+from ..config import ConfigError
+from ..hub import CheckpointError, backbone_arch, has_heads
+from ..models import list_models, model_defaults
 from ..ssl.distill import DistillTask
-from ..ssl.distill_config import DistillConfig, validate
-from ..ssl.param_groups import build_param_groups
-from .builders import open_pool, stage_main, train
-from .dist import all_reduce_sum_fn, init_distributed
+from ..ssl.distill_config import DistillConfig, resolve_mode
+from ..ssl.distill_config import validate as validate_fields
+from .builders import stage_main
+from .run import run_training
+
+
+def validate(cfg: DistillConfig) -> None:
+    """Field checks, then the ones that need the teacher's files (its heads, its patch size: metadata, no
+    model is built), so that every mistake exits 2 before a process group or a run directory exists."""
+    validate_fields(cfg)
+    path = cfg.teacher_model.path
+    try:
+        t_patch = int(backbone_arch(path, num_heads=cfg.teacher_model.num_heads)["patch_size"])
+    except (CheckpointError, OSError) as exc:
+        raise ConfigError(f"teacher_model.path: {exc}") from None
+    resolve_mode(cfg, has_heads(path))
+    patches = {t_patch}
+    for i, s in enumerate(cfg.students):
+        if s.model.name not in list_models():
+            raise ConfigError(f"students[{i}].model.name: unknown model '{s.model.name}' "
+                              f"(choose from {', '.join(list_models())})")
+        patches.add(int({**model_defaults(s.model.name), **s.model.create_kwargs()}["patch_size"]))
+    # Crops must tile into every student's and the teacher's patches.
+    for ph in cfg.phases:
+        for size in (ph.global_crops_size, ph.local_crops_size):
+            bad = sorted(p for p in patches if size % p)
+            if bad and (size == ph.global_crops_size or cfg.crops.local_crops_number):
+                raise ConfigError(f"phases[{ph.name}]: crop size {size} is not a multiple of patch size(s) {bad}")
 
 
 def run(cfg: DistillConfig) -> int:
-    refs, read = open_pool(cfg)
-    info = init_distributed(cfg.train.device)
-    if info.is_main:
-        save_config(cfg, cfg.train.output_dir)
-    torch.manual_seed(cfg.train.seed)
-    task = DistillTask(cfg, all_reduce_fn=all_reduce_sum_fn()).to(info.device)
-    task.parallelize(info, cfg.parallel)
-    o = cfg.optim
-    optimizer = task.build_optimizer(partial(build_param_groups, lr_decay_rate=o.layerwise_decay,
-                                             patch_embed_lr_mult=o.patch_embed_lr_mult))
-    # Crops must tile into every student's and the teacher's patches.
-    patches = {task.teacher["backbone"].patch_size} | {s["backbone"].patch_size for s in task.students.values()}
-    for ph in cfg.phases:
-        for size in (ph.global_crops_size, ph.local_crops_size):
-            bad = [p for p in patches if size % p]
-            if bad and (size == ph.global_crops_size or cfg.crops.local_crops_number):
-                raise ConfigError(f"phases[{ph.name}]: crop size {size} is not a multiple of patch size(s) {bad}")
-    return train(cfg, task, optimizer, info, refs, read, task.teacher["backbone"].patch_size)
+    return run_training(cfg, DistillTask)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -40,13 +40,12 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Task(Protocol):
-    """What the loop needs from a task (see dinopipe/ssl/task.py)."""
+    """What the loop needs from a task (``dinopipe.train.run.LoopTask`` wraps the SSL tasks)."""
 
     def __call__(self, batch: Any, values: dict[str, float]) -> tuple[torch.Tensor, dict[str, Any]]: ...
     def trainable_parameters(self) -> Iterable[nn.Parameter]: ...
     def after_step(self, values: dict[str, float]) -> None: ...
     def checkpoint_states(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
-    def set_phase(self, phase: "Phase") -> None: ...
     def export(self, run_dir: Path, step: int) -> None: ...
 
 
@@ -183,7 +182,6 @@ class Trainer:
         try:
             while step < self.total_steps:
                 phase = self.phases[self._phase_index(step)]
-                self.task.set_phase(phase)
                 pos = DataPosition(int(self.state.values["data_epoch"]), int(self.state.values["data_offset"]))
                 global_batch = phase.batch_per_rank * self.info.world_size
                 loader = phase.build_loader(pos)

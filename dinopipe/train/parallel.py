@@ -14,48 +14,21 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..config import COMPUTE_DTYPES, ParallelConfig, check_parallel_config  # noqa: F401
+from ..ssl.ema import ema_update_, local_tensor, reshard_  # noqa: F401  (pure torch: the tasks call them)
 from .dist import DistInfo
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COMPUTE_DTYPES = ("fp32", "bf16")  # fp16 would need a gradient scaler (refused by check_config)
-
-
-@dataclass
-class ParallelConfig:
-    param_dtype: str = "bf16"
-    """Compute dtype of parameters and activations (bf16 / fp32), at any world size: FSDP2's mixed-precision
-    policy with several processes, autocast in one. fp16 is refused (it would need a gradient scaler)."""
-    reduce_dtype: str = "fp32"
-    """dtype of gradient reduce-scatter (fp32 / bf16)."""
-    activation_checkpointing: bool = False
-    compile: bool = False
-    """Per-block torch.compile(fullgraph=True) (useful on CUDA; slow to compile on CPU)."""
-    reshard_after_forward: bool = True
-    """Student only: free the gathered parameters after forward (re-gather in backward). Frozen models
-    (teachers, EMAs) always reshard."""
-
-
-def check_config(cfg: ParallelConfig) -> None:
-    """Config errors (exit 2, naming the key) for choices the type system cannot check."""
-    from ..config import ConfigError
-
-    if cfg.param_dtype == "fp16":
-        raise ConfigError("parallel.param_dtype: fp16 is not supported: it needs a gradient scaler, which the "
-                          "training loop does not have (gradients underflow/overflow). Use bf16 (same speed on "
-                          "A100/H100, fp32's exponent range) or fp32.")
-    if cfg.param_dtype not in COMPUTE_DTYPES:
-        raise ConfigError(f"parallel.param_dtype: expected one of {list(COMPUTE_DTYPES)}, got '{cfg.param_dtype}'")
-    if cfg.reduce_dtype not in COMPUTE_DTYPES:
-        raise ConfigError(f"parallel.reduce_dtype: expected one of {list(COMPUTE_DTYPES)}, got '{cfg.reduce_dtype}'")
+# The config lives at the bottom layer (stage configs embed it); re-exported here for existing imports.
+check_config = check_parallel_config
 
 
 def configure_device_math(device: torch.device) -> None:
@@ -155,65 +128,6 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
     log.info("compute dtype %s (FSDP2 mixed precision over %d ranks, reduce %s, %s)", cfg.param_dtype,
              info.world_size, cfg.reduce_dtype, "frozen" if frozen else f"reshard_after_forward={reshard}")
     return cfg.param_dtype
-
-
-def reshard_(module: nn.Module) -> None:
-    """Free the unsharded copies FSDP2 still holds for ``module`` (after a no-grad forward nothing else
-    would). A no-op for modules that are not sharded or already resharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The shard this rank holds (a DTensor's local part, or the tensor itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in module.modules())
-
-
-def _ema_pairs(target: nn.Module, source: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Local shards of (target, source) parameters, checked: fp32, sharded when the module is, same shapes.
-    An unsharded bf16 copy left by a forward (reshard_after_forward=False, or a root on torch < 2.8) would
-    otherwise pair a full tensor with a shard, or quietly mix bf16 into the fp32 teacher."""
-    t_named, s_named = list(target.named_parameters()), list(source.named_parameters())
-    if [n for n, _ in t_named] != [n for n, _ in s_named]:
-        raise ValueError("ema_update_: teacher and student have different parameters; build the teacher as a "
-                         "deep copy of the student and parallelize both the same way")
-    sharded = (_is_sharded(target), _is_sharded(source))
-    ts, ss = [], []
-    for (name, t), (_, s) in zip(t_named, s_named):
-        for role, p, fsdp in (("teacher", t, sharded[0]), ("student", s, sharded[1])):
-            if p.dtype != torch.float32 or (fsdp and not hasattr(p, "to_local")):
-                kind = "a sharded DTensor" if hasattr(p, "to_local") else "an unsharded tensor"
-                raise RuntimeError(
-                    f"ema_update_: {role} parameter '{name}' is {kind} of {p.dtype}; the EMA works only on "
-                    f"FSDP2's sharded fp32 parameters (call reshard_() on the module after its no-grad forward; "
-                    f"frozen models must be parallelized with frozen=True)")
-        lt, ls = local_tensor(t), local_tensor(s)
-        if lt.shape != ls.shape:
-            raise RuntimeError(f"ema_update_: '{name}' is sharded differently in teacher {tuple(lt.shape)} and "
-                               f"student {tuple(ls.shape)}; parallelize both with the same mesh")
-        ts.append(lt)
-        ss.append(ls)
-    return ts, ss
-
-
-@torch.no_grad()
-def ema_update_(target: nn.Module, source: nn.Module, momentum: float) -> None:
-    """target = m * target + (1 - m) * source, parameter by parameter on the local shards (both modules are
-    sharded identically by parallelize(), so shard i of one pairs with shard i of the other)."""
-    t, s = _ema_pairs(target, source)
-    if not t:
-        return
-    torch._foreach_mul_(t, momentum)
-    torch._foreach_add_(t, s, alpha=1.0 - momentum)
 
 
 __all__ = ["ema_update_", "ParallelConfig", "parallelize", "apply_activation_checkpointing", "apply_autocast",

@@ -78,9 +78,6 @@ class MiniTask:
     def checkpoint_states(self, optimizer):
         return {"models": ModelOptimState(self.models, optimizer)}
 
-    def set_phase(self, phase):
-        pass
-
     def export(self, run_dir, step):
         sds = [full_state_dict(m) for m in self.models]  # collective: every rank gathers
         if dist.is_initialized() and dist.get_rank() != 0:

@@ -17,6 +17,7 @@ from dinopipe.ssl.config import PretrainConfig
 from dinopipe.ssl.task import SSLTask
 from dinopipe.train.dist import DistInfo
 from dinopipe.train.parallel import ParallelConfig, configure_device_math
+from dinopipe.train.run import parallelize_task
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_one_process_attention_runs_in_param_dtype(batch, dtype, monkeypatch):
     cfg = load_config(PretrainConfig, REPO / "configs/pretrain/quickstart.yaml",
                       [*TINY, "data.paths=[x]", f"parallel.param_dtype={dtype}"])
     task = SSLTask(cfg)
-    task.parallelize(DistInfo(), cfg.parallel)  # one process, no process group
+    parallelize_task(task, DistInfo(), cfg.parallel)  # one process, no process group
     loss, logs = task(batch, {"teacher_temp": 0.04, "momentum": 0.9})
     loss.backward()
     task.after_step({"momentum": 0.9})  # the EMA still works on the fp32 parameters

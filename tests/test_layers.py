@@ -1,0 +1,153 @@
+"""The layer table of DESIGN.md / ARCHITECTURE.md as a checked contract: every import in dinopipe/ and
+curation/ (module level or inside a function) may only point down. A wrong-way import fails here, naming
+the file, the line and the rule."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("dinopipe", "curation")
+
+# Module (dotted prefix) -> layer group. The longest matching prefix wins.
+GROUPS: dict[str, str] = {
+    # 0: configs (structured dataclasses + validation); stage configs count here wherever they live
+    "dinopipe.config": "config",
+    "dinopipe.ssl.config": "config",
+    "dinopipe.ssl.distill_config": "config",
+    # 1
+    "dinopipe.models": "models",
+    "dinopipe.data": "data",
+    # 2
+    "dinopipe.ssl": "ssl",
+    "dinopipe": "export",  # the package's facade: dinopipe.load (hub) and create_model (models)
+    "dinopipe.hub": "export",
+    "dinopipe.export": "export",
+    "dinopipe.export_hf": "export",
+    "dinopipe.export_onnx": "export",
+    # 3
+    "dinopipe.train": "train",
+    "dinopipe.eval": "eval",
+    "dinopipe.plan": "eval",
+    "curation": "curation",
+    # 4: entry points and orchestration, the only place dinopipe and curation meet
+    "dinopipe.cli": "app",
+    "dinopipe.eval.cli": "app",
+    "dinopipe.pipeline": "app",
+    "dinopipe.pipeline_report": "app",
+    "dinopipe.slurm": "app",
+    "dinopipe.gpu_check": "app",
+    "dinopipe.gpu_check_train": "app",
+    "curation.cli": "app",
+}
+
+ALL = {"config", "models", "data", "ssl", "export", "train", "eval", "curation", "app"}
+ALLOWED: dict[str, set[str]] = {
+    "config": {"config"},
+    "models": {"config", "models"},
+    "data": {"config", "data"},
+    "ssl": {"config", "models", "ssl"},
+    "export": {"config", "models", "export"},
+    "train": {"config", "models", "data", "ssl", "export", "train"},
+    "eval": {"config", "models", "data", "export", "eval"},
+    "curation": {"config", "models", "data", "export", "curation"},
+    "app": ALL,
+}
+# Model code is single-device (STYLE.md 3): distribution lives in dinopipe/train.
+FORBIDDEN_EXTERNAL = {"models": ("torch.distributed",)}
+
+
+def group_of(module: str) -> str | None:
+    best = None
+    for prefix, group in GROUPS.items():
+        if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, group)
+    return best[1] if best else None
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_module(dotted: str, root: Path) -> bool:
+    p = root.joinpath(*dotted.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def imports_of(source: str, module: str, is_package: bool, root: Path) -> list[tuple[int, str]]:
+    """(line, imported module) for every import statement, relative ones resolved; ``from X import name``
+    counts as importing X.name when that is a module."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names if _is_module(f"{target}.{a.name}", root)]
+            out += [(node.lineno, s) for s in subs] or [(node.lineno, target)]
+    return out
+
+
+def violations(root: Path, packages=PACKAGES) -> list[str]:
+    found = []
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            module = module_name(path, root)
+            src_group = group_of(module)
+            if src_group is None:
+                found.append(f"{path.relative_to(root)}: module {module} has no layer in tests/test_layers.py")
+                continue
+            for line, target in imports_of(path.read_text(), module, path.name == "__init__.py", root):
+                for bad in FORBIDDEN_EXTERNAL.get(src_group, ()):
+                    if target == bad or target.startswith(bad + "."):
+                        found.append(f"{path.relative_to(root)}:{line}: {src_group} imports {target}")
+                dst_group = group_of(target)
+                if dst_group is not None and dst_group not in ALLOWED[src_group]:
+                    found.append(f"{path.relative_to(root)}:{line}: {src_group} ({module}) imports {dst_group} "
+                                 f"({target}); {src_group} may import only {sorted(ALLOWED[src_group])}")
+    return found
+
+
+def test_imports_point_down_the_layers():
+    found = violations(REPO)
+    assert not found, "wrong-way imports (see the layer table in ARCHITECTURE.md):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("where, code, rule", [
+    ("dinopipe/ssl/task.py", "from ..train.checkpoint import full_state_dict\n", "ssl (dinopipe.ssl.task) imports train"),
+    ("dinopipe/ssl/task.py", "def f():\n    from dinopipe import hub\n", "ssl (dinopipe.ssl.task) imports export"),
+    ("dinopipe/config.py", "from .train.parallel import ParallelConfig\n", "config (dinopipe.config) imports train"),
+    ("dinopipe/models/vit.py", "import torch.distributed as dist\n", "models imports torch.distributed"),
+    ("dinopipe/hub.py", "from .train.checkpoint import full_state_dict\n", "export (dinopipe.hub) imports train"),
+    ("curation/embedder.py", "from dinopipe.train.dist import init_distributed\n", "curation (curation.embedder) imports train"),
+    ("curation/embedder.py", "from dinopipe.cli import main\n", "curation (curation.embedder) imports app"),
+    ("dinopipe/eval/knn.py", "from ..train.loop import Trainer\n", "eval (dinopipe.eval.knn) imports train"),
+])
+def test_checker_catches_a_wrong_way_import(tmp_path, where, code, rule):
+    """A synthetic tree: one file per package layer, plus one bad import."""
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    for sub in ("ssl", "models", "train", "eval"):
+        (tmp_path / "dinopipe" / sub).mkdir()
+        (tmp_path / "dinopipe" / sub / "__init__.py").write_text("")
+    for f in ("dinopipe/train/checkpoint.py", "dinopipe/train/parallel.py", "dinopipe/train/dist.py",
+              "dinopipe/train/loop.py", "dinopipe/hub.py", "dinopipe/cli.py", "dinopipe/config.py"):
+        (tmp_path / f).write_text("")
+    good = tmp_path / where
+    good.write_text("from dinopipe.config import ConfigError\n" if where.startswith("curation") else "")
+    assert violations(tmp_path) == []
+    good.write_text(good.read_text() + code)
+    [msg] = violations(tmp_path)
+    assert where in msg and rule in msg, msg
