@@ -113,7 +113,7 @@ def test_pretrained_hf_folder_initialises_the_backbone(tmp_path):
     folder = export(released, "hf", tmp_path / "hf")  # DINOv3ViTModel: config.json + model.safetensors
     cfg = load_config(PretrainConfig, None, [f"model.pretrained={folder}", "model.drop_path_rate=0.1",
                                             "model.rope_rescale=2.0", "data.paths=[x]"])
-    model = build_backbone(cfg)
+    model = build_backbone(cfg, dinopipe.load)  # the train layer hands the task dinopipe.load
     assert model.training and model.rope_embed.rescale == 2.0
     assert {b.drop_path_rate for b in model.blocks} == {0.1}  # DINOv3: uniform stochastic depth
     model.eval()
