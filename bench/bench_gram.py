@@ -25,7 +25,7 @@ dense features that *degrade* after ~200k+ iterations of a ViT-7B (§4.1): a few
 64-dim model are nowhere near that regime, so a difference of a few points either way here is not evidence
 for or against Gram anchoring at scale.
 
-    python bench/bench_gram.py                 # ~20-30 min on 2 shared cores (two 400-step runs + evals)
+    python bench/bench_gram.py                 # ~26 min on 2 shared cores at load ~12 (two 300-step runs + evals)
     python bench/bench_gram.py --steps 100     # a smoke run of the same pipeline
 """
 
