@@ -195,6 +195,20 @@ def validate(cfg: PretrainConfig) -> None:
     validate_sizes(cfg)
     if getattr(cfg, "gram", None) is not None:
         validate_gram(cfg.gram)
+    check_dinov3_keys(cfg.model, "model")
+
+
+def check_dinov3_keys(model, where: str) -> None:
+    """RoPE / untied-norm keys exist only on DINOv3 backbones (registry names ``*_dinov3*``); a DINOv2 model
+    given one would fail deep in its constructor, so say so here, naming the key."""
+    from ..config import DINOV3_KEYS, ConfigError
+
+    if model.pretrained or "_dinov3" in model.name:
+        return
+    for key in DINOV3_KEYS:
+        if getattr(model, key) is not None:
+            raise ConfigError(f"{where}.{key}: only DINOv3 backbones (vit_*_dinov3) have it; '{model.name}' is a "
+                              "DINOv2 model (learned position embedding, no RoPE)")
 
 
 def validate_sizes(cfg) -> None:

@@ -140,3 +140,14 @@ def test_config_errors_name_the_key():
             "phases=[{name: hr, sizes: [{global_crops_size: 64, probability: 0.5}]}]"]))
     with pytest.raises(ConfigError, match="optim.lr_schedule"):
         validate(load_config(PretrainConfig, None, base + ["optim.lr_schedule=linear"]))
+
+
+def test_dinov3_model_keys_on_a_dinov2_model_name_the_key():
+    base = ["data.paths=[x]", "model.name=vit_test"]
+    with pytest.raises(ConfigError, match="model.rope_rescale: only DINOv3"):
+        validate(load_config(PretrainConfig, None, base + ["model.rope_rescale=2.0"]))
+    cfg = load_config(PretrainConfig, None, ["data.paths=[x]", "model.name=vit_test_dinov3",
+                                             "model.untie_cls_and_patch_norms=true", "model.rope_rescale=0"])
+    validate(cfg)
+    m = create_model(cfg.model.name, **cfg.model.create_kwargs())
+    assert m.cls_norm is not None and not m.rope_embed.rescale
