@@ -195,7 +195,10 @@ def validate(cfg: PretrainConfig) -> None:
     validate_sizes(cfg)
     if getattr(cfg, "gram", None) is not None:
         validate_gram(cfg.gram)
-    check_dinov3_keys(cfg.model, "model")
+    if getattr(cfg, "model", None) is not None:  # distillation: each student's model (distill_config.py)
+        check_dinov3_keys(cfg.model, "model")
+    for i, student in enumerate(getattr(cfg, "students", None) or []):
+        check_dinov3_keys(student.model, f"students.{i}.model")
 
 
 def check_dinov3_keys(model, where: str) -> None:
