@@ -165,6 +165,8 @@ AttnBackend = choices("AttnBackend", ("auto", "sdpa", "xformers", "math"), __nam
 """dinopipe.models.attention.BACKENDS (a test keeps the two equal; configs import nothing above them)."""
 FFN = choices("FFN", ("mlp", "swiglu", "swiglu32", "swiglu64", "swiglu128"), __name__)
 """dinopipe.models.registry.FFN_LAYERS."""
+DINOV3_KEYS = ("rope_rescale", "rope_shift", "rope_jitter", "untie_cls_and_patch_norms",
+               "untie_global_and_local_cls_norm")
 
 
 @dataclass
@@ -196,6 +198,16 @@ class ModelConfig:
     """Override the variant's number of blocks."""
     pretrained: Optional[str] = None
     """A checkpoint dinopipe.load accepts, used to initialise the backbone (continued pretraining)."""
+    rope_rescale: Optional[float] = None
+    """DINOv3 backbones only (RoPE): training-time coordinate rescale augmentation (released models: 2)."""
+    rope_shift: Optional[float] = None
+    """DINOv3 only: training-time RoPE coordinate shift augmentation (null keeps the variant's default)."""
+    rope_jitter: Optional[float] = None
+    """DINOv3 only: training-time per-axis RoPE coordinate jitter augmentation."""
+    untie_cls_and_patch_norms: Optional[bool] = None
+    """DINOv3 only: a separate final norm for the class/storage tokens."""
+    untie_global_and_local_cls_norm: Optional[bool] = None
+    """DINOv3 only: a separate final norm for the local crops' class tokens in training (the ViT-7B's)."""
 
     def create_kwargs(self) -> dict:
         out = {
@@ -206,7 +218,7 @@ class ModelConfig:
             "attn_backend": str(self.attn_backend),  # model code gets plain strings, not config enums
             "init_values": self.init_values,
         }
-        for key in ("patch_size", "num_register_tokens", "ffn", "num_heads", "embed_dim", "depth"):
+        for key in ("patch_size", "num_register_tokens", "ffn", "num_heads", "embed_dim", "depth") + DINOV3_KEYS:
             if getattr(self, key) is not None:
                 v = getattr(self, key)
                 out[key] = str(v) if isinstance(v, Choice) else v

@@ -30,6 +30,8 @@ from torch import nn
 from .config import phase_steps
 from .models import DINOHead, create_model
 from .models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
+from .plan_gram import (describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory,
+                        largest_variant, phase_variants)
 
 GiB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -284,13 +286,17 @@ def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, a
     if checkpointing:
         workspace += max(block_saved_bytes(arch, groups, c, attn, r, stat_bytes) for r in set(arch.drop_rates))
     student_peak = targets + backbone + head_saved + max(logits_grad, workspace)
+    gram = gram_step_memory(cfg, arch, phase, b, c, tokens)  # zeros without Gram anchoring (plan_gram.py)
+    student_peak += gram["gram_kept"]
+    gram_peak = targets + backbone + head_saved + gram["gram_kept"] + gram["gram_forward_peak"]
     return {
+        **gram,
         "backbone_activations": backbone,
         "head_activations": head_saved,
         "teacher_targets": targets,
         "backward_transient": max(logits_grad, workspace),
         "teacher_forward_peak": teacher_peak + targets,
-        "peak": max(student_peak, teacher_peak + targets),
+        "peak": max(student_peak, teacher_peak + targets, gram_peak),
     }
 
 
@@ -323,7 +329,8 @@ def step_flops(cfg, arch: Arch, heads: list[HeadArch], phase, b: int) -> dict:
     teacher = crop_forward_flops(arch, sizes[0], None, teacher_groups[0][0])
     teacher += sum(h.token_flops() * n for h, n in _head_tokens(cfg, heads, teacher_groups, m))
     student = 3 * (student_blocks + head_fwd) + 2 * embed
-    out = {"student": student, "teacher": teacher, "model": student + teacher}
+    gram = gram_step_flops(cfg, arch, phase, b, crop_forward_flops)
+    out = {"student": student, "teacher": teacher, "gram": gram, "model": student + teacher + gram}
     out["hardware_ac"] = out["model"] + student_blocks  # recompute of the checkpointed blocks
     return out
 
@@ -362,6 +369,9 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
     # under autocast norms and softmax stay fp32, so one GPU's bf16 figure is a slight underestimate
     c = DTYPE_BYTES[p.param_dtype]
     state = state_memory(arch, heads, gpus, p.param_dtype, p.reduce_dtype)
+    if gram_state_bytes(cfg, arch, gpus, sharded_numel):  # the frozen Gram teacher: a third backbone copy
+        g = gram_state_bytes(cfg, arch, gpus, sharded_numel)
+        state = {**state, "gram_teacher_params": g, "total": state["total"] + g}
     fused = cfg.model.attn_backend if cfg.model.attn_backend != "math" else "sdpa"
     configured = "math" if cfg.model.attn_backend == "math" else "fused"
 
@@ -370,8 +380,10 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
         return (state["total"] + act) * (1 + margin) + overhead_gb * GiB
 
     phases = []
-    for phase, (start, end) in zip(cfg.phases, phase_steps(cfg)):
+    for full_phase, (start, end) in zip(cfg.phases, phase_steps(cfg)):
         steps = end - start
+        # A high-res adaptation phase draws a size triple per batch: memory for the largest, FLOPs for the mix.
+        phase, variants = largest_variant(full_phase), phase_variants(full_phase)
         b = phase.batch_size_per_gpu
         mem = {}
         for attn_name, attn in (("fused", fused), ("math", "math")):
@@ -381,7 +393,9 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
                 mem[key] = {**sm, "per_image": (sm["backbone_activations"] + sm["head_activations"]) / b,
                             "total": need(b, phase, ac, attn),
                             "max_batch": largest_batch(lambda x: need(x, phase, ac, attn), gpu_mem_gb)}
-        fl = step_flops(cfg, arch, heads, phase, b)
+        per = [(step_flops(cfg, arch, heads, v, b), w) for v, w in variants]
+        fl = {k: sum(f[k] * w for f, w in per) for k in per[0][0]}
+        fl = gram_active_flops(cfg, fl, start, end)  # no Gram teacher forward before gram.first_step
         ph = {"name": phase.name, "steps": steps, "batch_per_gpu": b, "global_batch": b * gpus,
               "global_crops_size": phase.global_crops_size, "local_crops_size": phase.local_crops_size,
               "tokens": [n for _, n in _groups(cfg, phase, 1, arch)[0]],
@@ -396,7 +410,7 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
            "margin": margin, "overhead_gb": overhead_gb, "compute_dtype": "fp32" if c == 4 else p.param_dtype,
            "activation_checkpointing": p.activation_checkpointing, "attention": configured,
            "params": param_counts(arch, heads), "state": state, "phases": phases,
-           "total_steps": sum(ph["steps"] for ph in phases),
+           "total_steps": sum(ph["steps"] for ph in phases), "gram": describe_gram(cfg),
            "total_flops": sum(ph["steps"] * ph["flops"]["model"] * gpus for ph in phases)}
     if gpu_tflops:
         out["gpu_hours"] = sum(ph["gpu_hours"] for ph in phases)
@@ -428,10 +442,14 @@ def format_report(r: dict) -> str:
         "model state per GPU (GiB)",
         f"  student params {_gb(st['student_params'])}  grads {_gb(st['student_grads'])}  "
         f"AdamW {_gb(st['optimizer'])}  teacher {_gb(st['teacher_params'])}  "
-        f"unsharded units {_gb(st['unsharded_units'])}  = {_gb(st['total'])}",
+        f"unsharded units {_gb(st['unsharded_units'])}"
+        + (f"  Gram teacher {_gb(st['gram_teacher_params'])}" if "gram_teacher_params" in st else "")
+        + f"  = {_gb(st['total'])}",
         f"  + {r['margin']:.0%} fragmentation margin on everything, + {r['overhead_gb']:g} GiB CUDA context/NCCL",
         "",
     ]
+    if r.get("gram"):
+        lines[-1:-1] = [r["gram"]]
     for ph in r["phases"]:
         lines.append(f"phase {ph['name']}: {ph['steps']} steps, {ph['batch_per_gpu']} img/GPU (global "
                      f"{ph['global_batch']}), crops {ph['global_crops_size']} px ({ph['tokens'][0]} tokens)"
@@ -448,7 +466,8 @@ def format_report(r: dict) -> str:
         f = ph["flops"]
         cf = ph["crop_forward_flops"]
         lines.append(f"  FLOPs/step/GPU: student fwd+bwd {f['student'] / 1e12:.2f} T + teacher fwd "
-                     f"{f['teacher'] / 1e12:.2f} T = {f['model'] / 1e12:.2f} TFLOP (with AC recompute "
+                     f"{f['teacher'] / 1e12:.2f} T" + (f" + Gram teacher {f['gram'] / 1e12:.2f} T" if f.get("gram") else "")
+                     + f" = {f['model'] / 1e12:.2f} TFLOP (with AC recompute "
                      f"{f['hardware_ac'] / 1e12:.2f}); forward per crop {cf['global'] / 1e9:.1f} G global, "
                      f"{cf['local'] / 1e9:.1f} G local")
         if "step_seconds" in ph:

@@ -19,11 +19,13 @@ from ..models import create_model
 from .base import ExportSpec, LoadBackbone, TeacherStudentTask, build_head, koleo_per_global_crop
 from .config import PretrainConfig
 from .ema import reshard_
+from .gram import GramTeacher
 from .losses import DINOLoss, IBOTPatchLoss
 
 log = logging.getLogger(__name__)
 
 _TRAINING_KWARGS = ("drop_path_rate", "drop_path_uniform", "efficient_drop_path", "attn_backend")
+_DINOV3_TRAINING_KWARGS = ("rope_rescale", "rope_shift", "rope_jitter")
 
 
 def build_backbone(cfg: PretrainConfig, load_backbone: Optional[LoadBackbone] = None) -> nn.Module:
@@ -34,8 +36,10 @@ def build_backbone(cfg: PretrainConfig, load_backbone: Optional[LoadBackbone] = 
         if load_backbone is None:
             raise TypeError("model.pretrained is set: pass load_backbone (e.g. dinopipe.load) to read it")
         # Keep the file's architecture (incl. its position-embedding grid; other sizes are interpolated).
+        # Training-only DINOv3 settings (RoPE augmentations) apply too when given (they change no weights).
+        extra = {k: kwargs[k] for k in _DINOV3_TRAINING_KWARGS if k in kwargs}
         model = load_backbone(cfg.model.pretrained, num_heads=cfg.model.num_heads,
-                              **{k: kwargs[k] for k in _TRAINING_KWARGS})
+                              **{k: kwargs[k] for k in _TRAINING_KWARGS}, **extra)
         log.info("initialised backbone from %s", cfg.model.pretrained)
         return model.train()
     return create_model(cfg.model.name, **kwargs)
@@ -63,6 +67,8 @@ class SSLTask(TeacherStudentTask):
         ibot_dim = (cfg.ibot.head if cfg.ibot.separate_head else cfg.dino.head).n_prototypes
         self.ibot_loss = IBOTPatchLoss(ibot_dim, t.student_temp, t.center_momentum, t.centering,
                                        all_reduce_fn=all_reduce_fn)
+        # Gram anchoring (DINOv3): a frozen copy of the EMA teacher, refreshed at the steps gram.py schedules.
+        self.gram = GramTeacher(self.teacher["backbone"], cfg.gram) if cfg.gram.enabled else None
 
     # -- declarations -----------------------------------------------------------------------------------
     def trained_groups(self) -> dict[str, nn.ModuleDict]:
@@ -73,6 +79,21 @@ class SSLTask(TeacherStudentTask):
 
     def loss_modules(self) -> dict[str, nn.Module]:
         return {"dino": self.dino_loss, "ibot": self.ibot_loss}
+
+    # The Gram teacher: frozen, sharded like the EMA teacher (so a refresh copies shard to shard) and saved with
+    # every checkpoint (it is an earlier teacher, not rebuildable from the current state): resume stays exact.
+    def shard_groups(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        trained, frozen = super().shard_groups()
+        return trained, frozen + ([self.gram.backbone] if self.gram is not None else [])
+
+    def backbones(self) -> list[nn.Module]:
+        return super().backbones() + ([self.gram.backbone] if self.gram is not None else [])
+
+    def state_modules(self, optimizer=None) -> dict:
+        out = super().state_modules(optimizer)
+        if self.gram is not None:
+            out["gram_teacher"] = (self.gram.backbone, None)
+        return out
 
     @property
     def data_patch_size(self) -> int:
@@ -120,7 +141,27 @@ class SSLTask(TeacherStudentTask):
         loss = cfg.dino.loss_weight * dino + cfg.ibot.loss_weight * ibot + cfg.dino.koleo_loss_weight * koleo
         logs = {"dino_loss": dino.detach(), "ibot_loss": ibot.detach(), "koleo_loss": koleo.detach(),
                 "n_masked": int(batch["mask_indices"].numel()), "n_images": int(batch.get("n_images", n_g // 2))}
+        gram = self._gram_loss(batch, outs[0]["x_norm_patchtokens"], values)
+        if gram is not None:
+            loss = loss + values["gram_weight"] * gram
+            logs["gram_loss"] = gram.detach()
         return loss, logs
+
+    def _gram_loss(self, batch: dict, student_patches: Tensor, values: dict) -> Optional[Tensor]:
+        """Gram anchoring of the student's global-crop patch tokens (2B, N, D); None while it is off."""
+        if self.gram is None:
+            return None
+        if values.get("gram_refresh", 0.0) > 0:  # before this step's forward: the EMA teacher after the last step
+            self.gram.refresh_(self.teacher["backbone"])
+        if values.get("gram_weight", 0.0) <= 0:
+            return None
+        p = self.student["backbone"].patch_size
+        crops = batch.get("gram_crops")
+        crops = batch["global_crops"] if crops is None else crops  # no Gram crop size: the student's own crops
+        grid = (batch["global_crops"].shape[-2] // p, batch["global_crops"].shape[-1] // p)
+        targets = self.gram.targets(crops, grid)
+        reshard_(self.gram)  # no backward will free the gathered copies
+        return self.gram.loss(student_patches, crops, grid, targets=targets)
 
 
 __all__ = ["SSLTask", "build_backbone"]

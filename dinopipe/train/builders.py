@@ -9,14 +9,13 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
-from ..data.loader import DataPosition, build_train_loader
 from ..data.pool_index import open_pool as open_indexed_pool
-from ..data.transforms import MultiCropAugmentation, MultiCropCollator
 from ..logs import setup_logging
-from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr
+from ..ssl.gram import gram_schedules
+from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr, warmup_then_constant
 from .dist import DistInfo, LaunchError, destroy
+from .highres import phase_loader, phase_sizes
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
-from .signals import worker_ignore_signals
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +42,18 @@ def build_schedules(cfg: Any, world_size: int) -> dict:
                                o.weight_decay, o.weight_decay_end, t.momentum_teacher, t.final_momentum_teacher,
                                t.warmup_teacher_temp, t.teacher_temp, t.warmup_teacher_temp_epochs,
                                o.freeze_last_layer_epochs)
+    constant = getattr(o, "lr_schedule", "cosine") == "constant"  # DINOv3: warm-up then the peak lr
+
+    def first_lr(n: int):
+        if constant:
+            warm = min(int(round(o.warmup_epochs * cfg.train.epoch_length)), n)
+            return warmup_then_constant(0.0, peak(cfg.phases[0]), warm, n)
+        return build_ssl_schedules(n, cfg.train.epoch_length, peak(cfg.phases[0]), o.min_lr, o.warmup_epochs).lr.values
+
     if len(cfg.phases) == 1:
-        lr = base.lr.values
+        lr = first_lr(total) if constant else base.lr.values
     else:
-        first = build_ssl_schedules(first_end, cfg.train.epoch_length, peak(cfg.phases[0]), o.min_lr,
-                                    o.warmup_epochs).lr.values
+        first = first_lr(first_end)
         pieces = [first]
         for ph, (s, e) in zip(cfg.phases[1:], bounds[1:]):
             n = e - s
@@ -57,26 +63,19 @@ def build_schedules(cfg: Any, world_size: int) -> dict:
     last_layer = lr.copy()
     frozen = min(int(round(o.freeze_last_layer_epochs * cfg.train.epoch_length)), total)
     last_layer[:frozen] = 0.0
-    return {"lr": lr, "wd": base.weight_decay.values, "last_layer_lr": last_layer,
-            "momentum": base.momentum.values, "teacher_temp": base.teacher_temp.values}
+    out = {"lr": lr, "wd": base.weight_decay.values, "last_layer_lr": last_layer,
+           "momentum": base.momentum.values, "teacher_temp": base.teacher_temp.values}
+    if getattr(cfg, "gram", None) is not None and cfg.gram.enabled:
+        out.update(gram_schedules(cfg.gram, total))  # gram_weight, gram_refresh (dinopipe/ssl/gram.py)
+    return out
 
 
 def build_phases(cfg: Any, info: DistInfo, refs, read, patch_size: int) -> list[Phase]:
-    collator = MultiCropCollator(patch_size, tuple(cfg.ibot.mask_ratio_min_max), cfg.ibot.mask_sample_probability)
     phases = []
     for ph, (start, end) in zip(cfg.phases, phase_steps(cfg)):
-        aug = MultiCropAugmentation(
-            global_size=ph.global_crops_size, local_size=ph.local_crops_size, n_local=cfg.crops.local_crops_number,
-            global_scale=tuple(cfg.crops.global_crops_scale), local_scale=tuple(cfg.crops.local_crops_scale))
-
-        def loader(pos: DataPosition, aug=aug, ph=ph):
-            return build_train_loader(refs, read, aug, collator, ph.batch_size_per_gpu, info.rank, info.world_size,
-                                      cfg.train.seed, pos, num_workers=cfg.data.num_workers,
-                                      pin_memory=info.device.type == "cuda", worker_init_fn=worker_ignore_signals,
-                                      persistent_workers=cfg.data.persistent_workers)
-
-        phases.append(Phase(ph.name, start, end, ph.batch_size_per_gpu, ph.global_crops_size,
-                            ph.local_crops_size, build_loader=loader))
+        g, loc = phase_sizes(cfg, ph)  # a high-res adaptation phase draws its sizes per batch (highres.py)
+        phases.append(Phase(ph.name, start, end, ph.batch_size_per_gpu, g, loc,
+                            build_loader=phase_loader(cfg, ph, info, refs, read, patch_size)))
     return phases
 
 

@@ -1,0 +1,64 @@
+"""Data loaders of a resolution phase, including DINOv3's high-resolution adaptation (Siméoni et al. 2025, §5.1):
+a phase with ``sizes`` draws one (global, local, Gram-teacher) crop-size triple per global batch with the given
+probabilities (dinopipe/data/multires.py); a phase without is DINOv2's single size. With Gram anchoring and a
+Gram crop size, samples also carry the Gram teacher's crops (same boxes, its resolution)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+from ..data.loader import DataPosition, build_train_loader
+from ..data.multires import GramCropAugmentation, GramCropCollator, build_multisize_loader
+from ..data.transforms import MultiCropAugmentation
+from .dist import DistInfo
+from .signals import worker_ignore_signals
+
+
+def _gram_on(cfg: Any) -> bool:
+    g = getattr(cfg, "gram", None)
+    return bool(g is not None and g.enabled)
+
+
+def size_triples(cfg: Any, ph: Any) -> list[tuple[int, int, Optional[int], float]]:
+    """(global, local, gram or None, probability) of each size this phase draws from (one for a plain phase)."""
+    gram = _gram_on(cfg)
+    if ph.sizes:
+        return [(s.global_crops_size, s.local_crops_size, s.gram_crops_size if gram else None, s.probability)
+                for s in ph.sizes]
+    return [(ph.global_crops_size, ph.local_crops_size, ph.gram_crops_size if gram else None, 1.0)]
+
+
+def _augmentation(cfg: Any, global_size: int, local_size: int, gram_size: Optional[int]) -> Callable:
+    kw = dict(global_size=global_size, local_size=local_size, n_local=cfg.crops.local_crops_number,
+              global_scale=tuple(cfg.crops.global_crops_scale), local_scale=tuple(cfg.crops.local_crops_scale))
+    if gram_size is None:
+        return MultiCropAugmentation(**kw)
+    return GramCropAugmentation(gram_size=gram_size, **kw)
+
+
+def phase_loader(cfg: Any, ph: Any, info: DistInfo, refs, read, patch_size: int
+                 ) -> Callable[[DataPosition], Iterable]:
+    """DataPosition -> this phase's loader (single size, or one drawn size triple per batch)."""
+    collator = GramCropCollator(patch_size, tuple(cfg.ibot.mask_ratio_min_max), cfg.ibot.mask_sample_probability)
+    triples = size_triples(cfg, ph)
+    augs = [_augmentation(cfg, g, loc, gr) for g, loc, gr, _ in triples]
+    common = dict(num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda",
+                  worker_init_fn=worker_ignore_signals, persistent_workers=cfg.data.persistent_workers)
+
+    def loader(pos: DataPosition):
+        if len(augs) == 1:
+            return build_train_loader(refs, read, augs[0], collator, ph.batch_size_per_gpu, info.rank,
+                                      info.world_size, cfg.train.seed, pos, **common)
+        return build_multisize_loader(refs, read, augs, [t[3] for t in triples], collator, ph.batch_size_per_gpu,
+                                      info.rank, info.world_size, cfg.train.seed, pos, **common)
+
+    return loader
+
+
+def phase_sizes(cfg: Any, ph: Any) -> tuple[int, int]:
+    """(global, local) crop size the Phase record reports: the largest a multi-size phase draws."""
+    triples = size_triples(cfg, ph)
+    return max(t[0] for t in triples), max(t[1] for t in triples)
+
+
+__all__ = ["phase_loader", "phase_sizes", "size_triples"]
