@@ -17,14 +17,20 @@ def check_backbone(cfg: PretrainConfig) -> None:
     if m.pretrained:  # the patch size is the file's (checked when it is loaded)
         return
     patch = int({**model_defaults(m.name), **m.create_kwargs()}["patch_size"])
+    gram = getattr(cfg, "gram", None) is not None and cfg.gram.enabled
     for i, ph in enumerate(cfg.phases):
-        sizes = [("global_crops_size", ph.global_crops_size)]
-        if cfg.crops.local_crops_number:
-            sizes.append(("local_crops_size", ph.local_crops_size))
-        for key, size in sizes:
-            if size % patch:
-                raise ConfigError(f"phases.{i}.{key}: {size} px is not a multiple of {m.name}'s patch size {patch} "
-                                  f"(e.g. {max(patch, size // patch * patch)})")
+        # a high-res adaptation phase draws its sizes from phases.N.sizes; a plain phase has one set
+        sets = [(f"phases.{i}.sizes.{j}", s) for j, s in enumerate(ph.sizes)] if ph.sizes else [(f"phases.{i}", ph)]
+        for where, s in sets:
+            sizes = [("global_crops_size", s.global_crops_size)]
+            if cfg.crops.local_crops_number:
+                sizes.append(("local_crops_size", s.local_crops_size))
+            if gram and s.gram_crops_size:
+                sizes.append(("gram_crops_size", s.gram_crops_size))
+            for key, size in sizes:
+                if size % patch:
+                    raise ConfigError(f"{where}.{key}: {size} px is not a multiple of {m.name}'s patch size {patch} "
+                                      f"(e.g. {max(patch, size // patch * patch)})")
 
 
 def validate_pretrain(cfg: PretrainConfig) -> None:

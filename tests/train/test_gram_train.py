@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dinopipe
-from conftest import launch_ranks, losses, metrics, pretrain_cmd, run_pretrain
+from tests.train.conftest import launch_ranks, losses, metrics, pretrain_cmd, run_pretrain
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def test_pretrained_hf_folder_initialises_the_backbone(tmp_path):
 
 
 def test_multi_student_feature_distillation_from_a_dinov3_teacher(tmp_path, photo_pool):
-    from conftest import run_distill
+    from tests.train.conftest import run_distill
     from dinopipe.hub import export_dinov3
 
     teacher = export_dinov3(_released(2), tmp_path / "dinov3_teacher.pth")  # a released backbone: no heads
