@@ -35,6 +35,8 @@ class IbotConfig:
 
 Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
 Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
+LrSchedule = choices("LrSchedule", ("cosine", "constant"), __name__)
+ResizeMode = choices("ResizeMode", ("bicubic", "bilinear", "nearest", "area"), __name__)
 
 
 @dataclass
@@ -65,7 +67,7 @@ class OptimConfig:
     clip_grad: float = 3.0
     adamw_beta1: float = 0.9
     adamw_beta2: float = 0.999
-    lr_schedule: str = "cosine"
+    lr_schedule: LrSchedule = LrSchedule.cosine
     """cosine (DINOv2: warm-up, then cosine to min_lr) | constant (DINOv3: warm-up, then the peak lr to the end,
     so training can be extended or stopped at any point; later phases keep their own cosine)."""
 
@@ -156,7 +158,7 @@ class GramConfig:
     """Steps between refreshes from the EMA teacher after the first copy (0 = never)."""
     max_refreshes: Optional[int] = None
     """Refreshes after the first copy (null = no limit)."""
-    resize_mode: str = "bicubic"
+    resize_mode: ResizeMode = ResizeMode.bicubic
     """How a higher-resolution Gram teacher's patch grid is resampled to the student's (torch interpolate)."""
     resize_antialias: bool = False
     remove_neg: bool = False
@@ -194,8 +196,6 @@ def validate(cfg: PretrainConfig) -> None:
     if len(ratio) != 2 or not 0 <= ratio[0] <= ratio[1] < 1:
         raise ConfigError(f"ibot.mask_ratio_min_max: need [min, max] with 0 <= min <= max < 1, got {ratio}")
     check_ranges(cfg)
-    if cfg.optim.lr_schedule not in ("cosine", "constant"):
-        raise ConfigError(f"optim.lr_schedule: expected 'cosine' or 'constant', got '{cfg.optim.lr_schedule}'")
     validate_sizes(cfg)
     if getattr(cfg, "gram", None) is not None:
         validate_gram(cfg.gram)
@@ -278,8 +278,6 @@ def validate_sizes(cfg) -> None:
 def validate_gram(g: GramConfig) -> None:
     from ..config import ConfigError
 
-    if g.resize_mode not in ("bicubic", "bilinear", "nearest", "area"):
-        raise ConfigError(f"gram.resize_mode: expected bicubic | bilinear | nearest | area, got '{g.resize_mode}'")
     for key in ("first_step", "refresh_every", "warmup_steps"):
         if getattr(g, key) < 0:
             raise ConfigError(f"gram.{key}: must be >= 0, got {getattr(g, key)}")

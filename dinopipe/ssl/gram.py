@@ -132,7 +132,7 @@ class GramTeacher(nn.Module):
         out = self.backbone.forward_features_list([crops])[0]["x_norm_patchtokens"]
         p = self.backbone.patch_size
         grid = (crops.shape[-2] // p, crops.shape[-1] // p)
-        return resample_patch_grid(out, grid, student_grid, self.cfg.resize_mode, self.cfg.resize_antialias)
+        return resample_patch_grid(out, grid, student_grid, str(self.cfg.resize_mode), self.cfg.resize_antialias)
 
     def loss(self, student_patches: Tensor, crops: Tensor, student_grid: tuple[int, int],
              targets: Optional[Tensor] = None) -> Tensor:
