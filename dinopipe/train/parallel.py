@@ -112,8 +112,8 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
         if compute != torch.float32:
             for m in modules:
                 apply_autocast(m, info.device.type, compute)
-        log.info("compute dtype %s (%s, one process)", cfg.param_dtype,
-                 "autocast" if compute != torch.float32 else "no mixed precision")
+        log.info("compute dtype %s (%s, one process, %s modules)", cfg.param_dtype,
+                 "autocast" if compute != torch.float32 else "no mixed precision", "frozen" if frozen else "trained")
         return cfg.param_dtype
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
