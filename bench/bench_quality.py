@@ -197,6 +197,7 @@ def student_spec():
 
 
 def load_models(work: Path, seed: int) -> dict:
+    """The arms of one seed: random inits drawn with ``seed``, the shared teacher, this seed's students."""
     import torch
 
     from dinopipe import load
@@ -208,33 +209,77 @@ def load_models(work: Path, seed: int) -> dict:
     teacher = load(work / "teacher")
     torch.manual_seed(seed)
     random_teacher = build_vit(**teacher.arch_config()).eval()
+    runs = work / f"seed{seed}"
     return {"random": random_student, "random_teacher_arch": random_teacher, "teacher": teacher,
-            **{f"distilled_{m}": load(work / f"distill_{m}" / "export" / "student") for m in DISTILL_MODES},
-            "scratch": load(work / "scratch")}
+            **{f"distilled_{m}": load(runs / f"distill_{m}" / "export" / "student") for m in DISTILL_MODES},
+            "scratch": load(runs / "scratch")}
 
 
-def report(acc: dict, sets: list[str]) -> dict[str, float]:
-    rows = [(m, *[f"{acc[m][s][k]:.3f}" for s in sets for k in (10, 20)]) for m in MODELS]
-    C.print_table("kNN top-1 (frozen CLS, T=0.07)", rows, ("model", *[f"{s} k={k}" for s in sets for k in (10, 20)]))
+def mean_sd(xs: list[float]) -> tuple[float, float]:
+    m = float(np.mean(xs))
+    return m, float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0
+
+
+def report(accs: dict[int, dict], sets: list[str]) -> dict[str, float]:
+    """Means +- sd over seeds per arm and set (k = 20), and each difference paired by seed with its standard
+    error sd(d) / sqrt(n): the distilled and scratch students of one seed share the init seed and data order."""
+    seeds = sorted(accs)
+    n = len(seeds)
+    rows = []
+    for m in MODELS:
+        cells = []
+        for s in sets:
+            mu, sd = mean_sd([accs[i][m][s][20] for i in seeds])
+            cells.append(f"{mu:.3f} ± {sd:.3f}")
+        rows.append((m, *cells))
+    C.print_table(f"kNN top-1, k=20 (frozen CLS, T=0.07): mean ± sd over {n} seed(s) {seeds}"
+                  + " (the teacher is shared: its sd is 0)", rows, ("model", *sets))
     lines: dict[str, float] = {}
+    print()
     for s in sets:
         for m in MODELS:
-            lines[f"knn_top1_{s}_{m}"] = acc[m][s][20]
-            lines[f"knn_top1_k10_{s}_{m}"] = acc[m][s][10]
-    for s in sets:
-        lines[f"teacher_minus_random_{s}"] = acc["teacher"][s][20] - acc["random_teacher_arch"][s][20]
-        for m in DISTILL_MODES:
-            lines[f"distilled_{m}_minus_scratch_{s}"] = acc[f"distilled_{m}"][s][20] - acc["scratch"][s][20]
-            lines[f"distilled_{m}_minus_random_{s}"] = acc[f"distilled_{m}"][s][20] - acc["random"][s][20]
-        lines[f"scratch_minus_random_{s}"] = acc["scratch"][s][20] - acc["random"][s][20]
-    print()
-    for k, v in lines.items():
-        print(f"{k}: {v:+.3f}" if "_minus_" in k else f"{k}: {v:.3f}")
-    goals = [("teacher - random (photos, k=20) >= +0.10", lines["teacher_minus_random_photos"] >= 0.10)]
-    goals += [(f"distilled ({m}) >= scratch ({s}, k=20)", lines[f"distilled_{m}_minus_scratch_{s}"] >= 0)
-              for m in DISTILL_MODES for s in sets]
-    C.print_table("goals (issue 5)", [(g, "met" if ok else "NOT met") for g, ok in goals])
+            mu, sd = mean_sd([accs[i][m][s][20] for i in seeds])
+            lines[f"knn_top1_{s}_{m}"] = mu
+            print(f"knn_top1_{s}_{m}: {mu:.3f} ± {sd:.3f}")
+    pairs = [(f"distilled_{m}", "scratch") for m in DISTILL_MODES] + [("teacher", "random_teacher_arch"),
+                                                                       ("scratch", "random")]
+    goals = []
+    for a, b in pairs:
+        for s in sets:
+            d = [accs[i][a][s][20] - accs[i][b][s][20] for i in seeds]
+            mu, sd = mean_sd(d)
+            se = sd / np.sqrt(n) if n > 1 else float("nan")
+            z = mu / se if se > 0 else float("inf") if mu > 0 else float("-inf")
+            key = f"{a}_minus_{b}_{s}"
+            lines[key], lines[key + "_se"] = mu, se
+            print(f"{key}: {mu:+.3f} (se {se:.3f}, {z:+.1f} se, per seed {' '.join(f'{x:+.3f}' for x in d)})")
+            if b == "scratch":
+                goals.append((f"{a} - scratch ({s}) > 2 se", "met" if z > 2 else "NOT met"))
+    C.print_table("goals (issue 14): distilled beats scratch by more than 2 standard errors over seeds", goals)
     return lines
+
+
+def train_seed(work: Path, pool_dir: Path, teacher_dir: Path, steps: int, seed: int) -> dict[str, float]:
+    """The three trained arms of one seed: ssl- and feature-distilled students and the scratch student."""
+    times: dict[str, float] = {}
+    runs = work / f"seed{seed}"
+    runs.mkdir(parents=True, exist_ok=True)
+    spec = student_spec()
+    student_model = [f"model.name={spec.name}"] + [f"model.{k}={'null' if v is None else v}"
+                                                   for k, v in spec.create_kwargs().items()]
+    for mode in DISTILL_MODES:
+        run = runs / f"distill_{mode}"
+        times[f"distill_{mode}"] = run_stage("distill", DISTILL_CFG, run,
+                                             schedule_overrides(steps, pool_dir, seed)
+                                             + [f"teacher_model.path={teacher_dir}", f"mode={mode}"]
+                                             + (["dino.koleo_loss_weight=0"] if mode == "feature" else []))
+        print(f"  seed {seed} (c) distilled ({mode}): {steps} steps in {times[f'distill_{mode}']:.0f} s, "
+              f"last {last_losses(run)}, load {os.getloadavg()[0]:.1f}", flush=True)
+    times["scratch"] = run_stage("pretrain", PRETRAIN_CFG, runs / "scratch",
+                                 schedule_overrides(steps, pool_dir, seed) + student_model)
+    print(f"  seed {seed} (d) scratch: {steps} steps in {times['scratch']:.0f} s, last {last_losses(runs / 'scratch')}, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    return times
 
 
 def main(argv=None) -> int:
@@ -244,7 +289,9 @@ def main(argv=None) -> int:
                                                    "wiped at the start")
     p.add_argument("--teacher-steps", type=int, default=None, help=f"multiple of {EPOCH_LENGTH}")
     p.add_argument("--student-steps", type=int, default=None, help="distilled and scratch student steps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first seed; also the seed of the teacher and the eval sets")
+    p.add_argument("--seeds", type=int, default=3, help="student seeds (init and data order): seed, seed+1, ...")
+    p.add_argument("--pool", type=int, default=None, help="photo crops in the training pool")
     p.add_argument("--no-pool-digits", dest="pool_digits", action="store_false",
                    help="pretrain and distil on the photo crops only (default: + the unlabelled digits train split)")
     p.add_argument("--reuse-teacher", action="store_true",
@@ -253,9 +300,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write every number to this file")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        raise SystemExit(f"error: --seeds must be >= 1, got {args.seeds}")
     r = dict(RECIPES["quick" if args.quick else "full"])
-    r["teacher_steps"] = args.teacher_steps or r["teacher_steps"]
-    r["student_steps"] = args.student_steps or r["student_steps"]
+    for key in ("teacher_steps", "student_steps", "pool"):
+        r[key] = getattr(args, key) or r[key]
     work = Path(args.workdir or REPO / "runs" / ("bench_quality_quick" if args.quick else "bench_quality")).resolve()
     teacher_dir = work / "teacher"
     reuse = args.reuse_teacher and _teacher_steps(teacher_dir) == r["teacher_steps"]
@@ -264,9 +313,12 @@ def main(argv=None) -> int:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     work.mkdir(parents=True, exist_ok=True)
     C.setup(args.threads, args.seed)
+    seeds = list(range(args.seed, args.seed + args.seeds))
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {args.threads} threads, work dir {work}")
-    print(f"recipe: {r}")
+    print(f"recipe: {r}, student seeds {seeds}; load average at start {os.getloadavg()[0]:.1f}")
     times: dict[str, float] = {}
+    loads = [os.getloadavg()[0]]
+    t_start = time.perf_counter()
 
     t0 = time.perf_counter()
     from dinopipe.data.samples import build_sample_pool
@@ -287,20 +339,11 @@ def main(argv=None) -> int:
         times["teacher"] = run_stage("pretrain", PRETRAIN_CFG, teacher_dir,
                                      schedule_overrides(r["teacher_steps"], pool_dir, args.seed))
         print(f"(b) teacher: {r['teacher_steps']} steps in {times['teacher']:.0f} s, last {last_losses(teacher_dir)}")
-    spec = student_spec()
-    student_model = [f"model.name={spec.name}"] + [f"model.{k}={'null' if v is None else v}"
-                                                   for k, v in spec.create_kwargs().items()]
-    for mode in DISTILL_MODES:
-        run = work / f"distill_{mode}"
-        times[f"distill_{mode}"] = run_stage("distill", DISTILL_CFG, run,
-                                             schedule_overrides(r["student_steps"], pool_dir, args.seed)
-                                             + [f"teacher_model.path={teacher_dir}", f"mode={mode}"]
-                                             + (["dino.koleo_loss_weight=0"] if mode == "feature" else []))
-        print(f"(c) distilled ({mode}): {r['student_steps']} steps in {times[f'distill_{mode}']:.0f} s, "
-              f"last {last_losses(run)}")
-    times["scratch"] = run_stage("pretrain", PRETRAIN_CFG, work / "scratch",
-                                 schedule_overrides(r["student_steps"], pool_dir, args.seed) + student_model)
-    print(f"(d) scratch: {r['student_steps']} steps in {times['scratch']:.0f} s, last {last_losses(work / 'scratch')}")
+    loads.append(os.getloadavg()[0])
+    for seed in seeds:
+        for k, v in train_seed(work, pool_dir, teacher_dir, r["student_steps"], seed).items():
+            times[k] = times.get(k, 0.0) + v
+        loads.append(os.getloadavg()[0])
 
     t0 = time.perf_counter()
     from dinopipe.eval import open_labelled
@@ -309,14 +352,21 @@ def main(argv=None) -> int:
     for name in ("photos", "digits"):
         train = open_labelled(work / name / "train")
         sets[name] = (train, open_labelled(work / name / "val", classes=train.classes))
-    models = load_models(work, args.seed)
-    acc = {m: evaluate(models[m], sets) for m in MODELS}
+    accs = {}
+    for seed in seeds:
+        models = load_models(work, seed)
+        accs[seed] = {m: evaluate(models[m], sets) for m in MODELS}
     times["eval"] = time.perf_counter() - t0
-    lines = report(acc, list(sets))
-    C.print_table("wall time", [(k, f"{v:.0f} s") for k, v in times.items()] + [("total", f"{sum(times.values()):.0f} s")])
+    loads.append(os.getloadavg()[0])
+    lines = report(accs, list(sets))
+    wall = time.perf_counter() - t_start
+    C.print_table("wall time (student stages summed over seeds)",
+                  [(k, f"{v:.0f} s") for k, v in times.items()] + [("total wall", f"{wall:.0f} s")])
+    print(f"\nbench_wall_s: {wall:.0f}\nload_average_1min (start, after teacher, after each seed, end): "
+          + " ".join(f"{x:.1f}" for x in loads))
     if args.json:
-        Path(args.json).write_text(json.dumps({"recipe": r, "seed": args.seed, "knn_top1": acc, "lines": lines,
-                                               "seconds": times}, indent=2))
+        Path(args.json).write_text(json.dumps({"recipe": r, "seeds": seeds, "knn_top1": accs, "lines": lines,
+                                               "seconds": times, "wall_s": wall, "load_average": loads}, indent=2))
     return 0
 
 

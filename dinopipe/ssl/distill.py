@@ -130,7 +130,7 @@ class DistillTask(nn.Module):
             # optimizer state would be missing from checkpoints and resuming would fail.
             backbone.mask_token.requires_grad_(False)
             if self.mode == "ssl":
-                mods = {name: self._new_head_like(h, backbone.embed_dim) for name, h in t_heads.items()}
+                mods = {name: self._student_head(h, backbone.embed_dim, t_dim) for name, h in t_heads.items()}
             else:
                 mods = {"proj_cls": nn.Linear(backbone.embed_dim, t_dim), "proj_patch": nn.Linear(backbone.embed_dim, t_dim)}
             self.students[s.name] = nn.ModuleDict({"backbone": backbone, **mods})
@@ -143,6 +143,13 @@ class DistillTask(nn.Module):
             self.ibot_loss = IBOTPatchLoss(ibot.last_layer.weight.shape[0], t.student_temp, t.center_momentum,
                                            t.centering, all_reduce_fn=all_reduce_fn)
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
+
+    def _student_head(self, head: DINOHead, in_dim: int, t_dim: int) -> nn.Module:
+        if self.cfg.student_heads == "new":
+            return self._new_head_like(head, in_dim)
+        # A trainable copy of the teacher's head; a linear map carries the student's width to the teacher's.
+        copied = copy.deepcopy(head).requires_grad_(True)
+        return copied if in_dim == t_dim else nn.Sequential(nn.Linear(in_dim, t_dim), copied)
 
     @staticmethod
     def _new_head_like(head: DINOHead, in_dim: int) -> DINOHead:

@@ -42,6 +42,10 @@ class DistillConfig:
     mode: str = "auto"
     """auto (ssl when the teacher run has heads, else feature) | ssl | feature."""
     teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    student_heads: str = "new"
+    """ssl mode: ``new`` (DINOv2: fresh student heads) | ``teacher`` (each student starts from a trainable copy
+    of the teacher's heads, behind a new linear map from the student's width to the teacher's when they differ,
+    so the prototypes the targets are built on are there from step 0)."""
     students: list[StudentConfig] = field(default_factory=lambda: [StudentConfig()])
     dino: DinoConfig = field(default_factory=lambda: DinoConfig(koleo_loss_weight=0.0))
     ibot: IbotConfig = field(default_factory=lambda: IbotConfig(mask_sample_probability=0.0))
@@ -63,6 +67,8 @@ def validate(cfg: DistillConfig) -> None:
     validate_common(cfg)  # phases, centering, data paths, mask ratios
     if cfg.mode not in ("auto", "ssl", "feature"):
         raise ConfigError(f"mode: expected auto | ssl | feature, got '{cfg.mode}'")
+    if cfg.student_heads not in ("new", "teacher"):
+        raise ConfigError(f"student_heads: expected new | teacher, got '{cfg.student_heads}'")
     if cfg.feature.loss not in ("cosine", "smooth_l1"):
         raise ConfigError(f"feature.loss: expected cosine | smooth_l1, got '{cfg.feature.loss}'")
     names = [s.name for s in cfg.students]
