@@ -78,9 +78,10 @@ PRETRAIN_CFG = REPO / "configs" / "pretrain" / "bench_quality.yaml"
 DISTILL_CFG = REPO / "configs" / "distill" / "bench_quality.yaml"
 EVAL_SIZE = 56  # the training crop size; every model is evaluated at it
 EPOCH_LENGTH = 50  # steps per schedule 'epoch': the yaml's warm-ups (in epochs) scale with the run through this
-# Steps and pool sizes. Full: ~23-26 min on 2 cores; quick: the same pipeline, ~5 min.
+# Steps and pool sizes. Full: one teacher (1000 steps) and 3 arms x --seeds students of 200 steps each (2800 steps
+# at the default 3 seeds, ~25 min on 2 quiet cores); quick: the same pipeline, a few minutes.
 RECIPES = {
-    "full": dict(teacher_steps=1000, student_steps=500, pool=2400, gallery=20, queries=20),
+    "full": dict(teacher_steps=1000, student_steps=200, pool=2400, gallery=20, queries=20),
     "quick": dict(teacher_steps=100, student_steps=50, pool=400, gallery=8, queries=4),
 }
 DISTILL_MODES = ("ssl", "feature")
