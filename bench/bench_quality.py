@@ -88,6 +88,16 @@ DISTILL_MODES = ("ssl", "feature")
 MODELS = ["random", "random_teacher_arch", "teacher", *[f"distilled_{m}" for m in DISTILL_MODES], "scratch"]
 
 
+def set_modes(modes: tuple[str, ...]) -> None:
+    """Run (and report) only these distillation modes, e.g. ``--modes ssl`` when the cores are short."""
+    global DISTILL_MODES, MODELS
+    bad = [m for m in modes if m not in ("ssl", "feature")]
+    if bad or not modes:
+        raise SystemExit(f"error: --modes: expected a comma list of ssl, feature; got {','.join(modes)}")
+    DISTILL_MODES = modes
+    MODELS = ["random", "random_teacher_arch", "teacher", *[f"distilled_{m}" for m in modes], "scratch"]
+
+
 # -- eval sets ------------------------------------------------------------------------------------------------
 def _jittered_crop(arr: np.ndarray, rng: np.random.Generator, size: int) -> Image.Image:
     """A random square crop (20-70 % of the short side), flipped half the time, with brightness / contrast /
@@ -268,6 +278,52 @@ def report(accs: dict[int, dict], sets: list[str]) -> dict[str, float]:
     return lines
 
 
+def teacher_targets(work: Path, sets: dict[str, tuple], n_centre: int = 680) -> dict[str, dict[str, float]]:
+    """How much of the teacher survives in the ssl-mode targets: kNN top-1 (k = 20) on the teacher's CLS, and on
+    its DINO-head target distributions -- softmax((logits - centre) / T) at the distillation config's teacher
+    temperature, the centre the mean logit over ``n_centre`` pool images (what the EMA centre converges to),
+    and without centring. A student that reproduced the targets exactly would carry only what they carry."""
+    import random
+
+    import torch
+    import torch.nn.functional as F
+
+    from dinopipe.config import load_config
+    from dinopipe.eval import extract_features, knn_classify
+    from dinopipe.eval.features import eval_transform
+    from dinopipe.ssl.distill import load_teacher
+    from dinopipe.ssl.distill_config import DistillConfig
+
+    cfg = load_config(DistillConfig, str(DISTILL_CFG), [f"teacher_model.path={work / 'teacher'}"])
+    backbone, heads = load_teacher(cfg)
+    head, temp = heads["dino_head"].eval(), cfg.teacher.teacher_temp
+    files = sorted(str(f) for f in (work / "pool").rglob("*") if f.suffix in (".jpg", ".png"))
+    random.Random(0).shuffle(files)
+    tf = eval_transform(EVAL_SIZE)
+    with torch.no_grad():
+        centre = head(backbone.eval()(torch.stack([tf(Image.open(f).convert("RGB")) for f in files[:n_centre]])))
+        centre = centre.mean(0, keepdim=True)
+    out = {}
+    for name, (train, val) in sets.items():
+        kw = dict(img_size=EVAL_SIZE, batch_size=64, num_workers=0, device="cpu", normalize=False)
+        ft, fv = extract_features(backbone, train, **kw), extract_features(backbone, val, **kw)
+
+        n_classes = len(train.classes)
+
+        def knn(a, b, yt=ft.labels, yv=fv.labels, nc=n_classes):
+            return knn_classify(F.normalize(a, dim=-1), yt, F.normalize(b, dim=-1), yv, ks=(20,),
+                                temperature=0.07, num_classes=nc)[20]["top1"]
+
+        with torch.no_grad():
+            lt, lv = head(ft.feats), head(fv.feats)
+        out[name] = {"cls": knn(ft.feats, fv.feats),
+                     "targets": knn(F.softmax((lt - centre) / temp, -1), F.softmax((lv - centre) / temp, -1)),
+                     "targets_uncentred": knn(F.softmax(lt / temp, -1), F.softmax(lv / temp, -1))}
+        for k, v in out[name].items():
+            print(f"teacher_{k}_knn_top1_{name}: {v:.3f}")
+    return out
+
+
 def train_seed(work: Path, pool_dir: Path, teacher_dir: Path, steps: int, seed: int) -> dict[str, float]:
     """The three trained arms of one seed: ssl- and feature-distilled students and the scratch student."""
     times: dict[str, float] = {}
@@ -335,11 +391,13 @@ def main(argv=None) -> int:
     p.add_argument("--reuse-teacher", action="store_true",
                    help="keep the work dir's trained teacher when it has the requested steps (same seed/config "
                         "assumed); everything else is rebuilt")
+    p.add_argument("--modes", default="ssl,feature", help="distillation arms to run: ssl, feature or both")
     p.add_argument("--eval-only", action="store_true",
                    help="evaluate the runs an earlier invocation with the same --workdir/--seed/--seeds left")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write every number to this file")
     args = p.parse_args(argv)
+    set_modes(tuple(args.modes.split(",")))
     if args.seeds < 1:
         raise SystemExit(f"error: --seeds must be >= 1, got {args.seeds}")
     r = dict(RECIPES["quick" if args.quick else "full"])
@@ -377,6 +435,8 @@ def main(argv=None) -> int:
     times["eval"] = time.perf_counter() - t0
     loads.append(os.getloadavg()[0])
     lines = report(accs, list(sets))
+    print("\nssl-mode targets of the teacher (T = distill teacher_temp), kNN top-1 k=20:")
+    targets = teacher_targets(work, sets)
     wall = time.perf_counter() - t_start
     C.print_table("wall time (student stages summed over seeds)",
                   [(k, f"{v:.0f} s") for k, v in times.items()] + [("total wall", f"{wall:.0f} s")])
@@ -384,7 +444,7 @@ def main(argv=None) -> int:
           + " ".join(f"{x:.1f}" for x in loads))
     if args.json:
         Path(args.json).write_text(json.dumps({"recipe": r, "seeds": seeds, "knn_top1": accs, "lines": lines,
-                                               "seconds": times, "wall_s": wall, "load_average": loads}, indent=2))
+                                               "seconds": times, "wall_s": wall, "teacher_targets": targets, "load_average": loads}, indent=2))
     return 0
 
 
