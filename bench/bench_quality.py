@@ -334,12 +334,18 @@ def train_seed(work: Path, pool_dir: Path, teacher_dir: Path, steps: int, seed: 
                                                    for k, v in spec.create_kwargs().items()]
     for mode in DISTILL_MODES:
         run = runs / f"distill_{mode}"
+        if (run / "export" / "student").is_dir():
+            print(f"  seed {seed} (c) distilled ({mode}): kept from an earlier run")
+            continue
         times[f"distill_{mode}"] = run_stage("distill", DISTILL_CFG, run,
                                              schedule_overrides(steps, pool_dir, seed)
                                              + [f"teacher_model.path={teacher_dir}", f"mode={mode}"]
                                              + (["dino.koleo_loss_weight=0"] if mode == "feature" else []))
         print(f"  seed {seed} (c) distilled ({mode}): {steps} steps in {times[f'distill_{mode}']:.0f} s, "
               f"last {last_losses(run)}, load {os.getloadavg()[0]:.1f}", flush=True)
+    if (runs / "scratch" / "export").is_dir():
+        print(f"  seed {seed} (d) scratch: kept from an earlier run")
+        return times
     times["scratch"] = run_stage("pretrain", PRETRAIN_CFG, runs / "scratch",
                                  schedule_overrides(steps, pool_dir, seed) + student_model)
     print(f"  seed {seed} (d) scratch: {steps} steps in {times['scratch']:.0f} s, last {last_losses(runs / 'scratch')}, "
@@ -392,6 +398,9 @@ def main(argv=None) -> int:
                    help="keep the work dir's trained teacher when it has the requested steps (same seed/config "
                         "assumed); everything else is rebuilt")
     p.add_argument("--modes", default="ssl,feature", help="distillation arms to run: ssl, feature or both")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep the work dir's finished student runs and train only the missing arms (e.g. a second "
+                        "--modes after a first run with fewer); implies --reuse-teacher")
     p.add_argument("--eval-only", action="store_true",
                    help="evaluate the runs an earlier invocation with the same --workdir/--seed/--seeds left")
     p.add_argument("--threads", type=int, default=2)
@@ -405,9 +414,11 @@ def main(argv=None) -> int:
         r[key] = getattr(args, key) or r[key]
     work = Path(args.workdir or REPO / "runs" / ("bench_quality_quick" if args.quick else "bench_quality")).resolve()
     teacher_dir = work / "teacher"
-    reuse = args.reuse_teacher and _teacher_steps(teacher_dir) == r["teacher_steps"]
-    for child in (work.iterdir() if work.exists() and not args.eval_only else []):  # all but a reusable teacher
-        if not (reuse and child.name in ("teacher", "teacher.log")):
+    reuse = (args.reuse_teacher or args.keep_runs) and _teacher_steps(teacher_dir) == r["teacher_steps"]
+    keep = {"teacher", "teacher.log"} | ({f"seed{s}" for s in range(args.seed, args.seed + args.seeds)}
+                                         if args.keep_runs else set())
+    for child in (work.iterdir() if work.exists() and not args.eval_only else []):  # all but what is reused
+        if not (reuse and child.name in keep):
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     work.mkdir(parents=True, exist_ok=True)
     C.setup(args.threads, args.seed)
