@@ -26,6 +26,7 @@ def teacher_run(tmp_path_factory):
 
 
 def task_for(teacher_run, *overrides) -> DistillTask:
+    # data.paths only has to exist: these tests build the task and feed it tensors, no loader
     cfg = load_config(DistillConfig, None, [f"teacher_model.path={teacher_run[0]}", "mode=ssl",
                                             f"students=[{STUDENT}]", f"data.paths=[{teacher_run[0]}]", *overrides])
     validate(cfg)
