@@ -45,6 +45,9 @@ Recipe (configs/{pretrain,distill}/bench_quality.yaml), and why, from runs on th
 - EMA momentum 0.95 -> 0.99 (teacher of the pretraining runs, students' EMA when distilling): at 0.99 -> 0.999
   a 200-step distilled student kept ~e^-1 of its random init and scored 0.31 on photos; 0.95 -> 0.99: 0.38.
 - distillation teacher temperature 0.04, no warm-up: the young teacher's targets are nearly flat at 0.07.
+- ssl-mode KoLeo 0.3 on the students' CLS (issue 14): the teacher's head targets hold less than its CLS (kNN 0.37 /
+  0.57 against 0.49 / 0.77, printed as ``teacher_*_knn_top1_*``); at 0.1 the ssl students stop at their targets'
+  level on digits (0.569 over 3 seeds, no better than scratch), at 0.3 they go past it (0.616).
 
     python bench/bench_quality.py                     # 3 seeds; wall time and load in the README
     python bench/bench_quality.py --quick --seeds 2   # a smoke run of the same pipeline, a few minutes
