@@ -72,7 +72,7 @@ class DistillTask(TeacherStudentTask):
             # optimizer state would be missing from checkpoints and resuming would fail.
             backbone.mask_token.requires_grad_(False)
             if self.mode == "ssl":
-                mods = {name: self._student_head(sd, backbone.embed_dim) for name, sd in head_sds.items()}
+                mods = {name: self._student_head(sd, backbone.embed_dim, t_dim) for name, sd in head_sds.items()}
             else:
                 mods = {"proj_cls": nn.Linear(backbone.embed_dim, t_dim), "proj_patch": nn.Linear(backbone.embed_dim, t_dim)}
             self.students[s.name] = nn.ModuleDict({"backbone": backbone, **mods})
@@ -85,10 +85,14 @@ class DistillTask(TeacherStudentTask):
             self.ibot_loss = IBOTPatchLoss(n_prototypes(ibot), t.student_temp, t.center_momentum, t.centering,
                                            all_reduce_fn=all_reduce_fn)
 
-    @staticmethod
-    def _student_head(teacher_head: dict[str, Tensor], in_dim: int) -> nn.Module:
-        """DINOv2: a fresh head shaped like the teacher's (same prototypes), on the student's width."""
-        return build_head(in_dim, head_config(teacher_head))
+    def _student_head(self, teacher_head: dict[str, Tensor], in_dim: int, t_dim: int) -> nn.Module:
+        """``student_heads=new`` (DINOv2): a fresh head shaped like the teacher's (same prototypes) on the
+        student's width. ``teacher``: a trainable copy of the teacher's head, behind a linear map from the
+        student's width to the teacher's when they differ (measured worse at CPU scale: README, quality)."""
+        if self.cfg.student_heads == "new":
+            return build_head(in_dim, head_config(teacher_head))
+        copied = build_head(state_dict=teacher_head).requires_grad_(True)
+        return copied if in_dim == t_dim else nn.Sequential(nn.Linear(in_dim, t_dim), copied)
 
     # -- declarations -----------------------------------------------------------------------------------
     def trained_groups(self) -> dict[str, nn.ModuleDict]:

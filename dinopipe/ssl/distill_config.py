@@ -30,6 +30,7 @@ class StudentConfig:
 
 DistillMode = choices("DistillMode", ("auto", "ssl", "feature"), __name__)
 FeatureLoss = choices("FeatureLoss", ("cosine", "smooth_l1"), __name__)
+StudentHeads = choices("StudentHeads", ("new", "teacher"), __name__)
 
 
 @dataclass
@@ -45,6 +46,10 @@ class DistillConfig:
     mode: DistillMode = DistillMode.auto
     """auto (ssl when the teacher run has heads, else feature) | ssl | feature."""
     teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    student_heads: StudentHeads = StudentHeads.new
+    """ssl mode: ``new`` (DINOv2: fresh student heads) | ``teacher`` (each student starts from a trainable copy
+    of the teacher's heads, behind a new linear map from the student's width to the teacher's when they differ,
+    so the prototypes the targets are built on are there from step 0)."""
     students: list[StudentConfig] = field(default_factory=lambda: [StudentConfig()])
     dino: DinoConfig = field(default_factory=lambda: DinoConfig(koleo_loss_weight=0.0))
     ibot: IbotConfig = field(default_factory=lambda: IbotConfig(mask_sample_probability=0.0))
