@@ -104,7 +104,7 @@ class CheckpointManager:
             shutil.rmtree(path)
         barrier()
         maybe_test_signal("save", step, info.rank)
-        dcp.save(dict(states), checkpoint_id=str(path))
+        dcp.save(dict(states), checkpoint_id=str(path), no_dist=not info.distributed)  # one process: say so
         barrier()
         if info.is_main:
             atomic_write(self.dir / "latest", path.name + "\n")  # readers see the old or the new name, never half
@@ -127,7 +127,7 @@ class CheckpointManager:
         path = path or self.resume_point()
         if path is None:
             return None
-        dcp.load(dict(states), checkpoint_id=str(path))
+        dcp.load(dict(states), checkpoint_id=str(path), no_dist=not get_info().distributed)
         log.info("resumed from %s", path)
         return int(path.name.split("_")[1])
 
