@@ -35,6 +35,7 @@ GROUPS: dict[str, str] = {
     "dinopipe.eval": "eval",
     "dinopipe.plan": "eval",
     "dinopipe.plan_gram": "eval",
+    "dinopipe.plan_report": "eval",
     "curation": "curation",
     # 4: entry points and orchestration, the only place dinopipe and curation meet
     "dinopipe.cli": "app",
