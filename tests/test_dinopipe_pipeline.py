@@ -84,7 +84,7 @@ def test_rerun_skips_complete_stages_and_redoes_missing_ones(pipeline_run):
     assert r.returncode == 0, r.stderr[-3000:]
     for stage in ("curate", "pretrain", "eval"):
         assert f"== {stage}: outputs complete, skipped" in r.stdout
-    assert "== distill\n" in r.stdout and "resuming from checkpoint" in r.stdout  # continues, not from scratch
+    assert "== distill\n" in r.stdout and "resuming from checkpoint" in r.stderr  # continues, not from scratch (log)
     assert {p.name for p in (run / "distill" / "export").iterdir()} == {"small", "tiny"}
 
 

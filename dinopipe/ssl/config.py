@@ -244,7 +244,7 @@ def check_ranges(cfg: PretrainConfig) -> None:
     for key in ("momentum_teacher", "final_momentum_teacher", "center_momentum"):
         _need(0 <= getattr(tc, key) <= 1, f"teacher.{key}", f"a momentum in [0, 1], got {getattr(tc, key)}")
     o = cfg.optim
-    _need(o.base_lr > 0, "optim.base_lr", f"must be > 0, got {o.base_lr}")
+    _need(o.base_lr >= 0, "optim.base_lr", f"must be >= 0, got {o.base_lr}")  # 0: a run that must not move
     for key in ("min_lr", "warmup_epochs", "clip_grad", "freeze_last_layer_epochs"):
         _need(getattr(o, key) >= 0, f"optim.{key}", f"must be >= 0, got {getattr(o, key)}")
     for key in ("adamw_beta1", "adamw_beta2"):

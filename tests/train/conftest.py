@@ -38,8 +38,9 @@ def env():
     return e
 
 
-# The same tiny settings for distillation; students are even smaller vit_test variants.
-TINY_DISTILL = [o for o in TINY if not o.startswith(("model.", "dino.head", "ibot.head"))] + [
+# The same tiny settings for distillation; students are even smaller vit_test variants. mode=auto (the
+# default; the quickstart config pins feature mode): a teacher with heads gives ssl mode, a bare one feature.
+TINY_DISTILL = [o for o in TINY if not o.startswith(("model.", "dino.head", "ibot.head"))] + ["mode=auto"] + [
     "students=[{name: s1, model: {name: vit_test, embed_dim: 32, num_heads: 1, depth: 2, img_size: 56}},"
     " {name: s2, model: {name: vit_test, embed_dim: 48, num_heads: 2, depth: 2, img_size: 56}}]",
 ]

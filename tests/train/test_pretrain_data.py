@@ -19,7 +19,9 @@ def test_corrupt_images_are_skipped_and_counted(tmp_path, photo_pool):
 
     pool = tmp_path / "pool"
     shutil.copytree(photo_pool, pool)
-    photo = next(iter(__import__("_photos").real_photos().values()))
+    from tests._photos import real_photos
+
+    photo = next(iter(real_photos().values()))
     for name, (data, _reason) in bad_file_kinds(photo).items():
         (pool / name).write_bytes(data)
     run = tmp_path / "run"
