@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -48,3 +49,14 @@ def labelled_images(photos):
             labels.append(i)
             kinds.append(kind)
     return imgs, np.array(labels), np.array(kinds)
+
+
+def fake_sbatch(tmp_path: Path, reply_suffix: str = "") -> tuple[Path, dict[str, str]]:
+    """A stand-in ``sbatch`` on PATH that appends its arguments to a log and answers job ids 1001, 1002, ...
+    (``reply_suffix``: e.g. ``;cluster``, as ``--parsable`` prints on a multi-cluster site). Returns (log, env)."""
+    log = tmp_path / "sbatch.log"
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/bash\necho "$@" >> {log}\nn=$(wc -l < {log}); echo "$((1000 + n)){reply_suffix}"\n')
+    fake.chmod(0o755)
+    return log, dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")

@@ -4,7 +4,6 @@ config mistakes caught before anything is written, and shards the training loade
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from tests._photos import bad_file_kinds, write_pool
 
 from curation.cli import main
 from curation.write import STATUSES
+from tests.curation.conftest import fake_sbatch
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
@@ -156,13 +156,8 @@ def test_submit_script_chains_the_finish_job_after_the_array(tmp_path):
     """slurm/submit_curation.sh against a stand-in sbatch that records its arguments."""
     import subprocess
 
-    log = tmp_path / "sbatch.log"
-    fake = tmp_path / "bin" / "sbatch"
-    fake.parent.mkdir()
-    fake.write_text(f'#!/bin/bash\necho "$@" >> {log}\n'
-                    f'n=$(wc -l < {log}); echo "$((1000 + n));cluster"\n')
-    fake.chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", CURATE_ACCOUNT="acct")
+    log, env = fake_sbatch(tmp_path, ";cluster")
+    env["CURATE_ACCOUNT"] = "acct"
     res = subprocess.run(
         ["bash", str(ROOT / "slurm" / "submit_curation.sh"), "-n", "3", "-p", "gpu", "--logs",
          str(tmp_path / "logs"), "--", "--config", QUICKSTART, "output.dir=/o"],

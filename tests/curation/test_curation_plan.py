@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 from curation.cli import main
 from curation.plan import code_bytes, parse_count, plan
 from dinopipe import cli as dinopipe_cli
+from tests.curation.conftest import fake_sbatch
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
@@ -33,12 +33,7 @@ def test_plan_sizes_the_index_and_places_the_search(capsys):
 
 
 def test_submitters_chain_index_and_search_between_embed_and_finish(tmp_path, capsys):
-    log = tmp_path / "sbatch.log"
-    fake = tmp_path / "bin" / "sbatch"
-    fake.parent.mkdir()
-    fake.write_text(f'#!/bin/bash\necho "$@" >> {log}\nn=$(wc -l < {log}); echo "$((1000 + n))"\n')
-    fake.chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")
+    log, env = fake_sbatch(tmp_path)
     subprocess.run(["bash", str(ROOT / "slurm" / "submit_curation.sh"), "-n", "2", "-s", "3", "--logs",
                     str(tmp_path / "logs"), "--", "--config", QUICKSTART], env=env, check=True, capture_output=True)
     embed, index, search, finish = log.read_text().splitlines()

@@ -4,13 +4,13 @@ work, each after the one before succeeded; a chain that cannot work is refused b
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from dinopipe import cli as dinopipe_cli
+from tests.curation.conftest import fake_sbatch
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
@@ -51,12 +51,7 @@ def test_a_kmeans_chain_that_cannot_work_exits_2_naming_the_key(tmp_path, capsys
 
 
 def test_submit_curation_sh_chains_the_kmeans_job(tmp_path):
-    log = tmp_path / "sbatch.log"
-    fake = tmp_path / "bin" / "sbatch"
-    fake.parent.mkdir()
-    fake.write_text(f'#!/bin/bash\necho "$@" >> {log}\nn=$(wc -l < {log}); echo "$((1000 + n))"\n')
-    fake.chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")
+    log, env = fake_sbatch(tmp_path)
     subprocess.run(["bash", str(ROOT / "slurm" / "submit_curation.sh"), "-n", "2", "--kmeans-tasks", "4", "--logs",
                     str(tmp_path / "logs"), "--", "--config", QUICKSTART], env=env, check=True, capture_output=True)
     embed, prepare, kmeans, finish = log.read_text().splitlines()
