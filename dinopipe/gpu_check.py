@@ -125,6 +125,11 @@ def check_block(dev: torch.device, small: bool) -> dict:
     # The CPU smoke leaves compile out (minutes on 2 cores): tests/models/test_compile.py covers it with aot_eager.
     backend = "inductor" if dev.type == "cuda" else None
     if backend:
+        # Inductor draws random numbers with its own generator: the drop-path subsets (randperm) would differ from
+        # eager's and the gradients with them (grad_rel 1.13 on an H100). Eager's RNG makes the two comparable.
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fallback_random = True
         compile_block(comp, backend)
     # steady batch, ragged last batch, then the high-resolution phase (224 -> 518 px at patch 14: 257 -> 1370)
     sizes = [(4, 17, 5), (3, 17, 5), (2, 37, 5)] if small else [(32, 257, 50), (29, 257, 50), (8, 1370, 50)]
@@ -176,6 +181,9 @@ def check_losses(dev: torch.device, small: bool) -> dict:
         out["koleo"] = koleo_loss(cast(feats)).float().cpu()
         return out
 
+    # The reference reads the same bf16-rounded inputs: rounding logits to bf16 before exp(x / 0.07) alone moves
+    # Sinkhorn-Knopp's output by ~5% (measured on an H100), which says nothing about the device computation.
+    s_g, s_l, t_logits, p_s, p_t, feats = (t.bfloat16().float() for t in (s_g, s_l, t_logits, p_s, p_t, feats))
     ref = compute(torch.device("cpu"), torch.float32)
     got = compute(dev, torch.bfloat16)
     rel = {k: _rel(got[k], ref[k]) for k in ref}

@@ -32,14 +32,22 @@ BACKENDS = ("auto", "sdpa", "xformers", "math")
 GroupShapes = Sequence[tuple[int, int]]
 
 
-@functools.lru_cache(maxsize=None)
+_XOPS: dict = {}  # {"ops": module or None} once looked up
+
+
 def xformers_ops():
-    """The ``xformers.ops`` module, or None when xformers is not installed (imported once, lazily)."""
-    try:
-        import xformers.ops as xops  # type: ignore[import-not-found]
-    except Exception:  # ImportError, or a broken build that fails at import
-        return None
-    return xops
+    """The ``xformers.ops`` module, or None when xformers is not installed (imported once, lazily).
+
+    ``Attention.__init__`` looks it up, so a compiled forward only reads the cached global: dynamo cannot trace
+    an import ("Unsupported: Import failure", seen under torch.compile on an H100 without xformers).
+    """
+    if "ops" not in _XOPS:
+        try:
+            import xformers.ops as xops  # type: ignore[import-not-found]
+        except Exception:  # ImportError, or a broken build that fails at import
+            xops = None
+        _XOPS["ops"] = xops
+    return _XOPS["ops"]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -130,6 +138,8 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.backend = backend
+        if backend in ("auto", "xformers"):
+            xformers_ops()  # look it up outside any compiled region
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
