@@ -109,8 +109,15 @@ def load(
     if num_heads:
         kwargs["num_heads"] = num_heads
     kwargs.update(overrides)
-    model = build_vit(**kwargs)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    try:  # what a file records is input too: a forged architecture is the file's error, not a crash
+        model = build_vit(**kwargs)
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"{file}: cannot build the architecture it records or implies ({exc})") from None
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as exc:  # shapes that do not fit (strict=False still checks them)
+        raise CheckpointError(f"{file}: weights do not fit the architecture {kwargs}: "
+                              f"{str(exc).splitlines()[-1].strip()[:300]}") from None
     missing = [k for k in missing if k != "mask_token"]  # timm files carry none; it only matters for iBOT
     if strict and (missing or unexpected):
         raise CheckpointError(
