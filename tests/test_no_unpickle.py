@@ -17,7 +17,7 @@ from dinopipe.hub import CheckpointError, UnsafeCheckpointError
 from dinopipe.models import create_model
 from dinopipe.utils.safe_load import read_dcp_metadata, restricted_loads
 from tests._dinov2_reference import official_keys
-from tests.train.conftest import run_distill, run_pretrain
+from tests.train.conftest import run_pretrain, stage_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,18 +84,6 @@ def test_genuine_dcp_checkpoint_loads(tmp_path):
     sd = _dcp_checkpoint(tmp_path / "ok")
     model = dinopipe.load(tmp_path / "ok")
     assert torch.equal(model.state_dict()["cls_token"], sd["cls_token"])
-
-
-@pytest.mark.slow
-def test_genuine_training_metadata_passes_the_restricted_unpickler(tmp_path, photo_pool_small):
-    """The allow-list is what the training code's checkpoints really hold (pretraining: tensors, bytes
-    entries for optimizer hyper-parameters, storage metadata)."""
-    run = tmp_path / "run"
-    run_pretrain(run, photo_pool_small, "train.epochs=1", "train.checkpoint_every=2", "train.stop_after=2")
-    md = read_dcp_metadata(run / "checkpoints" / "step_00000002")
-    kinds = {type(v).__name__ for v in md.state_dict_metadata.values()}
-    assert kinds == {"TensorStorageMetadata", "BytesStorageMetadata"}
-    assert dinopipe.load(run, which="student").embed_dim == 64
 
 
 @pytest.mark.parametrize("kind", ["dcp", "pth", "run"])
@@ -194,26 +182,36 @@ def test_pretrain_model_pretrained_refuses_with_exit_2(kind, evil_dcp, evil_pth,
     assert str(path) in r.stderr and "refusing" in r.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dcp", "pth", "run"])
-def test_distill_teacher_refuses_with_exit_2(kind, evil_dcp, evil_pth, evil_run, tmp_path, photo_pool_small):
+def test_distill_teacher_refuses_with_exit_2(kind, evil_dcp, evil_pth, evil_run, tmp_path, photo_pool_small, capsys):
+    """``dinopipe distill`` (in this process: the teacher is checked before any process group exists)."""
+    from dinopipe.train.distill import main as distill_main
+
     path = {"dcp": evil_dcp, "pth": evil_pth, "run": evil_run}[kind]
-    r = run_distill(tmp_path / "out", photo_pool_small, f"teacher_model.path={path}", check=False, timeout=300)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert str(path) in r.stderr and "refusing" in r.stderr
+    argv = stage_cmd("distill", tmp_path / "out", photo_pool_small, f"teacher_model.path={path}")[3:]
+    with pytest.raises(SystemExit) as exit_:
+        distill_main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and str(path) in err and "refusing" in err
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
-def test_resume_refuses_poisoned_metadata_and_bytes_entries(tmp_path, photo_pool_small, marker):
-    """Resuming reads RUN/checkpoints/latest: a poisoned .metadata, or a genuine one whose optimizer
-    hyper-parameter (a bytes entry) carries a payload, is refused with exit 2."""
+def test_genuine_checkpoint_loads_and_a_poisoned_one_is_refused_on_resume(tmp_path, photo_pool_small, marker):
+    """The training code's own checkpoint passes the restricted unpickler (the allow-list is what it really
+    holds: tensors, bytes entries for optimizer hyper-parameters, storage metadata). Resuming reads
+    RUN/checkpoints/latest: a poisoned .metadata, or a genuine one whose optimizer hyper-parameter (a bytes
+    entry) carries a payload, is refused with exit 2."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     run = tmp_path / "run"
     args = ("train.epochs=1", "train.checkpoint_every=2")
     run_pretrain(run, photo_pool_small, *args, "train.stop_after=2")
     ckpt = run / "checkpoints" / "step_00000002"
+    md = read_dcp_metadata(ckpt)
+    assert {type(v).__name__ for v in md.state_dict_metadata.values()} == {"TensorStorageMetadata",
+                                                                          "BytesStorageMetadata"}
+    assert dinopipe.load(run, which="student").embed_dim == 64
     # A bytes entry with a payload: our own genuine checkpoint (trusted) re-saved with one value replaced.
     flat = _load_state_dict_from_keys(checkpoint_id=str(ckpt))
     flat["student"]["optim"]["param_groups"][0]["lr"] = Payload(marker)
