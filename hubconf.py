@@ -7,7 +7,8 @@
 
 ``weights`` is anything ``dinopipe.load`` accepts (export folder, run dir, DCP checkpoint, official DINOv2 or
 DINOv3 .pth, timm file, Hugging Face folder); without it the model is randomly initialised. The weights must
-match the entry's architecture.
+match the entry's architecture. The weights go through the same readers as ``dinopipe.load``: nothing in them is
+unpickled, and a file that would need code to run to be read is refused (``UnsafeCheckpointError``, naming it).
 """
 
 dependencies = ["torch", "timm", "safetensors"]

@@ -212,6 +212,12 @@ class TarShardSource(ImageSource):
             out.append(ImageRef(bad_id, self.name, (shard, -1, 0)))
             _warn(f"tar shard {shard} is damaged after {len(out) - 1} images ({problem}); "
                   f"re-create or re-download it")
+        refused = [(n, why) for n, why in walk.refused if extension_of(n) in IMAGE_EXTENSIONS]
+        for k, (member_name, why) in enumerate(refused):  # counted as unreadable, under an id of our making
+            out.append(ImageRef(f"{self.name}/{shard_name}/#refused-{why}-{k}", self.name, (shard, -1, 0)))
+        if refused:
+            _warn(f"tar shard {shard}: {len(refused)} image member(s) refused, never read "
+                  f"({', '.join(sorted({why for _, why in refused}))}; e.g. {refused[0][0]!r})")
         return out
 
     def read(self, ref: ImageRef) -> bytes | None:
@@ -227,6 +233,20 @@ class TarShardSource(ImageSource):
             return None
 
 
+LINK = "link"  # a symbolic or hard link member: never followed
+UNSAFE_NAME = "unsafe_name"  # an absolute name or one with '..' components
+
+
+def member_refusal(member: tarfile.TarInfo) -> str | None:
+    """Why a tar member must not be read (None when it may)."""
+    if member.issym() or member.islnk():
+        return LINK
+    name = member.name.replace("\\", "/")
+    if name.startswith("/") or ".." in name.split("/") or "\x00" in name or (len(name) > 1 and name[1] == ":"):
+        return UNSAFE_NAME
+    return None
+
+
 class TarWalk:
     """The regular-file members of one uncompressed tar shard, reading headers only (iterating a tarfile
     seeks over the data), each with ``offset_data`` and ``size`` for reading it later by offset. The one
@@ -234,21 +254,31 @@ class TarWalk:
 
     A damaged shard does not raise: the walk stops at the damage and says so — ``error`` (the tarfile or
     OS error's text) or ``cut_off`` (a member's data runs past the end of the file, which tarfile itself
-    treats as a normal end). ``read(member)`` returns a small member's bytes during the walk (labels)."""
+    treats as a normal end). ``read(member)`` returns a small member's bytes during the walk (labels).
+
+    Nothing is ever extracted (members are read by offset from the shard itself), and a member that is a
+    symbolic or hard link, or whose name is absolute or climbs out with ``..``, is not yielded at all: it is
+    listed in ``refused`` with the reason (``link`` | ``unsafe_name``), so a crafted shard can neither point
+    a reader at another file nor make an id that aliases another source's."""
 
     def __init__(self, shard: str) -> None:
         self.shard = shard
         self.error: str | None = None
         self.cut_off = False
+        self.refused: list[tuple[str, str]] = []  # (member name, reason): links and unsafe names, never read
         self._tar: tarfile.TarFile | None = None
 
     def __iter__(self) -> Iterator[tarfile.TarInfo]:
+        self.refused = []
         try:
             size = os.path.getsize(self.shard)
             with tarfile.open(self.shard, mode="r:") as self._tar:
                 for member in self._tar:
                     self.cut_off |= member.offset_data + member.size > size
-                    if member.isfile():
+                    reason = member_refusal(member)
+                    if reason:
+                        self.refused.append((member.name, reason))
+                    elif member.isfile():
                         yield member
         except (tarfile.TarError, OSError) as e:
             self.error = str(e) or type(e).__name__

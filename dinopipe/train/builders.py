@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
+from ..utils.safe_load import CheckpointError
 from ..ssl.gram import gram_schedules
 from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr, warmup_then_constant
 from .dist import DistInfo, LaunchError, destroy
@@ -119,7 +120,7 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
         rc = run(cfg)
         clean = True
         return rc
-    except LaunchError as exc:
+    except (LaunchError, CheckpointError) as exc:  # incl. a checkpoint refused as unsafe: the user's input
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ConfigError as exc:

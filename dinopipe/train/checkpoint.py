@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..utils import safe_dcp
 from ..utils.io import atomic_write
 from .dist import barrier, broadcast_object, get_info
 from .signals import maybe_test_signal
@@ -127,7 +128,9 @@ class CheckpointManager:
         path = path or self.resume_point()
         if path is None:
             return None
-        dcp.load(dict(states), checkpoint_id=str(path), no_dist=not get_info().distributed)
+        # The safe reader: .metadata through the restricted unpickler, bytes entries weights_only (a run
+        # folder can come from anywhere; DCP's own reader would unpickle whatever it holds).
+        safe_dcp.load(dict(states), path, no_dist=not get_info().distributed)
         log.info("resumed from %s", path)
         return int(path.name.split("_")[1])
 

@@ -1,0 +1,164 @@
+"""Reading files a user hands over without running anything they contain.
+
+Unpickling runs code: a pickle can name any importable callable and call it (``os.system`` is the classic
+one). Every file dinopipe reads from a user-given path therefore goes through one of three readers here:
+
+- ``read_safetensors``: the preferred format; a lying header (offsets past the end, a header length of
+  gigabytes, wrong dtype sizes) is refused by the safetensors parser and reported with the file's name.
+- ``torch_load``: ``torch.load(weights_only=True)`` (tensors, numbers, strings, containers), memory-mapped when
+  the file allows it so a released ``.pth`` is not copied whole into every process.
+- ``read_dcp_metadata``: a torch.distributed.checkpoint ``.metadata`` file (a pickle DCP writes with plain
+  ``pickle.dump``) through a restricted unpickler that admits only the checkpoint metadata classes, torch's
+  dtype/size/layout/memory-format values and plain builtins. Anything else is refused before it is built.
+
+A refusal raises :class:`UnsafeCheckpointError` (a ``ValueError``, so command-line entries exit 2) naming the
+file and the object it wanted.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import IO, Any, Optional
+
+# (module, name) pairs a DCP .metadata may reference. Found by recording ``find_class`` while unpickling the
+# metadata of pretraining and distillation checkpoints written by torch 2.14.1 (tests/test_no_unpickle.py keeps
+# the list honest: a genuine checkpoint must load); the classes exist under the same names since torch 2.4.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
+    _DCP_METADATA: frozenset({
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    }),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # a dict lookup by name ("torch.strided")
+    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"dict", "list", "tuple", "set", "frozenset", "str", "bytes", "bytearray", "int",
+                           "float", "bool", "complex", "slice"}),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file, says why and what to do."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A file that would need arbitrary objects to be built (code to run) to be read; refused."""
+
+
+def _torch_value(name: str) -> Any:
+    """``torch.<name>`` when it is a plain value a checkpoint may record (a dtype, layout, memory format, Size)."""
+    import torch
+
+    obj = getattr(torch, name, None)
+    if name == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+        return obj
+    return None
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler whose ``find_class`` admits only :data:`ALLOWED_GLOBALS` and torch's plain values."""
+
+    def __init__(self, file: IO[bytes], where: str | Path) -> None:
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and _torch_value(name) is not None:
+            return _torch_value(name)
+        if name in ALLOWED_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"{self.where}: refusing to unpickle '{module}.{name}': a checkpoint's metadata holds only "
+            f"torch.distributed.checkpoint metadata and plain values, and building other objects can run code. "
+            f"This file was not written by torch.distributed.checkpoint.save; do not load it")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(f"{self.where}: refusing a pickle with persistent ids (not DCP metadata)")
+
+
+def restricted_loads(data: bytes, where: str | Path) -> Any:
+    """Unpickle ``data`` with :class:`RestrictedUnpickler`; a malformed pickle is a :class:`CheckpointError`."""
+    try:
+        return RestrictedUnpickler(io.BytesIO(data), where).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # truncated or corrupt: the pickle machinery raises many kinds
+        raise CheckpointError(f"{where}: not a readable checkpoint metadata file ({type(exc).__name__}: "
+                              f"{str(exc)[:200]})") from None
+
+
+def _check_metadata(md: Any, where: Path) -> None:
+    """The unpickled object is DCP metadata whose data files all lie inside the checkpoint folder."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise CheckpointError(f"{where}: not torch.distributed.checkpoint metadata (it holds a {type(md).__name__})")
+    for key, item in md.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(item, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise CheckpointError(f"{where}: malformed entry {key!r} in the checkpoint metadata")
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
+        if not isinstance(rel, str) or Path(rel).name != rel or rel in ("", ".", "..") or "\\" in rel:
+            raise UnsafeCheckpointError(f"{where}: a data file named {rel!r} is outside the checkpoint folder; "
+                                        f"refused (DCP writes plain file names next to .metadata)")
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise CheckpointError(f"{where}: malformed storage entry for {rel} (offset {offset}, length {length})")
+
+
+def read_dcp_metadata(folder: str | Path, rank: Optional[int] = None) -> Any:
+    """The ``Metadata`` of a DCP checkpoint folder, read with the restricted unpickler and checked."""
+    folder = Path(folder)
+    path = folder / (".metadata" if rank is None else f"__{rank}.metadata")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint metadata ({exc.strerror or exc})") from None
+    md = restricted_loads(data, path)
+    _check_metadata(md, path)
+    return md
+
+
+def torch_load(file: str | Path | IO[bytes], where: Optional[str | Path] = None, mmap: bool = True) -> Any:
+    """``torch.load(weights_only=True)`` on CPU, memory-mapped when the file is a zip checkpoint (every
+    ``torch.save`` since 1.6); a file that needs other objects is an :class:`UnsafeCheckpointError`."""
+    import torch
+
+    where = where if where is not None else file
+    try:
+        if mmap and isinstance(file, (str, Path)):
+            try:
+                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:  # a legacy (non-zip) file cannot be mapped: read it plainly
+                if "mmap" not in str(exc):
+                    raise
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{where}: refusing to load a checkpoint that needs arbitrary pickled objects (unpickling can run "
+            f"code). If you trust the file, re-save only its tensors: torch.save(ckpt['model'], 'weights.pth'). "
+            f"Detail: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    except (RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError, TypeError) as exc:
+        raise CheckpointError(f"{where}: not a readable torch checkpoint ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+
+
+def read_safetensors(path: str | Path) -> tuple[dict, dict[str, str]]:
+    """(tensors, string metadata) of a ``.safetensors`` file; a malformed header is a :class:`CheckpointError`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        return load_file(str(path)), meta
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({type(exc).__name__}: "
+                              f"{str(exc)[:200]})") from None
+
+
+__all__ = ["ALLOWED_GLOBALS", "CheckpointError", "UnsafeCheckpointError", "RestrictedUnpickler", "restricted_loads",
+           "read_dcp_metadata", "torch_load", "read_safetensors"]
