@@ -50,6 +50,8 @@ class Points(Dataset):
 class MiniTask:
     """What the loop needs from a task (dinopipe.train.loop.Task), around an FSDP2-sharded MLP."""
 
+    metric_keys = ("mse", "x_mean", "n")
+
     def __init__(self, info, groups: int) -> None:
         torch.manual_seed(0)
         self.models = nn.ModuleList(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)) for _ in range(groups))
