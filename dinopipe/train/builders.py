@@ -9,11 +9,12 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
+from ..data.pool_index import Ranks
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
 from ..ssl.gram import gram_schedules
 from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr, warmup_then_constant
-from .dist import DistInfo, LaunchError, destroy
+from .dist import DistInfo, LaunchError, all_reduce_max_scalar, barrier, destroy, init_distributed
 from .highres import phase_loader, phase_sizes
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
 from .lr_record import LrBasis
@@ -99,9 +100,16 @@ def build_phases(cfg: Any, info: DistInfo, refs, read, patch_size: int) -> list[
 
 
 def open_pool(cfg: Any):
-    """(pool, read): the compact memory-mapped pool index (curation's, else built once in the run directory)."""
+    """(pool, read): the compact memory-mapped pool index (curation's, else built once in the run directory).
+
+    Opened by all ranks together: the process group starts here (``init_distributed`` is idempotent; nothing is
+    written before the paths are known to hold images), each rank stats only its share of the shards, and rank 0
+    builds a missing index while the others wait on the process group."""
+    info = init_distributed(cfg.train.device)
+    ranks = Ranks(info.rank, info.world_size, lambda flag: all_reduce_max_scalar(1.0 if flag else 0.0) > 0, barrier)
     try:
-        pool = open_indexed_pool(cfg.data.paths, cache_dir=os.path.join(cfg.train.output_dir, "pool_index"))
+        pool = open_indexed_pool(cfg.data.paths, cache_dir=os.path.join(cfg.train.output_dir, "pool_index"),
+                                 ranks=ranks)
         return pool, pool.read
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"data.paths: {exc}") from None
