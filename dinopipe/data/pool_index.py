@@ -255,11 +255,11 @@ class PoolIndex:
 class Pool:
     """The training pool: sources' indexes concatenated in id order. ``pool[i]`` -> Location, ``pool.read(loc)``.
 
-    ``read`` keeps up to ``max_open`` shards open per process (least recently used closed first) and reads
+    ``read`` keeps up to ``max_open`` (256) shards open per process (least recently used closed first) and reads
     members with ``os.pread``: one open per shard per data worker instead of one per sample, and no shared
     file offset between forked processes. Files of folders / file lists (one image each) are opened per read."""
 
-    max_open = 64
+    max_open = 256  # per process; well under the usual 1024 open files of a process
 
     def __init__(self, parts: Sequence[PoolIndex]) -> None:
         self.parts = list(parts)
