@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
 from ..data.loader import DataPosition
@@ -192,8 +193,9 @@ class Trainer:
         """Resume from the latest checkpoint (rank 0 picks it, every rank loads it), keeping the run's lr."""
         try:
             resumed = self.ckpt.load(self._states())
-        except Exception as exc:  # a checkpoint from before the lr record / skip counter: load what it has
-            if not any(k in str(exc) for k in _RUN_STATE):
+        except (Exception, CheckpointException) as exc:  # (a BaseException) a checkpoint from before the lr
+            text = str(exc)                               # record / skip counter: load what it has
+            if "Missing key" not in text or not any(f"trainer.{k}" in text for k in _RUN_STATE):
                 raise
             extra = {k: self.state.values.pop(k) for k in _RUN_STATE if k in self.state.values}
             resumed = self.ckpt.load(self._states())

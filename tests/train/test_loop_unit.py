@@ -208,3 +208,21 @@ def test_stop_and_resume_repeats_the_uninterrupted_run(tmp_path, capsys):
     torch.testing.assert_close(second.model.weight, ref.model.weight)
     torch.testing.assert_close(second.ema.weight, ref.ema.weight)
     assert [r["step"] for r in _rows(tmp_path / "run")] == list(range(6))
+
+
+def test_a_checkpoint_from_before_the_skip_counter_and_lr_record_still_resumes(tmp_path):
+    from dinopipe.train.lr_record import LrBasis
+
+    events: list = []
+    first = FakeTask(events)
+    trainer, _ = _trainer(tmp_path, first, events, stop_after=2)
+    for key in ("skipped_steps", "lr_batch", "lr_peak"):  # what an older trainer saved
+        trainer.state.values.pop(key, None)
+    assert trainer.fit() == 0
+    second = FakeTask(events)
+    trainer, _ = _trainer(tmp_path, second, events)
+    trainer.lr_basis = LrBasis([2], lambda b: _schedules(6), lambda b: [0.01])
+    trainer._use_lr_batches([2])
+    assert trainer.fit() == 0
+    assert second.batches == [(0, 4), (0, 6), (0, 8), (0, 10)]
+    assert _rows(tmp_path)[-1]["skipped_steps"] == 0
