@@ -15,9 +15,10 @@ order of the old ``list_pool``), so a run's batches do not change when it moves 
 
 Where the index comes from (:func:`open_pool`): curation writes ``pool-index.bin`` next to its shards; when it
 is present and matches the shards on disk (names, sizes, mtimes) it is used as is. Otherwise the trainer builds
-one per source, once per run directory (``<output_dir>/pool_index/``): the first process to take a file lock
-builds it and renames it into place atomically, every other rank (and every rerun) finds it valid and only maps
-it, so ranks no longer each read every tar header.
+one per source, once per run directory (``<output_dir>/pool_index/``): rank 0 builds it and renames it into place
+atomically while the other ranks wait on the process group (alone, without one: the first process to take a file
+lock), and every rerun finds it valid and only maps it. Validating an index stats each shard once per *run*,
+split over the ranks (O(shards / W) each), and one all-reduce makes every rank take the same decision.
 
 File layout: 8-byte magic, uint64 header length, JSON header (kind, root, counts, fingerprint, and each array's
 dtype/shape/offset), then the arrays, each 64-byte aligned, readable with ``np.memmap``.
@@ -25,12 +26,13 @@ dtype/shape/offset), then the arrays, each 64-byte aligned, readable with ``np.m
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import shutil
 import struct
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -220,8 +222,9 @@ class PoolIndex:
     def __setstate__(self, state) -> None:
         self.__init__(state["path"])
 
-    def matches(self, source: ImageSource) -> Optional[str]:
-        """None if this index describes ``source`` as it is on disk now, else why not."""
+    def matches(self, source: ImageSource, rank: int = 0, world: int = 1) -> Optional[str]:
+        """None if this index describes ``source`` as it is on disk now, else why not. With ``world`` > 1 only every
+        ``world``-th shard from ``rank`` on is stat'ed (each rank checks its share; the caller combines them)."""
         h = self.header
         if isinstance(source, TarShardSource):
             if h["kind"] != "tar":
@@ -229,9 +232,13 @@ class PoolIndex:
             want = sorted((os.path.abspath(s) for s in source.shards), key=lambda s: os.path.basename(s) + "/")
             if self.paths() != want:
                 return "the set of shards differs"
-            stats = [os.stat(s) for s in want]
-            if (not np.array_equal([st.st_size for st in stats], self.arrays["shard_size"])
-                    or not np.array_equal([st.st_mtime_ns for st in stats], self.arrays["shard_mtime_ns"])):
+            share = slice(rank, None, max(1, world))
+            try:
+                stats = [os.stat(s) for s in want[share]]
+            except OSError as e:
+                return f"a shard cannot be read: {e}"
+            if (not np.array_equal([st.st_size for st in stats], self.arrays["shard_size"][share])
+                    or not np.array_equal([st.st_mtime_ns for st in stats], self.arrays["shard_mtime_ns"][share])):
                 return "a shard changed since the index was written (size or mtime)"
             return None
         if isinstance(source, FolderSource):
@@ -246,11 +253,19 @@ class PoolIndex:
 
 
 class Pool:
-    """The training pool: sources' indexes concatenated in id order. ``pool[i]`` -> Location, ``pool.read(loc)``."""
+    """The training pool: sources' indexes concatenated in id order. ``pool[i]`` -> Location, ``pool.read(loc)``.
+
+    ``read`` keeps up to ``max_open`` (256) shards open per process (least recently used closed first) and reads
+    members with ``os.pread``: one open per shard per data worker instead of one per sample, and no shared
+    file offset between forked processes. Files of folders / file lists (one image each) are opened per read."""
+
+    max_open = 256  # per process; well under the usual 1024 open files of a process
 
     def __init__(self, parts: Sequence[PoolIndex]) -> None:
         self.parts = list(parts)
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+        self._fds: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+        self._pid = os.getpid()
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -261,18 +276,45 @@ class Pool:
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
         return self.parts[k][i - int(self.starts[k])]
 
-    @staticmethod
-    def read(loc: Location) -> Optional[bytes]:
+    def __getstate__(self):
+        return {"parts": self.parts}
+
+    def __setstate__(self, state) -> None:
+        self.__init__(state["parts"])
+
+    def _fd(self, path: str) -> int:
+        if self._pid != os.getpid():  # a forked worker: its parent's descriptors are not its own to manage
+            self._fds, self._pid = collections.OrderedDict(), os.getpid()
+        fd = self._fds.get(path)
+        if fd is not None:
+            self._fds.move_to_end(path)
+            return fd
+        fd = os.open(path, os.O_RDONLY)
+        self._fds[path] = fd
+        while len(self._fds) > self.max_open:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def read(self, loc: Location) -> Optional[bytes]:
         if loc.offset < 0:
             return None  # the placeholder of a damaged shard: counted as unreadable
         try:
-            with open(loc.path, "rb") as f:
-                if loc.size < 0:
+            if loc.size < 0:
+                with open(loc.path, "rb") as f:
                     return f.read()
-                f.seek(loc.offset)
-                return f.read(loc.size)  # a short read decodes as 'truncated', which is what it is
+            return os.pread(self._fd(loc.path), loc.size, loc.offset)  # short read: decodes as 'truncated'
         except OSError:
+            self.close_files()  # a shard replaced under us: reopen next time
             return None
+
+    def close_files(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fds = collections.OrderedDict()
 
     def nbytes_per_image(self) -> float:
         return sum(sum(a.nbytes for a in p.arrays.values()) for p in self.parts) / max(len(self), 1)
@@ -284,17 +326,35 @@ def curation_index_path(source: TarShardSource) -> Optional[str]:
     return os.path.join(dirs.pop(), INDEX_NAME) if len(dirs) == 1 else None
 
 
-def _try_open(path: Optional[str], source: ImageSource, warn: bool) -> Optional[PoolIndex]:
-    if path is None or not os.path.exists(path):
-        return None
-    try:
-        idx = PoolIndex(path)
-        why = idx.matches(source)
-    except (PoolIndexError, KeyError, OSError) as e:
-        why = str(e)
+class Ranks(NamedTuple):
+    """How the processes of a run open the pool together (the train layer fills it from its process group):
+    ``any_rank(flag)`` is True on every rank when it is True on one; ``barrier()`` waits for every rank."""
+
+    rank: int = 0
+    world: int = 1
+    any_rank: Optional[Callable[[bool], bool]] = None
+    barrier: Optional[Callable[[], None]] = None
+
+    @property
+    def collective(self) -> bool:
+        return self.world > 1 and self.any_rank is not None and self.barrier is not None
+
+
+def _try_open(path: Optional[str], source: ImageSource, warn: bool, ranks: Ranks = Ranks()) -> Optional[PoolIndex]:
+    """The index at ``path`` if it describes ``source``. Collectively, each rank stats only its share of the
+    shards (O(shards / W) per rank) and one all-reduce makes every rank take the same decision."""
+    idx, why = None, "missing"
+    if path is not None and os.path.exists(path):
+        try:
+            idx = PoolIndex(path)
+            why = idx.matches(source, ranks.rank, ranks.world) if ranks.collective else idx.matches(source)
+        except (PoolIndexError, KeyError, OSError) as e:
+            why = str(e)
+    if ranks.collective and ranks.any_rank(why is not None) and why is None:
+        why = "another rank found it out of date"
     if why is None:
         return idx
-    if warn:
+    if warn and why != "missing":
         import warnings
 
         warnings.warn(f"pool index {path} is not used: {why}; building one for this run", stacklevel=3)
@@ -307,33 +367,47 @@ def write_source_index(source: ImageSource, path: str) -> PoolIndex:
     return PoolIndex(path)
 
 
-def _cached_index(source: ImageSource, cache_dir: str) -> PoolIndex:
-    """The run directory's index of ``source``: map it if valid, else build it once under a file lock."""
+def _cached_index(source: ImageSource, cache_dir: str, ranks: Ranks = Ranks()) -> PoolIndex:
+    """The run directory's index of ``source``: map it if valid, else build it once. Collectively rank 0 builds
+    it while the others wait on the process group (no file lock needed); alone, under a file lock where the
+    filesystem has one."""
     spec = (source.shards if isinstance(source, TarShardSource)
             else [source.list_path, source.root] if isinstance(source, FileListSource) else [source.root])
     key = hashlib.blake2b(json.dumps([type(source).__name__, [os.path.abspath(s) for s in spec]]).encode(),
                           digest_size=6).hexdigest()
     path = os.path.join(cache_dir, f"{source.name}-{key}.bin")
-    idx = _try_open(path, source, warn=False)
+    idx = _try_open(path, source, warn=False, ranks=ranks)
     if idx is not None:
-        return idx  # the common case for every rank but the first, and for every rerun: no lock needed
+        return idx  # the common case for every rerun: no lock, no build
     os.makedirs(cache_dir, exist_ok=True)
+    if ranks.collective:
+        failed = None
+        if ranks.rank == 0:
+            try:
+                write_source_index(source, path)
+            except Exception as e:  # still reach the barrier, so the others do not wait forever
+                failed = e
+        ranks.barrier()
+        if ranks.any_rank(failed is not None):
+            raise failed if failed is not None else PoolIndexError(f"rank 0 could not build the pool index {path}")
+        return PoolIndex(path)
     with open(path + ".lock", "a") as lock:
         try:
             import fcntl
 
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the other ranks wait here while the first one builds
+            fcntl.flock(lock, fcntl.LOCK_EX)  # other processes of a run without a process group wait here
         except (ImportError, OSError):
             pass  # no locking on this filesystem: each process builds and renames atomically, same bytes
         idx = _try_open(path, source, warn=False)
         return idx if idx is not None else write_source_index(source, path)
 
 
-def open_pool(paths: Sequence[str | os.PathLike], cache_dir: str) -> Pool:
+def open_pool(paths: Sequence[str | os.PathLike], cache_dir: str, ranks: Ranks = Ranks()) -> Pool:
     """Open the training pool of ``paths`` (folders, file lists, tar shards / globs) through compact indexes.
 
-    Raises FileNotFoundError / ValueError for a missing path or an empty pool (callers turn them into
-    config errors).
+    ``ranks``: the run's processes open it together (validation split over ranks, rank 0 builds a missing index);
+    every rank must call this with the same paths. Raises FileNotFoundError / ValueError for a missing path or an
+    empty pool (callers turn them into config errors).
     """
     sources = [open_source(p) for p in paths]
     names = [s.name for s in sources]
@@ -345,8 +419,8 @@ def open_pool(paths: Sequence[str | os.PathLike], cache_dir: str) -> Pool:
     for source in sorted(sources, key=lambda s: s.name + "/"):  # id order: ids start with '<name>/'
         idx = None
         if isinstance(source, TarShardSource):
-            idx = _try_open(curation_index_path(source), source, warn=True)
-        parts.append(idx if idx is not None else _cached_index(source, cache_dir))
+            idx = _try_open(curation_index_path(source), source, warn=True, ranks=ranks)
+        parts.append(idx if idx is not None else _cached_index(source, cache_dir, ranks))
     pool = Pool(parts)
     if len(pool) == 0:
         for d in reversed(created):  # an empty pool is a config error: leave no run directory behind
@@ -367,7 +441,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["Location", "Pool", "PoolIndex", "PoolIndexError", "INDEX_NAME", "open_pool", "build_index",
+__all__ = ["Location", "Pool", "Ranks", "PoolIndex", "PoolIndexError", "INDEX_NAME", "open_pool", "build_index",
            "member_locations", "tar_index", "write_index", "write_source_index"]
 
 if __name__ == "__main__":

@@ -203,6 +203,8 @@ class TeacherStudentTask(nn.Module):
 
     def prepare_batch(self, batch: dict) -> tuple[dict, list[Tensor]]:
         """The batch on the trained models' device, and the crops in forward order (globals, then locals)."""
+        if batch.get("global_crops") is None:  # the loop skips such steps on every rank (train/step_data.py)
+            raise ValueError(f"a batch without images reached the task ({batch.get('corrupt')} unreadable)")
         device = next(self.trainable_parameters()).device
         batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         crops = [batch["global_crops"]] + ([batch["local_crops"]] if batch.get("local_crops") is not None else [])

@@ -136,6 +136,10 @@ class TrainConfig:
     stop_after: Optional[int] = None
     """Leave after this many steps of this invocation (with a checkpoint); rerunning resumes."""
     progress: bool = True
+    accumulate: int = 1
+    """Gradient accumulation: micro-batches of ``batch_size_per_gpu`` per optimizer step (global batch = per-GPU
+    batch x GPUs x accumulate; the lr follows it). Exact for the DINO/iBOT losses and their centring; KoLeo stays
+    a per-micro-batch statistic (docs/training.md)."""
 
 
 @dataclass
@@ -216,7 +220,7 @@ def check_ranges(cfg: PretrainConfig) -> None:
     """Values the loop would otherwise trip over mid-run (a modulo by zero, an empty schedule, a crop scale the
     augmentation rejects), checked before anything is written. Shared with distillation."""
     t = cfg.train
-    for key in ("epochs", "epoch_length", "log_every", "checkpoint_every", "keep_last"):
+    for key in ("epochs", "epoch_length", "log_every", "checkpoint_every", "keep_last", "accumulate"):
         _need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
     _need(t.stop_after is None or t.stop_after >= 1, "train.stop_after", f"must be >= 1 or null, got {t.stop_after}")
     _need(cfg.data.num_workers >= 0, "data.num_workers", f"must be >= 0, got {cfg.data.num_workers}")

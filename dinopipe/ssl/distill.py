@@ -122,6 +122,11 @@ class DistillTask(TeacherStudentTask):
                             "teacher": str(self.cfg.teacher_model.path)})
                 for name, ema in self.emas.items()]
 
+    def metric_keys(self) -> list[str]:
+        """Every number ``compute_loss`` logs: per student its loss and the parts of its mode."""
+        parts = ["dino_loss", "ibot_loss", "koleo_loss"] if self.mode == "ssl" else ["cls_loss", "patch_loss"]
+        return [f"{s}/{k}" for s in self.students for k in ["loss", *parts]]
+
     # -- loss -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _teacher_outputs(self, crops: list[Tensor], values: dict) -> dict[str, Any]:

@@ -48,6 +48,9 @@ def build_backbone(cfg: PretrainConfig, load_backbone: Optional[LoadBackbone] = 
 class SSLTask(TeacherStudentTask):
     """DINOv2 pretraining: the student (backbone + DINO head [+ iBOT head]) and its EMA, the teacher."""
 
+    metric_keys = ("dino_loss", "ibot_loss", "koleo_loss", "gram_loss", "n_masked", "n_images")
+    """Every number ``compute_loss`` logs (the loop reduces exactly these over ranks; gram_loss only while on)."""
+
     def __init__(self, cfg: PretrainConfig, all_reduce_fn=None, load_backbone: Optional[LoadBackbone] = None,
                  load_heads=None) -> None:
         super().__init__(cfg, all_reduce_fn, load_backbone, load_heads)
@@ -114,14 +117,33 @@ class SSLTask(TeacherStudentTask):
         return logits[: cls.shape[0]], logits[cls.shape[0]:]
 
     @torch.no_grad()
-    def _teacher_targets(self, batch: dict, values: dict) -> tuple[Tensor, Tensor]:
+    def _teacher_logits(self, batch: dict) -> tuple[Tensor, Tensor]:
         self.teacher.eval()
         out = self.teacher["backbone"].forward_features_list([batch["global_crops"]])[0]
         patches = out["x_norm_patchtokens"].flatten(0, 1)[batch["mask_indices"]]  # (M, D)
         cls_logits, patch_logits = self._heads(self.teacher, out["x_norm_clstoken"], patches)
         reshard_(self.teacher)  # no backward will free the gathered copies; the EMA needs the fp32 shards
+        return cls_logits, patch_logits
+
+    @torch.no_grad()
+    def _teacher_targets(self, batch: dict, values: dict) -> tuple[Tensor, Tensor]:
+        if getattr(self, "_queued_targets", None):  # computed for the whole accumulated batch
+            return self._queued_targets.pop(0)
+        cls_logits, patch_logits = self._teacher_logits(batch)
         temp = values["teacher_temp"]
         return self.dino_loss.teacher_probs(cls_logits, temp), self.ibot_loss.teacher_probs(patch_logits, temp)
+
+    @torch.no_grad()
+    def begin_accumulation(self, batches: list[dict], values: dict) -> None:
+        """Gradient accumulation (train.accumulate=K): the teacher's targets of all K micro-batches first, with
+        centring / Sinkhorn-Knopp (and the centre's update) over their union, as one batch K times larger would
+        have them; each micro-batch's forward then takes its own rows. Holds K micro-batches' prototype scores."""
+        logits = [self._teacher_logits(self.prepare_batch(b)[0]) for b in batches]
+        temp = values["teacher_temp"]
+        cls = self.dino_loss.teacher_probs(torch.cat([c for c, _ in logits]), temp)
+        patch = self.ibot_loss.teacher_probs(torch.cat([p for _, p in logits]), temp)
+        self._queued_targets = list(zip(cls.split([c.shape[0] for c, _ in logits]),
+                                        patch.split([p.shape[0] for _, p in logits])))
 
     def compute_loss(self, batch: dict, crops: list[Tensor], values: dict) -> tuple[Tensor, dict[str, Any]]:
         cfg = self.cfg

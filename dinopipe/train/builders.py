@@ -9,14 +9,16 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
+from ..data.pool_index import Ranks
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
 from ..utils.safe_load import CheckpointError
 from ..ssl.gram import gram_schedules
 from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr, warmup_then_constant
-from .dist import DistInfo, LaunchError, destroy
+from .dist import DistInfo, LaunchError, all_reduce_max_scalar, barrier, destroy, init_distributed
 from .highres import phase_loader, phase_sizes
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
+from .lr_record import LrBasis
 
 log = logging.getLogger(__name__)
 
@@ -26,20 +28,38 @@ EXIT_NON_FINITE = 3  # the loss or gradients became nan/inf; the last good check
 # (temperatures, momentum), data, train (PretrainConfig, DistillConfig).
 
 
-def build_schedules(cfg: Any, world_size: int) -> dict:
+def global_batches(cfg: Any, world_size: int) -> list[int]:
+    """Each phase's global batch per optimizer step: per-GPU batch x world size x accumulated micro-batches."""
+    k = max(1, int(getattr(cfg.train, "accumulate", 1)))
+    return [ph.batch_size_per_gpu * world_size * k for ph in cfg.phases]
+
+
+def peak_lrs(cfg: Any, batches: Sequence[int]) -> list[float]:
+    """Each phase's peak lr derived from the given global batches (DINOv2's sqrt rule unless switched off)."""
+    o = cfg.optim
+    rule = "sqrt" if o.scale_lr_with_batch else "none"
+    return [scaled_lr(o.base_lr, b, rule=rule) * ph.lr_scale for ph, b in zip(cfg.phases, batches)]
+
+
+def lr_basis(cfg: Any, world_size: int) -> LrBasis:
+    """The schedules as a function of the global batch the lr is derived from: the loop builds them from this
+    invocation's batch for a new run and from the checkpoint's recorded batch on resume (lr_record.py)."""
+    return LrBasis(global_batches(cfg, world_size), lambda b: build_schedules(cfg, lr_batches=b),
+                   lambda b: peak_lrs(cfg, b))
+
+
+def build_schedules(cfg: Any, world_size: int = 1, lr_batches: Optional[Sequence[int]] = None) -> dict:
     """Per-step arrays. The first phase follows DINOv2's schedules; each later phase restarts the lr with its
     own (lower, compressed) cosine — DINOv2 §4's short high-resolution stage — while weight decay, teacher
-    momentum and temperature run over the whole run."""
+    momentum and temperature run over the whole run. The peak lrs come from ``lr_batches`` (per phase), by
+    default this world size's global batches."""
     o, t = cfg.optim, cfg.teacher
     bounds = phase_steps(cfg)
     total = bounds[-1][1]
-
-    def peak(ph):
-        rule = "sqrt" if o.scale_lr_with_batch else "none"
-        return scaled_lr(o.base_lr, ph.batch_size_per_gpu * world_size, rule=rule) * ph.lr_scale
+    peaks = peak_lrs(cfg, global_batches(cfg, world_size) if lr_batches is None else lr_batches)
 
     first_end = bounds[0][1]
-    base = build_ssl_schedules(total, cfg.train.epoch_length, peak(cfg.phases[0]), o.min_lr, o.warmup_epochs,
+    base = build_ssl_schedules(total, cfg.train.epoch_length, peaks[0], o.min_lr, o.warmup_epochs,
                                o.weight_decay, o.weight_decay_end, t.momentum_teacher, t.final_momentum_teacher,
                                t.warmup_teacher_temp, t.teacher_temp, t.warmup_teacher_temp_epochs,
                                o.freeze_last_layer_epochs)
@@ -48,17 +68,17 @@ def build_schedules(cfg: Any, world_size: int) -> dict:
     def first_lr(n: int):
         if constant:
             warm = min(int(round(o.warmup_epochs * cfg.train.epoch_length)), n)
-            return warmup_then_constant(0.0, peak(cfg.phases[0]), warm, n)
-        return build_ssl_schedules(n, cfg.train.epoch_length, peak(cfg.phases[0]), o.min_lr, o.warmup_epochs).lr.values
+            return warmup_then_constant(0.0, peaks[0], warm, n)
+        return build_ssl_schedules(n, cfg.train.epoch_length, peaks[0], o.min_lr, o.warmup_epochs).lr.values
 
     if len(cfg.phases) == 1:
         lr = first_lr(total) if constant else base.lr.values
     else:
         first = first_lr(first_end)
         pieces = [first]
-        for ph, (s, e) in zip(cfg.phases[1:], bounds[1:]):
+        for i, (ph, (s, e)) in enumerate(zip(cfg.phases[1:], bounds[1:]), start=1):
             n = e - s
-            pieces.append(Piece("cosine", n, peak(ph), o.min_lr, warmup_steps=int(ph.warmup_fraction * n),
+            pieces.append(Piece("cosine", n, peaks[i], o.min_lr, warmup_steps=int(ph.warmup_fraction * n),
                                 warmup_start=o.min_lr))
         lr = piecewise(pieces)
     last_layer = lr.copy()
@@ -81,9 +101,16 @@ def build_phases(cfg: Any, info: DistInfo, refs, read, patch_size: int) -> list[
 
 
 def open_pool(cfg: Any):
-    """(pool, read): the compact memory-mapped pool index (curation's, else built once in the run directory)."""
+    """(pool, read): the compact memory-mapped pool index (curation's, else built once in the run directory).
+
+    Opened by all ranks together: the process group starts here (``init_distributed`` is idempotent; nothing is
+    written before the paths are known to hold images), each rank stats only its share of the shards, and rank 0
+    builds a missing index while the others wait on the process group."""
+    info = init_distributed(cfg.train.device)
+    ranks = Ranks(info.rank, info.world_size, lambda flag: all_reduce_max_scalar(1.0 if flag else 0.0) > 0, barrier)
     try:
-        pool = open_indexed_pool(cfg.data.paths, cache_dir=os.path.join(cfg.train.output_dir, "pool_index"))
+        pool = open_indexed_pool(cfg.data.paths, cache_dir=os.path.join(cfg.train.output_dir, "pool_index"),
+                                 ranks=ranks)
         return pool, pool.read
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"data.paths: {exc}") from None
@@ -94,8 +121,9 @@ def train(cfg: Any, task, optimizer, info: DistInfo, refs, read, patch_size: int
     phases = build_phases(cfg, info, refs, read, patch_size)
     loop_cfg = LoopConfig(seed=cfg.train.seed, clip_grad=cfg.optim.clip_grad, log_every=cfg.train.log_every,
                           checkpoint_every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
-                          stop_after=cfg.train.stop_after, progress=cfg.train.progress)
-    trainer = Trainer(task, optimizer, build_schedules(cfg, info.world_size), phases, cfg.train.output_dir, info,
+                          stop_after=cfg.train.stop_after, progress=cfg.train.progress,
+                          accumulate=int(getattr(cfg.train, "accumulate", 1)))
+    trainer = Trainer(task, optimizer, lr_basis(cfg, info.world_size), phases, cfg.train.output_dir, info,
                       loop_cfg, pool_size=len(refs))
     return trainer.fit()
 
@@ -133,5 +161,5 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
         destroy(clean)
 
 
-__all__ = ["phase_steps", "build_schedules", "build_phases", "open_pool", "train", "stage_main", "EXIT_NON_FINITE",
-       ]
+__all__ = ["phase_steps", "build_schedules", "global_batches", "peak_lrs", "lr_basis", "build_phases", "open_pool",
+           "train", "stage_main", "EXIT_NON_FINITE"]

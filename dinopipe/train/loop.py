@@ -1,11 +1,16 @@
 """The generic training loop (dinov2 ``do_train`` order, torchtitan's checkpointing):
 
-    per step: seed -> schedules into the optimizer -> zero_grad -> task forward/backward -> one small
-              all-reduce (preemption flag, grad norms, loss and metric sums) -> finite check -> clip ->
-              optimizer step -> teacher EMA -> log -> checkpoint
+    per step: seed -> schedules into the optimizer -> zero_grad -> task forward/backward (K micro-batches with
+              ``accumulate=K``) -> one small all-reduce (preemption flag, grad norms, loss, the declared metrics,
+              the next step's data report) -> finite check -> clip -> optimizer step -> teacher EMA -> log ->
+              checkpoint
 
 A *task* owns the models and the loss (pretraining and distillation are tasks); this loop owns time:
-steps, resolution phases, data position, checkpoints, preemption and metrics. Randomness is derived from
+steps, resolution phases, data position, checkpoints, preemption and metrics. Each part has its own function:
+``fit`` (phases and loaders), ``_run_phase`` (steps of one loader), ``_train_step`` (one update),
+``_forward_backward`` (micro-batches), ``_reduce`` (the one all-reduce), ``_check_finite`` and ``_clip``; the
+data agreement is :mod:`.step_data`, the metric key set :class:`.metrics.MetricSet`, the lr record
+:mod:`.lr_record`. Randomness is derived from
 (seed, step, rank) every step and augmentations from (seed, epoch, sample), so a run resumed from a
 checkpoint repeats exactly what the uninterrupted run would have done.
 """
@@ -17,11 +22,12 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
 from ..data.loader import DataPosition
@@ -29,8 +35,10 @@ from ..data.sources import stable_hash
 from ..ssl.param_groups import apply_optim_schedules
 from .checkpoint import CheckpointManager, ValueState
 from .dist import DistInfo, all_reduce_max_scalar, get_info
-from .metrics import MetricsLogger
-from .signals import EXIT_PREEMPTED, PreemptionFlag, maybe_test_signal, signals_blocked
+from .lr_record import LrBasis, resume_batches
+from .metrics import MetricSet, MetricsLogger, UndeclaredMetricError
+from .signals import EXIT_PREEMPTED, PreemptionFlag, signals_blocked, test_hooks_from_env
+from .step_data import REPORT_SIZE, DataReport, local_report
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,8 @@ class Task(Protocol):
     def after_step(self, values: dict[str, float]) -> None: ...
     def checkpoint_states(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
     def export(self, run_dir: Path, step: int) -> None: ...
+    # Optional: ``metric_keys`` (the numeric log keys, declared once; none declared: only the loop's own),
+    # ``clip_groups()``, ``begin_accumulation(batches, values)`` (teacher targets over all micro-batches).
 
 
 @dataclass
@@ -72,6 +82,8 @@ class LoopConfig:
     stop_after: Optional[int] = None
     """Stop (with a checkpoint) after this many steps of *this* invocation; tests use it to simulate kills."""
     progress: bool = True
+    accumulate: int = 1
+    """Micro-batches per optimizer step (gradient accumulation); the global batch is K times the loader's."""
 
 
 def seed_step(seed: int, step: int, rank: int) -> None:
@@ -131,26 +143,71 @@ def scale_grads_(params: list[nn.Parameter], coef: float) -> None:
         torch._foreach_mul_(grads, coef)
 
 
+# Keys the loop logs itself; a task must not declare them (its own values would be overwritten).
+_LOOP_KEYS = ("loss", "grad_norm", "phase", "data_time", "step_time", "skipped_steps", "corrupt_images")
+_RUN_STATE = ("lr_batch", "lr_peak", "skipped_steps")  # trainer state added after the first checkpoints
+
+
 class Trainer:
-    def __init__(self, task: Task, optimizer: torch.optim.Optimizer, schedules: dict[str, np.ndarray],
-                 phases: Sequence[Phase], run_dir: str | Path, info: DistInfo, cfg: LoopConfig,
-                 pool_size: int) -> None:
-        self.task, self.optimizer, self.schedules = task, optimizer, schedules
+    def __init__(self, task: Task, optimizer: torch.optim.Optimizer,
+                 schedules: dict[str, np.ndarray] | LrBasis, phases: Sequence[Phase], run_dir: str | Path,
+                 info: DistInfo, cfg: LoopConfig, pool_size: int,
+                 step_hooks: Optional[list[Callable[[int, int, Any], None]]] = None) -> None:
+        self.task, self.optimizer = task, optimizer
         self.phases, self.run_dir, self.info, self.cfg = list(phases), Path(run_dir), info, cfg
         self.total_steps = self.phases[-1].end
         self.pool_size = pool_size  # the data position's epoch arithmetic mirrors the sampler's
         self.ckpt = CheckpointManager(self.run_dir, keep_last=cfg.keep_last)
-        self.state = ValueState(step=0, data_epoch=0, data_offset=0)
+        self.state = ValueState(step=0, data_epoch=0, data_offset=0, skipped_steps=0)
+        self.lr_basis = schedules if isinstance(schedules, LrBasis) else None
+        if self.lr_basis is not None:
+            self._use_lr_batches(self.lr_basis.batches)
+        else:
+            self.schedules = schedules
         # Parameter sets clipped separately (one per student when distilling several); one set by default.
         groups = task.clip_groups() if hasattr(task, "clip_groups") else [list(task.trainable_parameters())]
         self._clip_groups = [[p for p in g if p.requires_grad] for g in groups]
+        keys = getattr(task, "metric_keys", ())
+        self.metric_set = MetricSet(keys() if callable(keys) else keys)
+        clash = sorted(set(self.metric_set.keys) & set(_LOOP_KEYS))
+        if clash:
+            raise ValueError(f"metric_keys {clash} are logged by the loop itself; give the task's values other names")
+        # Test hooks (signals at an exact step) only exist when a test asks for them: nothing in a real run.
+        self.step_hooks = test_hooks_from_env() if step_hooks is None else step_hooks
 
-    # -- helpers --------------------------------------------------------------------------------
+    # -- state ----------------------------------------------------------------------------------
     def _states(self) -> dict[str, Any]:
         return {"trainer": self.state, **self.task.checkpoint_states(self.optimizer)}
 
     def save(self) -> Path:
         return self.ckpt.save(int(self.state.values["step"]), self._states())
+
+    def _use_lr_batches(self, batches: Sequence[int]) -> None:
+        """Schedules from the lr derived at these per-phase global batches, recorded in the checkpoint state."""
+        assert self.lr_basis is not None
+        self.schedules = self.lr_basis.build(batches)
+        self.state.values["lr_batch"] = torch.tensor(list(batches), dtype=torch.int64)
+        self.state.values["lr_peak"] = torch.tensor(self.lr_basis.peaks(batches), dtype=torch.float64)
+
+    def _load(self) -> Optional[int]:
+        """Resume from the latest checkpoint (rank 0 picks it, every rank loads it), keeping the run's lr."""
+        try:
+            resumed = self.ckpt.load(self._states())
+        except (Exception, CheckpointException) as exc:  # (a BaseException) a checkpoint from before the lr
+            text = str(exc)                               # record / skip counter: load what it has
+            if "Missing key" not in text or not any(f"trainer.{k}" in text for k in _RUN_STATE):
+                raise
+            extra = {k: self.state.values.pop(k) for k in _RUN_STATE if k in self.state.values}
+            resumed = self.ckpt.load(self._states())
+            self.state.values.update({k: v for k, v in extra.items() if k == "skipped_steps"})
+            if self.lr_basis is not None:
+                self._use_lr_batches(self.lr_basis.batches)
+            return resumed
+        if resumed is not None and self.lr_basis is not None:
+            v = self.state.values
+            self._use_lr_batches(resume_batches(self.lr_basis, v["lr_batch"].tolist(), v["lr_peak"].tolist(),
+                                                main=self.info.is_main))
+        return resumed
 
     def _values(self, step: int) -> dict[str, float]:
         return {k: float(v[step]) for k, v in self.schedules.items()}
@@ -167,118 +224,192 @@ class Trainer:
     def _any_rank(self, flag: bool) -> bool:
         return all_reduce_max_scalar(1.0 if flag else 0.0) > 0
 
+    def _all_reduce(self, vec: torch.Tensor) -> list[float]:
+        if self.info.distributed:
+            torch.distributed.all_reduce(vec)
+        return vec.tolist()  # the step's one device-to-host sync
+
     # -- main -----------------------------------------------------------------------------------
     def fit(self) -> int:
         """Train to the end (returns 0) or until preempted (returns EXIT_PREEMPTED after saving)."""
-        resumed = self.ckpt.load(self._states())  # rank 0 picks the checkpoint, every rank loads it
+        resumed = self._load()
         step = int(self.state.values["step"])
         if resumed is not None and self.info.is_main:
             log.info("resuming from checkpoint at step %d", step)
-        metrics = MetricsLogger(self.run_dir, enabled=self.info.is_main, resume_step=step)
-        preempt = PreemptionFlag()
-        bar = tqdm(total=self.total_steps, initial=step, disable=not (self.cfg.progress and self.info.is_main),
-                   desc="train", dynamic_ncols=True)
-        steps_this_run = 0
+        self._metrics = MetricsLogger(self.run_dir, enabled=self.info.is_main, resume_step=step)
+        self._preempt = PreemptionFlag()
+        self._bar = tqdm(total=self.total_steps, initial=step, disable=not (self.cfg.progress and self.info.is_main),
+                         desc="train", dynamic_ncols=True)
+        self._steps_this_run = 0
         try:
             while step < self.total_steps:
                 phase = self.phases[self._phase_index(step)]
-                pos = DataPosition(int(self.state.values["data_epoch"]), int(self.state.values["data_offset"]))
-                global_batch = phase.batch_per_rank * self.info.world_size
-                loader = phase.build_loader(pos)
-                with signals_blocked():  # workers are forked here; they must never die of a preemption signal
-                    batches = iter(loader)
-                t0 = time.perf_counter()
-                for batch in batches:
-                    data_time = time.perf_counter() - t0
-                    logs, preempted = self._train_step(batch, step, preempt)
-                    step += 1
-                    steps_this_run += 1
-                    pos.advance(global_batch, self.pool_size)
-                    self.state.values.update(step=step, data_epoch=pos.epoch, data_offset=pos.offset)
-                    bar.update(1)
-                    if step % self.cfg.log_every == 0 or step == phase.end or step == 1:
-                        logs.update(phase=phase.name, data_time=data_time, step_time=time.perf_counter() - t0)
-                        metrics.log(step - 1, logs)
-                        bar.set_postfix(loss=f"{logs['loss']:.4f}")
-                    stop = self.cfg.stop_after is not None and steps_this_run >= self.cfg.stop_after
-                    if step % self.cfg.checkpoint_every == 0 or step == phase.end or stop or preempted:
-                        self.save()
-                        # A signal that arrived during this save: the checkpoint just written is the one to
-                        # resume from (one extra all-reduce, on checkpoint steps only).
-                        preempted = preempted or self._any_rank(bool(preempt))
-                    if preempted:
-                        if self.info.is_main:
-                            log.info("preempted (signal %s): checkpoint saved at step %d", preempt.received, step)
-                        return EXIT_PREEMPTED
-                    if stop:
-                        return 0
-                    if step >= phase.end:
-                        break
-                    t0 = time.perf_counter()
-                del batches, loader  # the phase's workers stop here, not when the next phase's start
+                rc = self._run_phase(phase)
+                if rc is not None:
+                    return rc
+                step = int(self.state.values["step"])
             self.task.export(self.run_dir, step)  # collective under FSDP: every rank gathers, rank 0 writes
             return 0
         finally:
-            bar.close()
-            metrics.close()
-            preempt.restore()
+            self._bar.close()
+            self._metrics.close()
+            self._preempt.restore()
 
-    def _train_step(self, batch: Any, step: int, preempt: PreemptionFlag) -> tuple[dict[str, Any], bool]:
-        """One optimizer step. Returns the logs (global means) and whether any rank was asked to stop.
+    def _take(self, batches: Iterator, n: int) -> list[Any]:
+        return [next(batches) for _ in range(n)]
 
-        Everything the ranks must agree on travels in ONE small all-reduce, read back with ONE host sync: the
-        preemption flag, each clip group's squared gradient norm (its local shards; this replaces clipping's
-        own reduction), the loss and the task's metric sums. A non-finite loss or norm makes the sums
-        non-finite on every rank, so all ranks stop together before the optimizer touches anything."""
+    def _run_phase(self, phase: Phase) -> Optional[int]:
+        """Steps of one phase's loader from the current position; returns an exit code to leave with, or None
+        when the phase is done."""
+        k = max(1, self.cfg.accumulate)
+        step = int(self.state.values["step"])
+        pos = DataPosition(int(self.state.values["data_epoch"]), int(self.state.values["data_offset"]))
+        micro_global = phase.batch_per_rank * self.info.world_size
+        loader = phase.build_loader(pos)
+        with signals_blocked():  # workers are forked here; they must never die of a preemption signal
+            batches = iter(loader)
+        t0 = time.perf_counter()
+        micro = self._take(batches, k)
+        # The first step of a loader: its data report needs a reduction of its own (later ones ride along).
+        report = DataReport.from_reduced(self._all_reduce(torch.tensor(local_report(micro), dtype=torch.float64,
+                                                                       device=self.info.device)))
+        data_time = time.perf_counter() - t0
+        try:
+            while True:
+                stop = self.cfg.stop_after is not None and self._steps_this_run + 1 >= self.cfg.stop_after
+                last = step + 1 >= phase.end or stop
+                logs, preempted, micro, report, fetch_time = self._train_step(micro, report, batches, step,
+                                                                              None if last else k)
+                step += 1
+                self._steps_this_run += 1
+                for _ in range(k):
+                    pos.advance(micro_global, self.pool_size)
+                self.state.values.update(step=step, data_epoch=pos.epoch, data_offset=pos.offset)
+                self._bar.update(1)
+                if step % self.cfg.log_every == 0 or step == phase.end or step == 1:
+                    logs.update(phase=phase.name, data_time=data_time, step_time=time.perf_counter() - t0)
+                    self._metrics.log(step - 1, logs)
+                    if "loss" in logs:
+                        self._bar.set_postfix(loss=f"{logs['loss']:.4f}")
+                if step % self.cfg.checkpoint_every == 0 or step == phase.end or stop or preempted:
+                    self.save()
+                    # A signal that arrived during this save: the checkpoint just written is the one to
+                    # resume from (one extra all-reduce, on checkpoint steps only).
+                    preempted = preempted or self._any_rank(bool(self._preempt))
+                if preempted:
+                    if self.info.is_main:
+                        log.info("preempted (signal %s): checkpoint saved at step %d", self._preempt.received, step)
+                    return EXIT_PREEMPTED
+                if stop:
+                    return 0
+                if step >= phase.end:
+                    return None
+                t0, data_time = time.perf_counter(), fetch_time
+        finally:
+            del batches, loader  # the phase's workers stop here, not when the next phase's start
+
+    def _train_step(self, micro: list[Any], report: DataReport, batches: Iterator, step: int,
+                    fetch: Optional[int]) -> tuple[dict[str, Any], bool, list[Any], DataReport, float]:
+        """One optimizer step over ``micro`` (this rank's micro-batches), or a step all ranks skip together when
+        ``report`` says some rank has an empty micro-batch. Fetches the next step's ``fetch`` micro-batches
+        (None: this is the loader's last step) and reports on them in the step's all-reduce.
+
+        Returns (logs as global means, whether any rank was asked to stop, the next step's micro-batches, their
+        agreed report, seconds spent waiting for them)."""
         seed_step(self.cfg.seed, step, self.info.rank)
         values = self._values(step)
         self._apply_schedules(values)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, logs = self.task(batch, values)
-        loss.backward()
-        maybe_test_signal("step", step, self.info.rank, preempt)
+        skip = report.skip
+        loss, logs = (None, {}) if skip else self._forward_backward(micro, values)
+        for hook in self.step_hooks:
+            hook(step, self.info.rank, self._preempt)
+        t = time.perf_counter()
+        nxt = self._take(batches, fetch) if fetch else []
+        fetch_time = time.perf_counter() - t
+        vals = self._reduce(loss, logs, nxt)
+        preempted, next_report = vals["preempted"], vals["next"]
+        if skip:
+            self.state.values["skipped_steps"] = int(self.state.values.get("skipped_steps", 0)) + 1
+            if self.info.is_main:
+                log.warning("step %d skipped on every rank: a rank's batch had no readable image (%s)", step,
+                            report.corrupt)
+            out = dict(values)
+        else:
+            self._check_finite(step, vals["loss"], vals["norms"])
+            self._clip(vals["norms"])
+            self.optimizer.step()
+            self.task.after_step(values)
+            out = {k: v for k, v in logs.items() if not torch.is_tensor(v) and not isinstance(v, (int, float))}
+            out.update(vals["metrics"])
+            out.update(loss=vals["loss"], grad_norm=max(vals["norms"]), **values)
+        out.update(report.logs(), skipped_steps=int(self.state.values.get("skipped_steps", 0)))
+        return out, preempted, nxt, next_report, fetch_time
 
-        def mean(k: str, v: Any) -> bool:  # a per-rank value averaged over ranks (corrupt/* counters stay rank 0's)
-            return not k.startswith("corrupt/") and (torch.is_tensor(v) or isinstance(v, (int, float)))
+    def _forward_backward(self, micro: list[Any], values: dict[str, float]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Forward and backward of each micro-batch, gradients summed (each loss divided by K): the update of one
+        batch K times larger where the loss is a mean over samples. A task with ``begin_accumulation`` first
+        computes the teacher targets of all K micro-batches, so centring / Sinkhorn-Knopp see the whole batch.
+        Under FSDP2 every micro-batch reduce-scatters its gradients into the sharded ones (no unsharded gradient
+        is kept between micro-batches: the memory of one micro-batch, K reductions per step). Logs: means over
+        the micro-batches."""
+        k = len(micro)
+        begin = getattr(self.task, "begin_accumulation", None)
+        if k > 1 and begin is not None:
+            begin(micro, values)
+        total, logs = None, {}
+        for batch in micro:
+            loss, part = self.task(batch, values)
+            (loss / k if k > 1 else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            for key, v in part.items():
+                numeric = torch.is_tensor(v) or (isinstance(v, (int, float)) and not isinstance(v, bool))
+                logs[key] = (logs.get(key, 0) + v / k) if numeric else v
+        return total / k, logs
 
-        on_device = sorted(k for k, v in logs.items() if mean(k, v) and torch.is_tensor(v))
-        on_host = sorted(k for k, v in logs.items() if mean(k, v) and not torch.is_tensor(v))
+    def _reduce(self, loss: Optional[torch.Tensor], logs: dict[str, Any], nxt: list[Any]) -> dict[str, Any]:
+        """The step's ONE all-reduce and ONE host sync: preemption flag, undeclared-metric flag, the next step's
+        data report, each clip group's squared gradient norm (its local shards; this replaces clipping's own
+        reduction), the loss and the declared metrics. A non-finite loss or norm makes the sums non-finite on
+        every rank, so all ranks stop together before the optimizer touches anything. A skipped step (no loss)
+        sends the flags and the report only."""
         f64 = dict(dtype=torch.float64, device=self.info.device)
-        host = torch.tensor([1.0 if preempt else 0.0] + [float(logs[k]) for k in on_host], **f64)
-        vec = torch.cat([host[:1], torch.stack([local_grad_sq(g) for g in self._clip_groups]),
-                         torch.stack([t.detach().to(torch.float64).reshape(()) for t in
-                                      [loss] + [logs[k] for k in on_device]]),
-                         host[1:]])
-        keys = on_device + on_host
-        if self.info.distributed:
-            torch.distributed.all_reduce(vec)
-        vals = vec.tolist()  # the step's one device-to-host sync
-        world, n_groups = float(self.info.world_size), len(self._clip_groups)
-        preempted = vals[0] > 0
-        norms = [math.sqrt(x) if x >= 0 else math.nan for x in vals[1 : 1 + n_groups]]
-        loss_mean = vals[1 + n_groups] / world
-        grad_norm = max(norms)
+        undeclared = self.metric_set.undeclared(logs, ignore=("corrupt/",))
+        head = torch.tensor([1.0 if self._preempt else 0.0, 1.0 if undeclared else 0.0] + local_report(nxt), **f64)
+        parts = [head]
+        if loss is not None:
+            parts += [torch.stack([local_grad_sq(g) for g in self._clip_groups]),
+                      loss.detach().to(torch.float64).reshape(1), self.metric_set.slots(logs, self.info.device)]
+        vals = self._all_reduce(torch.cat(parts))
+        if vals[1] > 0:
+            where = f"this rank logged {undeclared}" if undeclared else "another rank logged one (see its error)"
+            raise UndeclaredMetricError(f"a task logged a metric it does not declare in metric_keys ({where}); "
+                                        f"declared: {list(self.metric_set.keys)}")
+        out: dict[str, Any] = {"preempted": vals[0] > 0, "next": DataReport.from_reduced(vals[2:2 + REPORT_SIZE])}
+        if loss is not None:
+            world, n, i = float(self.info.world_size), len(self._clip_groups), 2 + REPORT_SIZE
+            out["norms"] = [math.sqrt(x) if x >= 0 else math.nan for x in vals[i:i + n]]
+            out["loss"] = vals[i + n] / world
+            # Global means (each rank's value averaged; equal per-rank batches): independent of the world size.
+            out["metrics"] = self.metric_set.means(vals[i + n + 1:])
+        return out
+
+    def _check_finite(self, step: int, loss_mean: float, norms: list[float]) -> None:
         if not math.isfinite(loss_mean) or not all(math.isfinite(n) for n in norms):
             last = self.ckpt.latest_step()
             raise NonFiniteLossError(
                 f"loss or gradient is not finite at step {step} (mean loss={loss_mean}, grad norm="
-                f"{grad_norm}); nothing was updated. The last good checkpoint is "
+                f"{max(norms)}); nothing was updated. The last good checkpoint is "
                 f"{'step ' + str(last) if last is not None else 'none'} in {self.ckpt.dir}. Lower the lr, check "
                 f"the data, or use fp32 (parallel.param_dtype=fp32), then rerun to resume from it."
             )
+
+    def _clip(self, norms: list[float]) -> None:
         if self.cfg.clip_grad > 0:
             for group, norm in zip(self._clip_groups, norms):
                 coef = self.cfg.clip_grad / (norm + 1e-6)
                 if coef < 1.0:
                     scale_grads_(group, coef)
-        self.optimizer.step()
-        self.task.after_step(values)
-        # Metrics are global means (each rank's value averaged; equal per-rank batches), so they do not
-        # depend on the world size. Per-rank counters (corrupt/*) stay rank 0's.
-        out = {k: v for k, v in logs.items() if k not in keys}
-        out.update({k: v / world for k, v in zip(keys, vals[2 + n_groups:])})
-        out.update(loss=loss_mean, grad_norm=grad_norm, **values)
-        return out, preempted
 
 
 __all__ = ["Trainer", "Task", "Phase", "LoopConfig", "NonFiniteLossError", "seed_step", "EXIT_PREEMPTED"]

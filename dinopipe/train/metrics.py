@@ -1,7 +1,15 @@
-"""Metrics: one JSON object per logged step in ``RUN/metrics.jsonl`` (+ TensorBoard when installed).
+"""Metrics: one JSON object per logged step in ``RUN/metrics.jsonl`` (+ TensorBoard when installed), and the
+fixed key set a task's per-step metrics are reduced over.
 
 A resumed run appends; rows from steps at or after the resume point are dropped first, so the file holds
 one row per step even when a killed run had logged past its last checkpoint.
+
+Reduction (:class:`MetricSet`): every step the loop averages each rank's numbers in one all-reduce of a flat
+vector. The vector's layout must be the same on every rank, so it comes from the keys a task *declares*
+(``metric_keys``), never from the keys a rank happened to log: a key a rank leaves out this step is sent as
+(0, absent) and averaged over the ranks that did log it (dropped from the row when none did); a numeric key
+that was not declared is an error, raised on every rank in the same step (a flag in the same vector), with
+the key's name. Strings (e.g. ``compute_dtype``) are not reduced: rank 0's value is logged.
 """
 
 from __future__ import annotations
@@ -9,7 +17,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
+
+import torch
 
 
 def _plain(v: Any) -> Any:
@@ -63,4 +73,62 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["MetricsLogger", "read_metrics"]
+class UndeclaredMetricError(RuntimeError):
+    """A task logged a number under a key it did not declare in ``metric_keys``."""
+
+
+def _numeric(v: Any) -> bool:
+    return torch.is_tensor(v) or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+class MetricSet:
+    """The fixed, sorted key set of a task's per-step metrics and its place in the step's all-reduce vector:
+    two slots per key (value, 1 if this rank logged it)."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = tuple(sorted(set(keys)))
+        self._index = {k: i for i, k in enumerate(self.keys)}
+
+    def __len__(self) -> int:
+        return 2 * len(self.keys)
+
+    def undeclared(self, logs: dict[str, Any], ignore: Sequence[str] = ()) -> list[str]:
+        """Numeric keys of ``logs`` not in the set (``ignore``: prefixes the loop reads itself)."""
+        return sorted(k for k, v in logs.items()
+                      if _numeric(v) and k not in self._index and not k.startswith(tuple(ignore)))
+
+    def slots(self, logs: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """(2 * n_keys,) float64 on ``device``: values (device tensors stay there: no host sync) and flags."""
+        f64 = dict(dtype=torch.float64, device=device)
+        out = torch.zeros(len(self), **f64)
+        if not self.keys:
+            return out
+        host, dev_idx, dev_vals = [], [], []
+        for k in self.keys:
+            v = logs.get(k)
+            if v is None or not _numeric(v):
+                continue
+            i = self._index[k]
+            host.append(2 * i + 1)  # present
+            if torch.is_tensor(v):
+                dev_idx.append(2 * i)
+                dev_vals.append(v.detach().to(torch.float64).reshape(()))
+            else:
+                out[2 * i] = float(v)
+        if host:
+            out[host] = 1.0
+        if dev_idx:
+            out[dev_idx] = torch.stack(dev_vals).to(device)
+        return out
+
+    def means(self, reduced: Sequence[float]) -> dict[str, float]:
+        """Summed slots (over ranks) -> {key: mean over the ranks that logged it}; keys nobody logged are left out."""
+        out = {}
+        for i, k in enumerate(self.keys):
+            total, count = reduced[2 * i], reduced[2 * i + 1]
+            if count > 0:
+                out[k] = total / count
+        return out
+
+
+__all__ = ["MetricsLogger", "read_metrics", "MetricSet", "UndeclaredMetricError"]

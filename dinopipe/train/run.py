@@ -77,6 +77,9 @@ class LoopTask:
 
     def __init__(self, task: TeacherStudentTask) -> None:
         self.task = task
+        self.metric_keys = getattr(task, "metric_keys", ())  # the loop reduces exactly these (dinopipe/train/metrics.py)
+        if hasattr(task, "begin_accumulation"):  # teacher targets over all micro-batches (train.accumulate)
+            self.begin_accumulation = task.begin_accumulation
 
     def __call__(self, batch: Any, values: dict[str, float]):
         return self.task(batch, values)

@@ -11,7 +11,8 @@ process) or when the main process dies (torch's watchdog). A worker forked befor
 ran would still die, so workers are forked with the signals blocked (``signals_blocked``) and take them
 only once their handling is in place: no window is left.
 
-``maybe_test_signal`` is a test-only hook: ``DINOPIPE_TEST_SIGNAL="step:N[:SIG][@RANK]"`` or
+``maybe_test_signal`` is a test-only hook (the loop installs it through ``test_hooks_from_env`` only when the
+variable is set; a real run's step has no hook): ``DINOPIPE_TEST_SIGNAL="step:N[:SIG][@RANK]"`` or
 ``"save:N[:SIG][@RANK]"`` makes the process signal its own process group (itself and its data workers,
 as Slurm would) in the middle of step N or during the checkpoint save of step N; ``"wait:N"`` holds step
 N until a signal comes from outside. Tests use it to hit an exact point instead of polling.
@@ -126,6 +127,14 @@ def maybe_test_signal(where: str, step: int, rank: int, flag: Optional[Preemptio
                       f"{len(dead)} of its {len(others)} other processes died", flush=True)
 
 
+def test_hooks_from_env() -> list:
+    """The loop's per-step hooks a test asked for through DINOPIPE_TEST_SIGNAL ([] in a real run), each called as
+    ``hook(step, rank, preemption_flag)`` after the step's backward."""
+    if not os.environ.get(TEST_SIGNAL_ENV):
+        return []
+    return [lambda step, rank, flag: maybe_test_signal("step", step, rank, flag)]
+
+
 def _group_members(pgid: int) -> dict[int, str]:
     """Live processes of a process group other than this one -> their /proc status text."""
     out = {}
@@ -156,4 +165,4 @@ def _wait_delivered(pids, sig: int, limit_s: float = 30.0) -> None:
 
 
 __all__ = ["PreemptionFlag", "EXIT_PREEMPTED", "worker_ignore_signals", "signals_blocked", "maybe_test_signal",
-           "TEST_SIGNAL_ENV"]
+           "TEST_SIGNAL_ENV", "test_hooks_from_env"]

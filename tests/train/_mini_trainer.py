@@ -7,7 +7,8 @@ own process group), or alone. Modes:
   count  - also counts, per step, torch.distributed.all_reduce calls and host reads of tensors made inside
            the step (``.item() .tolist() float() int() bool() .numpy()``: on CUDA each one waits for the GPU)
            and writes them to RUN_DIR/counts_rank{R}.json.
-Options: steps=8 workers=2 persistent=1 phases=2 ckpt=4 log=1000 groups=1 clip=0.5
+Options: steps=8 workers=2 persistent=1 phases=2 ckpt=4 log=1000 groups=1 clip=0.5 accumulate=1
+         extras=none|rank1 (rank 1 alone logs the declared 'rank1_only')|undeclared (rank 1 alone logs 'oops')
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ class Points(Dataset):
 class MiniTask:
     """What the loop needs from a task (dinopipe.train.loop.Task), around an FSDP2-sharded MLP."""
 
-    def __init__(self, info, groups: int) -> None:
+    metric_keys = ("mse", "x_mean", "n", "rank1_only")
+
+    def __init__(self, info, groups: int, extras: str = "none") -> None:
+        self.rank, self.extras = info.rank, extras
         torch.manual_seed(0)
         self.models = nn.ModuleList(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4)) for _ in range(groups))
         if info.distributed:
@@ -64,7 +68,12 @@ class MiniTask:
         x, y = batch
         losses = [nn.functional.mse_loss(m(x), y) for m in self.models]
         loss = sum(losses)
-        return loss, {"mse": losses[0].detach(), "x_mean": x.mean(), "n": int(x.shape[0])}
+        logs = {"mse": losses[0].detach(), "x_mean": x.mean(), "n": int(x.shape[0])}
+        if self.rank == 1 and self.extras == "rank1":
+            logs["rank1_only"] = 7.0
+        if self.rank == 1 and self.extras == "undeclared":
+            logs["oops"] = torch.ones(())
+        return loss, logs
 
     def trainable_parameters(self):
         return [p for m in self.models for p in m.parameters()]
@@ -88,7 +97,7 @@ class MiniTask:
 
 def build(run_dir: str, opts: dict, info):
     steps, n_phases = int(opts.get("steps", 8)), int(opts.get("phases", 2))
-    task = MiniTask(info, int(opts.get("groups", 1)))
+    task = MiniTask(info, int(opts.get("groups", 1)), opts.get("extras", "none"))
     optimizer = torch.optim.AdamW(task.trainable_parameters(), lr=1e-2)
     bounds = [(steps * i // n_phases, steps * (i + 1) // n_phases) for i in range(n_phases)]
     workers = int(opts.get("workers", 2))
@@ -103,7 +112,8 @@ def build(run_dir: str, opts: dict, info):
               for i, (s, e) in enumerate(bounds)]
     schedules = {"lr": torch.full((steps,), 1e-2).numpy(), "wd": torch.zeros(steps).numpy()}
     cfg = LoopConfig(seed=0, clip_grad=float(opts.get("clip", 0.5)), log_every=int(opts.get("log", 1000)),
-                     checkpoint_every=int(opts.get("ckpt", 4)), keep_last=2, progress=False)
+                     checkpoint_every=int(opts.get("ckpt", 4)), keep_last=2, progress=False,
+                     accumulate=int(opts.get("accumulate", 1)))
     return Trainer(task, optimizer, schedules, phases, run_dir, info, cfg, pool_size=POOL)
 
 

@@ -60,3 +60,24 @@ def test_two_rank_runs_exit_zero_every_time(tmp_path):
     bad = [(i, c) for i, c in enumerate(codes) if c != [0, 0]]
     logs = "".join((tmp_path / f"run{i}.rank{k}.log").read_text()[-1500:] for i, _ in bad[:2] for k in (0, 1))
     assert len(codes) == 30 and not bad, f"{bad}\n{logs}"
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ranks_logging_different_extras_cannot_misalign_the_reduction(tmp_path):
+    # Rank 1 alone logs a declared key: every row averages it over the ranks that logged it, the others stay
+    # intact (before, the per-rank sorted key lists misaligned the all-reduce vector).
+    opts = ("steps=4", "phases=1", "ckpt=100", "log=1", "workers=0")
+    res = mini(tmp_path / "declared", "train", *opts, "extras=rank1")
+    assert [r[0] for r in res] == [0, 0], res
+    rows = _rows(tmp_path / "declared")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["rank1_only"] == 7.0 and r["n"] == 4.0 for r in rows), rows
+    # An undeclared key on rank 1 only: an error at the first step on EVERY rank (no rank left waiting).
+    res = mini(tmp_path / "undeclared", "train", *opts, "extras=undeclared")
+    assert all(r[0] not in (0, 124) for r in res), res
+    assert "this rank logged ['oops']" in res[1][2], res[1][2][-2000:]
+    assert "another rank logged one" in res[0][2], res[0][2][-2000:]
+    assert not (tmp_path / "undeclared" / "metrics.jsonl").exists() or not _rows(tmp_path / "undeclared")

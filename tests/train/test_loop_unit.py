@@ -63,6 +63,8 @@ class RecordingSGD(torch.optim.SGD):
 class FakeTask:
     """What the loop needs from a task: a linear model, an EMA copy, and a loss that can turn nan."""
 
+    metric_keys = ("mse", "host_metric")
+
     def __init__(self, events, nan_at=None, scale=1.0):
         torch.manual_seed(0)
         self.model = nn.Linear(2, 1, bias=False)
@@ -82,7 +84,7 @@ class FakeTask:
         loss = ((self.model(batch["x"]).squeeze(-1) - batch["y"]) ** 2).mean() * self.scale
         if self.nan_at is not None and len(self.values) - 1 == self.nan_at:
             loss = loss * float("nan")
-        return loss, {"mse": loss.detach(), "host_metric": 2.0, "corrupt/decode": 1}
+        return loss, {"mse": loss.detach(), "host_metric": 2.0}
 
     def trainable_parameters(self):
         return self.model.parameters()
@@ -150,7 +152,7 @@ def test_step_order_schedules_logs_and_checkpoints(tmp_path, recorded):
     assert task.batches == [(0, 0), (0, 2), (0, 4), (0, 6), (0, 8), (0, 10)]
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(6))
-    assert rows[0]["phase"] == "base" and rows[0]["host_metric"] == 2.0 and rows[0]["corrupt/decode"] == 1
+    assert rows[0]["phase"] == "base" and rows[0]["host_metric"] == 2.0 and rows[0]["corrupt_images"] == 0
     assert rows[3]["lr"] == pytest.approx(sched["lr"][3]) and rows[3]["grad_norm"] == pytest.approx(
         task.raw_grad_norms[3], rel=1e-5)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
@@ -206,3 +208,21 @@ def test_stop_and_resume_repeats_the_uninterrupted_run(tmp_path, capsys):
     torch.testing.assert_close(second.model.weight, ref.model.weight)
     torch.testing.assert_close(second.ema.weight, ref.ema.weight)
     assert [r["step"] for r in _rows(tmp_path / "run")] == list(range(6))
+
+
+def test_a_checkpoint_from_before_the_skip_counter_and_lr_record_still_resumes(tmp_path):
+    from dinopipe.train.lr_record import LrBasis
+
+    events: list = []
+    first = FakeTask(events)
+    trainer, _ = _trainer(tmp_path, first, events, stop_after=2)
+    for key in ("skipped_steps", "lr_batch", "lr_peak"):  # what an older trainer saved
+        trainer.state.values.pop(key, None)
+    assert trainer.fit() == 0
+    second = FakeTask(events)
+    trainer, _ = _trainer(tmp_path, second, events)
+    trainer.lr_basis = LrBasis([2], lambda b: _schedules(6), lambda b: [0.01])
+    trainer._use_lr_batches([2])
+    assert trainer.fit() == 0
+    assert second.batches == [(0, 4), (0, 6), (0, 8), (0, 10)]
+    assert _rows(tmp_path)[-1]["skipped_steps"] == 0

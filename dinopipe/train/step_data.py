@@ -1,0 +1,53 @@
+"""What the ranks agree on about a step's data *before* running it: whether some rank has a micro-batch with no
+readable image, and how many images each step lost to corrupt files.
+
+A rank whose whole batch failed to decode cannot run the step (there is nothing to forward), and under FSDP2 a
+rank that skips the forward leaves the others waiting in its all-gathers forever. So every rank reports on the
+batches of step s+1 inside step s's one all-reduce (the loop fetches them before the reduction: the loader
+prefetches anyway), and all ranks skip step s+1 together when any of them has an empty micro-batch. Only the
+first step after a loader starts (a run or a phase starting) needs a reduction of its own. A skipped step still
+advances the step, the schedules and the data position; it is counted in ``skipped_steps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..data.decode import REASONS
+
+REPORT_SIZE = 1 + len(REASONS)
+"""Slots of one data report in the step's all-reduce vector: [empty micro-batch flag, corrupt count per reason]."""
+
+
+def is_empty(batch: Any) -> bool:
+    """A batch in which every sample failed to decode (SkipCorrupt's ``n_images == 0``)."""
+    return isinstance(batch, dict) and batch.get("n_images", 1) == 0
+
+
+def local_report(micro: Sequence[Any]) -> list[float]:
+    """This rank's report on one step's micro-batches (zeros for no batches: nothing to say)."""
+    corrupt = [0.0] * len(REASONS)
+    for b in micro:
+        for reason, n in ((b.get("corrupt") or {}) if isinstance(b, dict) else {}).items():
+            corrupt[REASONS.index(reason) if reason in REASONS else REASONS.index("read_error")] += n
+    return [1.0 if any(is_empty(b) for b in micro) else 0.0] + corrupt
+
+
+@dataclass
+class DataReport:
+    """A step's data, as all ranks agree on it (summed over ranks)."""
+
+    skip: bool = False
+    corrupt: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_reduced(cls, vals: Sequence[float]) -> "DataReport":
+        return cls(vals[0] > 0, {r: int(v) for r, v in zip(REASONS, vals[1:REPORT_SIZE]) if v > 0})
+
+    def logs(self) -> dict[str, int]:
+        """``corrupt_images`` (this step, all ranks) and one ``corrupt/REASON`` per reason seen."""
+        return {"corrupt_images": sum(self.corrupt.values()), **{f"corrupt/{r}": n for r, n in self.corrupt.items()}}
+
+
+__all__ = ["DataReport", "REPORT_SIZE", "is_empty", "local_report"]
