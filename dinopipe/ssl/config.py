@@ -35,6 +35,7 @@ class IbotConfig:
 
 Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
 Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
+Blur = choices("Blur", ("released", "paper"), __name__)
 LrSchedule = choices("LrSchedule", ("cosine", "constant"), __name__)
 ResizeMode = choices("ResizeMode", ("bicubic", "bilinear", "nearest", "area"), __name__)
 
@@ -77,6 +78,11 @@ class CropsConfig:
     global_crops_scale: list[float] = field(default_factory=lambda: [0.32, 1.0])
     local_crops_number: int = 8
     local_crops_scale: list[float] = field(default_factory=lambda: [0.05, 0.32])
+    blur: Blur = Blur.released
+    """released (the official code: global crop 1 never blurred, crop 2 with p=0.9, locals 0.5) | paper (the
+    papers' wording: crop 1 always, crop 2 with p=0.1)"""
+    horizontal_flip: bool = True
+    """false: no flips (DINOv3's ViT-7B recipe)."""
 
 
 @dataclass
