@@ -8,12 +8,18 @@ from typing import Optional
 from ..config import ModelConfig, ParallelConfig, check_choices, check_parallel_config, choices
 
 
+LastLayer = choices("LastLayer", ("weight_norm", "weight_norm_fixed", "linear"), __name__)
+
+
 @dataclass
 class HeadConfig:
     n_prototypes: int = 65536
     hidden_dim: int = 2048
     bottleneck_dim: int = 256
     nlayers: int = 3
+    last_layer: LastLayer = LastLayer.weight_norm
+    """The prototype layer: weight_norm (DINOv2: weight norm with a trained gain) | linear (DINOv3: a plain
+    linear layer) | weight_norm_fixed (DINO v1: the gain fixed at 1)."""
 
 
 @dataclass
@@ -66,6 +72,11 @@ class OptimConfig:
     patch_embed_lr_mult: float = 0.2
     freeze_last_layer_epochs: float = 1
     clip_grad: float = 3.0
+    clip_per_module: bool = True
+    """Clip the backbone and each head on its own norm (both official codes); false: one norm per student."""
+    decay_tokens: bool = True
+    """Weight-decay the cls / position / register / storage / mask tokens and the prototype gain, as both
+    official codes do; false exempts them (like norms and biases)."""
     adamw_beta1: float = 0.9
     adamw_beta2: float = 0.999
     lr_schedule: LrSchedule = LrSchedule.cosine

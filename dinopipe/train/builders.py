@@ -12,7 +12,7 @@ from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
 from ..ssl.gram import gram_schedules
-from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr, warmup_then_constant
+from ..ssl.schedules import Piece, build_ssl_schedules, linear_warmup_cosine_decay, piecewise, scaled_lr
 from .dist import DistInfo, LaunchError, destroy
 from .highres import phase_loader, phase_sizes
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
@@ -44,25 +44,22 @@ def build_schedules(cfg: Any, world_size: int) -> dict:
                                o.freeze_last_layer_epochs)
     constant = getattr(o, "lr_schedule", "cosine") == "constant"  # DINOv3: warm-up then the peak lr
 
-    def first_lr(n: int):
-        if constant:
-            warm = min(int(round(o.warmup_epochs * cfg.train.epoch_length)), n)
-            return warmup_then_constant(0.0, peak(cfg.phases[0]), warm, n)
-        return build_ssl_schedules(n, cfg.train.epoch_length, peak(cfg.phases[0]), o.min_lr, o.warmup_epochs).lr.values
+    def first_lr(n: int):  # the first phase's lr: the one schedule shape (ssl/schedules.py)
+        top = peak(cfg.phases[0])
+        warm = int(round(o.warmup_epochs * cfg.train.epoch_length))
+        return linear_warmup_cosine_decay(0.0, top, top if constant else o.min_lr, warm, n)
 
     if len(cfg.phases) == 1:
-        lr = first_lr(total) if constant else base.lr.values
+        lr = first_lr(total)
     else:
-        first = first_lr(first_end)
-        pieces = [first]
+        pieces = [first_lr(first_end)]
         for ph, (s, e) in zip(cfg.phases[1:], bounds[1:]):
             n = e - s
             pieces.append(Piece("cosine", n, peak(ph), o.min_lr, warmup_steps=int(ph.warmup_fraction * n),
                                 warmup_start=o.min_lr))
         lr = piecewise(pieces)
     last_layer = lr.copy()
-    frozen = min(int(round(o.freeze_last_layer_epochs * cfg.train.epoch_length)), total)
-    last_layer[:frozen] = 0.0
+    last_layer[:int(round(o.freeze_last_layer_epochs * cfg.train.epoch_length))] = 0.0
     out = {"lr": lr, "wd": base.weight_decay.values, "last_layer_lr": last_layer,
            "momentum": base.momentum.values, "teacher_temp": base.teacher_temp.values}
     if getattr(cfg, "gram", None) is not None and cfg.gram.enabled:
