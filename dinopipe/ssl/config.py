@@ -23,10 +23,25 @@ class HeadConfig:
 
 
 @dataclass
+class WeightSchedule:
+    """DINOv3's schedule of a loss weight (``linear_warmup_cosine_decay``): start -> peak over warmup_epochs,
+    then half a cosine peak -> end over cosine_epochs, then end."""
+
+    start: float = 1.0
+    peak: float = 1.0
+    end: float = 1.0
+    warmup_epochs: float = 0
+    cosine_epochs: float = 0
+
+
+@dataclass
 class DinoConfig:
     loss_weight: float = 1.0
     head: HeadConfig = field(default_factory=HeadConfig)
     koleo_loss_weight: float = 0.1
+    local_loss_weight_schedule: Optional[WeightSchedule] = None
+    """DINOv3's reweighting of the local-crop DINO terms (``reweight_dino_local_loss``; its Gram stage: 1 -> 0.5
+    over one epoch, its high-resolution stage: 0.5). null: weight 1, as DINOv2."""
 
 
 @dataclass
@@ -42,7 +57,7 @@ class IbotConfig:
 Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
 Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
 Blur = choices("Blur", ("released", "paper"), __name__)
-LrSchedule = choices("LrSchedule", ("cosine", "constant"), __name__)
+LrSchedule = choices("LrSchedule", ("cosine", "constant", "rise"), __name__)
 ResizeMode = choices("ResizeMode", ("bicubic", "bilinear", "nearest", "area"), __name__)
 
 
@@ -81,7 +96,8 @@ class OptimConfig:
     adamw_beta2: float = 0.999
     lr_schedule: LrSchedule = LrSchedule.cosine
     """cosine (DINOv2: warm-up, then cosine to min_lr) | constant (DINOv3: warm-up, then the peak lr to the end,
-    so training can be extended or stopped at any point; later phases keep their own cosine)."""
+    so training can be extended or stopped at any point; later phases keep their own cosine) | rise (DINOv3's
+    high-resolution adaptation: half a cosine from 0 up to the peak lr over warmup_epochs, then the peak)."""
 
 
 @dataclass

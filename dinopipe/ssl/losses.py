@@ -69,6 +69,7 @@ class DINOLoss(_TeacherTargetLoss):
         student_local_logits: Optional[Tensor] = None,
         n_global_crops: int = 2,
         return_parts: bool = False,
+        local_weight: float = 1.0,
     ):
         """Student (n_g * B, K) [+ (n_l * B, K)] logits and teacher (n_g * B, K) targets -> scalar loss.
 
@@ -99,6 +100,7 @@ class DINOLoss(_TeacherTargetLoss):
             n_terms += n_l * n_g
         if n_terms == 0:
             raise ValueError("DINO loss needs 2+ global crops or at least one local crop")
+        local_sum = local_sum * local_weight  # DINOv3's reweighting of the local-crop terms (1: DINOv2)
         loss = (global_sum + local_sum) / n_terms
         if return_parts:
             return loss, {"dino_global": global_sum.detach() / n_terms, "dino_local": local_sum.detach() / n_terms}

@@ -192,7 +192,16 @@ def build_ssl_schedules(
     )
 
 
+def weight_schedule(ws, total_steps: int, steps_per_epoch: int) -> np.ndarray:
+    """A ``WeightSchedule`` (start, peak, end, warmup_epochs, cosine_epochs) as a per-step array."""
+    def steps(epochs: float) -> int:
+        return int(round(epochs * steps_per_epoch))
+
+    return linear_warmup_cosine_decay(ws.start, ws.peak, ws.end, steps(ws.warmup_epochs), total_steps,
+                                      cosine=steps(ws.cosine_epochs))
+
+
 __all__ = [
     "Piece", "SSLSchedules", "Schedule", "build_ssl_schedules", "constant_schedule", "cosine_schedule",
-    "linear_schedule", "linear_warmup_cosine_decay", "piecewise", "scaled_lr", "warmup_then_constant",
+    "linear_schedule", "linear_warmup_cosine_decay", "piecewise", "weight_schedule", "scaled_lr", "warmup_then_constant",
 ]

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
-from ..ssl.gram import gram_schedules
+from ..ssl.gram import loss_weight_schedules
 from ..ssl.schedules import Piece, build_ssl_schedules, linear_warmup_cosine_decay, piecewise, scaled_lr
 from .dist import DistInfo, LaunchError, destroy
 from .highres import phase_loader, phase_sizes
@@ -47,6 +47,8 @@ def build_schedules(cfg: Any, world_size: int) -> dict:
     def first_lr(n: int):  # the first phase's lr: the one schedule shape (ssl/schedules.py)
         top = peak(cfg.phases[0])
         warm = int(round(o.warmup_epochs * cfg.train.epoch_length))
+        if getattr(o, "lr_schedule", "cosine") == "rise":  # DINOv3 high-res adaptation: cosine 0 -> peak
+            return linear_warmup_cosine_decay(0.0, 0.0, top, 0, n, cosine=warm)
         return linear_warmup_cosine_decay(0.0, top, top if constant else o.min_lr, warm, n)
 
     if len(cfg.phases) == 1:
@@ -62,8 +64,7 @@ def build_schedules(cfg: Any, world_size: int) -> dict:
     last_layer[:int(round(o.freeze_last_layer_epochs * cfg.train.epoch_length))] = 0.0
     out = {"lr": lr, "wd": base.weight_decay.values, "last_layer_lr": last_layer,
            "momentum": base.momentum.values, "teacher_temp": base.teacher_temp.values}
-    if getattr(cfg, "gram", None) is not None and cfg.gram.enabled:
-        out.update(gram_schedules(cfg.gram, total))  # gram_weight, gram_refresh (dinopipe/ssl/gram.py)
+    out.update(loss_weight_schedules(cfg, total))  # dino_local_weight, gram_weight, gram_refresh (ssl/gram.py)
     return out
 
 
