@@ -24,7 +24,8 @@ from torch import Tensor
 from torchvision.transforms import v2
 
 from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD
-from .masking import MaskingGenerator, mask_token_weights, masks_upperbound, sample_masks
+from ..utils.masks import mask_token_weights
+from .masking import MaskingGenerator, masks_upperbound, sample_masks
 
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .ema import local_tensor
 from .schedules import linear_warmup_cosine_decay, weight_schedule
 
 from .config import GramConfig
@@ -103,10 +104,6 @@ def loss_weight_schedules(cfg, total_steps: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard (DTensor) -> this rank's part
-
-
 class GramTeacher(nn.Module):
     """The frozen Gram teacher: a backbone copied from the EMA teacher's at the refresh steps.
 
@@ -132,7 +129,7 @@ class GramTeacher(nn.Module):
         for name, p in mine:
             if name not in theirs:
                 raise RuntimeError(f"Gram teacher parameter '{name}' has no counterpart in the EMA teacher")
-            dst, src = _local(p), _local(theirs[name])
+            dst, src = local_tensor(p), local_tensor(theirs[name])
             if dst.shape != src.shape:
                 raise RuntimeError(f"Gram teacher '{name}': shard {tuple(dst.shape)} vs teacher {tuple(src.shape)} "
                                    "(the two must be sharded identically)")

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..utils.masks import mask_token_weights
 from .centering import AllReduceFn, TeacherCentering
 
 
@@ -107,12 +108,6 @@ class DINOLoss(_TeacherTargetLoss):
         return loss
 
 
-def ibot_mask_weights(masks: Tensor) -> Tensor:
-    """(n, N) bool masks -> (M,) weight 1 / (number of masked patches of its image) per masked patch."""
-    per_image = 1.0 / masks.sum(dim=-1).clamp(min=1).float()  # (n,)
-    return per_image.unsqueeze(-1).expand_as(masks)[masks]
-
-
 class IBOTPatchLoss(_TeacherTargetLoss):
     """iBOT masked-patch cross-entropy, DINOv2's ``forward_masked``.
 
@@ -140,7 +135,7 @@ class IBOTPatchLoss(_TeacherTargetLoss):
         if masks_weight is None:
             if masks is None:
                 raise ValueError("IBOTPatchLoss needs masks_weight or masks")
-            masks_weight = ibot_mask_weights(masks)
+            masks_weight = mask_token_weights(masks)
         if masks_weight.shape[0] != student_logits.shape[0]:
             raise ValueError(f"{masks_weight.shape[0]} mask weights for {student_logits.shape[0]} masked patches")
         lsm = _log_softmax32(student_logits, self.student_temp)
@@ -177,4 +172,4 @@ class KoLeoLoss(nn.Module):
         return koleo_loss(features, self.eps)
 
 
-__all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "ibot_mask_weights", "koleo_loss"]
+__all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "koleo_loss"]
