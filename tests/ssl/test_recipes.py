@@ -29,6 +29,8 @@ DELIBERATE = {
     # DINOv3: the 7B's SSL recipe applied to a ViT-L, shortened to a run one team can afford.
     ("configs/pretrain/vitl16_dinov3.yaml", "train.epochs"): "300 epochs, not the 7B's 1000 (budget)",
     ("configs/pretrain/vitl16_dinov3.yaml", "gram.first_step"): "Gram from step 200k of the 300k-step run, not 1.01M",
+    ("configs/pretrain/vitl16_dinov3.yaml", "dino.local_loss_weight_schedule.warmup_epochs"):
+        "the local-crop weight drops as this run's Gram stage starts (epoch 200, not 1000)",
 }
 """(config, key) -> why it differs from the official value."""
 
