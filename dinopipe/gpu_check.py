@@ -39,9 +39,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-
-class Skip(Exception):
-    """A check that does not apply here (no GPU, package not installed); recorded with its reason."""
+from .gpu_check_train import Skip  # one direction only: gpu_check_train never imports this module
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -264,6 +262,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from dinopipe.gpu_check import main as _main  # the package's module, so gpu_check_train shares its Skip
+    from dinopipe.gpu_check import main as _main  # the package's module (its Skip is gpu_check_train's)
 
     sys.exit(_main())

@@ -17,7 +17,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .gpu_check import Skip
+
+class Skip(Exception):
+    """A check that does not apply here (no GPU, package not installed); recorded with its reason."""
+
 
 REPO = Path(__file__).resolve().parents[1]
 

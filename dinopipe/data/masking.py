@@ -123,10 +123,4 @@ def masks_upperbound(n_images: int, n_patches: int, mask_ratio_min_max=(0.1, 0.5
     return int(sum(int(n_patches * edges[i + 1]) for i in range(n_masked_images)))
 
 
-def mask_token_weights(masks: Tensor) -> Tensor:
-    """(n, N) bool masks -> (M,) weights, 1 / (masked patches in that image), in ``masks[masks]`` order."""
-    per_image = 1.0 / masks.sum(dim=-1).clamp(min=1).float()
-    return per_image.unsqueeze(-1).expand_as(masks)[masks]
-
-
-__all__ = ["MaskingGenerator", "mask_token_weights", "masks_upperbound", "sample_masks"]
+__all__ = ["MaskingGenerator", "masks_upperbound", "sample_masks"]

@@ -23,10 +23,6 @@ from .loader import DataPosition, GlobalBatchSampler, ImagePoolDataset, SkipCorr
 from .sources import stable_hash
 from .transforms import IMAGENET_MEAN, IMAGENET_STD, MultiCropAugmentation, MultiCropCollator
 
-# MultiCropAugmentation's global pipelines start with these geometric steps: RandomResizedCrop, flip, ToImage.
-_N_GEOMETRIC = 3
-
-
 class GramCropAugmentation(MultiCropAugmentation):
     """MultiCropAugmentation whose samples also hold ``gram_crops``: the global crops' boxes at ``gram_size``."""
 
@@ -36,12 +32,12 @@ class GramCropAugmentation(MultiCropAugmentation):
         self.gram_size, self.global_scale = gram_size, tuple(global_scale)
         # The photometric rest of each global pipeline (colour, blur, solarise, normalise), after our own
         # geometric step that produces the student's crop and the Gram teacher's from one drawn box.
-        self.photo = [v2.Compose(t.transforms[_N_GEOMETRIC:]) for t in (self.global1, self.global2)]
+        self.photo = [v2.Compose(t.transforms[self.n_geometric:]) for t in (self.global1, self.global2)]
         self.normalize = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
 
     def _global_pair(self, image: Any, photo: v2.Transform) -> tuple[Tensor, Tensor]:
         top, left, h, w = v2.RandomResizedCrop.get_params(image, scale=list(self.global_scale), ratio=[3 / 4, 4 / 3])
-        flip = bool(torch.rand(1) < 0.5)
+        flip = self.horizontal_flip and bool(torch.rand(1) < 0.5)
 
         def crop(size: int) -> Tensor:
             t = v2.functional.resized_crop(image, top, left, h, w, [size, size],

@@ -2,12 +2,15 @@
 torchvision.transforms.v2, and the collate function that batches crops and draws iBOT masks.
 
 Per image: 2 global crops (224 px, scale 0.32-1) and ``n_local`` local crops (98 px, scale 0.05-0.32), each
-flipped, colour-jittered (p=0.8), greyscaled (p=0.2) and blurred — global crop 1 always, global crop 2 with
-p=0.1, local crops with p=0.5 — plus solarisation (p=0.2) on global crop 2, then ImageNet normalisation.
+flipped, colour-jittered (p=0.8), greyscaled (p=0.2) and blurred, plus solarisation (p=0.2) on global crop 2,
+then ImageNet normalisation.
 
-DINOv2's ``GaussianBlur`` passes ``1 - p`` to ``RandomApply`` (which takes the probability of *applying*),
-so its code blurs global crop 1 never and global crop 2 with p=0.9, the opposite of the paper and of DINO /
-BYOL's recipe. Here the probabilities mean what they say.
+Blur, ``blur="released"`` (the default): what the released DINOv2 / DINOv3 code does. Its ``GaussianBlur(p)``
+passes ``1 - p`` to ``RandomApply`` (which takes the probability of *applying*), so global crop 1 is never
+blurred, global crop 2 is blurred with p=0.9 and local crops with p=0.5 (dinov2 ``data/transforms.py:12-21``,
+``data/augmentations.py:73-82``; dinov3 ``data/transforms.py:25-28``). ``blur="paper"``: the papers' (and DINO /
+BYOL's) wording, global crop 1 always, global crop 2 with p=0.1. ``horizontal_flip=False`` drops the flips
+(DINOv3's ViT-7B config, ``dinov3_vit7b16_pretrain.yaml``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,13 @@ from torch import Tensor
 from torchvision.transforms import v2
 
 from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD
-from .masking import MaskingGenerator, mask_token_weights, masks_upperbound, sample_masks
+from ..utils.masks import mask_token_weights
+from .masking import MaskingGenerator, masks_upperbound, sample_masks
 
+
+
+BLUR_PROBABILITIES = {"released": (0.0, 0.9), "paper": (1.0, 0.1)}
+"""Probability of blurring (global crop 1, global crop 2); local crops: 0.5 in both."""
 
 
 def _blur(p: float) -> v2.Transform:
@@ -45,22 +53,33 @@ class MultiCropAugmentation:
         n_local: int = 8,
         global_scale: Sequence[float] = (0.32, 1.0),
         local_scale: Sequence[float] = (0.05, 0.32),
-        global1_blur_p: float = 1.0,
-        global2_blur_p: float = 0.1,
+        blur: str = "released",
+        global1_blur_p: Optional[float] = None,
+        global2_blur_p: Optional[float] = None,
         local_blur_p: float = 0.5,
         solarize_p: float = 0.2,
         color_jitter_p: float = 0.8,
         grayscale_p: float = 0.2,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
+        horizontal_flip: bool = True,
     ) -> None:
         self.global_size, self.local_size, self.n_local = global_size, local_size, n_local
+        if blur not in BLUR_PROBABILITIES:
+            raise ValueError(f"blur must be one of {sorted(BLUR_PROBABILITIES)}, got '{blur}'")
+        # Explicit probabilities (of blurring) override the named recipe's.
+        g1, g2 = BLUR_PROBABILITIES[blur]
+        global1_blur_p = g1 if global1_blur_p is None else global1_blur_p
+        global2_blur_p = g2 if global2_blur_p is None else global2_blur_p
+        flip = [v2.RandomHorizontalFlip(p=0.5)] if horizontal_flip else []
+        self.horizontal_flip = horizontal_flip
+        self.n_geometric = 2 + len(flip)  # crop, [flip], ToImage: where the photometric steps start
 
         def geometric(size: int, scale: Sequence[float]) -> list[v2.Transform]:
             return [
                 v2.RandomResizedCrop(size, scale=tuple(scale), interpolation=v2.InterpolationMode.BICUBIC,
                                      antialias=True),
-                v2.RandomHorizontalFlip(p=0.5),
+                *flip,
                 v2.ToImage(),  # uint8 tensor from here on: photometric ops run on the small crop
             ]
 
@@ -212,4 +231,4 @@ def eval_transform(crop: int = 224, resize_ratio: float = 256 / 224) -> v2.Compo
 
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MultiCropAugmentation", "MultiCropCollator", "eval_transform",
-           "eval_crop_size"]
+           "eval_crop_size", "BLUR_PROBABILITIES"]

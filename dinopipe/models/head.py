@@ -1,8 +1,10 @@
 """DINO projection head (Caron et al. 2021): MLP -> bottleneck -> L2-normalise -> prototypes.
 
-DINO/DINOv2 wrap the prototype layer in ``nn.utils.weight_norm`` with the gain initialised to 1; DINO v1
-froze the gain (``norm_last_layer=True``, our default), DINOv2 leaves it trainable (``norm_last_layer=False``
-here). Weight norm is computed explicitly — normalised rows times an optional gain — so the parameters are
+The prototype layer, ``last_layer``: DINO/DINOv2 wrap it in ``nn.utils.weight_norm`` with the gain
+initialised to 1; DINO v1 froze the gain (``"weight_norm_fixed"``), DINOv2 trains it (``"weight_norm"``, the
+default: dinov2 ``layers/dino_head.py:27-28``), DINOv3 uses a plain linear layer (``"linear"``: dinov3
+``layers/dino_head.py:32``; its state dict carries a ``plain_last_layer`` marker so a saved head rebuilds as
+itself). Weight norm is computed explicitly — normalised rows times an optional gain — so the parameters are
 plain tensors that shard cleanly with FSDP2 and load without parametrization hooks. A DINOv2 head's
 ``weight_v`` / ``weight_g`` map to ``last_layer.weight`` / ``last_layer_gain``.
 """
@@ -15,6 +17,9 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
 
+LAST_LAYERS = ("weight_norm", "weight_norm_fixed", "linear")
+
+
 class DINOHead(nn.Module):
     def __init__(
         self,
@@ -25,7 +30,8 @@ class DINOHead(nn.Module):
         nlayers: int = 3,
         use_bn: bool = False,
         mlp_bias: bool = True,
-        norm_last_layer: bool = True,
+        norm_last_layer: bool = False,
+        last_layer: str | None = None,
     ) -> None:
         super().__init__()
         nlayers = max(nlayers, 1)
@@ -39,8 +45,14 @@ class DINOHead(nn.Module):
                 layers.append(nn.GELU())
         self.mlp = nn.Sequential(*layers)
         self.last_layer = nn.Linear(bottleneck_dim, out_dim, bias=False)
-        # Learnable per-prototype gain only when the last layer is not kept normalised.
-        self.last_layer_gain = None if norm_last_layer else nn.Parameter(torch.ones(out_dim, 1))
+        kind = last_layer or ("weight_norm_fixed" if norm_last_layer else "weight_norm")
+        if kind not in LAST_LAYERS:
+            raise ValueError(f"last_layer must be one of {LAST_LAYERS}, got '{kind}'")
+        self.last_layer_kind = kind
+        # Learnable per-prototype gain only with DINOv2's trainable weight norm.
+        self.last_layer_gain = nn.Parameter(torch.ones(out_dim, 1)) if kind == "weight_norm" else None
+        if kind == "linear":
+            self.register_buffer("plain_last_layer", torch.ones(()))
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -51,6 +63,8 @@ class DINOHead(nn.Module):
                     nn.init.zeros_(m.bias)
 
     def prototypes(self) -> Tensor:
+        if self.last_layer_kind == "linear":
+            return self.last_layer.weight
         w = F.normalize(self.last_layer.weight, dim=1)  # (K, bottleneck)
         return w if self.last_layer_gain is None else w * self.last_layer_gain
 
@@ -64,4 +78,4 @@ class DINOHead(nn.Module):
         return F.linear(x, self.prototypes().to(x.dtype))  # (B, K)
 
 
-__all__ = ["DINOHead"]
+__all__ = ["DINOHead", "LAST_LAYERS"]

@@ -38,8 +38,10 @@ def head_config(sd: Mapping[str, Tensor]) -> HeadConfig:
     """The shape of a saved DINOHead (layers, widths, prototypes), read from its weights."""
     linear = sorted((int(k.split(".")[1]), v) for k, v in sd.items()
                     if k.startswith("mlp.") and k.endswith(".weight") and v.dim() == 2)
+    kind = ("weight_norm" if "last_layer_gain" in sd else "linear" if "plain_last_layer" in sd
+            else "weight_norm_fixed")
     return HeadConfig(n_prototypes=int(sd["last_layer.weight"].shape[0]), hidden_dim=int(linear[0][1].shape[0]),
-                      bottleneck_dim=int(linear[-1][1].shape[0]), nlayers=len(linear))
+                      bottleneck_dim=int(linear[-1][1].shape[0]), nlayers=len(linear), last_layer=kind)
 
 
 def build_head(in_dim: Optional[int] = None, cfg: Optional[HeadConfig] = None,
@@ -50,12 +52,13 @@ def build_head(in_dim: Optional[int] = None, cfg: Optional[HeadConfig] = None,
     if state_dict is None:
         if in_dim is None or cfg is None:
             raise TypeError("build_head: give in_dim and cfg, or a state_dict")
-        return DINOHead(in_dim, cfg.n_prototypes, cfg.hidden_dim, cfg.bottleneck_dim, cfg.nlayers)
+        return DINOHead(in_dim, cfg.n_prototypes, cfg.hidden_dim, cfg.bottleneck_dim, cfg.nlayers,
+                        last_layer=str(cfg.last_layer))
     cfg = cfg or head_config(state_dict)
     first = min((k for k in state_dict if k.startswith("mlp.") and k.endswith(".weight")),
                 key=lambda k: int(k.split(".")[1]))
     head = DINOHead(int(state_dict[first].shape[1]), cfg.n_prototypes, cfg.hidden_dim, cfg.bottleneck_dim,
-                    cfg.nlayers, norm_last_layer="last_layer_gain" not in state_dict)
+                    cfg.nlayers, last_layer=head_config(state_dict).last_layer)
     head.load_state_dict(dict(state_dict))
     return head
 
@@ -198,8 +201,14 @@ class TeacherStudentTask(nn.Module):
             yield from group.parameters()
 
     def clip_groups(self) -> list[list[nn.Parameter]]:
-        """Each trained group's gradients are clipped on their own: students must not slow each other down."""
-        return [list(g.parameters()) for g in self.trained_groups().values()]
+        """Gradient sets clipped on their own. Official (``optim.clip_per_module``, default): each backbone and
+        each head separately (dinov2 ``train/train.py:253,259``; dinov3 ``train/train.py:489-493``), so the heads'
+        large gradients do not set the backbone's scale. Off: one set per student. Students never share one."""
+        per_module = getattr(getattr(self.cfg, "optim", None), "clip_per_module", True)
+        groups = self.trained_groups().values()
+        if per_module:
+            return [list(m.parameters()) for g in groups for m in g.values()]
+        return [list(g.parameters()) for g in groups]
 
     def prepare_batch(self, batch: dict) -> tuple[dict, list[Tensor]]:
         """The batch on the trained models' device, and the crops in forward order (globals, then locals)."""

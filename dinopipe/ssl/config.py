@@ -8,12 +8,30 @@ from typing import Optional
 from ..config import ModelConfig, ParallelConfig, check_choices, check_parallel_config, choices
 
 
+LastLayer = choices("LastLayer", ("weight_norm", "weight_norm_fixed", "linear"), __name__)
+
+
 @dataclass
 class HeadConfig:
     n_prototypes: int = 65536
     hidden_dim: int = 2048
     bottleneck_dim: int = 256
     nlayers: int = 3
+    last_layer: LastLayer = LastLayer.weight_norm
+    """The prototype layer: weight_norm (DINOv2: weight norm with a trained gain) | linear (DINOv3: a plain
+    linear layer) | weight_norm_fixed (DINO v1: the gain fixed at 1)."""
+
+
+@dataclass
+class WeightSchedule:
+    """DINOv3's schedule of a loss weight (``linear_warmup_cosine_decay``): start -> peak over warmup_epochs,
+    then half a cosine peak -> end over cosine_epochs, then end."""
+
+    start: float = 1.0
+    peak: float = 1.0
+    end: float = 1.0
+    warmup_epochs: float = 0
+    cosine_epochs: float = 0
 
 
 @dataclass
@@ -21,6 +39,9 @@ class DinoConfig:
     loss_weight: float = 1.0
     head: HeadConfig = field(default_factory=HeadConfig)
     koleo_loss_weight: float = 0.1
+    local_loss_weight_schedule: Optional[WeightSchedule] = None
+    """DINOv3's reweighting of the local-crop DINO terms (``reweight_dino_local_loss``; its Gram stage: 1 -> 0.5
+    over one epoch, its high-resolution stage: 0.5). null: weight 1, as DINOv2."""
 
 
 @dataclass
@@ -35,7 +56,8 @@ class IbotConfig:
 
 Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
 Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
-LrSchedule = choices("LrSchedule", ("cosine", "constant"), __name__)
+Blur = choices("Blur", ("released", "paper"), __name__)
+LrSchedule = choices("LrSchedule", ("cosine", "constant", "rise"), __name__)
 ResizeMode = choices("ResizeMode", ("bicubic", "bilinear", "nearest", "area"), __name__)
 
 
@@ -65,11 +87,17 @@ class OptimConfig:
     patch_embed_lr_mult: float = 0.2
     freeze_last_layer_epochs: float = 1
     clip_grad: float = 3.0
+    clip_per_module: bool = True
+    """Clip the backbone and each head on its own norm (both official codes); false: one norm per student."""
+    decay_tokens: bool = True
+    """Weight-decay the cls / position / register / storage / mask tokens and the prototype gain, as both
+    official codes do; false exempts them (like norms and biases)."""
     adamw_beta1: float = 0.9
     adamw_beta2: float = 0.999
     lr_schedule: LrSchedule = LrSchedule.cosine
     """cosine (DINOv2: warm-up, then cosine to min_lr) | constant (DINOv3: warm-up, then the peak lr to the end,
-    so training can be extended or stopped at any point; later phases keep their own cosine)."""
+    so training can be extended or stopped at any point; later phases keep their own cosine) | rise (DINOv3's
+    high-resolution adaptation: half a cosine from 0 up to the peak lr over warmup_epochs, then the peak)."""
 
 
 @dataclass
@@ -77,6 +105,11 @@ class CropsConfig:
     global_crops_scale: list[float] = field(default_factory=lambda: [0.32, 1.0])
     local_crops_number: int = 8
     local_crops_scale: list[float] = field(default_factory=lambda: [0.05, 0.32])
+    blur: Blur = Blur.released
+    """released (the official code: global crop 1 never blurred, crop 2 with p=0.9, locals 0.5) | paper (the
+    papers' wording: crop 1 always, crop 2 with p=0.1)"""
+    horizontal_flip: bool = True
+    """false: no flips (DINOv3's ViT-7B recipe)."""
 
 
 @dataclass

@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .ema import local_tensor
+from .schedules import linear_warmup_cosine_decay, weight_schedule
+
 from .config import GramConfig
 
 
@@ -74,7 +77,7 @@ def refresh_steps(cfg: GramConfig, total_steps: int) -> list[int]:
 
 
 def gram_schedules(cfg: GramConfig, total_steps: int) -> dict[str, np.ndarray]:
-    """Per-step arrays: ``gram_weight`` (0 before the first copy, then a linear warm-up to ``loss_weight``) and
+    """Per-step arrays: ``gram_weight`` (0 before the first copy, then a cosine ramp to ``loss_weight``) and
     ``gram_refresh`` (1.0 at the steps whose forward starts with a copy of the EMA teacher)."""
     weight = np.zeros(total_steps, dtype=np.float64)
     refresh = np.zeros(total_steps, dtype=np.float64)
@@ -82,17 +85,23 @@ def gram_schedules(cfg: GramConfig, total_steps: int) -> dict[str, np.ndarray]:
     if steps:
         start = cfg.loss_weight if cfg.loss_weight_start is None else cfg.loss_weight_start
         n = total_steps - cfg.first_step
-        ramp = np.full(n, float(cfg.loss_weight))
-        w = min(cfg.warmup_steps, n)
-        if w > 0:
-            ramp[:w] = np.linspace(start, cfg.loss_weight, w, endpoint=False)
-        weight[cfg.first_step:] = ramp
+        # DINOv3's loss_weight_schedule: half a cosine start -> loss_weight over warmup_steps, then constant.
+        weight[cfg.first_step:] = linear_warmup_cosine_decay(start, start, cfg.loss_weight, 0, n,
+                                                             cosine=min(cfg.warmup_steps, n))
         refresh[steps] = 1.0
     return {"gram_weight": weight, "gram_refresh": refresh}
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard (DTensor) -> this rank's part
+def loss_weight_schedules(cfg, total_steps: int) -> dict[str, np.ndarray]:
+    """The loss-weight arrays a stage config asks for: ``dino_local_weight`` (DINOv3's local-crop reweighting)
+    and the Gram ones (``gram_weight``, ``gram_refresh``)."""
+    out = {}
+    dino = getattr(cfg, "dino", None)
+    if dino is not None and getattr(dino, "local_loss_weight_schedule", None) is not None:
+        out["dino_local_weight"] = weight_schedule(dino.local_loss_weight_schedule, total_steps, cfg.train.epoch_length)
+    if getattr(cfg, "gram", None) is not None and cfg.gram.enabled:
+        out.update(gram_schedules(cfg.gram, total_steps))
+    return out
 
 
 class GramTeacher(nn.Module):
@@ -120,7 +129,7 @@ class GramTeacher(nn.Module):
         for name, p in mine:
             if name not in theirs:
                 raise RuntimeError(f"Gram teacher parameter '{name}' has no counterpart in the EMA teacher")
-            dst, src = _local(p), _local(theirs[name])
+            dst, src = local_tensor(p), local_tensor(theirs[name])
             if dst.shape != src.shape:
                 raise RuntimeError(f"Gram teacher '{name}': shard {tuple(dst.shape)} vs teacher {tuple(src.shape)} "
                                    "(the two must be sharded identically)")
@@ -140,4 +149,4 @@ class GramTeacher(nn.Module):
         return gram_loss(student_patches, t, remove_neg=self.cfg.remove_neg)
 
 
-__all__ = ["GramTeacher", "gram_loss", "gram_schedules", "refresh_steps", "resample_patch_grid"]
+__all__ = ["GramTeacher", "gram_loss", "gram_schedules", "loss_weight_schedules", "refresh_steps", "resample_patch_grid"]

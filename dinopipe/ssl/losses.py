@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..utils.masks import mask_token_weights
 from .centering import AllReduceFn, TeacherCentering
 
 
@@ -69,6 +70,7 @@ class DINOLoss(_TeacherTargetLoss):
         student_local_logits: Optional[Tensor] = None,
         n_global_crops: int = 2,
         return_parts: bool = False,
+        local_weight: float = 1.0,
     ):
         """Student (n_g * B, K) [+ (n_l * B, K)] logits and teacher (n_g * B, K) targets -> scalar loss.
 
@@ -99,16 +101,11 @@ class DINOLoss(_TeacherTargetLoss):
             n_terms += n_l * n_g
         if n_terms == 0:
             raise ValueError("DINO loss needs 2+ global crops or at least one local crop")
+        local_sum = local_sum * local_weight  # DINOv3's reweighting of the local-crop terms (1: DINOv2)
         loss = (global_sum + local_sum) / n_terms
         if return_parts:
             return loss, {"dino_global": global_sum.detach() / n_terms, "dino_local": local_sum.detach() / n_terms}
         return loss
-
-
-def ibot_mask_weights(masks: Tensor) -> Tensor:
-    """(n, N) bool masks -> (M,) weight 1 / (number of masked patches of its image) per masked patch."""
-    per_image = 1.0 / masks.sum(dim=-1).clamp(min=1).float()  # (n,)
-    return per_image.unsqueeze(-1).expand_as(masks)[masks]
 
 
 class IBOTPatchLoss(_TeacherTargetLoss):
@@ -138,7 +135,7 @@ class IBOTPatchLoss(_TeacherTargetLoss):
         if masks_weight is None:
             if masks is None:
                 raise ValueError("IBOTPatchLoss needs masks_weight or masks")
-            masks_weight = ibot_mask_weights(masks)
+            masks_weight = mask_token_weights(masks)
         if masks_weight.shape[0] != student_logits.shape[0]:
             raise ValueError(f"{masks_weight.shape[0]} mask weights for {student_logits.shape[0]} masked patches")
         lsm = _log_softmax32(student_logits, self.student_temp)
@@ -175,4 +172,4 @@ class KoLeoLoss(nn.Module):
         return koleo_loss(features, self.eps)
 
 
-__all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "ibot_mask_weights", "koleo_loss"]
+__all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "koleo_loss"]

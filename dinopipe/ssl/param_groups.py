@@ -3,13 +3,12 @@ flag on the head's last layer so it can be frozen (BEiT, Bao et al. 2022, for la
 ``param_groups.py`` for the rest).
 
 Each group carries ``lr_multiplier``, ``wd_multiplier`` and ``is_last_layer``; the loop applies the step's
-schedules with :func:`apply_optim_schedules`. Differences from DINOv2, on purpose:
-
-* tokens (``cls_token``, ``pos_embed``, ``register_tokens``, ``mask_token``) get no weight decay — DINOv2
-  decays them because its rule only looks for ``bias`` / ``norm`` / ``gamma`` in the name;
-* norms are recognised by module type as well as by name, and the head's learnable prototype gain
-  (``last_layer_gain``) is treated like a norm scale;
-* wrapper prefixes of torch.compile, activation checkpointing and FSDP1 are stripped before matching.
+schedules with :func:`apply_optim_schedules`. As both official codes (dinov2 ``utils/param_groups.py:80``,
+dinov3 ``train/param_groups.py:99``), only biases, norms and LayerScale ``gamma`` are exempt from weight
+decay: tokens (``cls_token``, ``pos_embed``, ``register_tokens``, ``storage_tokens``, ``mask_token``) and the
+prototype gain (``last_layer_gain``, DINOv2's ``weight_g``) are decayed. ``decay_tokens=False`` (config
+``optim.decay_tokens``) exempts them too. Norms are recognised by module type as well as by name; wrapper
+prefixes of torch.compile, activation checkpointing and FSDP1 are stripped before matching.
 """
 
 from __future__ import annotations
@@ -64,7 +63,8 @@ def _is_backbone(module: nn.Module) -> bool:
     return isinstance(getattr(module, "blocks", None), nn.ModuleList) and hasattr(module, "patch_embed")
 
 
-def param_specs(model: nn.Module, lr_decay_rate: float = 0.9, patch_embed_lr_mult: float = 0.2) -> list[ParamSpec]:
+def param_specs(model: nn.Module, lr_decay_rate: float = 0.9, patch_embed_lr_mult: float = 0.2,
+                decay_tokens: bool = True) -> list[ParamSpec]:
     """One :class:`ParamSpec` per trainable parameter of ``model`` (a backbone, a head, or a container of
     both such as the student ``ModuleDict``). Backbones are found by structure (``blocks`` + ``patch_embed``);
     parameters outside any backbone (heads) get lr multiplier 1."""
@@ -91,8 +91,8 @@ def param_specs(model: nn.Module, lr_decay_rate: float = 0.9, patch_embed_lr_mul
         leaf, owner = parts[-1], (parts[-2] if len(parts) > 1 else "")
         no_decay = (
             leaf == "bias"
-            or leaf in _TOKEN_NAMES
-            or leaf in ("gamma", "last_layer_gain")  # LayerScale (timm's and DINOv2's name), prototype gain
+            or leaf == "gamma"  # LayerScale (timm's and DINOv2's name)
+            or (not decay_tokens and (leaf in _TOKEN_NAMES or leaf == "last_layer_gain"))
             or issubclass(owner_type.get(full_name, nn.Module), _NORM_TYPES)
             or "norm" in owner
         )
@@ -101,7 +101,7 @@ def param_specs(model: nn.Module, lr_decay_rate: float = 0.9, patch_embed_lr_mul
 
 
 def build_param_groups(
-    model: nn.Module, lr_decay_rate: float = 0.9, patch_embed_lr_mult: float = 0.2
+    model: nn.Module, lr_decay_rate: float = 0.9, patch_embed_lr_mult: float = 0.2, decay_tokens: bool = True
 ) -> list[dict]:
     """AdamW groups, parameters fused by identical (lr_multiplier, wd_multiplier, is_last_layer).
 
@@ -109,7 +109,7 @@ def build_param_groups(
     float/bool fields, so optimizer state dicts stay checkpointable.
     """
     fused: "OrderedDict[tuple, dict]" = OrderedDict()
-    for s in param_specs(model, lr_decay_rate, patch_embed_lr_mult):
+    for s in param_specs(model, lr_decay_rate, patch_embed_lr_mult, decay_tokens):
         key = (s.lr_multiplier, s.wd_multiplier, s.is_last_layer)
         group = fused.setdefault(key, {"params": [], "lr_multiplier": s.lr_multiplier,
                                        "wd_multiplier": s.wd_multiplier, "is_last_layer": s.is_last_layer})

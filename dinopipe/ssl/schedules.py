@@ -1,10 +1,15 @@
-"""Per-step hyper-parameter schedules, precomputed as arrays (DINOv2's ``CosineScheduler``).
+"""Per-step hyper-parameter schedules, precomputed as arrays: one shape, :func:`linear_warmup_cosine_decay`
+(dinov3 ``train/train.py:178-212``), serves the lr, weight decay, teacher momentum, teacher temperature and the
+loss-weight ramps; its values are DINOv2's ``CosineScheduler``'s, element for element.
 
 Every schedule is a float64 numpy array indexed by the global step; :class:`Schedule` returns its final value
-past the end. The DINOv2 recipe (Oquab et al. 2023, Table 16 and ``ssl_default_config.yaml``): lr linear warm-up
-then cosine to ``min_lr``, weight decay cosine 0.04 -> 0.2, teacher momentum cosine 0.994 -> 1, teacher
-temperature linear 0.04 -> 0.07 over the first epochs then constant, last layer's lr 0 for the first epoch,
-base lr scaled by sqrt(global batch / 1024).
+past the end. The DINOv2 defaults (``ssl_default_config.yaml``; its ViT-L/g recipes override weight decay end
+to 0.2 and momentum to 0.994): lr linear warm-up then cosine to ``min_lr``, weight decay cosine 0.04 -> 0.4,
+teacher momentum cosine 0.992 -> 1, teacher temperature linear 0.04 -> 0.07 over the first epochs then
+constant, last layer's lr 0 for the first epoch, base lr scaled by sqrt(global batch / 1024).
+
+A ramp keeps its own length when the run is shorter (DINOv2 does not compress its warm-ups to fit a short
+run): the array is cut at the run's end.
 
 Resolution phases (224 px then 518 px with a compressed, lower lr schedule) are built with :func:`piecewise`,
 which concatenates per-phase pieces into one array so the training loop keeps indexing by global step.
@@ -19,44 +24,43 @@ from typing import Optional, Sequence
 import numpy as np
 
 
-def cosine_schedule(
-    base_value: float,
-    final_value: float,
-    total_steps: int,
-    warmup_steps: int = 0,
-    start_warmup_value: float = 0.0,
-    freeze_steps: int = 0,
-) -> np.ndarray:
-    """``freeze_steps`` zeros, a linear warm-up start -> base (endpoint included), then half a cosine
-    base -> final over the remaining steps (DINOv2's ``CosineScheduler``). Length is exactly ``total_steps``."""
-    if min(total_steps, warmup_steps, freeze_steps) < 0:
+def linear_warmup_cosine_decay(start: float, peak: float, end: float, warmup: int, total: int,
+                               cosine: Optional[int] = None, freeze: int = 0) -> np.ndarray:
+    """The one schedule shape: ``freeze`` zeros, a linear warm-up ``start -> peak`` over ``warmup`` steps
+    (endpoint included, DINOv2's ``np.linspace``), half a cosine ``peak -> end`` over ``cosine`` steps (default:
+    the rest of the run; value ``end + (peak - end) * (1 + cos(pi * i / cosine)) / 2`` at its i-th step), then
+    ``end``. Exactly ``total`` values: a freeze or warm-up longer than the run is cut, never compressed."""
+    if min(total, warmup, freeze) < 0 or (cosine is not None and cosine < 0):
         raise ValueError("schedule lengths must be >= 0")
-    if warmup_steps + freeze_steps > total_steps:
-        raise ValueError(
-            f"warm-up ({warmup_steps}) + freeze ({freeze_steps}) steps exceed the schedule's {total_steps} steps"
-        )
-    freeze = np.zeros(freeze_steps)
-    warmup = np.linspace(start_warmup_value, base_value, warmup_steps)
-    n = total_steps - warmup_steps - freeze_steps
+    n = max(total - warmup - freeze, 0) if cosine is None else cosine
     it = np.arange(n)
-    cosine = final_value + 0.5 * (base_value - final_value) * (1 + np.cos(np.pi * it / max(n, 1)))
-    return np.concatenate([freeze, warmup, cosine]).astype(np.float64)
+    decay = end + 0.5 * (peak - end) * (1 + np.cos(np.pi * it / max(n, 1)))
+    tail = np.full(max(total - freeze - warmup - n, 0), float(end))
+    out = np.concatenate([np.zeros(freeze), np.linspace(start, peak, warmup), decay, tail])
+    return out[:total].astype(np.float64)
+
+
+def cosine_schedule(base_value: float, final_value: float, total_steps: int, warmup_steps: int = 0,
+                    start_warmup_value: float = 0.0, freeze_steps: int = 0) -> np.ndarray:
+    """DINOv2's ``CosineScheduler`` arguments on :func:`linear_warmup_cosine_decay`."""
+    return linear_warmup_cosine_decay(start_warmup_value, base_value, final_value, warmup_steps, total_steps,
+                                      freeze=freeze_steps)
 
 
 def linear_schedule(start_value: float, end_value: float, steps: int) -> np.ndarray:
     """``steps`` values from start to end, both included."""
-    return np.linspace(start_value, end_value, max(steps, 0)).astype(np.float64)
+    steps = max(steps, 0)
+    return linear_warmup_cosine_decay(start_value, end_value, end_value, steps, steps)
 
 
 def constant_schedule(value: float, steps: int) -> np.ndarray:
-    return np.full(max(steps, 0), float(value))
+    return linear_warmup_cosine_decay(value, value, value, 0, max(steps, 0))
 
 
 def warmup_then_constant(start_value: float, value: float, warmup_steps: int, total_steps: int) -> np.ndarray:
-    """Linear warm-up start -> value over ``warmup_steps`` (endpoint included), then constant."""
-    warmup_steps = min(warmup_steps, total_steps)
-    return np.concatenate([linear_schedule(start_value, value, warmup_steps),
-                           constant_schedule(value, total_steps - warmup_steps)])
+    """Linear warm-up start -> value over ``warmup_steps`` (endpoint included), then constant; a warm-up longer
+    than ``total_steps`` is cut, not compressed."""
+    return linear_warmup_cosine_decay(start_value, value, value, warmup_steps, total_steps)
 
 
 @dataclass
@@ -152,8 +156,8 @@ def build_ssl_schedules(
     min_lr: float = 1.0e-6,
     warmup_epochs: float = 10,
     weight_decay: float = 0.04,
-    weight_decay_end: float = 0.2,
-    momentum_teacher: float = 0.994,
+    weight_decay_end: float = 0.4,
+    momentum_teacher: float = 0.992,
     final_momentum_teacher: float = 1.0,
     warmup_teacher_temp: float = 0.04,
     teacher_temp: float = 0.07,
@@ -162,15 +166,15 @@ def build_ssl_schedules(
 ) -> SSLSchedules:
     """The DINOv2 single-phase schedules (its defaults); ``lr`` is the already-scaled peak lr.
 
-    Epoch counts become steps with ``steps_per_epoch`` and are clipped to ``total_steps`` so short smoke runs
-    still get valid schedules. The last layer follows the lr schedule but is 0 for the first
+    Epoch counts become steps with ``steps_per_epoch``; a warm-up longer than the run keeps its slope and is cut
+    at the run's end (DINOv2 never compresses it). The last layer follows the lr schedule but is 0 for the first
     ``freeze_last_layer_epochs`` (DINOv2 freezes the prototypes early for stability).
     """
     if total_steps <= 0 or steps_per_epoch <= 0:
         raise ValueError(f"total_steps and steps_per_epoch must be > 0, got {total_steps} and {steps_per_epoch}")
 
     def steps(epochs: float) -> int:
-        return min(int(round(epochs * steps_per_epoch)), total_steps)
+        return int(round(epochs * steps_per_epoch))
 
     lr_values = cosine_schedule(lr, min_lr, total_steps, steps(warmup_epochs), 0.0)
     last_layer = lr_values.copy()
@@ -188,7 +192,16 @@ def build_ssl_schedules(
     )
 
 
+def weight_schedule(ws, total_steps: int, steps_per_epoch: int) -> np.ndarray:
+    """A ``WeightSchedule`` (start, peak, end, warmup_epochs, cosine_epochs) as a per-step array."""
+    def steps(epochs: float) -> int:
+        return int(round(epochs * steps_per_epoch))
+
+    return linear_warmup_cosine_decay(ws.start, ws.peak, ws.end, steps(ws.warmup_epochs), total_steps,
+                                      cosine=steps(ws.cosine_epochs))
+
+
 __all__ = [
     "Piece", "SSLSchedules", "Schedule", "build_ssl_schedules", "constant_schedule", "cosine_schedule",
-    "linear_schedule", "piecewise", "scaled_lr", "warmup_then_constant",
+    "linear_schedule", "linear_warmup_cosine_decay", "piecewise", "weight_schedule", "scaled_lr", "warmup_then_constant",
 ]

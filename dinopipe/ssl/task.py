@@ -157,7 +157,8 @@ class SSLTask(TeacherStudentTask):
         cls_logits, patch_logits = self._heads(self.student, torch.cat([g_cls, l_cls]), patches)
         n_g = g_cls.shape[0]
 
-        dino = self.dino_loss(cls_logits[:n_g], teacher_cls, cls_logits[n_g:] if len(outs) > 1 else None)
+        dino = self.dino_loss(cls_logits[:n_g], teacher_cls, cls_logits[n_g:] if len(outs) > 1 else None,
+                              local_weight=values.get("dino_local_weight", 1.0))
         ibot = self.ibot_loss(patch_logits, teacher_patch, n_images=n_g, masks_weight=batch["masks_weight"])
         koleo = koleo_per_global_crop(g_cls)
         loss = cfg.dino.loss_weight * dino + cfg.ibot.loss_weight * ibot + cfg.dino.koleo_loss_weight * koleo

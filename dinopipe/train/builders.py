@@ -13,8 +13,8 @@ from ..data.pool_index import Ranks
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
 from ..utils.safe_load import CheckpointError
-from ..ssl.gram import gram_schedules
-from ..ssl.schedules import Piece, build_ssl_schedules, piecewise, scaled_lr, warmup_then_constant
+from ..ssl.gram import loss_weight_schedules
+from ..ssl.schedules import Piece, build_ssl_schedules, linear_warmup_cosine_decay, piecewise, scaled_lr
 from .dist import DistInfo, LaunchError, all_reduce_max_scalar, barrier, destroy, init_distributed
 from .highres import phase_loader, phase_sizes
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
@@ -65,29 +65,27 @@ def build_schedules(cfg: Any, world_size: int = 1, lr_batches: Optional[Sequence
                                o.freeze_last_layer_epochs)
     constant = getattr(o, "lr_schedule", "cosine") == "constant"  # DINOv3: warm-up then the peak lr
 
-    def first_lr(n: int):
-        if constant:
-            warm = min(int(round(o.warmup_epochs * cfg.train.epoch_length)), n)
-            return warmup_then_constant(0.0, peaks[0], warm, n)
-        return build_ssl_schedules(n, cfg.train.epoch_length, peaks[0], o.min_lr, o.warmup_epochs).lr.values
+    def first_lr(n: int):  # the first phase's lr: the one schedule shape (ssl/schedules.py)
+        top = peaks[0]
+        warm = int(round(o.warmup_epochs * cfg.train.epoch_length))
+        if getattr(o, "lr_schedule", "cosine") == "rise":  # DINOv3 high-res adaptation: cosine 0 -> peak
+            return linear_warmup_cosine_decay(0.0, 0.0, top, 0, n, cosine=warm)
+        return linear_warmup_cosine_decay(0.0, top, top if constant else o.min_lr, warm, n)
 
     if len(cfg.phases) == 1:
-        lr = first_lr(total) if constant else base.lr.values
+        lr = first_lr(total)
     else:
-        first = first_lr(first_end)
-        pieces = [first]
+        pieces = [first_lr(first_end)]
         for i, (ph, (s, e)) in enumerate(zip(cfg.phases[1:], bounds[1:]), start=1):
             n = e - s
             pieces.append(Piece("cosine", n, peaks[i], o.min_lr, warmup_steps=int(ph.warmup_fraction * n),
                                 warmup_start=o.min_lr))
         lr = piecewise(pieces)
     last_layer = lr.copy()
-    frozen = min(int(round(o.freeze_last_layer_epochs * cfg.train.epoch_length)), total)
-    last_layer[:frozen] = 0.0
+    last_layer[:int(round(o.freeze_last_layer_epochs * cfg.train.epoch_length))] = 0.0
     out = {"lr": lr, "wd": base.weight_decay.values, "last_layer_lr": last_layer,
            "momentum": base.momentum.values, "teacher_temp": base.teacher_temp.values}
-    if getattr(cfg, "gram", None) is not None and cfg.gram.enabled:
-        out.update(gram_schedules(cfg.gram, total))  # gram_weight, gram_refresh (dinopipe/ssl/gram.py)
+    out.update(loss_weight_schedules(cfg, total))  # dino_local_weight, gram_weight, gram_refresh (ssl/gram.py)
     return out
 
 

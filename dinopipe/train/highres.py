@@ -30,7 +30,8 @@ def size_triples(cfg: Any, ph: Any) -> list[tuple[int, int, Optional[int], float
 
 def _augmentation(cfg: Any, global_size: int, local_size: int, gram_size: Optional[int]) -> Callable:
     kw = dict(global_size=global_size, local_size=local_size, n_local=cfg.crops.local_crops_number,
-              global_scale=tuple(cfg.crops.global_crops_scale), local_scale=tuple(cfg.crops.local_crops_scale))
+              global_scale=tuple(cfg.crops.global_crops_scale), local_scale=tuple(cfg.crops.local_crops_scale),
+              blur=str(getattr(cfg.crops, "blur", "released")), horizontal_flip=getattr(cfg.crops, "horizontal_flip", True))
     if gram_size is None:
         return MultiCropAugmentation(**kw)
     return GramCropAugmentation(gram_size=gram_size, **kw)

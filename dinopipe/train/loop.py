@@ -34,7 +34,8 @@ from ..data.loader import DataPosition
 from ..data.sources import stable_hash
 from ..ssl.param_groups import apply_optim_schedules
 from .checkpoint import CheckpointManager, ValueState
-from .dist import DistInfo, all_reduce_max_scalar, get_info
+from .clip import clip_groups_, local_grad_sq
+from .dist import DistInfo, all_reduce_max_scalar
 from .lr_record import LrBasis, resume_batches
 from .metrics import MetricSet, MetricsLogger, UndeclaredMetricError
 from .signals import EXIT_PREEMPTED, PreemptionFlag, signals_blocked, test_hooks_from_env
@@ -88,59 +89,6 @@ class LoopConfig:
 
 def seed_step(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(stable_hash(f"step/{seed}/{step}/{rank}") % (2**63))
-
-
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
-    """Total grad norm over all (possibly sharded) parameters, clipped in place when max_norm > 0 (torch's
-    own clipping with its reduction and host sync; the loop folds both into its one all-reduce instead)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-        norm = norm.full_tensor()
-    return float(norm)
-
-
-def _local_grads(params: list[nn.Parameter]) -> tuple[list[torch.Tensor], list[float]]:
-    """This rank's gradient storage (views of FSDP2's shards) and, per gradient, how many ranks hold each of
-    its elements: squared norms of shards add up over ranks to the global one; replicas count once."""
-    from torch.distributed.tensor import DTensor
-
-    info = get_info()
-    grads, copies = [], []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        n = 1.0
-        if isinstance(g, DTensor):
-            for dim, pl in enumerate(g.placements):
-                if pl.is_replicate():
-                    n *= g.device_mesh.size(dim)
-                elif not pl.is_shard():
-                    raise RuntimeError(f"a gradient placed as {pl} cannot be clipped from local shards")
-            g = g.to_local()
-        elif info.distributed:
-            n = float(info.world_size)  # a plain gradient in a multi-rank run is a replica
-        grads.append(g)
-        copies.append(n)
-    return grads, copies
-
-
-def local_grad_sq(params: list[nn.Parameter]) -> torch.Tensor:
-    """Sum of squared gradient elements this rank contributes to the global norm (0-d float64, no sync)."""
-    grads, copies = _local_grads(params)
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=get_info().device)
-    norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads)])
-    return (norms.square() / torch.tensor(copies, dtype=torch.float64, device=norms.device)).sum()
-
-
-def scale_grads_(params: list[nn.Parameter], coef: float) -> None:
-    grads, _ = _local_grads(params)
-    if grads:
-        torch._foreach_mul_(grads, coef)
 
 
 # Keys the loop logs itself; a task must not declare them (its own values would be overwritten).
@@ -405,11 +353,7 @@ class Trainer:
             )
 
     def _clip(self, norms: list[float]) -> None:
-        if self.cfg.clip_grad > 0:
-            for group, norm in zip(self._clip_groups, norms):
-                coef = self.cfg.clip_grad / (norm + 1e-6)
-                if coef < 1.0:
-                    scale_grads_(group, coef)
+        clip_groups_(self._clip_groups, norms, self.cfg.clip_grad)
 
 
 __all__ = ["Trainer", "Task", "Phase", "LoopConfig", "NonFiniteLossError", "seed_step", "EXIT_PREEMPTED"]

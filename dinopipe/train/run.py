@@ -112,7 +112,7 @@ def run_training(cfg: Any, task_cls: type[TeacherStudentTask]) -> int:
     parallelize_task(task, info, cfg.parallel)
     o = cfg.optim
     optimizer = task.build_optimizer(partial(build_param_groups, lr_decay_rate=o.layerwise_decay,
-                                             patch_embed_lr_mult=o.patch_embed_lr_mult),
+                                             patch_embed_lr_mult=o.patch_embed_lr_mult, decay_tokens=o.decay_tokens),
                                      betas=(o.adamw_beta1, o.adamw_beta2))
     return train(cfg, LoopTask(task), optimizer, info, refs, read, task.data_patch_size)
 

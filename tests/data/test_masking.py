@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dinopipe.data.masking import MaskingGenerator, mask_token_weights, masks_upperbound, sample_masks
+from dinopipe.data.masking import MaskingGenerator, masks_upperbound, sample_masks
+from dinopipe.utils.masks import mask_token_weights
 
 
 def test_never_exceeds_and_close_to_requested():

@@ -1,5 +1,5 @@
 """Multi-crop augmentation and collation: crop shapes / dtypes / normalisation, any PIL mode in, seeded
-reproducibility, blur applied with the configured (not DINOv2's inverted) probabilities, solarisation only
+reproducibility, blur as the released code applies it (default) or as the papers word it, flips switchable, solarisation only
 on global crop 2, and the collate function's crop-major order and iBOT masks."""
 
 from __future__ import annotations
@@ -83,8 +83,24 @@ def _instrument_blur(pipeline: v2.Compose) -> tuple[float, Counter]:
     return apply.p, counter
 
 
-def test_blur_probabilities_are_as_configured_not_inverted():
+def test_released_blur_is_the_official_codes_and_flips_can_be_turned_off():
+    """Default blur = what the released DINOv2/DINOv3 code does (its GaussianBlur(p) applies with 1 - p):
+    crop 1 never, crop 2 with 0.9, locals 0.5. horizontal_flip=False removes every flip (DINOv3 7B)."""
     aug = MultiCropAugmentation(global_size=28, local_size=14, n_local=2)
+    assert tuple(_instrument_blur(p)[0] for p in (aug.global1, aug.global2, aug.local)) == (0.0, 0.9, 0.5)
+    flips = [t for p in (aug.global1, aug.global2, aug.local) for t in p.transforms
+             if isinstance(t, v2.RandomHorizontalFlip)]
+    assert len(flips) == 3
+    no_flip = MultiCropAugmentation(global_size=28, local_size=14, n_local=2, horizontal_flip=False)
+    assert not [t for p in (no_flip.global1, no_flip.global2, no_flip.local) for t in p.transforms
+                if isinstance(t, v2.RandomHorizontalFlip)]
+    img = gradient_image(64, 48)
+    crops = no_flip(img, seed=3)  # still a full sample
+    assert len(crops["global_crops"]) == 2 and len(crops["local_crops"]) == 2
+
+
+def test_paper_blur_probabilities_are_as_written():
+    aug = MultiCropAugmentation(global_size=28, local_size=14, n_local=2, blur="paper")
     (p1, c1), (p2, c2), (pl, cl) = (_instrument_blur(p) for p in (aug.global1, aug.global2, aug.local))
     assert (p1, p2, pl) == (1.0, 0.1, 0.5)
     img = gradient_image(64, 48)

@@ -68,9 +68,11 @@ def test_refresh_steps(first, every, maxr, total, expected):
 
 
 def test_weight_schedule_off_before_first_copy_then_warms_up():
+    """DINOv3's loss_weight_schedule shape: half a cosine from the start weight up to loss_weight."""
     cfg = GramConfig(enabled=True, first_step=3, loss_weight=2.0, loss_weight_start=0.0, warmup_steps=4)
     w = gram_schedules(cfg, 10)["gram_weight"]
-    np.testing.assert_allclose(w, [0, 0, 0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.0, 2.0])
+    ramp = [2.0 - 2.0 * (1 + np.cos(np.pi * i / 4)) / 2 for i in range(4)]
+    np.testing.assert_allclose(w, [0, 0, 0, *ramp, 2.0, 2.0, 2.0], atol=1e-12)
 
 
 def test_gram_teacher_copies_the_teacher_at_refresh_and_stays_frozen():

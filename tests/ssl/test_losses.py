@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dinopipe.ssl.losses import DINOLoss, IBOTPatchLoss, KoLeoLoss, ibot_mask_weights, koleo_loss
+from dinopipe.ssl.losses import DINOLoss, IBOTPatchLoss, KoLeoLoss, koleo_loss
+from dinopipe.utils.masks import mask_token_weights
 
 
 def rand(*shape, seed=0):
@@ -83,7 +84,7 @@ def test_ibot_loss_matches_reference_and_weights_images_equally():
     ce = -(t * torch.log_softmax(s / 0.1, dim=-1)).sum(-1)
     want = (ce[0] / 1 + ce[1:].sum() / 4) / 4  # per-image mean over its masked patches, / all images
     torch.testing.assert_close(loss, want)
-    w = ibot_mask_weights(masks)
+    w = mask_token_weights(masks)
     torch.testing.assert_close(w, torch.tensor([1.0, 0.25, 0.25, 0.25, 0.25]))
     torch.testing.assert_close(loss_fn(s, t, n_images=4, masks_weight=w), loss)
     with pytest.raises(ValueError, match="mask"):

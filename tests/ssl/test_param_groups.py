@@ -43,11 +43,8 @@ def test_layer_decay_and_weight_decay_per_parameter(student):
     assert all(lr[k] == 1.0 for k in specs if k.startswith("dino_head."))
 
     no_wd = {k for k, s in specs.items() if s.wd_multiplier == 0.0}
-    expected_no_wd = {
-        "backbone.cls_token", "backbone.pos_embed", "backbone.register_tokens", "backbone.mask_token",
-        "backbone.norm.weight", "backbone.norm.bias", "backbone.patch_embed.proj.bias",
-        "dino_head.last_layer_gain",
-    }
+    # As both official codes: biases, norms and LayerScale are exempt; tokens and the prototype gain decay.
+    expected_no_wd = {"backbone.norm.weight", "backbone.norm.bias", "backbone.patch_embed.proj.bias"}
     for i in range(n):
         expected_no_wd |= {f"backbone.blocks.{i}.{p}" for p in (
             "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "ls1.gamma", "ls2.gamma",
@@ -56,6 +53,10 @@ def test_layer_decay_and_weight_decay_per_parameter(student):
     assert no_wd == expected_no_wd
     assert {k for k, s in specs.items() if s.is_last_layer} == {"dino_head.last_layer.weight",
                                                                  "dino_head.last_layer_gain"}
+    # optim.decay_tokens=false: tokens and the gain join the exempt set.
+    exempt = {s.name for s in param_specs(student, r, 0.2, decay_tokens=False) if s.wd_multiplier == 0.0}
+    assert exempt - no_wd == {"backbone.cls_token", "backbone.pos_embed", "backbone.register_tokens",
+                              "backbone.mask_token", "dino_head.last_layer_gain"}
 
 
 def test_groups_are_fused_and_schedules_applied(student):

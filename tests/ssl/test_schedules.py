@@ -13,6 +13,7 @@ from dinopipe.ssl.schedules import (
     Schedule,
     build_ssl_schedules,
     cosine_schedule,
+    linear_warmup_cosine_decay,
     piecewise,
     scaled_lr,
     warmup_then_constant,
@@ -27,14 +28,19 @@ def test_cosine_schedule_matches_formula():
     it = np.arange(13)
     np.testing.assert_allclose(s[7:], 0.1 + 0.45 * (1 + np.cos(np.pi * it / 13)))
     assert np.all(np.diff(s[7:]) < 0) and s[-1] > 0.1
-    with pytest.raises(ValueError, match="exceed"):
-        cosine_schedule(1.0, 0.0, total_steps=4, warmup_steps=5)
+    # A warm-up longer than the schedule is cut, not compressed (DINOv2 never squeezes a ramp).
+    np.testing.assert_allclose(cosine_schedule(1.0, 0.0, total_steps=4, warmup_steps=5), [0, 0.25, 0.5, 0.75])
+    # DINOv3's form: warm-up, a cosine of its own length, then the end value.
+    s3 = linear_warmup_cosine_decay(0.0, 1.0, 0.2, warmup=2, total=8, cosine=4)
+    np.testing.assert_allclose(s3, [0, 1, 1, 0.2 + 0.4 * (1 + np.cos(np.pi / 4)), 0.6,
+                                    0.2 + 0.4 * (1 + np.cos(3 * np.pi / 4)), 0.2, 0.2])
 
 
 def test_ssl_schedules_follow_the_dinov2_recipe():
     spe, epochs = 10, 100
     sch = build_ssl_schedules(total_steps=spe * epochs, steps_per_epoch=spe, lr=4e-3, min_lr=1e-6,
-                              warmup_epochs=10, warmup_teacher_temp_epochs=30, freeze_last_layer_epochs=1)
+                              warmup_epochs=10, weight_decay_end=0.2, momentum_teacher=0.994,
+                              warmup_teacher_temp_epochs=30, freeze_last_layer_epochs=1)
     # lr: 0 -> peak over 10 epochs, then cosine towards min_lr.
     assert sch.lr[0] == 0.0 and sch.lr[99] == pytest.approx(4e-3)
     assert sch.lr[999] == pytest.approx(1e-6, abs=1e-6) and sch.lr[5000] == 1e-6
@@ -52,10 +58,17 @@ def test_ssl_schedules_follow_the_dinov2_recipe():
     assert set(sch.at(5)) == {"lr", "weight_decay", "momentum", "teacher_temp", "last_layer_lr"}
 
 
-def test_short_runs_clip_epoch_based_lengths():
+def test_short_runs_keep_the_ramps_slopes():
+    """A run shorter than its warm-ups sees the start of each ramp, as DINOv2 would (no compression)."""
     sch = build_ssl_schedules(total_steps=7, steps_per_epoch=10, lr=1e-3)  # warm-ups longer than the run
     assert len(sch.lr) == len(sch.teacher_temp) == 7
-    assert sch.teacher_temp[6] == pytest.approx(0.07) and sch.lr[6] == pytest.approx(1e-3)
+    assert sch.lr[6] == pytest.approx(1e-3 * 6 / 99)  # 10 epochs x 10 steps of warm-up
+    assert sch.teacher_temp[6] == pytest.approx(0.04 + 0.03 * 6 / 299)
+
+
+def test_defaults_are_dinov2_ssl_default_config():
+    sch = build_ssl_schedules(total_steps=100, steps_per_epoch=10, lr=1e-3)
+    assert sch.momentum[0] == pytest.approx(0.992) and sch.weight_decay[99] == pytest.approx(0.4, abs=1e-3)
 
 
 def test_scaled_lr_rules():
