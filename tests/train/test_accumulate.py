@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dinopipe.data.masking import mask_token_weights
+from dinopipe.utils.masks import mask_token_weights
 from dinopipe.data.transforms import MultiCropAugmentation, MultiCropCollator
 from dinopipe.train.dist import DistInfo
 from dinopipe.train.loop import LoopConfig, Phase, Trainer
@@ -62,7 +62,10 @@ def test_accumulate_2_at_batch_b_equals_one_step_at_batch_2b(tmp_path, halves, c
     big, big_centres, _ = one_step(tmp_path / "big", [merged], 8, centering)
     assert any(v.abs().max() > 0 for v in big.values())
     for k in big:
-        torch.testing.assert_close(acc[k], big[k], rtol=1e-4, atol=1e-7, msg=k)
+        # Batch shapes differ (two matmuls of 4 vs one of 8): elements near zero differ by float rounding, so the
+        # absolute tolerance scales with the tensor's update (measured worst: 2.3e-6 of it).
+        atol = max(1e-5 * float(big[k].abs().max()), 1e-9)
+        torch.testing.assert_close(acc[k], big[k], rtol=1e-4, atol=atol, msg=k)
     assert acc_centres.keys() == big_centres.keys()
     for k in big_centres:
         torch.testing.assert_close(acc_centres[k], big_centres[k], rtol=1e-5, atol=1e-7)
