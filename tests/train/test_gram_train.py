@@ -40,7 +40,7 @@ def test_gram_run_logs_the_anchor(single):
     assert all(rows[s]["gram_loss"] >= 0 and rows[s]["gram_weight"] == 1.0 for s in range(2, 8))
     assert [s for s in range(8) if rows[s]["gram_refresh"] == 1.0] == [2, 5]
     # Right after a copy, the student is one optimizer step away from the anchor: the Gram loss is small.
-    assert rows[2]["gram_loss"] < 0.05
+    assert rows[2]["gram_loss"] < 0.1  # 0.0504 with the Feistel epoch order (issue 20), < 0.05 with the old one
     assert dinopipe.load(single).patch_size == 16
 
 
