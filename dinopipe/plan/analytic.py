@@ -27,11 +27,11 @@ import torch
 from timm.layers import GluMlp, LayerScale, Mlp
 from torch import nn
 
-from .config import phase_steps
-from .models import DINOHead, create_model
-from .models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
-from .plan_report import format_report
-from .plan_gram import (describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory,
+from ..config import phase_steps
+from ..models import DINOHead, create_model
+from ..models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
+from .report import format_report
+from .gram import (describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory,
                         largest_variant, phase_variants)
 
 GiB = 1024**3
@@ -287,7 +287,7 @@ def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, a
     if checkpointing:
         workspace += max(block_saved_bytes(arch, groups, c, attn, r, stat_bytes) for r in set(arch.drop_rates))
     student_peak = targets + backbone + head_saved + max(logits_grad, workspace)
-    gram = gram_step_memory(cfg, arch, phase, b, c, tokens)  # zeros without Gram anchoring (plan_gram.py)
+    gram = gram_step_memory(cfg, arch, phase, b, c, tokens)  # zeros without Gram anchoring (gram.py)
     student_peak += gram["gram_kept"]
     gram_peak = targets + backbone + head_saved + gram["gram_kept"] + gram["gram_forward_peak"]
     return {
@@ -428,8 +428,8 @@ def main(argv=None) -> int:
     """``dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [key=value ...]``"""
     import argparse
 
-    from .config import ConfigError, exit_on_config_error, load_config
-    from .ssl.config import PretrainConfig
+    from ..config import ConfigError, exit_on_config_error, load_config
+    from ..ssl.config import PretrainConfig
 
     p = argparse.ArgumentParser(prog="dinopipe plan", description=main.__doc__)
     p.add_argument("--config", default=None, help="pretraining YAML (configs/pretrain/...)")
