@@ -8,12 +8,14 @@ state wrapping, gathering full state dicts and writing exports. The loop (``loop
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from .. import hub
 from ..config import ParallelConfig, save_config
@@ -77,6 +79,27 @@ def _replaying_readers(record: list):
     return load_backbone, load_heads
 
 
+@contextlib.contextmanager
+def _deepcopies_share_parameters():
+    """While rank 0 builds its task, ``copy.deepcopy`` of a module gives new Parameter objects over the SAME
+    tensors (the EMA teacher, the Gram teacher and the students' EMAs are deep copies made in the task's
+    ``__init__``, before anything trains): rank 0 then holds each initial model once, not two or three times.
+    The values are those of a real copy (nothing is modified in place during construction; the test compares
+    with a one-process build), and the module goes to ``meta`` right after its state dict is taken."""
+    original = nn.Parameter.__deepcopy__
+
+    def share(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data, self.requires_grad)
+        return memo[id(self)]
+
+    nn.Parameter.__deepcopy__ = share
+    try:
+        yield
+    finally:
+        nn.Parameter.__deepcopy__ = original
+
+
 def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistInfo,
                        pcfg: Optional[ParallelConfig] = None) -> TeacherStudentTask:
     """Build, shard and materialise the task so that no rank but 0 ever holds a full model.
@@ -88,7 +111,8 @@ def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistI
     task (``parallelize_task``), allocates only its own shards (``to_empty``) and receives the weights from
     rank 0 tensor by tensor (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``: one
     full tensor at a time in flight, each rank keeps its slice). Memory: ranks > 0 hold their shards + the
-    largest single tensor; rank 0 also holds the full task once (on the host) until the broadcast ends."""
+    largest single tensor; rank 0 also holds each initial model once (copies share its tensors: EMA and
+    Gram teachers) on the host until the broadcast ends."""
     torch.manual_seed(cfg.train.seed)  # same initial weights on every rank and every rerun
     reduce_fn = all_reduce_sum_fn()
     if not info.distributed:
@@ -102,7 +126,8 @@ def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistI
     record: list = []
     full: dict = {}
     if info.is_main:
-        task = build_task(task_cls, cfg, reduce_fn, *_recording_readers(record))
+        with _deepcopies_share_parameters():
+            task = build_task(task_cls, cfg, reduce_fn, *_recording_readers(record))
         full = task.state_dict()  # real CPU tensors; the module itself goes to meta like every other rank's
         task = task.to("meta")
     record = broadcast_object(record)
