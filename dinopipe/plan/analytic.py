@@ -425,7 +425,7 @@ def implied_mfu(total_flops: float, gpu_hours: float, gpu_tflops: float) -> floa
 
 
 def main(argv=None) -> int:
-    """``dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [key=value ...]``"""
+    """``dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [--trace] [key=value ...]``"""
     import argparse
 
     from ..config import ConfigError, exit_on_config_error, load_config
@@ -439,6 +439,12 @@ def main(argv=None) -> int:
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the time estimate")
     p.add_argument("--margin", type=float, default=0.10, help="fragmentation / safety share (default 0.10)")
     p.add_argument("--overhead-gb", type=float, default=1.0, help="CUDA context + NCCL buffers, GiB")
+    p.add_argument("--trace", action="store_true",
+                   help="also run the real training step as rank 0 of --gpus ranks in this process (fake tensors, "
+                        "fake process group) and print its peak memory and collectives beside the planner's figures")
+    p.add_argument("--steps", type=int, default=2, help="--trace: real steps to run (2: the second has optimizer state)")
+    p.add_argument("--phase", default=None, help="--trace: phase name (default: the first)")
+    p.add_argument("--json", default=None, help="--trace: also write the figures to this JSON file")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = p.parse_args(argv)
     try:
@@ -455,6 +461,18 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=__import__("sys").stderr)
         return 2
     print(format_report(r))
+    if args.trace:
+        import dataclasses
+        import json
+
+        from .trace import trace
+
+        t = trace(cfg, args.gpus, steps=args.steps, phase=args.phase)
+        print()
+        print(t.report())
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**dataclasses.asdict(t), "planner_over_trace": t.planner_ratio}, f, indent=1)
     return 0
 
 

@@ -21,6 +21,7 @@ trace`` compares a traced peak with ``torch.cuda.max_memory_allocated`` on a rea
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -180,8 +181,10 @@ def planner_figures(cfg: Any, world_size: int, phase: Any, n_masked: int) -> dic
     return {"state": state, "activations": act, "counted": state + act}
 
 
-def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None, seed: int = 0) -> TraceResult:
-    """Run ``steps`` real training steps of the PretrainConfig ``cfg`` as rank 0 of ``world_size`` ranks."""
+def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None, seed: int = 0,
+          comm_debug: bool = True) -> TraceResult:
+    """Run ``steps`` real training steps of the PretrainConfig ``cfg`` as rank 0 of ``world_size`` ranks.
+    ``comm_debug``: also attach torch's ``CommDebugMode`` (op counts; the byte counter runs regardless)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.debug import CommDebugMode
@@ -235,7 +238,7 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             tracker = _tracker_cls()(roots[0], first_opt)
             tracker._root_mod = task  # every FSDP root of the task (student, heads, teacher, Gram teacher)
             tracker.track_inputs((batch,))
-            comm, counter = CommDebugMode(), CollectiveBytes()
+            comm, counter = (CommDebugMode() if comm_debug else contextlib.nullcontext()), CollectiveBytes()
             per_step: list[dict[str, int]] = []
             calls: list[dict[str, int]] = []
             with tracker, comm, counter:
@@ -254,7 +257,7 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             config=str(cfg.model.name), world_size=world_size, batch_per_rank=ph.batch_size_per_gpu,
             phase=ph.name, steps=steps, peak_bytes=int(peak[dev]["Total"]), peak_by_category=by_cat,
             collective_bytes_per_step=per_step[-1], collective_calls_per_step=calls[-1],
-            comm_counts={str(k): int(v) for k, v in comm.get_comm_counts().items()},
+            comm_counts={str(k): int(v) for k, v in comm.get_comm_counts().items()} if comm_debug else {},
             planner=planner_figures(cfg, world_size, ph, n_masked), seconds=time.perf_counter() - t0)
         return result
     finally:
