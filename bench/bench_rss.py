@@ -97,6 +97,7 @@ def main() -> None:
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--weights", default=None, help="a released-layout .pth (written when missing)")
     p.add_argument("--skip-before-above-gib", type=float, default=14.0)
+    p.add_argument("--modes", default="before,after", help="which builds to measure")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     weights = Path(args.weights or Path(tempfile.gettempdir()) / f"bench_rss_{args.model}_dinov2.pth")
@@ -106,7 +107,7 @@ def main() -> None:
     results: dict = {}
     one_rank_before = None
     for world in [int(w) for w in args.worlds.split(",")]:
-        for mode in ("before", "after"):
+        for mode in args.modes.split(","):
             if mode == "before" and one_rank_before and world * one_rank_before / GiB > args.skip_before_above_gib:
                 print(f"  before W={world}: skipped (~{world * one_rank_before / GiB:.1f} GiB estimated on a shared "
                       f"machine > {args.skip_before_above_gib} GiB)")
@@ -120,6 +121,8 @@ def main() -> None:
                   + (f", largest other rank {others / GiB:.2f} GiB" if others else "")
                   + f", constant (after import) {ranks[0]['base'] / GiB:.2f} GiB, all ranks "
                   f"{sum(r['peak'] for r in ranks) / GiB:.2f} GiB")
+    if not results:
+        return
     model_bytes = next(iter(results.values()))[0]["student_fp32_bytes"]
     print(f"fp32 student (backbone + heads): {model_bytes / GiB:.2f} GiB")
     for key, ranks in results.items():

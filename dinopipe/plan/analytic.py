@@ -445,6 +445,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="--trace: real steps to run (2: the second has optimizer state)")
     p.add_argument("--phase", default=None, help="--trace: phase name (default: the first)")
     p.add_argument("--json", default=None, help="--trace: also write the figures to this JSON file")
+    p.add_argument("--no-comm-debug", action="store_true",
+                   help="--trace: leave torch's CommDebugMode out (its module tracking fails on torch 2.11; the "
+                        "collective byte counter runs regardless)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = p.parse_args(argv)
     try:
@@ -467,7 +470,7 @@ def main(argv=None) -> int:
 
         from .trace import trace
 
-        t = trace(cfg, args.gpus, steps=args.steps, phase=args.phase)
+        t = trace(cfg, args.gpus, steps=args.steps, phase=args.phase, comm_debug=not args.no_comm_debug)
         print()
         print(t.report())
         if args.json:
