@@ -38,4 +38,4 @@ def test_planner_peak_memory_agrees_with_the_traced_real_step(model, b, tol):
     gathered = t.collective_bytes_per_step["all_gather"]
     assert 2 * student * 2 <= gathered <= 4 * student * 2 * 1.01, t.report()
     scattered = t.collective_bytes_per_step["reduce_scatter"]
-    assert scattered == pytest.approx(4 * student, rel=0.01), t.report()
+    assert scattered == pytest.approx(4 * student, rel=0.03), t.report()  # + FSDP2 padding to W rows
