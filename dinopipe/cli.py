@@ -8,7 +8,7 @@ exit with code 2 before any work starts.
     dinopipe pipeline --config configs/pipeline/quickstart.yaml   curate -> pretrain -> distill -> eval
     dinopipe pretrain --config configs/pretrain/X.yaml [key=value ...]
     dinopipe distill --config configs/distill/X.yaml [key=value ...]
-    dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [key=value ...]
+    dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [--trace] [key=value ...]
     dinopipe curate ...                               same as the `curate` command
     dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]
     dinopipe slurm submit --config configs/slurm/X.yaml [--dry-run] [key=value | STAGE:key=value ...]

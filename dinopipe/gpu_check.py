@@ -16,6 +16,8 @@ keeps the script from rotting):
   parameters are fp32 DTensors after its forward, the EMA moves them, collectives get device tensors, host
   syncs per step, DCP save -> load into a fresh task is identical; step time, images/s, MFU against a bf16
   GEMM measured in the same run, peak memory next to ``dinopipe plan``'s prediction (gpu_check_train.py).
+- trace: ``dinopipe plan --trace`` (the real step under fake tensors) at W = 1 vs the same two steps run on the
+  GPU: traced peak memory vs ``torch.cuda.max_memory_allocated`` (CUDA only).
 - cli: the real ``python -m dinopipe.train.pretrain`` with 2 phases, data workers and compile; SIGTERM to its
   process group mid-run gives exit 124 and a checkpoint, and the rerun finishes (CUDA only).
 - curation: embedding images/s (vit_s14, bf16), faiss flat and IVF recall against a torch brute-force top-k,
@@ -200,6 +202,7 @@ def _checks() -> dict[str, Callable[[torch.device, bool, Path], dict]]:
         "block": lambda d, s, o: check_block(d, s),
         "losses": lambda d, s, o: check_losses(d, s),
         "task": t.check_task,
+        "trace": t.check_trace,
         "cli": t.check_cli,
         "curation": t.check_curation,
     }

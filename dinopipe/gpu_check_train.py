@@ -334,3 +334,48 @@ def check_curation(dev: torch.device, small: bool, out_dir: Path) -> dict:
 
 
 __all__ = ["check_task", "check_cli", "check_curation", "bf16_gemm_tflops"]
+
+
+# -- the traced dry run against the real step on the GPU -------------------------------------------------------
+
+
+def check_trace(dev: torch.device, small: bool, out_dir: Path) -> dict:
+    """``dinopipe plan --trace`` at W = 1 (fake tensors, fake process group, on the CPU) vs the same two steps
+    really run on this GPU under a 1-rank NCCL FSDP2 mesh: traced peak vs ``torch.cuda.max_memory_allocated``.
+    The trace cannot see the caching allocator, NCCL buffers or the CUDA kernels' own workspaces (see
+    ``dinopipe/plan/trace.py``), so it should sit a little below the real figure."""
+    if dev.type != "cuda":
+        raise Skip("compares a trace with torch.cuda.max_memory_allocated: needs a GPU")
+    from functools import partial
+
+    from .plan.trace import _step, synthetic_batch, trace
+    from .ssl.param_groups import build_param_groups
+    from .ssl.task import SSLTask
+    from .train.builders import build_schedules
+    from .train.run import build_sharded_task
+
+    cfg = _task_config(small=False, compile_=False)
+    cfg.parallel.activation_checkpointing = True
+    traced = trace(cfg, world_size=1, steps=2, comm_debug=False)
+    info, created = _one_rank_group(dev)
+    try:
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        task = build_sharded_task(SSLTask, cfg, info, cfg.parallel)
+
+        opt = task.build_optimizer(partial(build_param_groups, lr_decay_rate=1.0, patch_embed_lr_mult=0.2))
+        batch = synthetic_batch(cfg, cfg.phases[0], task.data_patch_size)
+        sched = build_schedules(cfg, 1)
+        for s in range(2):
+            _step(task, opt, batch, {k: float(v[s]) for k, v in sched.items()}, cfg.optim.clip_grad)
+        torch.cuda.synchronize(dev)
+        real = torch.cuda.max_memory_allocated(dev) - base
+        reserved = torch.cuda.max_memory_reserved(dev)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    ratio = traced.peak_bytes / real
+    return {"ok": 0.8 <= ratio <= 1.1, "config": f"{cfg.model.name} b={cfg.phases[0].batch_size_per_gpu} bf16 AC",
+            "traced_peak_gib": traced.peak_bytes / 2**30, "cuda_max_allocated_gib": real / 2**30,
+            "cuda_max_reserved_gib": reserved / 2**30, "trace_over_cuda": ratio,
+            "planner_counted_gib": traced.planner["counted"] / 2**30, "trace_seconds": traced.seconds}

@@ -31,9 +31,7 @@ GROUPS: dict[str, str] = {
     # 3
     "dinopipe.train": "train",
     "dinopipe.eval": "eval",
-    "dinopipe.plan": "eval",
-    "dinopipe.plan_gram": "eval",
-    "dinopipe.plan_report": "eval",
+    "dinopipe.plan": "plan",  # the analytic planner and the traced dry run (which drives the train layer)
     "curation": "curation",
     # 4: entry points and orchestration, the only place dinopipe and curation meet
     "dinopipe.cli": "app",
@@ -46,7 +44,7 @@ GROUPS: dict[str, str] = {
     "curation.cli": "app",
 }
 
-ALL = {"util", "config", "models", "data", "ssl", "export", "train", "eval", "curation", "app"}
+ALL = {"util", "config", "models", "data", "ssl", "export", "train", "eval", "plan", "curation", "app"}
 _BOTTOM = {"util", "config"}
 ALLOWED: dict[str, set[str]] = {
     "util": _BOTTOM,
@@ -57,6 +55,7 @@ ALLOWED: dict[str, set[str]] = {
     "export": _BOTTOM | {"models", "export"},
     "train": _BOTTOM | {"models", "data", "ssl", "export", "train"},
     "eval": _BOTTOM | {"models", "data", "export", "eval"},
+    "plan": _BOTTOM | {"models", "data", "ssl", "export", "train", "plan"},
     "curation": _BOTTOM | {"models", "data", "export", "curation"},
     "app": ALL,
 }

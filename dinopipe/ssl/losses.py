@@ -89,7 +89,7 @@ class DINOLoss(_TeacherTargetLoss):
         # ce[s, t] = mean_b H(teacher_t, student_s)
         ce_glob = -torch.einsum("sbk,tbk->st", s_glob, t) / b  # (n_g, n_g)
         off_diag = ~torch.eye(n_g, dtype=torch.bool, device=ce_glob.device)
-        global_sum = ce_glob[off_diag].sum()
+        global_sum = torch.where(off_diag, ce_glob, 0.0).sum()  # no boolean indexing: traceable with fake tensors
         n_terms = n_g * (n_g - 1)
         local_sum = ce_glob.new_zeros(())
         if student_local_logits is not None and student_local_logits.shape[0] > 0:

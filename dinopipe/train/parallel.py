@@ -92,6 +92,21 @@ def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> N
     module._dinopipe_autocast = dtype
 
 
+_MESHES: dict = {}
+
+
+def device_mesh(info: DistInfo):
+    """The 1-D FSDP mesh over all ranks, made once per process group (the traced dry run makes it outside its
+    fake-tensor mode: building a mesh reads tensor values, which fake tensors do not have)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (info.device.type, info.world_size, id(torch.distributed.distributed_c10d._get_default_group()))
+    if key not in _MESHES:
+        _MESHES.clear()
+        _MESHES[key] = init_device_mesh(info.device.type, (info.world_size,))
+    return _MESHES[key]
+
+
 def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[ParallelConfig] = None,
                 frozen: bool = False, compile_backend: str = "inductor") -> str:
     """Apply AC / compile / FSDP2 (or autocast) in place to each module (a backbone with ``.blocks`` or a
@@ -115,10 +130,9 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
         log.info("compute dtype %s (%s, one process, %s modules)", cfg.param_dtype,
                  "autocast" if compute != torch.float32 else "no mixed precision", "frozen" if frozen else "trained")
         return cfg.param_dtype
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    mesh = device_mesh(info)
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[cfg.reduce_dtype])
     reshard = True if frozen else cfg.reshard_after_forward
     for m in modules:

@@ -8,12 +8,14 @@ state wrapping, gathering full state dicts and writing exports. The loop (``loop
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from .. import hub
 from ..config import ParallelConfig, save_config
@@ -29,9 +31,114 @@ from .parallel import parallelize
 log = logging.getLogger(__name__)
 
 
-def build_task(task_cls: type[TeacherStudentTask], cfg: Any, all_reduce_fn=None) -> TeacherStudentTask:
+def build_task(task_cls: type[TeacherStudentTask], cfg: Any, all_reduce_fn=None, load_backbone=None,
+               load_heads=None) -> TeacherStudentTask:
     """The task, with the readers it needs for files (pretrained backbones, a distillation teacher)."""
-    return task_cls(cfg, all_reduce_fn=all_reduce_fn, load_backbone=hub.load, load_heads=hub.load_heads)
+    return task_cls(cfg, all_reduce_fn=all_reduce_fn, load_backbone=load_backbone or hub.load,
+                    load_heads=load_heads or hub.load_heads)
+
+
+def _recording_readers(record: list):
+    """File readers for rank 0 that note what they returned (architectures, head shapes), so the other ranks can
+    rebuild the same modules on ``meta`` without opening the files."""
+
+    def load_backbone(path, **kwargs):
+        model = hub.load(path, **kwargs)
+        record.append(("backbone", dict(model._arch_kwargs), getattr(model, "variant", None)))
+        return model
+
+    def load_heads(path):
+        sds = hub.load_heads(path)
+        record.append(("heads", {n: {k: (tuple(v.shape), v.dtype) for k, v in sd.items()} for n, sd in sds.items()}))
+        return sds
+
+    return load_backbone, load_heads
+
+
+def _replaying_readers(record: list):
+    """The readers of the ranks other than 0: the modules rank 0 read, rebuilt empty (called under ``meta``)."""
+    items = iter(record)
+
+    def take(kind: str):
+        item = next(items, None)
+        if item is None or item[0] != kind:
+            raise RuntimeError(f"rank 0 read files in another order than this rank builds the task (wanted {kind})")
+        return item
+
+    def load_backbone(path, **kwargs):
+        _, arch, variant = take("backbone")
+        model = build_vit(**arch)
+        if variant:
+            model.variant = variant
+        return model
+
+    def load_heads(path):
+        _, shapes = take("heads")
+        return {n: {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in sd.items()} for n, sd in shapes.items()}
+
+    return load_backbone, load_heads
+
+
+@contextlib.contextmanager
+def _deepcopies_share_parameters():
+    """While rank 0 builds its task, ``copy.deepcopy`` of a module gives new Parameter objects over the SAME
+    tensors (the EMA teacher, the Gram teacher and the students' EMAs are deep copies made in the task's
+    ``__init__``, before anything trains): rank 0 then holds each initial model once, not two or three times.
+    The values are those of a real copy (nothing is modified in place during construction; the test compares
+    with a one-process build), and the module goes to ``meta`` right after its state dict is taken."""
+    original = nn.Parameter.__deepcopy__
+
+    def share(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data, self.requires_grad)
+        return memo[id(self)]
+
+    nn.Parameter.__deepcopy__ = share
+    try:
+        yield
+    finally:
+        nn.Parameter.__deepcopy__ = original
+
+
+def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistInfo,
+                       pcfg: Optional[ParallelConfig] = None) -> TeacherStudentTask:
+    """Build, shard and materialise the task so that no rank but 0 ever holds a full model.
+
+    One process: built on the device as before. Several: rank 0 builds the task on its CPU exactly as a
+    single process would (same seed, same RNG stream, released files read there, once per job), so the
+    initial weights are those of every earlier version; the others build it on ``meta`` (architectures of
+    files rank 0 read come over the process group; no file is opened). Every rank then shards the meta
+    task (``parallelize_task``), allocates only its own shards (``to_empty``) and receives the weights from
+    rank 0 tensor by tensor (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``: one
+    full tensor at a time in flight, each rank keeps its slice). Memory: ranks > 0 hold their shards + the
+    largest single tensor; rank 0 also holds each initial model once (copies share its tensors: EMA and
+    Gram teachers) on the host until the broadcast ends."""
+    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank and every rerun
+    reduce_fn = all_reduce_sum_fn()
+    if not info.distributed:
+        task = build_task(task_cls, cfg, all_reduce_fn=reduce_fn).to(info.device)
+        parallelize_task(task, info, pcfg)
+        return task
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from .dist import broadcast_object
+
+    record: list = []
+    full: dict = {}
+    if info.is_main:
+        with _deepcopies_share_parameters():
+            task = build_task(task_cls, cfg, reduce_fn, *_recording_readers(record))
+        full = task.state_dict()  # real CPU tensors; the module itself goes to meta like every other rank's
+        task = task.to("meta")
+    record = broadcast_object(record)
+    if not info.is_main:
+        with torch.device("meta"):
+            task = build_task(task_cls, cfg, reduce_fn, *_replaying_readers(record))
+    parallelize_task(task, info, pcfg)
+    task.to_empty(device=info.device)
+    set_model_state_dict(task, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    return task
 
 
 def parallelize_task(task: TeacherStudentTask, info: DistInfo, pcfg: Optional[ParallelConfig] = None) -> str:
@@ -107,9 +214,7 @@ def run_training(cfg: Any, task_cls: type[TeacherStudentTask]) -> int:
     info = init_distributed(cfg.train.device)
     if info.is_main:
         save_config(cfg, cfg.train.output_dir)
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank and every rerun
-    task = build_task(task_cls, cfg, all_reduce_fn=all_reduce_sum_fn()).to(info.device)
-    parallelize_task(task, info, cfg.parallel)
+    task = build_sharded_task(task_cls, cfg, info, cfg.parallel)
     o = cfg.optim
     optimizer = task.build_optimizer(partial(build_param_groups, lr_decay_rate=o.layerwise_decay,
                                              patch_embed_lr_mult=o.patch_embed_lr_mult, decay_tokens=o.decay_tokens),
@@ -117,4 +222,4 @@ def run_training(cfg: Any, task_cls: type[TeacherStudentTask]) -> int:
     return train(cfg, LoopTask(task), optimizer, info, refs, read, task.data_patch_size)
 
 
-__all__ = ["run_training", "build_task", "parallelize_task", "checkpoint_states", "export_task", "LoopTask"]
+__all__ = ["run_training", "build_task", "build_sharded_task", "parallelize_task", "checkpoint_states", "export_task", "LoopTask"]

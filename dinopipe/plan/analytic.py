@@ -27,11 +27,11 @@ import torch
 from timm.layers import GluMlp, LayerScale, Mlp
 from torch import nn
 
-from .config import phase_steps
-from .models import DINOHead, create_model
-from .models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
-from .plan_report import format_report
-from .plan_gram import (describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory,
+from ..config import phase_steps
+from ..models import DINOHead, create_model
+from ..models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
+from .report import format_report
+from .gram import (describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory,
                         largest_variant, phase_variants)
 
 GiB = 1024**3
@@ -287,7 +287,7 @@ def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, a
     if checkpointing:
         workspace += max(block_saved_bytes(arch, groups, c, attn, r, stat_bytes) for r in set(arch.drop_rates))
     student_peak = targets + backbone + head_saved + max(logits_grad, workspace)
-    gram = gram_step_memory(cfg, arch, phase, b, c, tokens)  # zeros without Gram anchoring (plan_gram.py)
+    gram = gram_step_memory(cfg, arch, phase, b, c, tokens)  # zeros without Gram anchoring (gram.py)
     student_peak += gram["gram_kept"]
     gram_peak = targets + backbone + head_saved + gram["gram_kept"] + gram["gram_forward_peak"]
     return {
@@ -425,11 +425,11 @@ def implied_mfu(total_flops: float, gpu_hours: float, gpu_tflops: float) -> floa
 
 
 def main(argv=None) -> int:
-    """``dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [key=value ...]``"""
+    """``dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [--trace] [key=value ...]``"""
     import argparse
 
-    from .config import ConfigError, exit_on_config_error, load_config
-    from .ssl.config import PretrainConfig
+    from ..config import ConfigError, exit_on_config_error, load_config
+    from ..ssl.config import PretrainConfig
 
     p = argparse.ArgumentParser(prog="dinopipe plan", description=main.__doc__)
     p.add_argument("--config", default=None, help="pretraining YAML (configs/pretrain/...)")
@@ -439,6 +439,15 @@ def main(argv=None) -> int:
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the time estimate")
     p.add_argument("--margin", type=float, default=0.10, help="fragmentation / safety share (default 0.10)")
     p.add_argument("--overhead-gb", type=float, default=1.0, help="CUDA context + NCCL buffers, GiB")
+    p.add_argument("--trace", action="store_true",
+                   help="also run the real training step as rank 0 of --gpus ranks in this process (fake tensors, "
+                        "fake process group) and print its peak memory and collectives beside the planner's figures")
+    p.add_argument("--steps", type=int, default=2, help="--trace: real steps to run (2: the second has optimizer state)")
+    p.add_argument("--phase", default=None, help="--trace: phase name (default: the first)")
+    p.add_argument("--json", default=None, help="--trace: also write the figures to this JSON file")
+    p.add_argument("--no-comm-debug", action="store_true",
+                   help="--trace: leave torch's CommDebugMode out (its module tracking fails on torch 2.11; the "
+                        "collective byte counter runs regardless)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = p.parse_args(argv)
     try:
@@ -455,6 +464,18 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=__import__("sys").stderr)
         return 2
     print(format_report(r))
+    if args.trace:
+        import dataclasses
+        import json
+
+        from .trace import trace
+
+        t = trace(cfg, args.gpus, steps=args.steps, phase=args.phase, comm_debug=not args.no_comm_debug)
+        print()
+        print(t.report())
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**dataclasses.asdict(t), "planner_over_trace": t.planner_ratio}, f, indent=1)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The planner's share of DINOv3 training (dinopipe/plan.py calls these): the Gram teacher (a third, frozen
+"""The planner's share of DINOv3 training (``analytic.py`` calls these): the Gram teacher (a third, frozen
 backbone copy: sharded fp32 state, a no-grad forward on the Gram crops, resampled targets and the (2B, N, N)
 Gram matrices) and high-resolution adaptation phases, which draw one crop-size triple per batch: memory must
 fit the largest triple, time follows the probability-weighted mix."""

@@ -1,0 +1,150 @@
+"""Peak host memory per rank while a multi-rank run builds its task, before and after models are born on
+``meta`` (``dinopipe/train/run.py:build_sharded_task``).
+
+    python bench/bench_rss.py                       # vit_l14 continued from a released-layout file, W = 1, 2, 4
+    python bench/bench_rss.py --worlds 1,2 --model vit_b14 --skip-before-above-gib 14
+
+The released file is written once (official DINOv2 hub layout, ``export_dinov2`` of a random init; ~1.2 GB for
+vit_l14). Each configuration runs as its own torchrun job of W gloo ranks on the CPU (one at a time); every
+rank builds the pretraining task (student from the file + DINO/iBOT heads + EMA teacher), shards it with FSDP2
+and reports its peak resident set (``VmHWM``) and its resident set after importing torch (the constant).
+
+- ``before``: the code before issue 20: every rank builds the whole task (reading the file itself), then shards.
+- ``after``: ``build_sharded_task``: rank 0 builds (deep copies share its tensors), the others build on ``meta``;
+  all shard, ``to_empty`` and receive the weights tensor by tensor.
+
+Prints per configuration the peak RSS of rank 0 and of the largest other rank, and ratios
+``rss_after_over_before_wW_rankR``, plus ``rss_other_ranks_over_fp32_model_per_W_wW``: (peak - constant) of the
+largest rank > 0 over (fp32 student bytes / W); the goal is per-rank RSS <= fp32 model bytes / W + a constant.
+A "before" run whose estimated total (W x one rank's W=1 peak) exceeds ``--skip-before-above-gib`` is skipped
+(the machine is shared) and said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 1024**3
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def probe(mode: str, model: str, weights: str, out: str) -> None:
+    """One rank of a torchrun job: build, shard, report peak RSS."""
+    import torch
+
+    from dinopipe.config import load_config
+    from dinopipe.ssl.config import PretrainConfig
+    from dinopipe.ssl.task import SSLTask
+    from dinopipe.train.dist import all_reduce_sum_fn, destroy, init_distributed
+    from dinopipe.train.run import build_sharded_task, build_task, parallelize_task
+
+    base = _status_kib("VmRSS")
+    cfg = load_config(PretrainConfig, str(REPO / "configs/pretrain/quickstart.yaml"),
+                      ["data.paths=[x]", f"model.name={model}", f"model.pretrained={weights}", "model.img_size=224",
+                       "parallel.param_dtype=fp32", "parallel.compile=false"])
+    info = init_distributed("cpu")
+    if mode == "before":  # train/run.py before issue 20
+        torch.manual_seed(cfg.train.seed)
+        task = build_task(SSLTask, cfg, all_reduce_fn=all_reduce_sum_fn()).to(info.device)
+        parallelize_task(task, info, cfg.parallel)
+    else:
+        task = build_sharded_task(SSLTask, cfg, info, cfg.parallel)
+    student = sum(p.numel() for p in task.student.parameters())  # a DTensor's numel is the global one
+    rec = {"rank": info.rank, "world": info.world_size, "base": base, "peak": _status_kib("VmHWM"),
+           "student_fp32_bytes": 4 * student}
+    Path(out, f"rank{info.rank}.json").write_text(json.dumps(rec))
+    destroy()
+
+
+def run(mode: str, world: int, model: str, weights: str) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", __file__, "--probe", mode, model, weights, d]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            raise RuntimeError(f"{mode} W={world} failed:\n{r.stderr[-4000:]}")
+        return sorted((json.loads(p.read_text()) for p in Path(d).glob("rank*.json")), key=lambda x: x["rank"])
+
+
+def write_released(model: str, path: Path) -> None:
+    import torch
+
+    from dinopipe.export.dinov2 import export_dinov2
+    from dinopipe.models import create_model
+
+    torch.manual_seed(0)
+    export_dinov2(create_model(model, img_size=518), path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vit_l14")
+    p.add_argument("--worlds", default="1,2,4")
+    p.add_argument("--weights", default=None, help="a released-layout .pth (written when missing)")
+    p.add_argument("--skip-before-above-gib", type=float, default=14.0)
+    p.add_argument("--modes", default="before,after", help="which builds to measure")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    weights = Path(args.weights or Path(tempfile.gettempdir()) / f"bench_rss_{args.model}_dinov2.pth")
+    if not weights.exists():
+        write_released(args.model, weights)
+    print(f"released-layout file: {weights} ({weights.stat().st_size / GiB:.2f} GiB)")
+    results: dict = {}
+    one_rank_before = None
+    for world in [int(w) for w in args.worlds.split(",")]:
+        for mode in args.modes.split(","):
+            if mode == "before" and one_rank_before and world * one_rank_before / GiB > args.skip_before_above_gib:
+                print(f"  before W={world}: skipped (~{world * one_rank_before / GiB:.1f} GiB estimated on a shared "
+                      f"machine > {args.skip_before_above_gib} GiB)")
+                continue
+            ranks = run(mode, world, args.model, str(weights))
+            results[f"{mode}_w{world}"] = ranks
+            if mode == "before" and world == 1:
+                one_rank_before = ranks[0]["peak"]
+            others = max((r["peak"] for r in ranks[1:]), default=None)
+            print(f"  {mode:<6} W={world}: rank 0 peak {ranks[0]['peak'] / GiB:.2f} GiB"
+                  + (f", largest other rank {others / GiB:.2f} GiB" if others else "")
+                  + f", constant (after import) {ranks[0]['base'] / GiB:.2f} GiB, all ranks "
+                  f"{sum(r['peak'] for r in ranks) / GiB:.2f} GiB")
+    if not results:
+        return
+    model_bytes = next(iter(results.values()))[0]["student_fp32_bytes"]
+    print(f"fp32 student (backbone + heads): {model_bytes / GiB:.2f} GiB")
+    for key, ranks in results.items():
+        mode, world = key.split("_w")
+        if mode != "after":
+            continue
+        before = results.get(f"before_w{world}")
+        if before:
+            print(f"rss_after_over_before_w{world}_rank0: {ranks[0]['peak'] / before[0]['peak']:.3f}")
+            if len(ranks) > 1:
+                print(f"rss_after_over_before_w{world}_other_ranks: "
+                      f"{max(r['peak'] for r in ranks[1:]) / max(r['peak'] for r in before[1:]):.3f}")
+        if len(ranks) > 1:
+            worst = max(ranks[1:], key=lambda r: r["peak"])
+            print(f"rss_other_ranks_over_fp32_model_per_W_w{world}: "
+                  f"{(worst['peak'] - worst['base']) / (model_bytes / int(world)):.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--probe":
+        probe(*sys.argv[2:6])
+    else:
+        main()
