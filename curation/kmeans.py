@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from dinopipe.utils.device import pick_device
 
 from .index import Rows
+from .steps.sampling import quota, split_target  # noqa: F401  (split_target: used here before)
 
 INITS = ("auto", "kmeans++", "random")
 KMEANSPP_MAX_K = 20000
@@ -305,30 +306,6 @@ def resample_positions(labels, dist, k, s, sampling, rng) -> np.ndarray:
     return np.sort(order[rank_in_cluster < s])
 
 
-def split_target(sizes: np.ndarray, target: int, rng: np.random.Generator) -> np.ndarray:
-    """Split ``target`` over clusters as evenly as their sizes allow (water filling).
-
-    Returns per-cluster counts ``c <= sizes`` summing to ``min(target, sizes.sum())``: a cap x
-    with sum(min(x, sizes)) <= target, plus one more for a random subset of the clusters that
-    still have room, to hit the target exactly.
-    """
-    sizes = np.asarray(sizes, np.int64)
-    if target >= sizes.sum():
-        return sizes.copy()
-    lo, hi = 0, int(sizes.max())
-    while hi - lo > 1:  # largest x with sum(min(x, sizes)) <= target
-        mid = (lo + hi) // 2
-        if np.minimum(mid, sizes).sum() <= target:
-            lo = mid
-        else:
-            hi = mid
-    alloc = np.minimum(lo, sizes)
-    rest = target - int(alloc.sum())
-    room = np.flatnonzero(sizes > lo)
-    alloc[rng.choice(room, size=rest, replace=False)] += 1
-    return alloc
-
-
 def balanced_sample(levels: list[Level], target_size: int, strategy: str = "r",
                     seed: int = 0) -> np.ndarray:
     """Positions of ``target_size`` points chosen top-down as evenly as the tree allows.
@@ -338,16 +315,7 @@ def balanced_sample(levels: list[Level], target_size: int, strategy: str = "r",
     if strategy not in ("r", "c"):
         raise ValueError(f"strategy={strategy!r}: choose 'r' (random) or 'c' (closest)")
     rng = np.random.default_rng(seed)
-    top = levels[-1]
-    alloc = split_target(top.sizes, target_size, rng)  # per cluster of the top level
-    for li in range(len(levels) - 1, 0, -1):
-        lvl, below = levels[li], levels[li - 1]
-        child_alloc = np.zeros(len(below.sizes), np.int64)
-        members = _members(lvl.labels, len(lvl.sizes))
-        for c in np.flatnonzero(alloc):
-            kids = members[c]
-            child_alloc[kids] = split_target(below.sizes[kids], int(alloc[c]), rng)
-        alloc = child_alloc
+    alloc = quota([lvl.sizes for lvl in levels], [lvl.labels for lvl in levels[1:]], target_size, rng)
     bottom = levels[0]
     members = _members(bottom.labels, len(bottom.sizes))
     picked = []

@@ -30,8 +30,9 @@ import numpy as np
 
 from dinopipe.utils.io import atomic_path
 
-BLOCK = 65536
-"""Rows per block: the unit a task owns, reads and (usually) writes."""
+BLOCK = int(os.environ.get("CURATE_BLOCK", 65536))
+"""Rows per block: the unit a task owns, reads and (usually) writes (CURATE_BLOCK: smaller blocks, so a
+small test pool still splits over several tasks; set it before the tasks start)."""
 LAUNCHERS = ("local", "slurm", "dist")
 
 
