@@ -19,7 +19,7 @@ import os
 import numpy as np
 from numpy.lib.format import open_memmap
 
-from ..steps.runner import BLOCK, part_done, part_path, read_part, task_blocks, write_part
+from ..steps.runner import part_done, part_path, read_part, task_blocks, write_part
 
 COPY_NOISE = 0.05  # squared norm of a copy's perturbation: cosine ~ 1/sqrt(1.05) ~ 0.976
 SPREAD = 1.5  # squared norm of a row's noise around its centre
@@ -37,9 +37,9 @@ def _normalise(x):
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
-def gen_block(b: int, lo: int, hi: int, cent, weights, dim: int, seed: int, copy_rate: float,
+def gen_block(lo: int, hi: int, cent, weights, dim: int, seed: int, copy_rate: float,
               hash_rate: float, max_distance: int):
-    rng = np.random.default_rng([seed, 1, b])
+    rng = np.random.default_rng([seed, 1, lo])  # a function of the block, not of W
     n = hi - lo
     lab = rng.choice(len(cent), size=n, p=weights)
     x = cent[lab] + rng.standard_normal((n, dim)).astype(np.float32) * np.float32(np.sqrt(SPREAD / dim))
@@ -72,8 +72,8 @@ def generate_task(task_index: int, num_tasks: int, folder: str, n: int, dim: int
     emb = np.load(os.path.join(folder, "emb.npy"), mmap_mode="r+")
     hashes = np.load(os.path.join(folder, "hashes.npy"), mmap_mode="r+")
     cs, cd, hs, hd = [], [], [], []
-    for b, (lo, hi) in enumerate(task_blocks(n, task_index, num_tasks)):
-        x, h, (s, d), (a, c), _ = gen_block(lo // BLOCK, lo, hi, cent, w, dim, seed, copy_rate, hash_rate,
+    for lo, hi in task_blocks(n, task_index, num_tasks):
+        x, h, (s, d), (a, c), _ = gen_block(lo, hi, cent, w, dim, seed, copy_rate, hash_rate,
                                             max_distance)
         emb[lo:hi], hashes[lo:hi] = x, h
         cs.append(s), cd.append(d), hs.append(a), hd.append(c)

@@ -36,8 +36,9 @@ small test pool still splits over several tasks; set it before the tasks start).
 LAUNCHERS = ("local", "slurm", "dist")
 
 
-def task_rows(n: int, task_index: int, num_tasks: int, block: int = BLOCK) -> tuple[int, int]:
+def task_rows(n: int, task_index: int, num_tasks: int, block: int | None = None) -> tuple[int, int]:
     """Rows ``[lo, hi)`` of ``n`` owned by task ``task_index`` of ``num_tasks``: whole blocks, split evenly."""
+    block = block or BLOCK
     if not 0 <= task_index < num_tasks:
         raise ValueError(f"task_index {task_index} is not in [0, {num_tasks})")
     nblocks = -(-n // block)
@@ -45,8 +46,9 @@ def task_rows(n: int, task_index: int, num_tasks: int, block: int = BLOCK) -> tu
     return min(lo * block, n), min(hi * block, n)
 
 
-def task_blocks(n: int, task_index: int, num_tasks: int, block: int = BLOCK):
+def task_blocks(n: int, task_index: int, num_tasks: int, block: int | None = None):
     """The ``(start, stop)`` blocks of this task's rows."""
+    block = block or BLOCK
     lo, hi = task_rows(n, task_index, num_tasks, block)
     return [(s, min(s + block, hi)) for s in range(lo, hi, block)]
 
@@ -156,12 +158,13 @@ def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: i
              **kw) -> list[dict]:
     """Run ``fn`` as ``num_tasks`` tasks; per task: wall time, peak memory and ``fn``'s result.
 
-    local: all tasks, ``processes`` at a time (default ``num_tasks``), each in a fresh process.
+    local: all tasks, ``processes`` at a time (default ``num_tasks``), each in a fresh process;
+    ``processes=0``: one after another in this process (tests, tiny pools).
     slurm / dist: only this process's own task (the others run in their own processes).
     """
     if launcher == "local":
-        if num_tasks == 1 and processes == 0:  # in this process (tests, tiny pools)
-            return [_measured(fn, 0, 1, kw)]
+        if processes == 0:
+            return [_measured(fn, t, num_tasks, kw) for t in range(num_tasks)]
         ctx = mp.get_context("spawn")
         with ctx.Pool(processes or num_tasks, maxtasksperchild=1) as pool:
             jobs = [pool.apply_async(_measured, (fn, t, num_tasks, kw)) for t in range(num_tasks)]
