@@ -165,10 +165,20 @@ def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: i
     if launcher == "local":
         if processes == 0:
             return [_measured(fn, t, num_tasks, kw) for t in range(num_tasks)]
+        procs = min(processes or num_tasks, num_tasks)
         ctx = mp.get_context("spawn")
-        with ctx.Pool(processes or num_tasks, maxtasksperchild=1) as pool:
-            jobs = [pool.apply_async(_measured, (fn, t, num_tasks, kw)) for t in range(num_tasks)]
-            return [j.get() for j in jobs]
+        old = os.environ.get("OMP_NUM_THREADS")
+        # the cores shared out between the tasks running at once (faiss / BLAS would each take them all)
+        os.environ["OMP_NUM_THREADS"] = os.environ.get("CURATE_TASK_THREADS") or str(max(1, (os.cpu_count() or 1) // procs))
+        try:
+            with ctx.Pool(procs, maxtasksperchild=1) as pool:
+                jobs = [pool.apply_async(_measured, (fn, t, num_tasks, kw)) for t in range(num_tasks)]
+                return [j.get() for j in jobs]
+        finally:
+            if old is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = old
     t, w = env_task(launcher)
     if w != num_tasks:
         raise RuntimeError(f"{launcher}: this job has {w} tasks, the step was asked for {num_tasks}")
