@@ -119,6 +119,7 @@ class PeakMemory:
             self._stop.wait(every)
 
     def __enter__(self):
+        self.start_anon = self._status().get("RssAnon", 0)  # the interpreter + imports, before the task
         self._t.start()
         return self
 
@@ -135,7 +136,7 @@ def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict) -> dict:
     with PeakMemory() as mem:
         out = fn(task_index, num_tasks, **kw) or {}
     return {"task": task_index, "wall_s": time.perf_counter() - t0, "peak_anon": mem.peak_anon,
-            "peak_rss": mem.peak_rss, "result": out}
+            "start_anon": mem.start_anon, "peak_rss": mem.peak_rss, "result": out}
 
 
 def env_task(launcher: str) -> tuple[int, int]:
