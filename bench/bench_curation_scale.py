@@ -76,7 +76,7 @@ def summary(results: list[dict]) -> str:
             continue
         ns = [r["n"] for r in runs]
         for step in runs[0]["steps"]:
-            ts = [r["steps"][step]["wall_s"] for r in runs]
+            ts = [r["steps"][step]["task_s"] for r in runs]  # the slowest task, without process start
             lines.append(f"slope W={w} {step}: {slope(ns, ts):.2f}  ({' / '.join(f'{t:.1f}s' for t in ts)} at "
                          f"{' / '.join(f'{n:,}' for n in ns)})")
     big = max((r["n"] for r in results), default=0)
