@@ -10,8 +10,9 @@ part exists (:func:`part_done`) returns at once, so a killed task is simply star
 * ``launcher="local"``: a process pool on this machine (one fresh process per task, so each task's peak
   memory is its own and is reported back);
 * ``launcher="slurm"``: this process is one Slurm array task (SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT);
-* ``launcher="dist"``: this process is one torch.distributed rank (torchrun / srun, started through
-  training's :func:`dinopipe.train.dist.init_distributed`, which has the srun-step guard).
+* ``launcher="dist"``: this process is one torch.distributed rank of the group the entry point made
+  (``curate`` under torchrun / srun calls training's :func:`dinopipe.train.dist.init_distributed`, which has
+  the srun-step guard; the curation layer itself never imports the train layer).
 
 Rows are owned in whole blocks of ``block`` rows (:func:`task_rows`), so every block a task reads is
 the one a single process would read: the same BLAS shapes, the same answer whatever ``W``.
@@ -147,11 +148,13 @@ def env_task(launcher: str) -> tuple[int, int]:
             raise RuntimeError("launcher=slurm: SLURM_ARRAY_TASK_ID is not set (submit with sbatch --array)")
         t = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
         return t, int(env.get("SLURM_ARRAY_TASK_COUNT", "1"))
-    if launcher == "dist":
-        from dinopipe.train.dist import init_distributed
+    if launcher == "dist":  # the group is made by the entry point (curation/cli.py: training's init_distributed)
+        import torch.distributed as dist
 
-        info = init_distributed()
-        return info.rank, info.world_size
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("launcher=dist: no process group; start through `curate` under torchrun or srun, "
+                               "which sets it up as training does (dinopipe.train.dist.init_distributed)")
+        return dist.get_rank(), dist.get_world_size()
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
