@@ -152,3 +152,21 @@ def test_plan_covers_every_step_and_marks_assumptions():
     assert by["index add"].tasks == 160 and by["index add"].host_gib < 2  # no task holds the 81 GiB index
     assert by["k-means level 1 (10,000,000)"].host_gib < 60  # not the 82 GB float64 all-reduce
     assert "ASSUMED" in by["verification"].note and by["verification"].hours > by["search (dedup)"].hours
+
+
+def _record(t, w, folder):
+    runner.write_part(runner.part_path(folder, "rec", t, w), t=np.int64(t))
+    return {"t": t}
+
+
+def test_slurm_array_task_runs_its_own_part_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "12")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "10")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
+    (res,) = runner.run_step(_record, 3, launcher="slurm", folder=str(tmp_path))
+    assert res["task"] == 2 and sorted(os.listdir(tmp_path)) == ["rec-00002-of-00003.npz"]
+    with pytest.raises(RuntimeError, match="has 3 tasks, the step was asked for 4"):
+        runner.run_step(_record, 4, launcher="slurm", folder=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="2 of 3 parts of 'rec' are missing"):
+        runner.parts(str(tmp_path), "rec", 3)
+    assert [runner.task_rows(10, t, 3, block=2) for t in range(3)] == [(0, 2), (2, 6), (6, 10)]
