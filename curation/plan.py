@@ -28,10 +28,11 @@ GPUS = {"v100": (32, 1.5e11, 2.5e13, 400), "a100": (80, 4e11, 1e14, 1200),
 CPU_SCAN = 2.3e9  # dim-ops/s per core: faiss IVF SQfp16 scan, measured here (200k x 384, nprobe 16)
 CPU_GEMM = 7e10  # FLOP/s per core: faiss flat search, measured here
 KMEANS_ITERS = 20
-# rows/s per CPU core, measured by `curate simulate` here (docs/curation-scale.md: 1M rows, 2 shared cores)
-HASH_RATE = 2e5  # hash dedup: (t+1)^2 = 25 sorted keys per row
-GROUP_RATE = 2e6  # grouping: union-find over pair arrays (per row of the pool)
-SAMPLE_RATE = 2e6  # sampling: three passes over labels + hash keys
+# rows/s per task, measured by `curate simulate` here (docs/curation-scale.md: 120k rows, W=1, one task on
+# 2 cores shared by ~8 engineers at load ~15: conservative; an idle core is several times faster)
+HASH_RATE = 1e4  # hash dedup: (t+1)^2 = 25 sorted keys per row (120k rows: 12.5 s)
+GROUP_RATE = 6e5  # grouping: union-find over pair arrays, per row of the pool (120k rows: 0.2 s)
+SAMPLE_RATE = 3e5  # sampling: three passes over labels + hash keys (120k rows: 0.4 s)
 VERIFY_RATE = 400.0  # pairs/s per core on pixels: ASSUMED from 2-3 ms/pair (issue 19; bench_verify measures it)
 WRITE_RATE = 2e8  # bytes/s per task reading + writing image bytes into shards: ASSUMED
 EDGES_PER_IMAGE = 0.2  # verified copy pairs per image: ASSUMED (web pools: ~10-20% copies)
@@ -117,7 +118,7 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     cores = cpu_tasks * cpus_per_task
     # hash dedup: task t owns band values % W == t; 25 keys x 16 B per owned row
     steps.insert(1, Step("hash dedup", cpu_tasks, pool / cpu_tasks * 48 / GiB + 0.1, 0,
-                         pool / (HASH_RATE * cores) / 3600, "partitioned by band value; exact up to t bits"))
+                         pool / (HASH_RATE * cpu_tasks) / 3600, "partitioned by band value; exact up to t bits"))
     # verification: candidate pairs on pixels, partitioned by kept image, thumbnails decoded once per task
     pairs = pool * pairs_per_image
     steps.append(Step("verification", cpu_tasks, 2.0, 0, pairs / (VERIFY_RATE * cores) / 3600,
@@ -140,7 +141,7 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
                           kc * dim * 4 / GiB if gpus_per_node else 0, (lloyd_s + assign_s) / 3600,
                           f"{KMEANS_ITERS} Lloyd iterations on {KMEANS_SAMPLE}/centroid, {1 + resampling} assignment "
                           f"passes; sums reduced in 256 MB chunks"))
-    steps.append(Step("sampling", cpu_tasks, pool / cpu_tasks * 16 / GiB + 0.1, 0, pool / (SAMPLE_RATE * cores) / 3600,
+    steps.append(Step("sampling", cpu_tasks, pool / cpu_tasks * 16 / GiB + 0.1, 0, pool / (SAMPLE_RATE * cpu_tasks) / 3600,
                       "3 sharded passes, merges O(k x 256)"))
     kept = pool * keep_fraction
     steps.append(Step("write shards", cpu_tasks, 1.0, 0, kept * IMAGE_BYTES / (WRITE_RATE * cpu_tasks) / 3600,
