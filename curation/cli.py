@@ -4,6 +4,8 @@
     curate embed|dedup|decontaminate|rebalance|write|report --config ... [k=v ...]
     curate index|search --config ... [knn.task_index=i knn.num_tasks=N]   (the sharded kNN)
     curate plan --pool 142M --dim 1024 --index ivf_pq --tasks 160 [--gpus 160]   (no config)
+    curate simulate --n 1000000 --dim 384 --tasks 4 --work DIR   (the chain after embedding on a planted pool)
+    torchrun|srun ... curate kmeans [--curate ...]   (distributed hierarchical k-means, curation.dist_kmeans)
 
 Load config -> validate (config mistakes exit 2, before anything is written) -> save the resolved
 config into output.dir -> run the step(s) -> print the manifest summary. Each step reads the
@@ -59,6 +61,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .plan import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from .simulate.run import main as simulate_main
+
+        return simulate_main(argv[1:])
+    if argv[:1] == ["kmeans"]:
+        return _kmeans(argv[1:])
     args = build_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(CurationConfig, args.config, args.overrides)
@@ -78,6 +86,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "write" in steps or (args.command == "report" and os.path.exists(os.path.join(out, "manifest.json"))):
         _print_manifest(out)
     return 0
+
+
+def _kmeans(argv: list[str]) -> int:
+    """The distributed k-means under training's launcher (one process group setup, with the srun-step guard)."""
+    from dinopipe.train.dist import LaunchError, destroy, init_distributed
+
+    from .dist_kmeans import main as kmeans_main
+
+    try:
+        init_distributed("auto")
+    except LaunchError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    ok = False
+    try:
+        code = kmeans_main(argv)
+        ok = True
+        return code
+    finally:
+        destroy(clean=ok)
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ class RebalanceConfig:
     """Early stop: an iteration that lowers the objective by less than this (relative) ends it."""
     kmeans_dir: Optional[str] = None
     """mode=hierarchical: take the k-means tree from this folder (relative: under output.dir),
-    written by ``python -m curation.dist_kmeans --curate`` over many processes, instead of
+    written by ``curate kmeans --curate`` over many processes, instead of
     clustering in the rebalance step; it must be for the same rows and rebalance.* settings."""
     kmeans_n_init: int = 1
     """Restarts keeping the lowest SSE (each costs a full k-means; 2 gained <0.1% SSE)."""

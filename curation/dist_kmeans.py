@@ -1,9 +1,13 @@
 """Hierarchical k-means over many processes (torch.distributed: gloo on CPU, NCCL on GPUs).
 
-    torchrun --nproc-per-node 8 -m curation.dist_kmeans --emb-dir OUT/embeddings --out OUT/kmeans \\
+    torchrun --nproc-per-node 8 -m curation.cli kmeans --emb-dir OUT/embeddings --out OUT/kmeans \\
         --levels 4000 400 40 10 --sample-sizes 1 10 5 3
-    srun --ntasks 24 python -m curation.dist_kmeans --emb-dir ... --out ...   # Slurm: one step
-    torchrun ... -m curation.dist_kmeans --curate --config C.yaml output.dir=OUT [k=v ...]
+    srun --ntasks 24 curate kmeans --emb-dir ... --out ...   # Slurm: one step
+    torchrun ... -m curation.cli kmeans --curate --config C.yaml output.dir=OUT [k=v ...]
+
+The process group comes from the one launcher training uses (``curate kmeans`` calls
+:func:`dinopipe.train.dist.init_distributed`: torchrun or an srun step, with its guard against a batch
+script that believes SLURM_NTASKS); this module only uses the group it is given.
 
 ``--curate``: the k-means of ``curate rebalance`` (mode=hierarchical) -- the rows kept after dedup +
 decontamination, the config's rebalance.* settings -- written to rebalance.kmeans_dir, where
@@ -11,11 +15,13 @@ decontamination, the config's rebalance.* settings -- written to rebalance.kmean
 
 Level 1 (the points) is distributed: every rank memory-maps the fp16 embedding shards and owns a
 contiguous range of the rows Lloyd iterates over, assigns them (torch matmul on its GPU when there
-is one, faiss on CPU) and all-reduces per-cluster sums, counts and the objective; rank 0 seeds
+is one, faiss on CPU) and all-reduces per-cluster counts and the objective, and the float64 per-cluster
+sums a chunk of centroids at a time (:data:`curation.kmeans.REDUCE_BYTES`, 256 MB: at 10M clusters x
+1024-d the whole k x D float64 array would be 82 GB per rank); rank 0 seeds
 (k-means++ on a sample it reads from the shared shards) and broadcasts the centroids. The levels
 above cluster level 1's centroids (a few MB) on rank 0 with :func:`hierarchical_kmeans`. Level 1's
-"closest" resampling steps gather each rank's s closest points per cluster, so rank 0 k-means the
-same points one process would. ``--out`` must be on a filesystem every rank sees.
+"closest" resampling steps gather each rank's s closest points per cluster to rank 0 only (the one
+rank that uses them), so rank 0 k-means the same points one process would. ``--out`` must be on a filesystem every rank sees.
 
 Same answer for any number of ranks, bit for bit (tested with 1 and 3 gloo processes): the row
 ranges are cut at multiples of ``BLOCK`` rows, so every block (hence every BLAS call) is the one a
@@ -49,56 +55,45 @@ from .kmeans import (BLOCK, INITS, Level, Nearest, fit, hierarchical_kmeans, kme
                      resample_positions, work_positions)
 
 
-def init_distributed() -> tuple[int, int, str]:
-    """(rank, world size, device) from torchrun's or Slurm's environment; NCCL with GPUs."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env:  # srun: derive torchrun's variables
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        env.setdefault("MASTER_ADDR", _first_host(nodes))
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    env.setdefault("RANK", "0")
-    env.setdefault("WORLD_SIZE", "1")
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", "29533")
-    cuda = torch.cuda.is_available()
-    device = f"cuda:{int(env.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def _first_host(nodelist: str) -> str:
-    """First host of a Slurm node list ('node[03-05,7],gpu1' -> 'node03')."""
-    head = nodelist.split(",")[0]
-    if "[" in head:
-        prefix, rest = head.split("[", 1)
-        head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
-    return head
+def process_group() -> tuple[int, int, str]:
+    """(rank, world size, device) of the process group the launcher made (``curate kmeans``: training's
+    :func:`dinopipe.train.dist.init_distributed`, with its srun-step guard); one process without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1, "cuda:0" if torch.cuda.is_available() else "cpu"
+    cuda = dist.get_backend() == "nccl"
+    return dist.get_rank(), dist.get_world_size(), f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
 
 
 class Comm:
-    """The three collectives k-means needs, on the process group's device."""
+    """The collectives k-means needs, on the process group's device (no-ops in one process)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, world: int = 1):
         self.dev = device if device.startswith("cuda") else "cpu"
+        self.world = world
 
-    def allreduce(self, sums: np.ndarray, counts: np.ndarray, obj: float):
-        s = torch.from_numpy(np.ascontiguousarray(sums, np.float64)).to(self.dev)
-        c = torch.from_numpy(np.ascontiguousarray(counts, np.int64)).to(self.dev)
-        o = torch.tensor([obj], dtype=torch.float64, device=self.dev)
-        for t in (s, c, o):
-            dist.all_reduce(t)
-        return s.cpu().numpy(), c.cpu().numpy(), float(o.item())
+    def allreduce(self, arr: np.ndarray) -> np.ndarray:
+        """Sum of ``arr`` over ranks (lloyd hands it one chunk of centroid sums at a time)."""
+        if self.world == 1:
+            return arr
+        t = torch.from_numpy(np.ascontiguousarray(arr)).to(self.dev)
+        dist.all_reduce(t)
+        return t.cpu().numpy()
 
     def broadcast(self, fn):
         """fn() evaluated on rank 0, its (k, D) fp32 array returned on every rank."""
+        if self.world == 1:
+            return fn()
         obj = [fn() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(obj, src=0, device=torch.device(self.dev))
         return obj[0]
+
+    def gather_to_root(self, obj):
+        """Every rank's ``obj`` on rank 0 only (a list there, None elsewhere)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if dist.get_rank() == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
 
 
 def rank_range(n: int, rank: int, world: int, block: int = BLOCK) -> tuple[int, int]:
@@ -151,8 +146,7 @@ def resample_level1(rows: Rows, labels, dists, centroids: np.ndarray, s: int, co
     k = len(centroids)
     lab, d = np.asarray(labels[lo:hi]), np.asarray(dists[lo:hi])
     mine = resample_positions(lab, d, k, s, "closest", None)
-    offers = [None] * world
-    dist.all_gather_object(offers, (mine + lo, lab[mine], d[mine]))
+    offers = comm.gather_to_root((mine + lo, lab[mine], d[mine]))  # only rank 0 uses them
 
     def reseed():
         pos, lb, dd = (np.concatenate(a) for a in zip(*offers))
@@ -201,15 +195,15 @@ def load_tree(out: str, expected: dict, key: str = "kmeans_dir") -> list[Level]:
     ``expected`` (rows and settings); a mismatch is an error naming ``key`` and the fields."""
     path = os.path.join(out, "kmeans.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{key}={out}: no kmeans.json there; run python -m "
-                                f"curation.dist_kmeans --curate <the curate arguments> first")
+        raise FileNotFoundError(f"{key}={out}: no kmeans.json there; run "
+                                f"curate kmeans --curate <the curate arguments> first (torchrun / srun)")
     with open(path) as f:
         got = json.load(f).get("settings", {})
     diff = {k: (got.get(k), v) for k, v in expected.items() if got.get(k) != v}
     if diff:
         what = "; ".join(f"{k}: k-means has {a!r}, this run needs {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"{key}={out} was clustered for other rows or settings ({what}): rerun "
-                         f"python -m curation.dist_kmeans --curate with this config, or unset {key} "
+                         f"curate kmeans --curate with this config, or unset {key} "
                          f"to cluster in this process")
     lab = np.load(os.path.join(out, "level1_labels.npy"))
     levels = [Level(np.load(os.path.join(out, "centroids_level1.npy")), lab,
@@ -228,8 +222,8 @@ def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], step
         sampling: str = "closest", seed: int = 0, init_centroids: str | None = None,
         block: int = BLOCK, rows_idx: np.ndarray | None = None, **kw) -> dict:
     """``rows_idx``: cluster only these rows of the embeddings (positions, in this order)."""
-    rank, world, device = init_distributed()
-    comm = Comm(device)
+    rank, world, device = process_group()
+    comm = Comm(device, world)
     if sample_sizes[0] > 1 and sampling != "closest":
         raise SystemExit("dist_kmeans: random resampling at level 1 is not distributed; use "
                          "--sampling closest, or a first --sample-sizes value of 1")
@@ -244,7 +238,7 @@ def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], step
         os.makedirs(out, exist_ok=True)
         open_memmap(os.path.join(out, "level1_labels.npy"), "w+", np.int64, (n,)).flush()
         open_memmap(os.path.join(out, "level1_dist.npy"), "w+", np.float32, (n,)).flush()
-    dist.barrier()
+    _barrier()
     labels = open_memmap(os.path.join(out, "level1_labels.npy"), "r+")
     dists = open_memmap(os.path.join(out, "level1_dist.npy"), "r+")
     cent = res.centroids
@@ -254,8 +248,8 @@ def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], step
                                seed=seed + 1000 + step, block=block, **kw)
         counts = assign_all(rows, cent, rank, world, device, labels, dists, block)
     labels.flush(), dists.flush()
-    _, counts, _ = comm.allreduce(np.zeros((1, 1)), counts, 0.0)
-    dist.barrier()
+    counts = comm.allreduce(counts)
+    _barrier()
     summary = {"world_size": world, "device": device, "n": n, "levels": levels,
                "level1": {"objective": res.objective, "iterations": res.n_iter}}
     if rank == 0:
@@ -276,8 +270,13 @@ def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], step
                                            "max_points_per_centroid")})
         with open(os.path.join(out, "kmeans.json"), "w") as f:
             json.dump(summary, f, indent=1)
-    dist.barrier()
+    _barrier()
     return summary
+
+
+def _barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def curate_main(argv: list[str]) -> int:
@@ -290,7 +289,7 @@ def curate_main(argv: list[str]) -> int:
     from .pipeline import rebalance_rows
     from .rebalance import capped_levels
 
-    p = argparse.ArgumentParser(prog="python -m curation.dist_kmeans --curate")
+    p = argparse.ArgumentParser(prog="curate kmeans --curate")
     p.add_argument("--config", default=None)
     p.add_argument("overrides", nargs="*")
     a = p.parse_intermixed_args(argv)
@@ -308,9 +307,8 @@ def curate_main(argv: list[str]) -> int:
     summary = run(space_dir, kmeans_dir(cfg, default="kmeans"), ks, [kw["sample_size"]] * len(ks),
                   steps=kw["n_resampling_steps"], sampling="closest", seed=kw["seed"],
                   rows_idx=rows_idx, **kw["kmeans"])
-    if dist.get_rank() == 0:
+    if process_group()[0] == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "settings"}))
-    dist.destroy_process_group()
     return 0
 
 
@@ -345,11 +343,11 @@ def main(argv=None) -> int:
                   init_centroids=a.init_centroids, niter=a.niter, tol=a.tol, init=a.init,
                   init_sample=a.init_sample, n_init=a.n_init, block=a.block,
                   max_points_per_centroid=a.max_points_per_centroid)
-    if dist.get_rank() == 0:
+    if process_group()[0] == 0:
         print(json.dumps(summary))
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit("run the distributed k-means through the launcher: curate kmeans [--curate] ... "
+             "(torchrun / srun start `curate kmeans`, which sets up the process group as training does)")

@@ -12,6 +12,7 @@ when adding and when querying. IVF stores vectors as fp16 (they were fp16 anyway
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterator
 
 from ._faiss import faiss
@@ -19,9 +20,14 @@ import numpy as np
 
 from dinopipe.utils.io import atomic_path
 
-from .embeddings import EmbeddingSet
 
 FLAT_MAX_DEFAULT = 50_000  # exact search up to here (~1 min for 50k x 50k x 384 on 2 cores)
+
+
+def _is_embedding_set(data) -> bool:
+    """An :class:`curation.embeddings.EmbeddingSet` (by its interface: importing that module pulls in torch
+    and the image decoders, which the array-only steps and their measured memory do without)."""
+    return not isinstance(data, np.ndarray) and hasattr(data, "rows") and hasattr(data, "dim")
 
 
 class Rows:
@@ -44,12 +50,12 @@ class Rows:
 
     @property
     def dim(self) -> int:
-        return self.data.dim if isinstance(self.data, EmbeddingSet) else self.data.shape[1]
+        return self.data.dim if _is_embedding_set(self.data) else self.data.shape[1]
 
     def take(self, positions: np.ndarray) -> np.ndarray:
         """fp32 rows at ``positions`` (positions within this view)."""
         rows = positions if self.indices is None else self.indices[positions]
-        if isinstance(self.data, EmbeddingSet):
+        if _is_embedding_set(self.data):
             return self.data.rows(rows)
         return np.asarray(self.data[rows], dtype=np.float32)
 
@@ -286,3 +292,59 @@ def _drop_self(sims, idx, pos, k):
     idx = np.where(idx < 0, -1, idx)
     sims = np.where(idx < 0, -np.inf, sims).astype(np.float32)
     return sims, idx
+
+
+# ------------------------------------------------------------------ IVF built by W tasks, on disk
+# faiss's own pattern (faiss/contrib/ondisk.py, benchs/distributed_ondisk): train once on a sample,
+# let every task add its rows to a copy of the empty trained index and write its inverted lists to
+# its own file, then merge the lists into one OnDiskInvertedLists file. No process holds all vectors:
+# a task holds the codes of its N/W rows; the merge and the searches memory-map the lists.
+
+
+def train_ondisk(rows: Rows, path: str, kind: str = "ivf_sq8", nlist: int | None = None,
+                 train_size: int | None = None, seed: int = 0, pq_m: int = 0) -> None:
+    """Train an empty IVF on a fixed random sample of ``rows`` and write it to ``path`` (once)."""
+    if os.path.exists(path):
+        return
+    index = train_cpu_index(rows, kind, nlist or default_nlist(len(rows)), train_size, seed, pq_m)
+    with atomic_path(path) as tmp:
+        faiss.write_index(index, tmp)
+
+
+def add_part(trained_path: str, rows: Rows, lo: int, hi: int, path: str, block: int = 65536) -> int:
+    """Add rows [lo, hi) (ids = row positions) to a copy of the trained index; write it to ``path``.
+    Rerun-safe: an existing part is kept."""
+    if os.path.exists(path):
+        return 0
+    index = faiss.read_index(trained_path)
+    for s in range(lo, hi, block):
+        e = min(s + block, hi)
+        index.add_with_ids(np.ascontiguousarray(rows.take(np.arange(s, e)), np.float32),
+                           np.arange(s, e, dtype=np.int64))
+    with atomic_path(path) as tmp:
+        faiss.write_index(index, tmp)
+    return hi - lo
+
+
+def merge_parts(trained_path: str, part_paths: list[str], path: str) -> int:
+    """Merge the parts' inverted lists (in part order: ascending row ranges, so every list holds its
+    rows in row order, as one process adding everything would) into ``path`` + ``path.ivfdata``."""
+    from faiss.contrib.ondisk import merge_ondisk
+
+    if os.path.exists(path):
+        return -1
+    index = faiss.read_index(trained_path)
+    data = path + ".ivfdata"
+    if os.path.exists(data):
+        os.remove(data)  # a merge killed half-way: start the lists again
+    merge_ondisk(index, part_paths, data)
+    with atomic_path(path) as tmp:
+        faiss.write_index(index, tmp)
+    return int(index.ntotal)
+
+
+def load_ondisk(path: str, kind: str, nprobe: int = 16) -> KnnIndex:
+    """The merged index, its lists memory-mapped from ``path.ivfdata`` (shared page cache)."""
+    index = faiss.read_index(path, faiss.IO_FLAG_ONDISK_SAME_DIR)
+    set_nprobe(index, nprobe, False)
+    return KnnIndex(index, kind, index.ntotal, nprobe, False)

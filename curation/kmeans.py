@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from dinopipe.utils.device import pick_device
 
 from .index import Rows
+from .steps.sampling import quota, split_target  # noqa: F401  (split_target: used here before)
 
 INITS = ("auto", "kmeans++", "random")
 KMEANSPP_MAX_K = 20000
@@ -93,9 +94,14 @@ class KMeansResult:
     history: list = field(default_factory=list)  # objective after each assignment
 
 
+REDUCE_BYTES = 256 * 2**20
+"""Bytes of float64 centroid sums accumulated and reduced at once: k x D sums are built and summed over
+ranks a chunk of centroids at a time (82 GB at 10M clusters x 1024-d in one piece; 256 MB per chunk)."""
+
+
 def lloyd(blocks: Callable[[], Iterable[np.ndarray]], centroids: np.ndarray, niter: int,
           tol: float = 1e-4, device: str = "auto",
-          allreduce: Callable | None = None) -> KMeansResult:
+          allreduce: Callable | None = None, reduce_bytes: int = REDUCE_BYTES) -> KMeansResult:
     """Lloyd iterations from ``centroids`` over the rows ``blocks()`` yields (fp32 blocks).
 
     Stops after ``niter`` iterations or once an iteration lowers the objective by less than
@@ -103,29 +109,40 @@ def lloyd(blocks: Callable[[], Iterable[np.ndarray]], centroids: np.ndarray, nit
     format) are multiples of 2^-24 of magnitude <= 1 (L2-normalised), so every partial sum of up
     to 2^29 of them is exact in float64 and the centroids do not depend on the order the rows
     are added in -- in particular not on how the distributed version splits them over ranks
-    (``allreduce(sums, counts, objective)`` sums the three over ranks). An empty cluster keeps its
+    (``allreduce(array)`` sums an array over ranks), nor on the chunking. The sums are built and
+    reduced ``reduce_bytes`` of centroids at a time: one assignment pass keeps the labels (int64 per
+    row of this process), then each chunk of centroids re-reads the rows -- (k / chunk) reads per
+    iteration against the k * D multiply-adds per row the assignment costs. An empty cluster keeps its
     centroid (no random re-seeding: that would need a shared RNG draw over all ranks' rows).
     """
     cent = np.ascontiguousarray(centroids, dtype=np.float32).copy()
     k, d = cent.shape
+    chunk = max(1, min(k, reduce_bytes // (8 * d)))
     history: list[float] = []
     it = 0
     for it in range(1, niter + 1):
         near = Nearest(cent, device)
-        sums = torch.zeros((k, d), dtype=torch.float64)
-        counts = np.zeros(k, np.int64)
-        obj = 0.0
+        labels, counts, obj = [], np.zeros(k, np.int64), np.zeros(1, np.float64)
         for x in blocks():
             lab, dist = near(x)
-            sums.index_add_(0, torch.from_numpy(lab), torch.from_numpy(x).double())
+            labels.append(lab)
             counts += np.bincount(lab, minlength=k)
-            obj += float(dist.sum(dtype=np.float64))
-        sums_np = sums.numpy()
+            obj += dist.sum(dtype=np.float64)
         if allreduce is not None:
-            sums_np, counts, obj = allreduce(sums_np, counts, obj)
+            counts, obj = allreduce(counts), allreduce(obj)
+        obj = float(obj[0])
+        for c0 in range(0, k, chunk):
+            c1 = min(k, c0 + chunk)
+            sums = torch.zeros((c1 - c0, d), dtype=torch.float64)
+            for lab, x in zip(labels, blocks()):
+                sel = np.flatnonzero((lab >= c0) & (lab < c1))
+                if len(sel):
+                    sums.index_add_(0, torch.from_numpy(lab[sel] - c0), torch.from_numpy(x[sel]).double())
+            s = sums.numpy() if allreduce is None else allreduce(sums.numpy())
+            cnt = counts[c0:c1]
+            full = cnt > 0
+            cent[c0:c1][full] = (s[full] / cnt[full, None]).astype(np.float32)
         history.append(obj)
-        full = counts > 0
-        cent[full] = (sums_np[full] / counts[full, None]).astype(np.float32)
         if len(history) > 1 and history[-2] - obj <= tol * abs(history[-2]):
             break
     return KMeansResult(cent, history[-1] if history else float("nan"), it, history)
@@ -305,30 +322,6 @@ def resample_positions(labels, dist, k, s, sampling, rng) -> np.ndarray:
     return np.sort(order[rank_in_cluster < s])
 
 
-def split_target(sizes: np.ndarray, target: int, rng: np.random.Generator) -> np.ndarray:
-    """Split ``target`` over clusters as evenly as their sizes allow (water filling).
-
-    Returns per-cluster counts ``c <= sizes`` summing to ``min(target, sizes.sum())``: a cap x
-    with sum(min(x, sizes)) <= target, plus one more for a random subset of the clusters that
-    still have room, to hit the target exactly.
-    """
-    sizes = np.asarray(sizes, np.int64)
-    if target >= sizes.sum():
-        return sizes.copy()
-    lo, hi = 0, int(sizes.max())
-    while hi - lo > 1:  # largest x with sum(min(x, sizes)) <= target
-        mid = (lo + hi) // 2
-        if np.minimum(mid, sizes).sum() <= target:
-            lo = mid
-        else:
-            hi = mid
-    alloc = np.minimum(lo, sizes)
-    rest = target - int(alloc.sum())
-    room = np.flatnonzero(sizes > lo)
-    alloc[rng.choice(room, size=rest, replace=False)] += 1
-    return alloc
-
-
 def balanced_sample(levels: list[Level], target_size: int, strategy: str = "r",
                     seed: int = 0) -> np.ndarray:
     """Positions of ``target_size`` points chosen top-down as evenly as the tree allows.
@@ -338,16 +331,7 @@ def balanced_sample(levels: list[Level], target_size: int, strategy: str = "r",
     if strategy not in ("r", "c"):
         raise ValueError(f"strategy={strategy!r}: choose 'r' (random) or 'c' (closest)")
     rng = np.random.default_rng(seed)
-    top = levels[-1]
-    alloc = split_target(top.sizes, target_size, rng)  # per cluster of the top level
-    for li in range(len(levels) - 1, 0, -1):
-        lvl, below = levels[li], levels[li - 1]
-        child_alloc = np.zeros(len(below.sizes), np.int64)
-        members = _members(lvl.labels, len(lvl.sizes))
-        for c in np.flatnonzero(alloc):
-            kids = members[c]
-            child_alloc[kids] = split_target(below.sizes[kids], int(alloc[c]), rng)
-        alloc = child_alloc
+    alloc = quota([lvl.sizes for lvl in levels], [lvl.labels for lvl in levels[1:]], target_size, rng)
     bottom = levels[0]
     members = _members(bottom.labels, len(bottom.sizes))
     picked = []

@@ -1,17 +1,16 @@
-"""``curate plan``: memory per task and wall time per step of a sharded curation, on paper.
+"""``curate plan``: memory per task and wall time of every curation step, on paper.
 
-    curate plan --pool 142M --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100
+    curate plan --pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100
 
-A cost model, not a measurement: the index sizes are exact (faiss code sizes), the times come from
-per-device rates (dimension-operations per second for IVF scans, FLOP/s for the coarse quantizer
-and k-means, images/s for the embedder). The CPU rates were measured on this repository's 2-core CI
-machine (ENVIRONMENT.md, bench/bench_sharded.py); the GPU rates are assumptions stated in
-``GPUS`` — replace them with your own measurements (``--scan-rate`` etc.).
-
-Steps, as slurm/submit_curation.sh chains them: embed (array, 1 GPU per task) -> index (one job on
-one node: train IVF on 64 vectors per list, add every vector, write the index) -> search (array:
-each task holds the index, memory-mapped or on its node's GPUs, and its query chunk) -> finish
-(merge pairs, group, decontaminate, write; one CPU process).
+A cost model, not a measurement: index sizes are exact (faiss code sizes); times come from per-device
+rates, each either measured in this repository (where is said next to it) or marked ASSUMED -- replace
+those with your own (``--scan-rate`` etc.). Steps, as the sharded curation runs them: embed (array, 1 GPU
+per task) -> hash dedup (W tasks by band value) -> index train (one sample) -> index add (W tasks, one
+inverted-list file each) -> index merge (on disk) -> search (W tasks by query rows) -> verification (pairs
+on pixels) -> grouping (pair arrays, one process) -> decontamination (eval rows on the pool index) ->
+k-means levels (assignment of every row by W tasks, Lloyd on a sample) -> sampling (three sharded passes)
+-> shard writing (W tasks). `curate simulate` / bench/bench_curation_scale.py check the growth of each
+step (time ~ N, memory per task ~ N/W) on this machine.
 """
 
 from __future__ import annotations
@@ -29,6 +28,16 @@ GPUS = {"v100": (32, 1.5e11, 2.5e13, 400), "a100": (80, 4e11, 1e14, 1200),
 CPU_SCAN = 2.3e9  # dim-ops/s per core: faiss IVF SQfp16 scan, measured here (200k x 384, nprobe 16)
 CPU_GEMM = 7e10  # FLOP/s per core: faiss flat search, measured here
 KMEANS_ITERS = 20
+# rows/s per task, measured by `curate simulate` here (docs/curation-scale.md: 120k rows, W=1, one task on
+# 2 cores shared by ~8 engineers at load ~15: conservative; an idle core is several times faster)
+HASH_RATE = 1e4  # hash dedup: (t+1)^2 = 25 sorted keys per row (120k rows: 12.5 s)
+GROUP_RATE = 6e5  # grouping: union-find over pair arrays, per row of the pool (120k rows: 0.2 s)
+SAMPLE_RATE = 3e5  # sampling: three passes over labels + hash keys (120k rows: 0.4 s)
+VERIFY_RATE = 400.0  # pairs/s per core on pixels: ASSUMED from 2-3 ms/pair (issue 19; bench_verify measures it)
+WRITE_RATE = 2e8  # bytes/s per task reading + writing image bytes into shards: ASSUMED
+EDGES_PER_IMAGE = 0.2  # verified copy pairs per image: ASSUMED (web pools: ~10-20% copies)
+IMAGE_BYTES = 1.1e5  # bytes per image in the shards: ASSUMED (LVD-like JPEGs)
+KMEANS_SAMPLE = 64  # Lloyd's sample: points per centroid (the simulation's; curation.kmeans default 256)
 
 
 def parse_count(s: str) -> int:
@@ -54,7 +63,8 @@ class Step:
 def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int = 20, gpus_per_node: int = 8,
          gpu: str = "v100", cpus_per_task: int = 8, node_mem_gib: float = 480, k: int = 64, nprobe: int = 16,
          nlist: int | None = None, n_eval: int = 1_000_000, chunk: int = 65536, pairs_per_image: float = 1.0,
-         scan_rate: float | None = None, embed_rate: float | None = None) -> list[Step]:
+         scan_rate: float | None = None, embed_rate: float | None = None, levels=None,
+         resampling: int = 0, keep_fraction: float = 0.5) -> list[Step]:
     gpu_mem, gpu_scan, gpu_gemm, gpu_img = GPUS[gpu] if gpus_per_node else (0, 0, 0, 0)
     scan_rate = scan_rate or (gpu_scan if gpus_per_node else CPU_SCAN * cpus_per_task)
     gemm = gpu_gemm if gpus_per_node else CPU_GEMM * cpus_per_task
@@ -70,16 +80,19 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     steps.append(Step("embed", workers, 8 + 0.05 * cpus_per_task, 4.0 if gpus_per_node else 0,
                       pool / (rate * workers) / 3600, f"{rate:g} img/s per task; writes {pool * dim * 2 / GiB:,.0f} GiB fp16"))
 
-    # index: train k-means on 64 vectors per list, then assign + encode every vector; one node
+    # index: train k-means on 64 vectors per list once; W tasks assign + encode their rows into their own
+    # inverted-list files; one merge into an OnDiskInvertedLists file (read and written once, sequentially)
     sample = min(pool, 64 * nlist)
     node_gemm = gemm * max(gpus_per_node, 1)
     train_s = KMEANS_ITERS * 2.0 * sample * nlist * dim / node_gemm
-    add_s = 2.0 * pool * nlist * dim / node_gemm + pool * dim * 2 / 2e9  # assign + read the fp16 at 2 GB/s
-    host = index_gib + sample * dim * 4 / GiB + 2
-    # faiss-gpu k-means streams the host-side sample through the GPU: centroids + ~1 GiB scratch there
-    steps.append(Step("index", 1, host, nlist * dim * 4 / GiB + 1 if gpus_per_node else 0,
-                      (train_s + add_s) / 3600, f"nlist {nlist:,}, {code} B/vector codes: index {index_gib:,.1f} GiB"))
-
+    add_tasks = max(workers, 1)
+    add_s = (2.0 * pool * nlist * dim / gemm + pool * dim * 2 / 2e9) / add_tasks  # assign + read fp16 at 2 GB/s
+    steps.append(Step("index train", 1, sample * dim * 4 / GiB + 1, nlist * dim * 4 / GiB + 1 if gpus_per_node else 0,
+                      train_s / 3600, f"nlist {nlist:,} on {sample:,} vectors"))
+    steps.append(Step("index add", add_tasks, index_gib / add_tasks + nlist * dim * 4 / GiB + 0.5, 0, add_s / 3600,
+                      f"{code} B/vector codes: index {index_gib:,.1f} GiB in {add_tasks} files"))
+    steps.append(Step("index merge", 1, 1.0, 0, 2 * index_gib * GiB / 5e8 / 3600,
+                      "faiss merge_ondisk: memory-mapped in and out (0.5 GB/s ASSUMED)"))
     # search: each query visits nprobe lists of ~pool/nlist codes; flat: every vector
     # dim-ops per query: one per stored dimension (flat, SQ) or one table lookup per PQ byte
     per_vector = code if kind == "ivf_pq" else dim
@@ -101,15 +114,38 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     fits = "" if index_gib + q_gib < node_mem_gib else f"; index exceeds {node_mem_gib:g} GiB of host memory"
     steps.append(Step("search (dedup)", tasks, index_gib + q_gib + 1, index_gib / g_per_task if g_per_task else 0,
                       search_s / 3600, where + fits))
-    # decontamination: pool chunks against a flat eval index (small: on the GPUs when there are any)
-    eval_gib = n_eval * dim * 4 / GiB
-    eval_rate = gpu_gemm * n_gpus if gpus_per_node else CPU_GEMM * cpus_per_task * tasks
-    steps.append(Step("search (eval)", tasks, eval_gib + q_gib + 1, eval_gib if gpus_per_node else 0,
-                      2.0 * pool * n_eval * dim / eval_rate / 3600, f"{n_eval:,} eval images, flat"))
-    # finish: union-find over the pool and the pairs, one process
-    fin_gib = pool * (8 * 4 + 64) / GiB + pool * pairs_per_image * 24 / GiB
-    steps.append(Step("finish", 1, fin_gib, 0, (pool * 2e-6 + pool * pairs_per_image * 1e-6) / 3600,
-                      "merge pairs, group, decontaminate, write decisions (ids ~64 B each)"))
+    cpu_tasks = max(workers, 1)
+    cores = cpu_tasks * cpus_per_task
+    # hash dedup: task t owns band values % W == t; 25 keys x 16 B per owned row
+    steps.insert(1, Step("hash dedup", cpu_tasks, pool / cpu_tasks * 48 / GiB + 0.1, 0,
+                         pool / (HASH_RATE * cpu_tasks) / 3600, "partitioned by band value; exact up to t bits"))
+    # verification: candidate pairs on pixels, partitioned by kept image, thumbnails decoded once per task
+    pairs = pool * pairs_per_image
+    steps.append(Step("verification", cpu_tasks, 2.0, 0, pairs / (VERIFY_RATE * cores) / 3600,
+                      f"{pairs_per_image:g} candidate pairs per image; rate ASSUMED"))
+    edges = pool * EDGES_PER_IMAGE
+    steps.append(Step("grouping", 1, pool * 8 * 2 / GiB + edges * 16 / GiB, 0, pool / GROUP_RATE / 3600,
+                      f"one process: union-find (int64 per row) over {EDGES_PER_IMAGE:g} verified pairs per "
+                      f"image (ASSUMED)"))
+    # decontamination: eval rows queried on the pool index, range search (no k cap)
+    eval_s = n_eval * (per_query / scan + coarse / flops) / tasks
+    steps.append(Step("decontaminate", tasks, index_gib / max(g_per_task, 1) + 1, index_gib / g_per_task if g_per_task else 0,
+                      eval_s / 3600, f"{n_eval:,} eval images on the pool index"))
+    for li, kc in enumerate(levels or (), start=1):
+        pts = pool if li == 1 else levels[li - 2]
+        kc = min(kc, pts)
+        lloyd_s = KMEANS_ITERS * 2.0 * min(pts, kc * KMEANS_SAMPLE) * kc * dim / (gemm * max(n_gpus, cpu_tasks))
+        assign_s = (1 + resampling) * 2.0 * pts * kc * dim / (gemm * max(n_gpus, cpu_tasks))
+        mem = kc * dim * 4 / GiB + 0.25 + pts / max(n_gpus, cpu_tasks) * 8 / GiB
+        steps.append(Step(f"k-means level {li} ({kc:,})", max(n_gpus, cpu_tasks) if li == 1 else 1, mem,
+                          kc * dim * 4 / GiB if gpus_per_node else 0, (lloyd_s + assign_s) / 3600,
+                          f"{KMEANS_ITERS} Lloyd iterations on {KMEANS_SAMPLE}/centroid, {1 + resampling} assignment "
+                          f"passes; sums reduced in 256 MB chunks"))
+    steps.append(Step("sampling", cpu_tasks, pool / cpu_tasks * 16 / GiB + 0.1, 0, pool / (SAMPLE_RATE * cpu_tasks) / 3600,
+                      "3 sharded passes, merges O(k x 256)"))
+    kept = pool * keep_fraction
+    steps.append(Step("write shards", cpu_tasks, 1.0, 0, kept * IMAGE_BYTES / (WRITE_RATE * cpu_tasks) / 3600,
+                      f"{kept:,.0f} images x {IMAGE_BYTES / 1e3:.0f} kB, rate ASSUMED"))
     return steps
 
 
@@ -140,6 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--eval", type=parse_count, default=1_000_000, help="eval images to decontaminate against")
     p.add_argument("--scan-rate", type=float, default=None, help="dim-ops/s per GPU (or per CPU task)")
     p.add_argument("--embed-rate", type=float, default=None, help="images/s per embedding task")
+    p.add_argument("--levels", type=parse_count, nargs="*", default=[], help="hierarchical k-means levels, e.g. 10M 500k")
+    p.add_argument("--resampling", type=int, default=0, help="resampling steps per k-means level")
+    p.add_argument("--pairs-per-image", type=float, default=1.0, help="candidate pairs to verify per image")
     a = p.parse_args(argv)
     try:
         pool = parse_count(a.pool)
@@ -150,7 +189,8 @@ def main(argv=None) -> int:
         print(f"curate plan: error: --pq-m {a.pq_m} must divide --dim {a.dim}", file=sys.stderr)
         return 2
     steps = plan(pool, a.dim, a.index, a.pq_m, a.nodes, a.gpus_per_node, a.gpu, a.cpus_per_task, a.node_mem,
-                 a.k, a.nprobe, a.nlist, a.eval, scan_rate=a.scan_rate, embed_rate=a.embed_rate)
+                 a.k, a.nprobe, a.nlist, a.eval, pairs_per_image=a.pairs_per_image, scan_rate=a.scan_rate,
+                 embed_rate=a.embed_rate, levels=a.levels, resampling=a.resampling)
     hw = f"{a.nodes} nodes x {a.gpus_per_node} {a.gpu.upper()}" if a.gpus_per_node else f"{a.nodes} CPU nodes"
     print(render(steps, f"{pool:,} x {a.dim}-d, {a.index}, {hw}"))
     return 0

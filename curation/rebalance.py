@@ -48,7 +48,7 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     """Dispatch to one mode. ``pool``/``seeds``: L2-normalised embeddings (array/EmbeddingSet/Rows).
 
     ``balance_clusters``: size of the common k-means used to report balance before/after
-    (default: ~sqrt(N), reused from the mode's own clustering where there is one).
+    (default: the mode's own clustering -- no extra k-means; nothing for modes without one).
     ``kmeans``: options of the hierarchical mode's k-means (init, init_sample, niter, tol,
     n_init; see :func:`curation.kmeans.kmeans_fit`). ``tree``: the hierarchical mode's k-means
     tree computed elsewhere (:func:`curation.dist_kmeans.load_tree`) for exactly these rows.
@@ -136,13 +136,14 @@ def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster
     seed_labels, _ = assign(seeds, cent)
     seeds_per_cluster = np.bincount(seed_labels, minlength=len(cent))
     chosen = np.flatnonzero(seeds_per_cluster >= min_seeds)
-    rng = np.random.default_rng(seed)
+    # One pass over the labels (not one scan per chosen cluster: N x C at 1.2B x 100k): rows sorted by
+    # (cluster, random key); a row is kept when its cluster is chosen and its rank there < max_per_cluster.
+    key = np.random.default_rng(seed).random(n)
+    order = np.lexsort((key, labels))
+    lab = labels[order]
+    rank = np.arange(n) - np.searchsorted(lab, np.arange(len(cent)))[lab]
     res.selected[:] = False
-    for c in chosen:
-        members = np.flatnonzero(labels == c)
-        if len(members) > max_per_cluster:
-            members = rng.choice(members, size=max_per_cluster, replace=False)
-        res.selected[members] = True
+    res.selected[order[(seeds_per_cluster[lab] >= min_seeds) & (rank < max_per_cluster)]] = True
     res.cluster = labels
     res.report.update(n_clusters=len(cent), clusters_with_seeds=int(len(chosen)),
                       min_seeds=min_seeds, max_per_cluster=max_per_cluster)
@@ -217,11 +218,13 @@ def balance_before_after(rows: Rows, res: RebalanceResult, k: int | None, seed: 
     n = len(rows)
     if n == 0:
         return {}
-    if labels_k is None or k is not None:
-        k = k or max(2, int(round(np.sqrt(n))))
+    if k is not None:  # asked for: a common k-means of that size
         k = min(k, n)
         labels, _ = assign(rows, kmeans(rows, k, seed=seed))
-    else:
+    elif labels_k is not None:  # the mode's own clustering (hierarchical: its top level; cluster: its k-means)
         labels, k = labels_k
+    else:  # no clustering in this mode: no extra k-means just for the report
+        return {"note": f"mode '{res.report.get('mode', '?')}' clusters nothing; set rebalance.balance_clusters "
+                        f"to measure balance with a k-means of that size"}
     return {"clusters": int(k), "before": cluster_balance(labels, k),
             "after": cluster_balance(labels[res.selected], k)}

@@ -9,7 +9,16 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-from .models import create_model, list_models  # noqa: E402
+
+
+def __getattr__(name):
+    # create_model / list_models load torch and the model registry on first use, not on `import dinopipe`:
+    # the array-only curation steps import dinopipe.utils and would otherwise carry torch (+420 MB per task).
+    if name in ("create_model", "list_models"):
+        from . import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module 'dinopipe' has no attribute {name!r}")
 
 
 def load(*args, **kwargs):

@@ -5,7 +5,7 @@
 # the faiss index once) and an N-task search array (`curate search`: each task its query chunks);
 # the finishing job then only merges the pairs. With --kmeans-tasks N (rebalance.mode=hierarchical)
 # the finishing job is split around a distributed k-means: a dedup/decontaminate job, one
-# `srun --ntasks N python -m curation.dist_kmeans --curate` job (slurm/curate_kmeans.sbatch), then
+# `srun --ntasks N python -m curation.cli kmeans --curate` job (slurm/curate_kmeans.sbatch), then
 # rebalance (on that k-means: rebalance.kmeans_dir=kmeans)/write/report. Each job starts after the
 # one before succeeded.
 #

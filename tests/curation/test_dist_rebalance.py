@@ -1,4 +1,4 @@
-"""`curate rebalance` on a k-means tree made by `python -m curation.dist_kmeans --curate` (2 gloo
+"""`curate rebalance` on a k-means tree made by `curate kmeans --curate` (2 gloo
 processes under torchrun): the same selection as the one-process `curate run`, and a tree made for
 other settings refused with an error naming the key."""
 
@@ -46,7 +46,7 @@ def test_dist_kmeans_on_2_processes_then_rebalance_selects_like_one_process(cura
     decont = load_step(str(out), "decontaminate")["status"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29631",
-           "-m", "curation.dist_kmeans", "--curate", *_args("x", pool, out)[1:],
+           "-m", "curation.cli", "kmeans", "--curate", *_args("x", pool, out)[1:],
            "rebalance.kmeans_dir=kmeans"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -64,7 +64,7 @@ def test_dist_kmeans_on_2_processes_then_rebalance_selects_like_one_process(cura
     capsys.readouterr()
     assert main(_args("rebalance", pool, out, "rebalance.kmeans_dir=kmeans", "rebalance.seed=3")) == 1
     err = capsys.readouterr().err
-    assert "rebalance.kmeans_dir" in err and "seed" in err and "dist_kmeans --curate" in err
+    assert "rebalance.kmeans_dir" in err and "seed" in err and "curate kmeans --curate" in err
 
 
 def test_kmeans_dir_with_another_mode_is_a_config_error(curated, capsys):

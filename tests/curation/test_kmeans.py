@@ -85,7 +85,7 @@ def _launch(nproc, emb, out, port, *extra):
                MASTER_PORT=str(port))
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                                       f"--master-port={port}"]
-    cmd = [sys.executable, *launcher, "-m", "curation.dist_kmeans", "--emb-dir", emb, "--out", out,
+    cmd = [sys.executable, *launcher, "-m", "curation.cli", "kmeans", "--emb-dir", emb, "--out", out,
            "--levels", "40", "8", "--sample-sizes", "4", "4", "--steps", "2", "--block", "256",
            *extra]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

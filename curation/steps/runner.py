@@ -1,0 +1,189 @@
+"""One step shape, one runner.
+
+A step is a picklable function ``fn(task_index, num_tasks, **kw)`` that reads memory-mapped arrays,
+owns the rows :func:`task_rows` gives it, writes its results as part files atomically
+(:func:`write_part`: tmp + ``os.replace``) and returns a small dict. It is rerun-safe: a task whose
+part exists (:func:`part_done`) returns at once, so a killed task is simply started again.
+
+:func:`run_step` launches ``W`` tasks of a step
+
+* ``launcher="local"``: a process pool on this machine (one fresh process per task, so each task's peak
+  memory is its own and is reported back);
+* ``launcher="slurm"``: this process is one Slurm array task (SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT);
+* ``launcher="dist"``: this process is one torch.distributed rank of the group the entry point made
+  (``curate`` under torchrun / srun calls training's :func:`dinopipe.train.dist.init_distributed`, which has
+  the srun-step guard; the curation layer itself never imports the train layer).
+
+Rows are owned in whole blocks of ``block`` rows (:func:`task_rows`), so every block a task reads is
+the one a single process would read: the same BLAS shapes, the same answer whatever ``W``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from dinopipe.utils.io import atomic_path
+
+BLOCK = int(os.environ.get("CURATE_BLOCK", 65536))
+"""Rows per block: the unit a task owns, reads and (usually) writes (CURATE_BLOCK: smaller blocks, so a
+small test pool still splits over several tasks; set it before the tasks start)."""
+LAUNCHERS = ("local", "slurm", "dist")
+
+
+def task_rows(n: int, task_index: int, num_tasks: int, block: int | None = None) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of ``n`` owned by task ``task_index`` of ``num_tasks``: whole blocks, split evenly."""
+    block = block or BLOCK
+    if not 0 <= task_index < num_tasks:
+        raise ValueError(f"task_index {task_index} is not in [0, {num_tasks})")
+    nblocks = -(-n // block)
+    lo, hi = nblocks * task_index // num_tasks, nblocks * (task_index + 1) // num_tasks
+    return min(lo * block, n), min(hi * block, n)
+
+
+def task_blocks(n: int, task_index: int, num_tasks: int, block: int | None = None):
+    """The ``(start, stop)`` blocks of this task's rows."""
+    block = block or BLOCK
+    lo, hi = task_rows(n, task_index, num_tasks, block)
+    return [(s, min(s + block, hi)) for s in range(lo, hi, block)]
+
+
+def part_path(folder: str, name: str, task_index: int, num_tasks: int) -> str:
+    return os.path.join(folder, f"{name}-{task_index:05d}-of-{num_tasks:05d}.npz")
+
+
+def part_done(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def write_part(path: str, **arrays) -> None:
+    """``np.savez`` to ``path`` atomically (a killed task leaves no half-written part)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with atomic_path(path, suffix=".npz") as tmp:
+        np.savez(tmp, **arrays)
+
+
+def read_part(path: str) -> dict:
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def parts(folder: str, name: str, num_tasks: int) -> list[str]:
+    """All part files of a step; a missing one is an error naming it (a task that did not finish)."""
+    paths = [part_path(folder, name, t, num_tasks) for t in range(num_tasks)]
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} of {num_tasks} parts of '{name}' are missing "
+                                f"(first: {missing[0]}): rerun those tasks")
+    return paths
+
+
+def read_rows(path: str, lo: int, hi: int, dtype=np.float32) -> np.ndarray:
+    """Rows ``[lo, hi)`` of a ``.npy`` array, read through a mapping that is closed again, so a
+    task's resident memory holds the block it works on, not every page of the file it walked."""
+    m = np.load(path, mmap_mode="r")
+    out = np.array(m[lo:hi], dtype=dtype)
+    del m
+    return out
+
+
+class PeakMemory:
+    """Peak anonymous memory (RssAnon, sampled) and peak RSS (VmHWM, incl. mapped file pages)."""
+
+    def __init__(self, every: float = 0.05):
+        self.peak_anon = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(every,), daemon=True)
+
+    @staticmethod
+    def _status() -> dict:
+        out = {}
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    k, _, v = line.partition(":")
+                    if k in ("RssAnon", "VmHWM"):
+                        out[k] = int(v.split()[0]) * 1024
+        except OSError:
+            pass
+        return out
+
+    def _run(self, every):
+        while not self._stop.is_set():
+            self.peak_anon = max(self.peak_anon, self._status().get("RssAnon", 0))
+            self._stop.wait(every)
+
+    def __enter__(self):
+        self.start_anon = self._status().get("RssAnon", 0)  # the interpreter + imports, before the task
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak_anon = max(self.peak_anon, self._status().get("RssAnon", 0))
+        hwm = self._status().get("VmHWM")
+        self.peak_rss = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict) -> dict:
+    t0 = time.perf_counter()
+    with PeakMemory() as mem:
+        out = fn(task_index, num_tasks, **kw) or {}
+    return {"task": task_index, "wall_s": time.perf_counter() - t0, "peak_anon": mem.peak_anon,
+            "start_anon": mem.start_anon, "peak_rss": mem.peak_rss, "result": out}
+
+
+def env_task(launcher: str) -> tuple[int, int]:
+    """``(task_index, num_tasks)`` of this process under ``launcher`` ('slurm' or 'dist')."""
+    if launcher == "slurm":
+        env = os.environ
+        if "SLURM_ARRAY_TASK_ID" not in env:
+            raise RuntimeError("launcher=slurm: SLURM_ARRAY_TASK_ID is not set (submit with sbatch --array)")
+        t = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+        return t, int(env.get("SLURM_ARRAY_TASK_COUNT", "1"))
+    if launcher == "dist":  # the group is made by the entry point (curation/cli.py: training's init_distributed)
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("launcher=dist: no process group; start through `curate` under torchrun or srun, "
+                               "which sets it up as training does (dinopipe.train.dist.init_distributed)")
+        return dist.get_rank(), dist.get_world_size()
+    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+
+
+def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: int | None = None,
+             **kw) -> list[dict]:
+    """Run ``fn`` as ``num_tasks`` tasks; per task: wall time, peak memory and ``fn``'s result.
+
+    local: all tasks, ``processes`` at a time (default ``num_tasks``), each in a fresh process;
+    ``processes=0``: one after another in this process (tests, tiny pools).
+    slurm / dist: only this process's own task (the others run in their own processes).
+    """
+    if launcher == "local":
+        if processes == 0:
+            return [_measured(fn, t, num_tasks, kw) for t in range(num_tasks)]
+        procs = min(processes or num_tasks, num_tasks)
+        ctx = mp.get_context("spawn")
+        old = os.environ.get("OMP_NUM_THREADS")
+        # the cores shared out between the tasks running at once (faiss / BLAS would each take them all)
+        os.environ["OMP_NUM_THREADS"] = os.environ.get("CURATE_TASK_THREADS") or str(max(1, (os.cpu_count() or 1) // procs))
+        try:
+            with ctx.Pool(procs, maxtasksperchild=1) as pool:
+                jobs = [pool.apply_async(_measured, (fn, t, num_tasks, kw)) for t in range(num_tasks)]
+                return [j.get() for j in jobs]
+        finally:
+            if old is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = old
+    t, w = env_task(launcher)
+    if w != num_tasks:
+        raise RuntimeError(f"{launcher}: this job has {w} tasks, the step was asked for {num_tasks}")
+    return [_measured(fn, t, w, kw)]
