@@ -40,7 +40,7 @@ def hash_survivors(emb: EmbeddingSet, enabled: bool, max_distance: int,
     dup = np.flatnonzero(~h.keep)
     if verify_with is not None and len(dup):
         sources, size, threshold = verify_with
-        ok = pixel_verifier(sources, emb.ids, None, size, threshold)(h.group[dup], dup)
+        ok = pixel_verifier(sources, emb, None, size, threshold)(h.group[dup], dup)
         h.keep[dup[~ok]] = True
         h.group[dup[~ok]] = dup[~ok]
     return h
@@ -62,8 +62,7 @@ def pool_params(surv: np.ndarray, k: int, threshold: float, index_kind: str, npr
 
 def eval_params(ev: EmbeddingSet, knn: dict | None = None) -> dict:
     knn = knn or {}
-    ids = hashlib.sha1("\n".join(map(str, ev.ids)).encode()).hexdigest()[:16]  # a new eval set: new index
-    return {"n_eval": len(ev), "eval_ids": ids, "kind": "flat", "k": EVAL_K,
+    return {"n_eval": len(ev), "eval_ids": ev.digest,  # a new eval set: new index "kind": "flat", "k": EVAL_K,
             **{key: knn[key] for key in ("chunk_size", "batch_size") if knn.get(key) is not None}}
 
 
@@ -181,12 +180,11 @@ def step_search(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, k
 # ---------------------------------------------------------------------------------- retrieval
 
 
-def retrieval_params(rows_idx: np.ndarray, seed_ids, k: int, knn: dict | None = None) -> dict:
+def retrieval_params(rows_idx: np.ndarray, seeds: EmbeddingSet, k: int, knn: dict | None = None) -> dict:
     """The retrieval index (rebalance mode 'sample') and its searches: the rebalanced rows, the seed
     set and k (a change of any rebuilds it); kind/nprobe as the one-process mode always used."""
     knn = knn or {}
-    seeds = hashlib.sha1("\n".join(map(str, seed_ids)).encode()).hexdigest()[:16]
-    return {"rows": _digest(rows_idx), "seeds": seeds, "n_seeds": len(seed_ids),
+    return {"rows": _digest(rows_idx), "seeds": seeds.digest, "n_seeds": len(seeds),
             "k": max(1, min(int(k), len(rows_idx))), "kind": "auto", "nprobe": 64,
             **{key: knn[key] for key in ("chunk_size", "batch_size") if knn.get(key) is not None}}
 
@@ -197,7 +195,7 @@ def sharded_retrieval(out_dir: str, space: EmbeddingSet, rows_idx: np.ndarray, s
     ``space``: from the saved index and chunks when `curate index` / `curate search` made them for
     these rows and seeds, else built and searched here as task 0 of 1 (the same chunks)."""
     job = KnnJob(out_dir, "retrieval")
-    params = retrieval_params(rows_idx, seeds.ids, k, knn)
+    params = retrieval_params(rows_idx, seeds, k, knn)
     rows = Rows(space, rows_idx)
     if not job.matches(params):
         job.build(rows, params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress)
@@ -226,7 +224,7 @@ def step_retrieval_index(out_dir: str, k: int, knn: dict | None = None, progress
         return {"retrieval": "waits for decontaminate and the seed embeddings"}
     space, rows_idx, seeds = got
     job = KnnJob(out_dir, "retrieval")
-    params = retrieval_params(rows_idx, seeds.ids, k, knn)
+    params = retrieval_params(rows_idx, seeds, k, knn)
     meta = job.meta() if job.matches(params) else job.build(
         Rows(space, rows_idx), params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress)
     return {"retrieval_rows": int(len(rows_idx)), "seeds": len(seeds), "retrieval_kind": meta["kind"]}
@@ -242,7 +240,7 @@ def step_retrieval_search(out_dir: str, task_index: int, num_tasks: int, knn: di
         return None
     got = retrieval_inputs(out_dir)
     if got is None or meta["params"]["rows"] != _digest(got[1]) or meta["params"]["seeds"] != \
-            retrieval_params(got[1], got[2].ids, 1)["seeds"]:
+            retrieval_params(got[1], got[2], 1)["seeds"]:
         # stale (an earlier run in this folder): not an error for the pool/eval search before dedup;
         # `curate rebalance` rebuilds it in-process unless `curate index` is rerun after decontaminate
         return {"skipped": "index for other rows or seeds: rerun `curate index` after decontaminate"}

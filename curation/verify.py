@@ -181,18 +181,17 @@ class PixelVerifier:
         return self.scores(a, b) > self.threshold
 
 
-def source_reader(sources, ids, max_pixels: int | None = None) -> Callable[[int], Image.Image | None]:
-    """``read(position)`` over curation ``sources`` for the image ``ids[position]``."""
+def source_reader(sources, emb, max_pixels: int | None = None) -> Callable[[int], Image.Image | None]:
+    """``read(position)``: the decoded image of row ``position`` of the EmbeddingSet ``emb``, read
+    through its path table from curation ``sources`` (no listing of the pool)."""
     from dinopipe.data.decode import DEFAULT_MAX_PIXELS, safe_decode
     from dinopipe.data.sources import as_multi
 
     src = as_multi(sources)
-    refs = src.ref_index()
-    ids = np.asarray(ids)
 
     def read(pos: int):
-        ref = refs.get(str(ids[pos]))
-        if ref is None:
+        ref = emb.ref(pos)
+        if ref is None or ref.source not in src.by_name:
             return None
         img, _ = safe_decode(src.read(ref), max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
         return img
@@ -200,11 +199,11 @@ def source_reader(sources, ids, max_pixels: int | None = None) -> Callable[[int]
     return read
 
 
-def pixel_verifier(sources, ids, rows: np.ndarray | None = None, size: int = 128,
+def pixel_verifier(sources, emb, rows: np.ndarray | None = None, size: int = 128,
                    threshold: float = DEFAULT_THRESHOLD) -> PixelVerifier:
     """The verifier ``copy_dedup_from_pairs`` needs for pairs of positions into ``rows`` (a
-    subset of the pool, e.g. the hash-dedup survivors; None: all of ``ids``)."""
-    read = source_reader(sources, ids)
+    subset of the rows of the EmbeddingSet ``emb``, e.g. the hash-dedup survivors; None: all)."""
+    read = source_reader(sources, emb)
     if rows is None:
         return PixelVerifier(read, size=size, threshold=threshold)
     rows = np.asarray(rows, np.int64)
