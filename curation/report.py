@@ -166,19 +166,19 @@ def plot_similarity(nn_sim, eval_sim, counts: dict, params: dict, path: str) -> 
 def plot_components(component, counts: dict, path: str) -> str:
     sizes = np.bincount(np.unique(component, return_inverse=True)[1].ravel()) if len(component) \
         else np.zeros(0, np.int64)
-    size_vals, counts = np.unique(sizes, return_counts=True)
+    size_vals, n_groups = np.unique(sizes, return_counts=True)
     fig, ax = plt.subplots(figsize=(7, 4))
     # numeric positions + tick labels: strings that parse as numbers would make matplotlib log
     # "Using categorical units ..." at INFO for every plot
     x = np.arange(len(size_vals))
-    ax.bar(x, counts, color=[_BLUE if s == 1 else _RED for s in size_vals])
+    ax.bar(x, n_groups, color=[_BLUE if s == 1 else _RED for s in size_vals])
     ax.set_xticks(x, [str(v) for v in size_vals])
     _log_y(ax)
     ax.set_xlabel("images in the copy group (1 = unique image)")
     ax.set_ylabel("groups (log)")
     ax.set_title(f"copy-group sizes: {int((sizes > 1).sum())} groups with copies; removed "
                  f"{counts['copy_duplicates']} copy + {counts['hash_duplicates']} hash duplicates", fontsize=10)
-    for xi, c in zip(x, counts):
+    for xi, c in zip(x, n_groups):
         ax.annotate(str(c), (xi, c), ha="center", va="bottom", fontsize=8)
     return _save(fig, path)
 

@@ -50,6 +50,50 @@ def _blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
     return F.conv2d(F.pad(x, (0, 0, r, r), mode="reflect"), k.view(1, 1, -1, 1))
 
 
+# Constant padding: pixels within PAD_TOL (RGB, [0, 1]) of the border's dominant colour, connected to the
+# border, covering at least PAD_MIN of the image; grown by PAD_GROW px over the anti-aliased edge. The
+# colour must be a fill colour (black, white, grey: channels within PAD_GREY) and the region flat (luma
+# std < PAD_FLAT), so a smooth coloured background of the content (retina, sky) is never taken for one.
+PAD_TOL, PAD_MIN, PAD_GROW, PAD_GREY, PAD_FLAT = 0.05, 0.01, 2, 0.08, 0.012
+MIN_CONTENT = 0.05  # below this share of non-padding pixels an image counts as blank
+FILL_SIGMA = 6.0  # px: the smooth fill of the padding (normalised convolution of the content)
+
+
+def _grow(m: np.ndarray) -> np.ndarray:
+    g = m.copy()
+    g[1:] |= m[:-1]
+    g[:-1] |= m[1:]
+    g[:, 1:] |= m[:, :-1]
+    g[:, :-1] |= m[:, 1:]
+    return g
+
+
+def padding_mask(rgb: np.ndarray) -> np.ndarray | None:
+    """(S, S) bool: constant padding connected to the image border (rotation corners, flat margins),
+    or None when there is none. ``rgb``: (S, S, 3) in [0, 1]."""
+    frame = np.concatenate([rgb[0], rgb[-1], rgb[:, 0], rgb[:, -1]])  # (4S, 3) border pixels
+    q = np.round(frame * 15).astype(np.int64) @ np.array([256, 16, 1])
+    vals, cnt = np.unique(q, return_counts=True)
+    if cnt.max() < 0.1 * len(q):  # no dominant border colour: no padding
+        return None
+    colour = np.median(frame[q == vals[cnt.argmax()]], axis=0)
+    if colour.max() - colour.min() > PAD_GREY:
+        return None
+    cand = np.abs(rgb - colour).max(axis=-1) < PAD_TOL
+    m = np.zeros_like(cand)
+    m[0], m[-1], m[:, 0], m[:, -1] = cand[0], cand[-1], cand[:, 0], cand[:, -1]
+    for _ in range(2 * len(rgb)):  # flood fill from the border through padding-coloured pixels
+        g = _grow(m) & cand
+        if (g == m).all():
+            break
+        m = g
+    if m.mean() < PAD_MIN or (rgb[m] @ np.array([0.299, 0.587, 0.114], np.float32)).std() > PAD_FLAT:
+        return None
+    for _ in range(PAD_GROW):
+        m = _grow(m)
+    return m
+
+
 class PixelVerifier:
     """``verifier(a, b) -> (P,) bool``: which candidate pairs (positions) are verified copies.
 
@@ -72,7 +116,12 @@ class PixelVerifier:
 
     # -- features ---------------------------------------------------------------------------
     def features(self, img: Image.Image | None):
-        """(fine band (S, S), its std, coarse band (S, S), its std, mean RGB); None if unreadable."""
+        """(fine band (S, S), its std, coarse band (S, S), its std, mean RGB); None if unreadable.
+
+        Constant padding (the black corners of a rotated image, a flat border or letterbox touching the
+        image's edge) is masked out: it is filled smoothly from the content before the band-pass, and
+        the bands are zero over it, so the edge between padding and content (which every rotated image
+        has) correlates with nothing."""
         if img is None:
             return None
         s = self.size
@@ -82,8 +131,20 @@ class PixelVerifier:
             img = img.reduce(factor)
         rgb = np.asarray(img.resize((s, s), Image.BOX), dtype=np.float32) / 255.0
         luma = torch.from_numpy(rgb @ np.array([0.299, 0.587, 0.114], np.float32))[None, None]
+        pad = padding_mask(rgb)
+        if pad is not None:
+            valid = (~pad).astype(np.float32)
+            if valid.mean() < MIN_CONTENT:
+                pad = None  # (almost) nothing but one colour: a blank image, compared by colour
+            else:
+                v = torch.from_numpy(valid)[None, None]
+                fill = _blur(luma * v, FILL_SIGMA) / _blur(v, FILL_SIGMA).clamp_min(1e-6)
+                luma = torch.where(v > 0, luma, fill)
         b0, b1, b2 = (_blur(luma, sg) for sg in (self.sigmas[0], self.sigmas[1], 3 * self.sigmas[1]))
         fine, coarse = (b0 - b1)[0, 0], (b1 - b2)[0, 0]
+        if pad is not None:
+            keep = torch.from_numpy(~pad).float()
+            fine, coarse = fine * keep, coarse * keep
         return fine, float(fine.std()), coarse, float(coarse.std()), rgb.reshape(-1, 3).mean(axis=0)
 
     def _get(self, pos: int):
