@@ -21,7 +21,7 @@ from .embeddings import EmbeddingSet, embed_pool, open_embeddings
 from .hashdedup import HashDedupResult, hash_dedup
 from .index import Rows
 from .knn_shards import KnnJob, merge_pairs
-from .verify import pixel_verifier
+from .verify import PartedVerifier, pixel_verifier
 
 EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
 
@@ -68,7 +68,8 @@ def eval_params(ev: EmbeddingSet, knn: dict | None = None) -> dict:
 
 def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int, threshold: float,
                        index_kind: str = "auto", nprobe: int = 16, knn: dict | None = None,
-                       progress: bool = False, verifier=None, grouping: str = "star") -> DedupResult:
+                       progress: bool = False, verifier=None, grouping: str = "star",
+                       verify_tasks: int = 1) -> DedupResult:
     """Copy dedup of rows ``surv`` of ``emb``: reuse the saved index and finished chunks when their
     parameters match, else build/search them here (as task 0 of 1), then merge the candidate pairs
     and verify + group them (curation.dedup.copy_dedup_from_pairs: depends only on the pair set)."""
@@ -86,6 +87,8 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     job.search_pairs(rows, 0, 1, use_gpu=use_gpu, progress=progress)  # only chunks not on disk
     r = job.read(n)
     a, b, sim = merge_pairs(r["a"], r["b"], r["sim"])
+    if verifier is not None:  # verdicts saved in parts: a rerun after a crash verifies only what is missing
+        verifier = PartedVerifier(verifier, os.path.join(out_dir, "steps", "verify"), verify_tasks)
     res = copy_dedup_from_pairs(n, ids, a, b, sim, threshold=threshold, verifier=verifier,
                                 grouping=grouping)
     res.nn_sim, res.nn_index, res.index_kind = r["nn_sim"], r["nn_idx"], job.meta()["kind"]

@@ -309,3 +309,53 @@ def pixel_verifier(sources, emb, rows: np.ndarray | None = None, size: int = 128
         return PixelVerifier(read, size=size, threshold=threshold)
     rows = np.asarray(rows, np.int64)
     return PixelVerifier(lambda pos: read(rows[pos]), size=size, threshold=threshold)
+
+
+class PartedVerifier:
+    """``verifier(a, b)`` run as ``num_tasks`` tasks, each owning the pairs whose first image falls in its
+    contiguous range of positions (pairs come sorted by it, so an image's pairs and its decode stay in one
+    task). Each task writes ``<parts_dir>/part-TTTTT-of-WWWWW.npz`` (its verdicts and a digest of its pairs; ``callC-`` per call)
+    atomically; a rerun, or a killed task's rerun, skips parts already written for the same pairs.
+    Here the tasks run one after another (:meth:`task` is the unit an array task or a rank would run)."""
+
+    def __init__(self, verifier: Callable, parts_dir: str, num_tasks: int = 1):
+        self.verifier, self.parts_dir, self.num_tasks = verifier, parts_dir, num_tasks
+        self.computed = 0
+        self.calls = 0  # copy_dedup_from_pairs verifies twice (candidates, then lone images): parts per call
+
+    def _part(self, a: np.ndarray, task_index: int) -> np.ndarray:
+        """Pair indices of task ``task_index``: first images in its share of [min(a), max(a)]."""
+        if not len(a):
+            return np.zeros(0, np.int64)
+        lo, hi = int(a.min()), int(a.max()) + 1
+        edges = lo + (hi - lo) * np.arange(self.num_tasks + 1) // self.num_tasks
+        return np.flatnonzero((a >= edges[task_index]) & (a < edges[task_index + 1]))
+
+    def task(self, a: np.ndarray, b: np.ndarray, task_index: int, call: int = 0) -> np.ndarray:
+        import hashlib
+        import os
+
+        from dinopipe.utils.io import atomic_path
+
+        sel = self._part(a, task_index)
+        digest = hashlib.sha1(np.ascontiguousarray(a[sel]).tobytes() + np.ascontiguousarray(b[sel]).tobytes()
+                              ).hexdigest()[:16]
+        path = os.path.join(self.parts_dir, f"call{call}-part-{task_index:05d}-of-{self.num_tasks:05d}.npz")
+        if os.path.exists(path):
+            with np.load(path, allow_pickle=False) as z:
+                if str(z["digest"]) == digest:
+                    return z["ok"]
+        ok = np.asarray(self.verifier(a[sel], b[sel]), bool) if len(sel) else np.zeros(0, bool)
+        os.makedirs(self.parts_dir, exist_ok=True)
+        with atomic_path(path, suffix=".npz") as tmp:
+            np.savez(tmp, ok=ok, digest=np.array(digest))
+        self.computed += 1
+        return ok
+
+    def __call__(self, a, b) -> np.ndarray:
+        a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+        out = np.zeros(len(a), bool)
+        for t in range(self.num_tasks):
+            out[self._part(a, t)] = self.task(a, b, t, self.calls)
+        self.calls += 1
+        return out
