@@ -65,9 +65,10 @@ def _blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
 
 # Constant padding: pixels within PAD_TOL (RGB, [0, 1]) of the border's dominant colour, connected to the
 # border, covering at least PAD_MIN of the image; grown by PAD_GROW px over the anti-aliased edge. The
-# colour must be a fill colour (black, white, grey: channels within PAD_GREY) and the region flat (luma
-# std < PAD_FLAT), so a smooth coloured background of the content (retina, sky) is never taken for one.
-PAD_TOL, PAD_MIN, PAD_GROW, PAD_GREY, PAD_FLAT = 0.05, 0.01, 2, 0.08, 0.012
+# colour must be a fill colour (near black or near white: channels within PAD_EXTREME of 0 or 1) and the
+# region flat (luma std < PAD_FLAT), so a smooth background of the content (sky, the mid-grey mortar of a
+# brick wall) is never taken for one.
+PAD_TOL, PAD_MIN, PAD_GROW, PAD_EXTREME, PAD_FLAT = 0.05, 0.01, 2, 0.1, 0.012
 MIN_CONTENT = 0.05  # below this share of non-padding pixels an image counts as blank
 FILL_SIGMA = 6.0  # px: the smooth fill of the padding (normalised convolution of the content)
 
@@ -90,7 +91,7 @@ def padding_mask(rgb: np.ndarray) -> np.ndarray | None:
     if cnt.max() < 0.1 * len(q):  # no dominant border colour: no padding
         return None
     colour = np.median(frame[q == vals[cnt.argmax()]], axis=0)
-    if colour.max() - colour.min() > PAD_GREY:
+    if not (colour.max() < PAD_EXTREME or colour.min() > 1 - PAD_EXTREME):
         return None
     cand = np.abs(rgb - colour).max(axis=-1) < PAD_TOL
     m = np.zeros_like(cand)
