@@ -103,6 +103,13 @@ def padding_mask(rgb: np.ndarray) -> np.ndarray | None:
         m = g
     if m.mean() < PAD_MIN or (rgb[m] @ np.array([0.299, 0.587, 0.114], np.float32)).std() > PAD_FLAT:
         return None
+    # Padding has the shape a rotation, a crop or a letterbox gives: each of its pixels reaches a side of
+    # the image along its row and the top or bottom along its column (corner triangles, bars). A dark or
+    # white background around the content (a silhouette, a portrait) does not, and stays content.
+    rows = np.cumprod(m, axis=1).astype(bool) | np.cumprod(m[:, ::-1], axis=1)[:, ::-1].astype(bool)
+    cols = np.cumprod(m, axis=0).astype(bool) | np.cumprod(m[::-1], axis=0)[::-1].astype(bool)
+    if (m & ~(rows & cols)).sum() > 0.05 * m.sum():
+        return None
     for _ in range(PAD_GROW):
         m = _grow(m)
     return m
