@@ -105,17 +105,19 @@ def evaluate(out: str, src_name: str, pairs: dict) -> dict:
     """pairs: {original rel: (counted, copy rel or None)} -> kept %, recall %, largest group."""
     emb = open_embeddings(os.path.join(out, "embeddings", "descriptor"))
     dd = load_step(out, "dedup")
-    pos = emb.index_of()
     status, comp = dd["status"], dd["component"]
-    at = {i: pos[f"{src_name}/{i}"] for i in pairs if f"{src_name}/{i}" in pos}
-    atc = {i: pos[f"{src_name}/{c}"] for i, (_, c) in pairs.items() if c}
+    names = list(pairs) + [c for _, c in pairs.values() if c]
+    found = emb.positions_of([f"{src_name}/{n}" for n in names])  # through the path table
+    pos = {n: int(p) for n, p in zip(names, found) if p >= 0}
+    at = {i: pos[i] for i in pairs if i in pos}
+    atc = {i: pos[c] for i, (_, c) in pairs.items() if c and c in pos}
     counted = [i for i, (t, _) in pairs.items() if t]
     kept = sum(status[at[i]] == 0 or (i in atc and status[atc[i]] == 0) for i in counted)
     with_copy = [i for i in counted if i in atc]
     found = sum(comp[at[i]] == comp[atc[i]] for i in with_copy)
     _, inv, sizes = np.unique(comp, return_inverse=True, return_counts=True)
     g = int(np.argmax(sizes))
-    members = emb.ids[inv.ravel() == g]
+    members = emb.id_strings(np.flatnonzero(inv.ravel() == g))
     # a member's source tile: its path with the copies/ prefix removed
     distinct = {m.split("/", 1)[1].replace("copies/", "") for m in members}
     return {"counted": len(counted), "kept": 100.0 * kept / max(1, len(counted)),

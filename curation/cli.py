@@ -34,6 +34,8 @@ def _echo(step: str, result) -> None:
         print(f"report: {result}")
     elif step != "write":
         print(f"{step}: {json.dumps(result, default=str)}")
+        if isinstance(result, dict) and result.get("selection"):
+            print(f"{step}: {result['selection']}")
 
 
 def _print_manifest(out: str) -> None:

@@ -3,13 +3,15 @@
 Layout of an embeddings folder::
 
     part-TTTTT-SSSSS.npy        (n, D) float16, L2-normalised rows, one per readable image
-    part-TTTTT-SSSSS.ids.json   {"ids", "sources", "hashes", "unreadable": [[id, source, reason]]}
+    part-TTTTT-SSSSS.ids.json   {"ids", "sources", "hashes", "locs", "unreadable": [[id, source, reason]]}
     task-TTTTT-of-NNNNN.json    written when array task T of N has finished all its shards
+    table/                      the path table (curation.pathtable): ids sorted, rows in canonical order
 
 T is the array task, S the shard within it. The ``.ids.json`` is written last (both files via
 tmp + rename), so its presence marks a complete shard; a rerun skips complete shards and, because
 shard contents follow the sorted input listing, recomputes exactly the missing ones.
-The reader memory-maps the ``.npy`` files and hands out fp32 only one batch at a time.
+The reader memory-maps the ``.npy`` files and hands out fp32 only one batch at a time, with rows in
+the canonical order (by input id, :mod:`curation.pathtable`) whatever number of tasks wrote the parts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dinopipe.data.transforms import eval_transform
 from dinopipe.utils.io import atomic_open, atomic_write_json
 
 from .descriptor import HASHES
+from .pathtable import PathTable, open_table
 
 _PART_RE = re.compile(r"part-(\d{5})-(\d{5})\.ids\.json$")
 
@@ -57,15 +60,26 @@ def l2_normalise_fp16(x: torch.Tensor | np.ndarray) -> np.ndarray:
 
 @dataclass
 class EmbeddingSet:
-    """All shards of an embeddings folder, memory-mapped. Row i belongs to ``ids[i]``."""
+    """All shards of an embeddings folder, memory-mapped, rows in canonical order (by input id).
 
-    ids: np.ndarray  # (N,) object array of str
+    Every per-image field is a numpy array or a memory-mapped file (see :mod:`curation.pathtable`):
+    ``ids[i]`` is row i's int64 input id, its string is ``table[ids[i]]``; inputs that could not be
+    read have an id too (``unreadable_ids``) but no row."""
+
+    ids: np.ndarray  # (N,) int64 input ids, increasing
+    table: PathTable  # string id of every listed input (readable or not), sorted
     source_names: list[str]
     source_codes: np.ndarray  # (N,) int32 index into source_names
     hashes: np.ndarray  # (N,) uint64 perceptual hashes (0 when not computed)
-    unreadable: list[tuple[str, str, str]]  # (id, source, reason)
+    input_source: np.ndarray  # (N_inputs,) int32 source of every input
+    input_reason: np.ndarray  # (N_inputs,) int16 index into reason_names; -1 for readable inputs
+    reason_names: list[str]
+    locations: PathTable  # (N,) where row i's bytes are: a file path, or a tar shard ...
+    spans: np.ndarray  # (N, 2) int64 ... with (offset, size) of the member (-1 for files)
+    digest: str  # of the sorted id strings: two sets with the same digest number their inputs alike
     parts: list[np.ndarray] = field(repr=False)  # memmapped (n_i, D) float16
-    offsets: np.ndarray = field(repr=False)  # (P + 1,) row offsets of the parts
+    offsets: np.ndarray = field(repr=False)  # (P + 1,) row offsets of the parts (concatenated order)
+    perm: np.ndarray = field(repr=False)  # (N,) canonical row -> concatenated row
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -75,8 +89,40 @@ class EmbeddingSet:
         return next((p.shape[1] for p in self.parts if p.ndim == 2 and p.shape[1] > 0), 0)
 
     @property
-    def sources(self) -> np.ndarray:
-        return np.asarray(self.source_names, dtype=object)[self.source_codes]
+    def n_inputs(self) -> int:
+        return len(self.table)
+
+    @property
+    def unreadable_ids(self) -> np.ndarray:
+        return np.flatnonzero(np.asarray(self.input_reason) >= 0)
+
+    @property
+    def unreadable(self) -> list[tuple[str, str, str]]:
+        """(id, source, reason) of the unreadable inputs (a list: for people and small pools)."""
+        return [(self.table[i], self.source_names[self.input_source[i]], self.reason_names[self.input_reason[i]])
+                for i in self.unreadable_ids]
+
+    def id_strings(self, positions) -> list[str]:
+        """String ids of rows ``positions`` (a chunk at a time)."""
+        return self.table.strings(self.ids[np.asarray(positions, np.int64)])
+
+    def positions_of(self, strings) -> np.ndarray:
+        """Row positions of string ids (-1 where absent or unreadable)."""
+        found = self.table.lookup(strings)
+        pos = np.searchsorted(self.ids, found)
+        ok = (found >= 0) & (pos < len(self.ids))
+        ok[ok] = self.ids[pos[ok]] == found[ok]
+        return np.where(ok, pos, -1)
+
+    def ref(self, pos: int) -> ImageRef | None:
+        """Where row ``pos`` lives (None for parts written without locations)."""
+        pos = int(pos)
+        loc = self.locations[pos]
+        if not loc:
+            return None
+        off, size = (int(x) for x in self.spans[pos])
+        return ImageRef(self.table[self.ids[pos]], self.source_names[self.source_codes[pos]],
+                        loc if off < 0 else (loc, off, size))
 
     def batches(self, batch_size: int = 65536, indices: np.ndarray | None = None
                 ) -> Iterator[tuple[int, np.ndarray]]:
@@ -90,7 +136,7 @@ class EmbeddingSet:
 
     def rows(self, indices) -> np.ndarray:
         """Gather rows (any order) as float32 (B, D)."""
-        indices = np.asarray(indices, dtype=np.int64)
+        indices = np.asarray(self.perm[np.asarray(indices, dtype=np.int64)], np.int64)
         out = np.empty((len(indices), self.dim), np.float32)
         part = np.searchsorted(self.offsets, indices, side="right") - 1
         for p in np.unique(part):
@@ -98,12 +144,9 @@ class EmbeddingSet:
             out[sel] = self.parts[p][indices[sel] - self.offsets[p]]
         return out
 
-    def index_of(self) -> dict[str, int]:
-        return {image_id: i for i, image_id in enumerate(self.ids)}
-
 
 def open_embeddings(emb_dir: str, require_complete: bool = True) -> EmbeddingSet:
-    """Open every complete shard in ``emb_dir``.
+    """Open every complete shard in ``emb_dir`` (building its path table on first use).
 
     With ``require_complete`` (the default), a folder where some array task has not finished is
     refused with the missing task numbers, instead of silently curating part of the pool.
@@ -116,30 +159,21 @@ def open_embeddings(emb_dir: str, require_complete: bool = True) -> EmbeddingSet
         )
     if require_complete:
         _check_tasks_done(emb_dir)
-    ids, codes, hashes, parts, unreadable = [], [], [], [], []
-    names: dict[str, int] = {}
-    for meta_path in metas:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        arr = np.load(meta_path[: -len(".ids.json")] + ".npy", mmap_mode="r")
-        if len(arr) != len(meta["ids"]):
-            raise ValueError(
-                f"{meta_path}: {len(meta['ids'])} ids but {len(arr)} embeddings; delete this "
-                f"shard pair and rerun the embed step to recompute it"
-            )
-        parts.append(arr)
-        ids.extend(meta["ids"])
-        codes.extend(names.setdefault(s, len(names)) for s in meta["sources"])
-        hashes.extend(int(h, 16) for h in meta["hashes"])
-        unreadable.extend(tuple(u) for u in meta["unreadable"])
-    offsets = np.zeros(len(parts) + 1, np.int64)
-    offsets[1:] = np.cumsum([len(p) for p in parts])
+    parts = [np.load(m[: -len(".ids.json")] + ".npy", mmap_mode="r") for m in metas]
     dims = {p.shape[1] for p in parts if len(p)}
     if len(dims) > 1:
         raise ValueError(f"{emb_dir} mixes embedding dimensions {sorted(dims)}: embeddings from "
                          f"different models; use one output folder per model")
-    return EmbeddingSet(np.asarray(ids, dtype=object), list(names), np.asarray(codes, np.int32),
-                        np.asarray(hashes, np.uint64), unreadable, parts, offsets)
+    t = open_table(emb_dir, metas, [len(p) for p in parts])
+    offsets = np.zeros(len(parts) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in parts])
+    meta = t["meta"]
+    ids = t["row_id"]
+    return EmbeddingSet(ids, PathTable(t["ids_blob"], t["ids_offsets"]), meta["sources"],
+                        np.asarray(t["input_source"])[ids] if len(ids) else np.zeros(0, np.int32),
+                        t["row_hash"], t["input_source"], t["input_reason"], meta["reasons"],
+                        PathTable(t["loc_blob"], t["loc_offsets"]), t["loc_span"], meta["ids"],
+                        parts, offsets, t["row_perm"])
 
 
 def _check_tasks_done(emb_dir: str) -> None:
@@ -320,11 +354,16 @@ def _write_shard(out_dir, task_index, shard, refs, shard_size, rows) -> None:
         "ids": [ref.id for ref, _ in ok],
         "sources": [ref.source for ref, _ in ok],
         "hashes": [f"{row[1]:016x}" for _, row in ok],
+        "locs": [_abs_loc(ref.loc) for ref, _ in ok],  # where the writer and the verifier re-read the bytes
         "unreadable": [[ref.id, ref.source, row[2]] for ref, row in zip(shard_refs, rows)
                        if row[2] is not None],
         "n_listed": len(shard_refs),
     }
     save_shard(out_dir, shard_stem(task_index, shard), emb, meta)
+
+
+def _abs_loc(loc):
+    return os.path.abspath(loc) if isinstance(loc, str) else [os.path.abspath(loc[0]), int(loc[1]), int(loc[2])]
 
 
 def _shard_complete(out_dir, stem, refs, shard, shard_size) -> bool:

@@ -21,7 +21,7 @@ from .embeddings import EmbeddingSet, embed_pool, open_embeddings
 from .hashdedup import HashDedupResult, hash_dedup
 from .index import Rows
 from .knn_shards import KnnJob, merge_pairs
-from .verify import pixel_verifier
+from .verify import PartedVerifier, pixel_verifier
 
 EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
 
@@ -40,7 +40,7 @@ def hash_survivors(emb: EmbeddingSet, enabled: bool, max_distance: int,
     dup = np.flatnonzero(~h.keep)
     if verify_with is not None and len(dup):
         sources, size, threshold = verify_with
-        ok = pixel_verifier(sources, emb.ids, None, size, threshold)(h.group[dup], dup)
+        ok = pixel_verifier(sources, emb, None, size, threshold)(h.group[dup], dup)
         h.keep[dup[~ok]] = True
         h.group[dup[~ok]] = dup[~ok]
     return h
@@ -62,14 +62,14 @@ def pool_params(surv: np.ndarray, k: int, threshold: float, index_kind: str, npr
 
 def eval_params(ev: EmbeddingSet, knn: dict | None = None) -> dict:
     knn = knn or {}
-    ids = hashlib.sha1("\n".join(map(str, ev.ids)).encode()).hexdigest()[:16]  # a new eval set: new index
-    return {"n_eval": len(ev), "eval_ids": ids, "kind": "flat", "k": EVAL_K,
+    return {"n_eval": len(ev), "eval_ids": ev.digest,  # a new eval set: new index "kind": "flat", "k": EVAL_K,
             **{key: knn[key] for key in ("chunk_size", "batch_size") if knn.get(key) is not None}}
 
 
 def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int, threshold: float,
                        index_kind: str = "auto", nprobe: int = 16, knn: dict | None = None,
-                       progress: bool = False, verifier=None, grouping: str = "star") -> DedupResult:
+                       progress: bool = False, verifier=None, grouping: str = "star",
+                       verify_tasks: int = 1) -> DedupResult:
     """Copy dedup of rows ``surv`` of ``emb``: reuse the saved index and finished chunks when their
     parameters match, else build/search them here (as task 0 of 1), then merge the candidate pairs
     and verify + group them (curation.dedup.copy_dedup_from_pairs: depends only on the pair set)."""
@@ -87,6 +87,8 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     job.search_pairs(rows, 0, 1, use_gpu=use_gpu, progress=progress)  # only chunks not on disk
     r = job.read(n)
     a, b, sim = merge_pairs(r["a"], r["b"], r["sim"])
+    if verifier is not None:  # verdicts saved in parts: a rerun after a crash verifies only what is missing
+        verifier = PartedVerifier(verifier, os.path.join(out_dir, "steps", "verify"), verify_tasks)
     res = copy_dedup_from_pairs(n, ids, a, b, sim, threshold=threshold, verifier=verifier,
                                 grouping=grouping)
     res.nn_sim, res.nn_index, res.index_kind = r["nn_sim"], r["nn_idx"], job.meta()["kind"]
@@ -181,12 +183,11 @@ def step_search(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, k
 # ---------------------------------------------------------------------------------- retrieval
 
 
-def retrieval_params(rows_idx: np.ndarray, seed_ids, k: int, knn: dict | None = None) -> dict:
+def retrieval_params(rows_idx: np.ndarray, seeds: EmbeddingSet, k: int, knn: dict | None = None) -> dict:
     """The retrieval index (rebalance mode 'sample') and its searches: the rebalanced rows, the seed
     set and k (a change of any rebuilds it); kind/nprobe as the one-process mode always used."""
     knn = knn or {}
-    seeds = hashlib.sha1("\n".join(map(str, seed_ids)).encode()).hexdigest()[:16]
-    return {"rows": _digest(rows_idx), "seeds": seeds, "n_seeds": len(seed_ids),
+    return {"rows": _digest(rows_idx), "seeds": seeds.digest, "n_seeds": len(seeds),
             "k": max(1, min(int(k), len(rows_idx))), "kind": "auto", "nprobe": 64,
             **{key: knn[key] for key in ("chunk_size", "batch_size") if knn.get(key) is not None}}
 
@@ -197,7 +198,7 @@ def sharded_retrieval(out_dir: str, space: EmbeddingSet, rows_idx: np.ndarray, s
     ``space``: from the saved index and chunks when `curate index` / `curate search` made them for
     these rows and seeds, else built and searched here as task 0 of 1 (the same chunks)."""
     job = KnnJob(out_dir, "retrieval")
-    params = retrieval_params(rows_idx, seeds.ids, k, knn)
+    params = retrieval_params(rows_idx, seeds, k, knn)
     rows = Rows(space, rows_idx)
     if not job.matches(params):
         job.build(rows, params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress)
@@ -226,7 +227,7 @@ def step_retrieval_index(out_dir: str, k: int, knn: dict | None = None, progress
         return {"retrieval": "waits for decontaminate and the seed embeddings"}
     space, rows_idx, seeds = got
     job = KnnJob(out_dir, "retrieval")
-    params = retrieval_params(rows_idx, seeds.ids, k, knn)
+    params = retrieval_params(rows_idx, seeds, k, knn)
     meta = job.meta() if job.matches(params) else job.build(
         Rows(space, rows_idx), params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress)
     return {"retrieval_rows": int(len(rows_idx)), "seeds": len(seeds), "retrieval_kind": meta["kind"]}
@@ -242,7 +243,7 @@ def step_retrieval_search(out_dir: str, task_index: int, num_tasks: int, knn: di
         return None
     got = retrieval_inputs(out_dir)
     if got is None or meta["params"]["rows"] != _digest(got[1]) or meta["params"]["seeds"] != \
-            retrieval_params(got[1], got[2].ids, 1)["seeds"]:
+            retrieval_params(got[1], got[2], 1)["seeds"]:
         # stale (an earlier run in this folder): not an error for the pool/eval search before dedup;
         # `curate rebalance` rebuilds it in-process unless `curate index` is rerun after decontaminate
         return {"skipped": "index for other rows or seeds: rerun `curate index` after decontaminate"}

@@ -10,13 +10,15 @@ Output folder::
     steps/<step>.npz            per-step decisions, so each step can be rerun alone
     shards/*.tar                the curated webdataset
     manifest.json               input = kept + duplicates + decontaminated + unreadable + not selected
-    decisions.tsv               id, source, status, group (kept image of its copy group)
+    decisions/part-*.tsv        id, source, status, group_or_reason, by input id (curation.decisions)
+    decisions.tsv               the parts merged (the same bytes for any number of tasks)
 
 Each step reads the previous steps' files; ``curate embed|dedup|...`` map onto these functions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Callable, Sequence
@@ -25,7 +27,7 @@ import numpy as np
 
 from dinopipe.config import save_config
 from dinopipe.data.sources import as_multi
-from dinopipe.utils.io import atomic_open, atomic_path
+from dinopipe.utils.io import atomic_path
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
                      RebalanceConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, validate)
@@ -37,7 +39,8 @@ from .index import Rows
 from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval
 from .rebalance import rebalance as select
 from .verify import pixel_verifier
-from .write import build_manifest, write_json_atomic, write_shards
+from .decisions import decisions_task, finish_decisions, selection_digest
+from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
 
 KEPT, HASH_DUP, COPY_DUP, DECONTAM, NOT_SELECTED = 0, 1, 2, 3, 4
 _STATUS_NAMES = {KEPT: "kept", HASH_DUP: "hash_duplicates", COPY_DUP: "copy_duplicates",
@@ -135,7 +138,7 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     verifier = None
     surv = np.flatnonzero(h.keep)
     if dd.verify:
-        verifier = pixel_verifier(sources, emb.ids, surv, dd.verify_size, dd.verify_threshold)
+        verifier = pixel_verifier(sources, emb, surv, dd.verify_size, dd.verify_threshold)
     d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, _knn(knn), progress,
                            verifier=verifier, grouping=dd.grouping)
     component = h.group.copy()  # hash duplicates join their kept image's copy component
@@ -177,23 +180,32 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
                         else (np.full(len(alive), -np.inf), np.full(len(alive), -1, np.int64)))
         res = expand_to_components(sim, nearest, threshold, component[alive])
         max_sim[alive] = res.max_sim
-        status[alive[res.removed]] = DECONTAM
-        n_removed = res.n_removed
+        # one reason per image, the first step's: a copy duplicate stays a copy duplicate, so the
+        # manifest's counts are the step summaries' (decontaminated = kept images removed here)
+        removed = alive[res.removed]
+        removed = removed[status[removed] == KEPT]
+        status[removed] = DECONTAM
+        n_removed = len(removed)
     _save_step(out_dir, "decontaminate", status=status, eval_sim=max_sim)
     return {"decontaminated": n_removed}
 
 
 def rebalance_rows(out_dir: str):
     """What the rebalance step clusters: (embedding folder, its positions of the rows still kept
-    after dedup + decontamination, in pool order, those rows' pool positions, the statuses)."""
+    after dedup + decontamination, in canonical order, those rows' pool positions, the statuses)."""
     status = load_step(out_dir, "decontaminate")["status"]
     desc_set = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
     model_dir = _p(out_dir, "embeddings", "model")
     space_dir = model_dir if os.path.isdir(model_dir) else _p(out_dir, "embeddings", "descriptor")
-    pos_in_space = open_embeddings(space_dir).index_of()
+    space = open_embeddings(space_dir)
+    if space.digest != desc_set.digest:
+        raise ValueError(f"{space_dir} and the copy descriptors list different inputs: embed both in one "
+                         f"`curate embed` run (use a fresh output folder)")
     alive = np.flatnonzero(status == KEPT)
-    rows_idx = np.array([pos_in_space[i] for i in desc_set.ids[alive]], np.int64)
-    return space_dir, rows_idx, alive, status
+    rows_idx = np.searchsorted(space.ids, desc_set.ids[alive])  # both sorted by input id: one pass, no dict
+    if len(alive) and (rows_idx.max() >= len(space) or (space.ids[rows_idx] != desc_set.ids[alive]).any()):
+        raise ValueError(f"{space_dir} lacks rows the copy descriptors have: rerun `curate embed`")
+    return space_dir, rows_idx.astype(np.int64), alive, status
 
 
 def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, embed: EmbedConfig | None = None,
@@ -232,7 +244,7 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     seeds, seed_ids = None, np.zeros(0, object)
     if seed_sources:
         seed_set = embed_seeds(out_dir, seed_sources, embedder, embed, progress)
-        seeds, seed_ids = Rows(seed_set), seed_set.ids
+        seeds, seed_ids = Rows(seed_set), np.asarray(seed_set.id_strings(np.arange(len(seed_set))), object)
         if mode == "sample" and len(seed_set) and len(rows_idx):
             from .knn_steps import sharded_retrieval
 
@@ -251,46 +263,84 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     seed_sim[alive] = res.seed_sim
     _save_step(out_dir, "rebalance", status=status, cluster=cluster,
                nearest_seed=nearest_seed.astype(str), seed_sim=seed_sim)
+    res.report["selection"] = _selection_note(r, len(rows_idx), int(res.selected.sum()))
     write_json_atomic(_p(out_dir, "steps", "rebalance_report.json"), res.report)
     return res.report
 
 
+def _selection_note(r: RebalanceConfig, n_pool: int, n_kept: int) -> str:
+    """How many images rebalancing keeps and why, in words (the log and the report print it)."""
+    if r.mode == "hierarchical":
+        why = ("rebalance.target_size is null: half of the deduplicated pool (set rebalance.target_size "
+               "to keep more)" if r.target_size is None else f"rebalance.target_size={r.target_size}")
+    else:
+        why = f"rebalance.mode={r.mode}"
+    return f"rebalancing keeps {n_kept} of {n_pool} images after dedup + decontamination ({why})"
+
+
 def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: dict | None = None,
-               progress: bool = False) -> dict:
-    """Write kept images as webdataset shards (``write.shard_size`` images each); write manifest.json
-    and decisions.tsv."""
+               progress: bool = False, num_tasks: int = 1) -> dict:
+    """Write kept images as webdataset shards (``write.shard_size`` images each) and the decisions
+    parts, each as ``num_tasks`` tasks (here one after another), then manifest.json and decisions.tsv."""
     shard_size = (write or WriteConfig()).shard_size
-    src = as_multi(sources)
+    for t in range(num_tasks):
+        write_task(out_dir, sources, shard_size, t, num_tasks, progress)
+    shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
+    emb, status, component, _, _ = _write_inputs(out_dir)
+    failed = np.sort(emb.ids[emb.positions_of([f[0] for f in shards["failed"]])]) if shards["failed"] else \
+        np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
+    digest = selection_digest(emb, status, component, failed)
+    for t in range(num_tasks):
+        decisions_task(out_dir, emb, status, component, failed, t, num_tasks, digest)
+    per_source, reasons = finish_decisions(out_dir, num_tasks)
+    manifest = manifest_from_counts(per_source, reasons, {
+        "shards": [os.path.relpath(s, out_dir) for s in shards["shards"]], "decisions_parts": num_tasks,
+        **(extra or {})})
+    write_json_atomic(_p(out_dir, "manifest.json"), manifest)
+    return manifest
+
+
+def _write_inputs(out_dir: str):
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
     rb, dd = load_step(out_dir, "rebalance"), load_step(out_dir, "dedup")
-    status, component = rb["status"], dd["component"]
+    return emb, rb["status"], dd["component"], rb, dd
+
+
+def _selection(out_dir: str, shard_size: int):
+    """(kept rows in canonical order, their count, shard_size, the digest that names this selection)."""
+    emb, status, _, _, _ = _write_inputs(out_dir)
     kept = np.flatnonzero(status == KEPT)
-    kept = kept[np.argsort(emb.ids[kept].astype(str), kind="stable")]  # stable shard order
-    sources_arr = emb.sources
-    meta = [{"id": str(emb.ids[i]), "source": str(sources_arr[i]),
-             "component": str(emb.ids[component[i]]), "cluster": int(rb["cluster"][i]),
-             "nearest_seed": str(rb["nearest_seed"][i]) or None,
-             "seed_similarity": _num(rb["seed_sim"][i]), "nn_similarity": _num(dd["nn_sim"][i])}
-            for i in kept]
-    out = write_shards(src, [m["id"] for m in meta], meta, _p(out_dir, "shards"), shard_size,
-                       progress=progress)
-    statuses = {str(emb.ids[i]): _STATUS_NAMES[int(s)] for i, s in enumerate(status)}
-    srcs = {str(i): str(s) for i, s in zip(emb.ids, sources_arr)}
-    reasons = {}
-    for image_id, source, reason in emb.unreadable:
-        statuses[image_id], srcs[image_id], reasons[image_id] = "unreadable", source, reason
-    for image_id, reason in out["failed"]:  # vanished between embedding and writing
-        statuses[image_id], reasons[image_id] = "unreadable", reason
-    manifest = build_manifest(statuses, srcs, reasons, {
-        "shards": [os.path.relpath(s, out_dir) for s in out["shards"]], **(extra or {})})
-    write_json_atomic(_p(out_dir, "manifest.json"), manifest)
-    group = {str(emb.ids[i]): str(emb.ids[c]) for i, c in enumerate(component)}
-    with atomic_open(_p(out_dir, "decisions.tsv")) as f:  # why each image was kept or dropped, for people to grep
-        f.write("id\tsource\tstatus\tgroup_or_reason\n")
-        for image_id in sorted(statuses):
-            why = reasons.get(image_id) or group.get(image_id, "")
-            f.write(f"{image_id}\t{srcs[image_id]}\t{statuses[image_id]}\t{why}\n")
-    return manifest
+    digest = hashlib.sha1(emb.digest.encode() + np.ascontiguousarray(emb.ids[kept]).tobytes()
+                          + str(shard_size).encode()).hexdigest()[:16]
+    return kept, len(kept), shard_size, digest
+
+
+def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_tasks: int = 1,
+               progress: bool = False) -> dict:
+    """Shard-writing task ``task_index`` of ``num_tasks``: its block of shards (curation.write.write_shard_task),
+    each image read through the path table (no listing of the pool, no per-image dict)."""
+    src = as_multi(sources)
+    emb, status, component, rb, dd = _write_inputs(out_dir)
+    kept, n, _, digest = _selection(out_dir, shard_size)
+
+    def items_of(start: int, stop: int):
+        rows = kept[start:stop]
+        names, groups = emb.id_strings(rows), emb.id_strings(component[rows])
+        for k, (i, name, group) in enumerate(zip(rows, names, groups)):
+            meta = {"id": name, "source": emb.source_names[emb.source_codes[i]], "component": group,
+                    "cluster": int(rb["cluster"][i]), "nearest_seed": str(rb["nearest_seed"][i]) or None,
+                    "seed_similarity": _num(rb["seed_sim"][i]), "nn_similarity": _num(dd["nn_sim"][i])}
+            yield f"{start + k:09d}", name, (lambda i=i: _read_row(src, emb, i)), meta
+
+    return write_shard_task(out_dir, _p(out_dir, "shards"), n, shard_size, items_of, digest, task_index,
+                            num_tasks, progress)
+
+
+def _read_row(src, emb, pos: int) -> bytes | None:
+    ref = emb.ref(pos)
+    if ref is None or ref.source not in src.by_name:
+        return None
+    return src.read(ref)
 
 
 def _num(x) -> float | None:

@@ -50,19 +50,61 @@ def make_report(out_dir: str, sources, params: dict, n_examples: int = 8) -> str
     if os.path.exists(rb_path):
         with open(rb_path) as f:
             balance = json.load(f)
+    counts = manifest["counts"]  # the one source of every count in the plots and the summary
+    for step, key in (("dedup", "hash_duplicates"), ("dedup", "copy_duplicates"), ("decontaminate", "decontaminated")):
+        logged = (manifest.get("steps", {}).get(step) or {}).get(key)
+        if logged is not None and logged != counts[key]:  # a bug, never a user error
+            raise AssertionError(f"the {step} step logged {key}={logged} but the manifest counts {counts[key]}")
+    names = _IdNames(emb)
     plots = {
-        "similarity": plot_similarity(dd["nn_sim"], dc["eval_sim"], dd["status"], params,
+        "similarity": plot_similarity(dd["nn_sim"], dc["eval_sim"], counts, params,
                                       os.path.join(rep, "similarity.png")),
-        "components": plot_components(dd["component"], os.path.join(rep, "components.png")),
+        "components": plot_components(dd["component"], counts, os.path.join(rep, "components.png")),
         "clusters": plot_clusters(rb["cluster"], rb["status"], params.get("rebalance_mode"),
                                   os.path.join(rep, "clusters.png")),
-        "duplicates": contact_sheet(emb.ids, dd["component"], rb["status"], dd["nn_sim"],
-                                    sources, n_examples, os.path.join(rep, "duplicates.png")),
+        "duplicates": contact_sheet(names, dd["component"], rb["status"], dd["nn_sim"],
+                                    sources, n_examples, os.path.join(rep, "duplicates.png"), emb),
     }
-    groups = group_lines(emb.ids, dd["component"], n_examples)
+    groups = group_lines(names, dd["component"], n_examples)
+    balance["clusters"] = cluster_balance(rb["cluster"], rb["status"])
     path = os.path.join(rep, "summary.md")
     atomic_write(path, summary_markdown(manifest, params, balance, dd["nn_sim"], plots, out_dir, groups))
     return path
+
+
+class _IdNames:
+    """``names[pos]`` -> string id of embedding row ``pos`` (through the path table, one at a time)."""
+
+    def __init__(self, emb):
+        self.emb = emb
+
+    def __getitem__(self, pos) -> str:
+        return self.emb.table[self.emb.ids[int(pos)]]
+
+
+def n_clusters(cluster, status) -> int:
+    """Clusters holding pool images (those rebalancing chose from): the count the plot and summary print."""
+    pool = (cluster >= 0) & ((status == KEPT) | (status == NOT_SELECTED))
+    return int(len(np.unique(cluster[pool])))
+
+
+def cluster_balance(cluster, status) -> dict:
+    """Entropy of cluster sizes before / after rebalancing, over the clusters of ``rebalance``'s labels."""
+    pool = (cluster >= 0) & ((status == KEPT) | (status == NOT_SELECTED))
+    if not pool.any():
+        return {}
+    labels = np.unique(cluster[pool], return_inverse=True)[1].ravel()
+    k = int(labels.max()) + 1
+
+    def stats(sel):
+        c = np.bincount(labels[sel], minlength=k).astype(np.float64)
+        p = c[c > 0] / max(c.sum(), 1)
+        h = float(-(p * np.log(p)).sum()) if len(p) else 0.0
+        return {"n": int(c.sum()), "entropy": h, "normalised_entropy": h / np.log(k) if k > 1 else 1.0,
+                "largest_share": float(c.max() / max(c.sum(), 1))}
+
+    return {"clusters": k, "before": stats(np.ones(int(pool.sum()), bool)),
+            "after": stats(status[pool] == KEPT)}
 
 
 # ----------------------------------------------------------------------------- plots
@@ -91,7 +133,8 @@ def _split_hist(ax, values, threshold, label_lo, label_hi, title):
     ax.set_title(title, fontsize=10)
 
 
-def plot_similarity(nn_sim, eval_sim, status, params: dict, path: str) -> str:
+def plot_similarity(nn_sim, eval_sim, counts: dict, params: dict, path: str) -> str:
+    """Counts in the legends are the manifest's (``counts``); the histograms show the similarities."""
     t_dup, t_dec = params["dedup_threshold"], params["decontam_threshold"]
     has_eval = np.isfinite(eval_sim).any()
     fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(12 if has_eval else 7, 4.2),
@@ -103,37 +146,39 @@ def plot_similarity(nn_sim, eval_sim, status, params: dict, path: str) -> str:
                 "nearest-neighbour similarity in the pool (copy descriptor)")
     ax.axvline(t_dup, color=_RED, ls="--", lw=1.5, label=f"dedup threshold {t_dup}")
     ax.axvline(t_dec, color=_ORANGE, ls=":", lw=1.5, label=f"decontamination threshold {t_dec}")
-    n_hash = int((status == 1).sum())
     ax.legend(fontsize=8, loc="upper left",
-              title=f"+ {n_hash} hash duplicates removed before kNN", title_fontsize=8)
+              title=f"removed: {counts['copy_duplicates']} copy duplicates (verified pairs)\n"
+                    f"+ {counts['hash_duplicates']} hash duplicates before kNN", title_fontsize=8)
     if has_eval:
         ax = axes[0, 1]
         ev = eval_sim[np.isfinite(eval_sim)]
-        _split_hist(ax, ev, t_dec, "unrelated to eval images", "eval copies (removed)",
+        _split_hist(ax, ev, t_dec, "below threshold", "above threshold",
                     "similarity to the nearest eval image")
         ax.axvline(t_dec, color=_ORANGE, ls=":", lw=1.5, label=f"threshold {t_dec}")
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="upper left", title_fontsize=8,
+                  title=f"decontaminated: {counts['decontaminated']} images\n(kept images above the "
+                        f"threshold and their copy groups)")
     fig.suptitle("Copies should sit right of the threshold with a gap; if the two overlap, the "
                  "embedder cannot tell copies from distinct images", fontsize=9)
     return _save(fig, path)
 
 
-def plot_components(component, path: str) -> str:
+def plot_components(component, counts: dict, path: str) -> str:
     sizes = np.bincount(np.unique(component, return_inverse=True)[1].ravel()) if len(component) \
         else np.zeros(0, np.int64)
-    size_vals, counts = np.unique(sizes, return_counts=True)
+    size_vals, n_groups = np.unique(sizes, return_counts=True)
     fig, ax = plt.subplots(figsize=(7, 4))
     # numeric positions + tick labels: strings that parse as numbers would make matplotlib log
     # "Using categorical units ..." at INFO for every plot
     x = np.arange(len(size_vals))
-    ax.bar(x, counts, color=[_BLUE if s == 1 else _RED for s in size_vals])
+    ax.bar(x, n_groups, color=[_BLUE if s == 1 else _RED for s in size_vals])
     ax.set_xticks(x, [str(v) for v in size_vals])
     _log_y(ax)
     ax.set_xlabel("images in the copy group (1 = unique image)")
     ax.set_ylabel("groups (log)")
-    ax.set_title(f"copy-group sizes: {int((sizes > 1).sum())} groups with copies, "
-                 f"{int(sizes[sizes > 1].sum() - (sizes > 1).sum())} images removed", fontsize=10)
-    for xi, c in zip(x, counts):
+    ax.set_title(f"copy-group sizes: {int((sizes > 1).sum())} groups with copies; removed "
+                 f"{counts['copy_duplicates']} copy + {counts['hash_duplicates']} hash duplicates", fontsize=10)
+    for xi, c in zip(x, n_groups):
         ax.annotate(str(c), (xi, c), ha="center", va="bottom", fontsize=8)
     return _save(fig, path)
 
@@ -146,9 +191,10 @@ def plot_clusters(cluster, status, mode, path: str) -> str:
                 f"mode=hierarchical or cluster to see the balance)", ha="center", va="center")
         ax.set_axis_off()
         return _save(fig, path)
-    k = int(cluster.max()) + 1
-    before = np.sort(np.bincount(cluster[pool], minlength=k))[::-1]
-    after = np.sort(np.bincount(cluster[status == KEPT], minlength=k))[::-1]
+    labels = np.unique(cluster[pool], return_inverse=True)[1].ravel()
+    k = n_clusters(cluster, status)
+    before = np.sort(np.bincount(labels, minlength=k))[::-1]
+    after = np.sort(np.bincount(labels[status[pool] == KEPT], minlength=k))[::-1]
     x = np.arange(1, k + 1)
     ax.step(x, np.maximum(before, 0.8), where="mid", color=_BLUE, label=f"before ({before.sum()} images)")
     ax.step(x, np.maximum(after, 0.8), where="mid", color=_GREEN, label=f"after ({after.sum()} images)")
@@ -181,18 +227,19 @@ def duplicate_groups(ids, component, n_groups: int) -> list[np.ndarray]:
     """Positions of up to ``n_groups`` copy groups, largest first (ties: kept id); kept first."""
     roots, inv, counts = np.unique(component, return_inverse=True, return_counts=True)
     multi = np.flatnonzero(counts > 1)
-    multi = sorted(multi, key=lambda g: (-counts[g], str(ids[roots[g]])))[:n_groups]
+    multi = sorted(multi, key=lambda g: (-counts[g], roots[g]))[:n_groups]  # rows are in id order
     out = []
     for g in multi:
         members = np.flatnonzero(inv.ravel() == g)
         root = roots[g]
-        rest = sorted((m for m in members if m != root), key=lambda m: str(ids[m]))
+        rest = [m for m in members if m != root]  # positions ascend with ids
         out.append(np.array([root] + rest))
     return out
 
 
-def contact_sheet(ids, component, status, nn_sim, sources, n_groups: int, path: str,
+def contact_sheet(ids, component, status, nn_sim, sources, n_groups: int, path: str, emb=None,
                   max_per_row: int = 6, thumb: int = 160) -> str:
+    """``ids[pos]``: string id of row pos; images read through ``emb``'s path table."""
     groups = duplicate_groups(ids, component, n_groups)
     rows = max(1, len(groups))
     fig, axes = plt.subplots(rows, max_per_row, figsize=(2.2 * max_per_row, 2.6 * rows),
@@ -203,12 +250,12 @@ def contact_sheet(ids, component, status, nn_sim, sources, n_groups: int, path: 
         axes[0, 0].text(0, 0.5, "no duplicate groups found", fontsize=12)
         return _save(fig, path)
     src = as_multi(sources)
-    refs = src.ref_index()
     for r, members in enumerate(groups):
         for c, pos in enumerate(members[:max_per_row]):
             ax = axes[r, c]
-            ref = refs.get(str(ids[pos]))
-            img, _ = safe_decode(src.read(ref)) if ref is not None else (None, "missing")
+            ref = emb.ref(pos) if emb is not None else None
+            ok = ref is not None and ref.source in src.by_name
+            img, _ = safe_decode(src.read(ref)) if ok else (None, "missing")
             if img is not None:
                 img.thumbnail((thumb, thumb))
                 ax.imshow(np.asarray(img.convert("RGB")))
@@ -300,7 +347,9 @@ def summary_markdown(manifest: dict, params: dict, balance: dict, nn_sim, plots:
 
 def _balance_lines(balance: dict, mode) -> list[str]:
     out = ["## Balance", "", f"rebalance mode: {mode}"]
-    b = balance.get("balance") or {}
+    if balance.get("selection"):
+        out += ["", balance["selection"]]
+    b = balance.get("clusters") or {}
     if b.get("before"):
         bb, ba = b["before"], b["after"]
         out += ["", f"Entropy of cluster sizes over {b['clusters']} clusters (nats; normalised by "

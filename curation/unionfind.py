@@ -63,8 +63,10 @@ class UnionFind:
 
 
 def id_ranks(ids) -> tuple[np.ndarray, np.ndarray]:
-    """``(order, rank)``: ``order[r]`` is the position of the r-th smallest id, ``rank`` its inverse."""
-    order = np.argsort(np.asarray(ids, dtype=str), kind="stable")
+    """``(order, rank)``: ``order[r]`` is the position of the r-th smallest id, ``rank`` its inverse.
+    Integer ids (input ids: ranks of the string ids) sort as numbers, string ids as strings."""
+    ids = np.asarray(ids)
+    order = np.argsort(ids if ids.dtype.kind in "iu" else ids.astype(str), kind="stable")
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     return order, rank

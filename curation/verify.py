@@ -19,6 +19,7 @@ never are.
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import lru_cache
 from typing import Callable
 
 import numpy as np
@@ -42,12 +43,76 @@ def _gauss_kernel(sigma: float) -> torch.Tensor:
     return k / k.sum()
 
 
-def _blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
-    """Separable Gaussian blur of (B, 1, H, W), reflect-padded."""
-    k = _gauss_kernel(sigma)
+@lru_cache(maxsize=16)
+def _blur_matrix(n: int, sigma: float) -> torch.Tensor:
+    """(n, n) matrix G with ``G @ x`` = the reflect-padded 1-D Gaussian blur of x (taps folded back at the
+    edges as ``F.pad(mode='reflect')`` mirrors them), so a 2-D blur is two small matmuls."""
+    k = _gauss_kernel(sigma).double()
     r = len(k) // 2
-    x = F.conv2d(F.pad(x, (r, r, 0, 0), mode="reflect"), k.view(1, 1, 1, -1))
-    return F.conv2d(F.pad(x, (0, 0, r, r), mode="reflect"), k.view(1, 1, -1, 1))
+    i = torch.arange(n)[:, None] + torch.arange(-r, r + 1)[None, :]  # (n, taps) source index
+    i = torch.where(i < 0, -i, torch.where(i >= n, 2 * (n - 1) - i, i))
+    g = torch.zeros(n, n, dtype=torch.float64)
+    g.scatter_add_(1, i, k.expand(n, -1).contiguous())
+    return g.float()
+
+
+def _blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Separable Gaussian blur of (..., H, W), reflect-padded."""
+    gh = _blur_matrix(x.shape[-2], sigma).to(x.device)
+    gw = _blur_matrix(x.shape[-1], sigma).to(x.device)
+    return gh @ x @ gw.T
+
+
+# Constant padding: pixels within PAD_TOL (RGB, [0, 1]) of the border's dominant colour, connected to the
+# border, covering at least PAD_MIN of the image; grown by PAD_GROW px over the anti-aliased edge. The
+# colour must be a fill colour (near black or near white: channels within PAD_EXTREME of 0 or 1) and the
+# region flat (luma std < PAD_FLAT), so a smooth background of the content (sky, the mid-grey mortar of a
+# brick wall) is never taken for one.
+PAD_TOL, PAD_MIN, PAD_GROW, PAD_EXTREME, PAD_FLAT = 0.05, 0.01, 2, 0.1, 0.012
+MIN_CONTENT = 0.05  # below this share of non-padding pixels an image counts as blank
+FILL_SIGMA = 6.0  # px: the smooth fill of the padding (normalised convolution of the content)
+
+
+def _grow(m: np.ndarray) -> np.ndarray:
+    g = m.copy()
+    g[1:] |= m[:-1]
+    g[:-1] |= m[1:]
+    g[:, 1:] |= m[:, :-1]
+    g[:, :-1] |= m[:, 1:]
+    return g
+
+
+def padding_mask(rgb: np.ndarray) -> np.ndarray | None:
+    """(S, S) bool: constant padding connected to the image border (rotation corners, flat margins),
+    or None when there is none. ``rgb``: (S, S, 3) in [0, 1]."""
+    frame = np.concatenate([rgb[0], rgb[-1], rgb[:, 0], rgb[:, -1]])  # (4S, 3) border pixels
+    q = np.round(frame * 15).astype(np.int64) @ np.array([256, 16, 1])
+    vals, cnt = np.unique(q, return_counts=True)
+    if cnt.max() < 0.1 * len(q):  # no dominant border colour: no padding
+        return None
+    colour = np.median(frame[q == vals[cnt.argmax()]], axis=0)
+    if not (colour.max() < PAD_EXTREME or colour.min() > 1 - PAD_EXTREME):
+        return None
+    cand = np.abs(rgb - colour).max(axis=-1) < PAD_TOL
+    m = np.zeros_like(cand)
+    m[0], m[-1], m[:, 0], m[:, -1] = cand[0], cand[-1], cand[:, 0], cand[:, -1]
+    for _ in range(2 * len(rgb)):  # flood fill from the border through padding-coloured pixels
+        g = _grow(m) & cand
+        if (g == m).all():
+            break
+        m = g
+    if m.mean() < PAD_MIN or (rgb[m] @ np.array([0.299, 0.587, 0.114], np.float32)).std() > PAD_FLAT:
+        return None
+    # Padding has the shape a rotation, a crop or a letterbox gives: each of its pixels reaches a side of
+    # the image along its row and the top or bottom along its column (corner triangles, bars). A dark or
+    # white background around the content (a silhouette, a portrait) does not, and stays content.
+    rows = np.cumprod(m, axis=1).astype(bool) | np.cumprod(m[:, ::-1], axis=1)[:, ::-1].astype(bool)
+    cols = np.cumprod(m, axis=0).astype(bool) | np.cumprod(m[::-1], axis=0)[::-1].astype(bool)
+    if (m & ~(rows & cols)).sum() > 0.05 * m.sum():
+        return None
+    for _ in range(PAD_GROW):
+        m = _grow(m)
+    return m
 
 
 class PixelVerifier:
@@ -55,14 +120,19 @@ class PixelVerifier:
 
     ``read(position) -> PIL.Image | None`` gives pixels; features of recently read images are
     cached (``cache_size`` images of ``size``² float32), so pairs sorted by their first image
-    decode each image about once. Cost is proportional to the number of pairs: per pair, one
-    batched FFT correlation over ``len(scales)²`` scale hypotheses.
+    decode each image about once. Per batch of ``batch_pairs`` pairs, every distinct image's FFT
+    and template bank is computed once; per pair remain one inverse FFT per scale hypothesis
+    (``len(scales)²``, at half resolution) and one at full resolution. ``device``: 'cpu', 'cuda' or
+    'auto' (:func:`dinopipe.utils.device.pick_device`); decoding stays on the CPU.
     """
 
     def __init__(self, read: Callable[[int], Image.Image | None], size: int = 128,
                  threshold: float = DEFAULT_THRESHOLD, scales=(0.96, 1.0, 1.04),
                  max_shift: float = 0.08, sigmas=(1.0, 3.0), cache_size: int = 4096,
-                 batch_pairs: int = 64):
+                 batch_pairs: int = 512, device: str | torch.device = "cpu"):
+        from dinopipe.utils.device import pick_device
+
+        self.device = pick_device(device, "dedup.verify_device")
         self.read, self.size, self.threshold = read, size, threshold
         self.scales, self.max_shift, self.sigmas = tuple(scales), max_shift, tuple(sigmas)
         self.cache_size, self.batch_pairs = cache_size, batch_pairs
@@ -72,7 +142,12 @@ class PixelVerifier:
 
     # -- features ---------------------------------------------------------------------------
     def features(self, img: Image.Image | None):
-        """(fine band (S, S), its std, coarse band (S, S), its std, mean RGB); None if unreadable."""
+        """(fine band (S, S), its std, coarse band (S, S), its std, mean RGB); None if unreadable.
+
+        Constant padding (the black corners of a rotated image, a flat border or letterbox touching the
+        image's edge) is masked out: it is filled smoothly from the content before the band-pass, and
+        the bands are zero over it, so the edge between padding and content (which every rotated image
+        has) correlates with nothing."""
         if img is None:
             return None
         s = self.size
@@ -82,8 +157,20 @@ class PixelVerifier:
             img = img.reduce(factor)
         rgb = np.asarray(img.resize((s, s), Image.BOX), dtype=np.float32) / 255.0
         luma = torch.from_numpy(rgb @ np.array([0.299, 0.587, 0.114], np.float32))[None, None]
+        pad = padding_mask(rgb)
+        if pad is not None:
+            valid = (~pad).astype(np.float32)
+            if valid.mean() < MIN_CONTENT:
+                pad = None  # (almost) nothing but one colour: a blank image, compared by colour
+            else:
+                v = torch.from_numpy(valid)[None, None]
+                fill = _blur(luma * v, FILL_SIGMA) / _blur(v, FILL_SIGMA).clamp_min(1e-6)
+                luma = torch.where(v > 0, luma, fill)
         b0, b1, b2 = (_blur(luma, sg) for sg in (self.sigmas[0], self.sigmas[1], 3 * self.sigmas[1]))
         fine, coarse = (b0 - b1)[0, 0], (b1 - b2)[0, 0]
+        if pad is not None:
+            keep = torch.from_numpy(~pad).float()
+            fine, coarse = fine * keep, coarse * keep
         return fine, float(fine.std()), coarse, float(coarse.std()), rgb.reshape(-1, 3).mean(axis=0)
 
     def _get(self, pos: int):
@@ -107,92 +194,113 @@ class PixelVerifier:
         lin = torch.linspace(-half, half, t)
         grids = [torch.stack(torch.meshgrid(lin * sy, lin * sx, indexing="ij")[::-1], dim=-1)
                  for sx in self.scales for sy in self.scales]
-        return torch.stack(grids), t
+        return torch.stack(grids).to(self.device), t
 
     @staticmethod
-    def _ncc(a: torch.Tensor, b: torch.Tensor, grids: torch.Tensor, t: int):
-        """Normalised correlation of b's resampled centre (``grids``: (P*K, T, T, 2), K
-        hypotheses per pair) with a at every shift. Returns (best (P,), best hypothesis (P,))."""
-        p, s = a.shape[0], a.shape[-1]
-        k = grids.shape[0] // p
-        src = b[:, None, None].expand(p, k, 1, s, s).reshape(p * k, 1, s, s)
-        tpl = F.grid_sample(src, grids, mode="bilinear", align_corners=False)[:, 0]  # (P*K, T, T)
+    def _templates(b: torch.Tensor, grids: torch.Tensor, s: int) -> torch.Tensor:
+        """FFTs (B, K, S, S/2+1) of b's centre resampled at each of the K grids, zero-mean, unit norm."""
+        nb, k = b.shape[0], grids.shape[0]
+        src = b[:, None, None].expand(nb, k, 1, s, s).reshape(nb * k, 1, s, s)
+        tpl = F.grid_sample(src, grids.repeat(nb, 1, 1, 1), mode="bilinear", align_corners=False)[:, 0]
         tpl = tpl - tpl.mean(dim=(-2, -1), keepdim=True)
         tpl = tpl / tpl.flatten(1).norm(dim=1).clamp_min(1e-8)[:, None, None]
-        n = s - t + 1  # shifts per axis
-        fa = torch.fft.rfft2(a)  # (P, S, S/2+1)
-        ft = torch.fft.rfft2(tpl, s=(s, s)).view(p, k, s, -1)
-        corr = torch.fft.irfft2(fa[:, None] * ft.conj(), s=(s, s))[..., :n, :n]  # (P, K, n, n)
+        return torch.fft.rfft2(tpl, s=(s, s)).view(nb, k, s, -1)
 
-        # a's energy under every template position (box sums from a summed-area table); the
-        # template has zero mean, so a's local mean drops out of the numerator.
+    @staticmethod
+    def _image_side(a: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(FFT (A, S, S/2+1), sqrt of a's energy under every template position (A, n, n)): box sums
+        from a summed-area table; the template has zero mean, so a's local mean drops out."""
         def box(x):
             c = F.pad(x.cumsum(1).cumsum(2), (1, 0, 1, 0))
             return c[:, t:, t:] - c[:, :-t, t:] - c[:, t:, :-t] + c[:, :-t, :-t]
 
         tot = box(a)
-        var = (box(a * a) - tot * tot / (t * t)).clamp_min(1e-12)  # (P, n, n)
-        ncc = (corr / var.sqrt()[:, None]).flatten(2).max(dim=2).values  # (P, K)
-        best, arg = ncc.max(dim=1)
-        return best, arg
+        var = (box(a * a) - tot * tot / (t * t)).clamp_min(1e-12)
+        return torch.fft.rfft2(a), var.sqrt()
 
-    def _score_textured(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """Coarse to fine: every scale hypothesis at half resolution, the best one at full."""
-        p = a.shape[0]
-        ca, cb = F.avg_pool2d(a[:, None], 2)[:, 0], F.avg_pool2d(b[:, None], 2)[:, 0]
-        coarse_grid, ct = self._grid(ca.shape[-1])
-        _, arg = self._ncc(ca, cb, coarse_grid.repeat(p, 1, 1, 1), ct)
-        fine_grid, ft = self._grid(self.size)
-        best, _ = self._ncc(a, b, fine_grid[arg], ft)
+    @staticmethod
+    def _ncc(fa: torch.Tensor, sd: torch.Tensor, ft: torch.Tensor, s: int, t: int):
+        """Best normalised correlation over shifts and hypotheses, per pair: ``fa`` (P, S, S/2+1) and
+        ``sd`` (P, n, n) of the first images, ``ft`` (P, K, S, S/2+1) templates of the second.
+        Returns (best (P,), best hypothesis (P,))."""
+        n = s - t + 1  # shifts per axis
+        corr = torch.fft.irfft2(fa[:, None] * ft.conj(), s=(s, s))[..., :n, :n]  # (P, K, n, n)
+        ncc = (corr / sd[:, None]).flatten(2).max(dim=2).values  # (P, K)
+        return ncc.max(dim=1)
+
+    def _score_textured(self, fa_u: torch.Tensor, fb_u: torch.Tensor, ia: np.ndarray, ib: np.ndarray):
+        """Coarse to fine: every scale hypothesis at half resolution, the best one at full. ``fa_u``/``fb_u``:
+        bands of the distinct first / second images; ``ia``/``ib``: each pair's rows in them. Per distinct
+        image its FFT and template bank are computed once (not once per pair)."""
+        ia, ib = torch.from_numpy(ia).to(self.device), torch.from_numpy(ib).to(self.device)
+        ca, cb = F.avg_pool2d(fa_u[:, None], 2)[:, 0], F.avg_pool2d(fb_u[:, None], 2)[:, 0]
+        cs = ca.shape[-1]
+        coarse_grid, ct = self._grid(cs)
+        fca, sdc = self._image_side(ca, ct)
+        _, arg = self._ncc(fca[ia], sdc[ia], self._templates(cb, coarse_grid, cs)[ib], cs, ct)
+        fine_grid, t = self._grid(self.size)
+        s = self.size
+        fa, sd = self._image_side(fa_u, t)
+        src = fb_u[ib][:, None]  # (P, 1, S, S): one template per pair, at its best hypothesis
+        tpl = F.grid_sample(src, fine_grid[arg], mode="bilinear", align_corners=False)[:, 0]
+        tpl = tpl - tpl.mean(dim=(-2, -1), keepdim=True)
+        tpl = tpl / tpl.flatten(1).norm(dim=1).clamp_min(1e-8)[:, None, None]
+        ft = torch.fft.rfft2(tpl, s=(s, s))[:, None]
+        best, _ = self._ncc(fa[ia], sd[ia], ft, s, t)
         return best
 
     def scores(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """(P,) verification score of each pair (a[i], b[i]) in [-1, 1] (b's centre found in a).
 
-        Callers pass pairs in a canonical order (``copy_dedup_from_pairs``: smaller id first),
-        so the decision about a pair never depends on which side the kNN found it from.
-        """
+        Callers pass pairs in a canonical order (``copy_dedup_from_pairs``: smaller id first, sorted),
+        so the decision about a pair never depends on which side the kNN found it from, and pairs
+        sharing an image come together: each image is decoded once (the feature cache) and its FFTs
+        computed once per batch. Classification is vectorised; the correlations run on ``device``."""
         a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
         out = np.zeros(len(a), np.float32)
         for start in range(0, len(a), self.batch_pairs):
-            sl = slice(start, start + self.batch_pairs)
-            fa = [self._get(i) for i in a[sl]]
-            fb = [self._get(j) for j in b[sl]]
-            jobs = {0: [], 2: []}  # pairs compared on the fine band / on the coarse band
-            for i, (x, y) in enumerate(zip(fa, fb)):
-                self.n_pairs += 1
-                if x is None or y is None:
-                    continue  # unreadable: never a verified copy
-                if min(x[1], y[1]) >= LOW_ENERGY:
-                    jobs[0].append(i)
-                elif min(x[3], y[3]) >= FLAT_ENERGY:  # little fine detail (sky, blur): coarser
-                    jobs[2].append(i)
-                elif max(x[3], y[3]) < FLAT_ENERGY:  # two blank images: same colour or not
-                    out[start + i] = 1.0 if np.abs(x[4] - y[4]).max() < 0.06 else 0.0
-            for band, idx in jobs.items():
-                if idx:
-                    with torch.no_grad():
-                        sc = self._score_textured(torch.stack([fa[i][band] for i in idx]),
-                                                  torch.stack([fb[i][band] for i in idx]))
-                    out[start + np.array(idx)] = sc.numpy()
+            sa, sb = a[start:start + self.batch_pairs], b[start:start + self.batch_pairs]
+            self.n_pairs += len(sa)
+            u = np.unique(np.concatenate([sa, sb]))
+            feats = [self._get(i) for i in u]
+            ia, ib = np.searchsorted(u, sa), np.searchsorted(u, sb)
+            ok = np.array([f is not None for f in feats])
+            fstd = np.array([f[1] if f is not None else 0.0 for f in feats])
+            cstd = np.array([f[3] if f is not None else 0.0 for f in feats])
+            mean = np.stack([f[4] if f is not None else np.zeros(3, np.float32) for f in feats])
+            both = ok[ia] & ok[ib]  # unreadable: never a verified copy
+            fine = both & (np.minimum(fstd[ia], fstd[ib]) >= LOW_ENERGY)
+            coarse = both & ~fine & (np.minimum(cstd[ia], cstd[ib]) >= FLAT_ENERGY)  # sky, blur: coarser
+            blank = both & ~fine & ~coarse & (np.maximum(cstd[ia], cstd[ib]) < FLAT_ENERGY)
+            out[start + np.flatnonzero(blank)] = (np.abs(mean[ia] - mean[ib]).max(axis=1) < 0.06)[blank]
+            for band, job in ((0, fine), (2, coarse)):
+                idx = np.flatnonzero(job)
+                if not len(idx):
+                    continue
+                ua, ja = np.unique(ia[idx], return_inverse=True)
+                ub, jb = np.unique(ib[idx], return_inverse=True)
+                with torch.no_grad():
+                    fa_u = torch.stack([feats[i][band] for i in ua]).to(self.device)
+                    fb_u = torch.stack([feats[i][band] for i in ub]).to(self.device)
+                    sc = self._score_textured(fa_u, fb_u, ja.ravel(), jb.ravel())
+                out[start + idx] = sc.float().cpu().numpy()
         return out
 
     def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.scores(a, b) > self.threshold
 
 
-def source_reader(sources, ids, max_pixels: int | None = None) -> Callable[[int], Image.Image | None]:
-    """``read(position)`` over curation ``sources`` for the image ``ids[position]``."""
+def source_reader(sources, emb, max_pixels: int | None = None) -> Callable[[int], Image.Image | None]:
+    """``read(position)``: the decoded image of row ``position`` of the EmbeddingSet ``emb``, read
+    through its path table from curation ``sources`` (no listing of the pool)."""
     from dinopipe.data.decode import DEFAULT_MAX_PIXELS, safe_decode
     from dinopipe.data.sources import as_multi
 
     src = as_multi(sources)
-    refs = src.ref_index()
-    ids = np.asarray(ids)
 
     def read(pos: int):
-        ref = refs.get(str(ids[pos]))
-        if ref is None:
+        ref = emb.ref(pos)
+        if ref is None or ref.source not in src.by_name:
             return None
         img, _ = safe_decode(src.read(ref), max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
         return img
@@ -200,12 +308,62 @@ def source_reader(sources, ids, max_pixels: int | None = None) -> Callable[[int]
     return read
 
 
-def pixel_verifier(sources, ids, rows: np.ndarray | None = None, size: int = 128,
+def pixel_verifier(sources, emb, rows: np.ndarray | None = None, size: int = 128,
                    threshold: float = DEFAULT_THRESHOLD) -> PixelVerifier:
     """The verifier ``copy_dedup_from_pairs`` needs for pairs of positions into ``rows`` (a
-    subset of the pool, e.g. the hash-dedup survivors; None: all of ``ids``)."""
-    read = source_reader(sources, ids)
+    subset of the rows of the EmbeddingSet ``emb``, e.g. the hash-dedup survivors; None: all)."""
+    read = source_reader(sources, emb)
     if rows is None:
         return PixelVerifier(read, size=size, threshold=threshold)
     rows = np.asarray(rows, np.int64)
     return PixelVerifier(lambda pos: read(rows[pos]), size=size, threshold=threshold)
+
+
+class PartedVerifier:
+    """``verifier(a, b)`` run as ``num_tasks`` tasks, each owning the pairs whose first image falls in its
+    contiguous range of positions (pairs come sorted by it, so an image's pairs and its decode stay in one
+    task). Each task writes ``<parts_dir>/part-TTTTT-of-WWWWW.npz`` (its verdicts and a digest of its pairs; ``callC-`` per call)
+    atomically; a rerun, or a killed task's rerun, skips parts already written for the same pairs.
+    Here the tasks run one after another (:meth:`task` is the unit an array task or a rank would run)."""
+
+    def __init__(self, verifier: Callable, parts_dir: str, num_tasks: int = 1):
+        self.verifier, self.parts_dir, self.num_tasks = verifier, parts_dir, num_tasks
+        self.computed = 0
+        self.calls = 0  # copy_dedup_from_pairs verifies twice (candidates, then lone images): parts per call
+
+    def _part(self, a: np.ndarray, task_index: int) -> np.ndarray:
+        """Pair indices of task ``task_index``: first images in its share of [min(a), max(a)]."""
+        if not len(a):
+            return np.zeros(0, np.int64)
+        lo, hi = int(a.min()), int(a.max()) + 1
+        edges = lo + (hi - lo) * np.arange(self.num_tasks + 1) // self.num_tasks
+        return np.flatnonzero((a >= edges[task_index]) & (a < edges[task_index + 1]))
+
+    def task(self, a: np.ndarray, b: np.ndarray, task_index: int, call: int = 0) -> np.ndarray:
+        import hashlib
+        import os
+
+        from dinopipe.utils.io import atomic_path
+
+        sel = self._part(a, task_index)
+        digest = hashlib.sha1(np.ascontiguousarray(a[sel]).tobytes() + np.ascontiguousarray(b[sel]).tobytes()
+                              ).hexdigest()[:16]
+        path = os.path.join(self.parts_dir, f"call{call}-part-{task_index:05d}-of-{self.num_tasks:05d}.npz")
+        if os.path.exists(path):
+            with np.load(path, allow_pickle=False) as z:
+                if str(z["digest"]) == digest:
+                    return z["ok"]
+        ok = np.asarray(self.verifier(a[sel], b[sel]), bool) if len(sel) else np.zeros(0, bool)
+        os.makedirs(self.parts_dir, exist_ok=True)
+        with atomic_path(path, suffix=".npz") as tmp:
+            np.savez(tmp, ok=ok, digest=np.array(digest))
+        self.computed += 1
+        return ok
+
+    def __call__(self, a, b) -> np.ndarray:
+        a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+        out = np.zeros(len(a), bool)
+        for t in range(self.num_tasks):
+            out[self._part(a, t)] = self.task(a, b, t, self.calls)
+        self.calls += 1
+        return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import glob
 import io
-import itertools
 import json
 import os
 import tarfile
@@ -37,8 +36,10 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
                  shard_size: int = 1000, prefix: str = "shard", progress: bool = False) -> dict:
     """Write images ``ids`` (re-read from ``source``) with their ``metadata`` into tar shards.
 
-    Returns ``{"shards": [paths], "written": n, "failed": [(id, reason)]}``; an image whose bytes
-    can no longer be read (deleted since embedding) is reported in ``failed``, not written.
+    A helper for small selections given as string ids (tests, tools); the curation pipeline writes
+    through :func:`write_shard_task` from the path table instead. Returns ``{"shards": [paths],
+    "written": n, "failed": [(id, reason)]}``; an image whose bytes can no longer be read is
+    reported in ``failed``, not written.
     """
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
@@ -46,43 +47,114 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
     index_path = os.path.join(out_dir, INDEX_NAME)
     if os.path.exists(index_path):
         os.remove(index_path)  # it describes the shards about to be replaced (a stale one would not validate)
-    refs = source.ref_index()
-    shards, failed, written, members = [], [], 0, []
-    bar = tqdm(total=len(ids), desc="write shards", unit="img", disable=not progress,
-               mininterval=2.0)
-
-    def readable():  # (id, bytes, metadata) of the images still readable; the others go to `failed`
-        for image_id, meta in zip(ids, metadata):
-            bar.update(1)
-            ref = refs.get(image_id)
-            data = source.read(ref) if ref is not None else None
-            if data:
-                yield image_id, data, meta
-            else:
-                failed.append((image_id, "read_error"))
-
-    images = readable()
-    while (first := next(images, None)) is not None:  # streamed: one image's bytes in memory at a time
+    wanted = set(ids)
+    refs = {r.id: r for r in source.refs() if r.id in wanted}
+    shards, failed, members = [], [], []
+    items = [(f"{k:09d}", image_id, (lambda r=refs.get(image_id): source.read(r) if r is not None else None), meta)
+             for k, (image_id, meta) in enumerate(zip(ids, metadata))]
+    for start in tqdm(range(0, len(items), shard_size), desc="write shards", disable=not progress):
         path = os.path.join(out_dir, f"{prefix}-{len(shards):06d}.tar")
-        members.append([])
-        with atomic_path(path) as tmp, tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
-            for image_id, data, meta in itertools.chain([first], itertools.islice(images, shard_size - 1)):
-                key = f"{written:09d}"
-                ext = extension_of(image_id) or "bin"
-                members[-1].append((f"{key}.{ext}", _add(tf, f"{key}.{ext}", data), len(data)))
-                _add(tf, f"{key}.json", json.dumps({"key": key, **meta}, sort_keys=True).encode())
-                written += 1
+        m, f = write_one_shard(path, items[start:start + shard_size])
+        members.append(m)
+        failed.extend(f)
         shards.append(path)
-    bar.close()
-    # Shards left over from an earlier, larger selection would be read by training: remove them.
+    _finish_shards(out_dir, shards, members, prefix)
+    return {"shards": shards, "written": sum(len(m) for m in members), "failed": failed}
+
+
+def write_one_shard(path: str, items) -> tuple[list, list]:
+    """One tar shard from ``items`` = [(key, id, read() -> bytes | None, metadata)], written to a temporary
+    name and renamed. Streamed: one image's bytes in memory at a time. Returns (members [(name, offset,
+    size)], failed [(id, 'read_error')]); a shard whose images all failed is not written."""
+    members, failed = [], []
+    with atomic_path(path) as tmp:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
+            for key, image_id, read, meta in items:
+                data = read()
+                if not data:
+                    failed.append((image_id, "read_error"))
+                    continue
+                ext = extension_of(image_id) or "bin"
+                members.append((f"{key}.{ext}", _add(tf, f"{key}.{ext}", data), len(data)))
+                _add(tf, f"{key}.json", json.dumps({"key": key, **meta}, sort_keys=True).encode())
+    if not members:
+        os.remove(path)
+    return members, failed
+
+
+def _finish_shards(out_dir: str, shards: list[str], members: list[list], prefix: str = "shard") -> None:
+    """Remove shards of an earlier, larger selection (training would read them) and write the pool index."""
+    index_path = os.path.join(out_dir, INDEX_NAME)
+    present = [(s, m) for s, m in zip(shards, members) if m]
     for old in glob.glob(os.path.join(out_dir, f"{prefix}-*.tar")):
-        if old not in shards:
+        if old not in {s for s, _ in present}:
             os.remove(old)
-    if shards and sorted(glob.glob(os.path.join(out_dir, "*.tar"))) == sorted(shards):
+    if present and sorted(glob.glob(os.path.join(out_dir, "*.tar"))) == sorted(s for s, _ in present):
         # Only when the folder holds exactly these shards: that is what a trainer pointed at it will read.
-        header, arrays = tar_index(shards, [member_locations(m) for m in members], root=None)
+        header, arrays = tar_index([s for s, _ in present], [member_locations(m) for _, m in present], root=None)
         write_index(index_path, header, arrays)
-    return {"shards": shards, "written": written, "failed": failed}
+    elif os.path.exists(index_path):
+        os.remove(index_path)
+
+
+def shard_range(n_shards: int, task_index: int, num_tasks: int) -> range:
+    """The shards task ``task_index`` of ``num_tasks`` writes: a contiguous block (names do not depend on W)."""
+    return range(task_index * n_shards // num_tasks, (task_index + 1) * n_shards // num_tasks)
+
+
+def write_shard_task(out_dir: str, shards_dir: str, n_images: int, shard_size: int, items_of, selection: str,
+                     task_index: int = 0, num_tasks: int = 1, progress: bool = False) -> dict:
+    """Task ``task_index`` of ``num_tasks``: write its block of the ``ceil(n_images / shard_size)`` shards.
+
+    Shard ``j`` holds the kept images ``j * shard_size ...`` in canonical order and is named
+    ``shard-<j>.tar`` whatever the number of tasks. ``items_of(start, stop)`` gives those images' items
+    (see :func:`write_one_shard`). Each finished shard leaves ``<out_dir>/steps/write/shard-<j>.json``
+    (its members, its failed reads and the ``selection`` digest); a rerun skips shards whose record
+    matches the selection, so a killed task redoes only the shard it was writing."""
+    n_shards = -(-n_images // shard_size)
+    rec_dir = os.path.join(out_dir, "steps", "write")
+    os.makedirs(rec_dir, exist_ok=True)
+    os.makedirs(shards_dir, exist_ok=True)
+    done = skipped = 0
+    for j in shard_range(n_shards, task_index, num_tasks):
+        rec_path = os.path.join(rec_dir, f"shard-{j:06d}.json")
+        path = os.path.join(shards_dir, f"shard-{j:06d}.tar")
+        rec = _read_json(rec_path)
+        if rec is not None and rec["selection"] == selection and (os.path.exists(path) or not rec["members"]):
+            skipped += 1
+            continue
+        members, failed = write_one_shard(path, items_of(j * shard_size, min(n_images, (j + 1) * shard_size)))
+        atomic_write_json(rec_path, {"selection": selection, "members": members, "failed": failed})
+        done += 1
+    return {"task_index": task_index, "num_tasks": num_tasks, "shards_written": done, "shards_skipped": skipped}
+
+
+def finish_shard_tasks(out_dir: str, shards_dir: str, n_images: int, shard_size: int, selection: str) -> dict:
+    """After every write task: check each shard's record, remove stale shards, write the pool index.
+    Returns {"shards": [paths], "written": n, "failed": [(id, reason)]} (failed: images unreadable now)."""
+    n_shards = -(-n_images // shard_size)
+    shards, members, failed, missing = [], [], [], []
+    for j in range(n_shards):
+        rec = _read_json(os.path.join(out_dir, "steps", "write", f"shard-{j:06d}.json"))
+        if rec is None or rec["selection"] != selection:
+            missing.append(j)
+            continue
+        shards.append(os.path.join(shards_dir, f"shard-{j:06d}.tar"))
+        members.append(rec["members"])
+        failed.extend(tuple(f) for f in rec["failed"])
+    if missing:
+        raise RuntimeError(f"shards {missing[:10]}{'...' if len(missing) > 10 else ''} of {n_shards} are not "
+                           f"written yet: rerun the write tasks (finished shards are skipped)")
+    _finish_shards(shards_dir, shards, members)
+    return {"shards": [s for s, m in zip(shards, members) if m], "written": sum(len(m) for m in members),
+            "failed": failed}
+
+
+def _read_json(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _add(tf: tarfile.TarFile, name: str, data: bytes) -> int:
@@ -98,33 +170,42 @@ def _add(tf: tarfile.TarFile, name: str, data: bytes) -> int:
 
 def build_manifest(statuses: dict[str, str], sources: dict[str, str],
                    unreadable_reasons: dict[str, str], extra: dict | None = None) -> dict:
-    """Counts per status, overall and per source, from one status per input id.
+    """Counts per status, overall and per source, from one status per input id (small pools, tests;
+    the pipeline sums the counts of its decisions parts with :func:`manifest_from_counts`).
 
     ``statuses``: id -> one of :data:`STATUSES`; ``sources``: id -> source name;
     ``unreadable_reasons``: id -> reason for the unreadable ones.
     """
-    bad = {s for s in statuses.values() if s not in STATUSES}
-    if bad:
-        raise ValueError(f"unknown statuses {sorted(bad)}; expected one of {STATUSES}")
-    total = Counter(statuses.values())
     per_source: dict[str, Counter] = defaultdict(Counter)
     reasons: dict[str, Counter] = defaultdict(Counter)
     for image_id, status in statuses.items():
         per_source[sources[image_id]][status] += 1
         if status == "unreadable":
             reasons[sources[image_id]][unreadable_reasons.get(image_id, "unknown")] += 1
+    return manifest_from_counts(per_source, reasons, extra)
 
-    def counts(c: Counter) -> dict:
-        return {"input": sum(c.values()), **{s: c.get(s, 0) for s in STATUSES}}
 
-    all_reasons = Counter()
+def manifest_from_counts(per_source: dict[str, dict], reasons: dict[str, dict], extra: dict | None = None) -> dict:
+    """The manifest from ``{source: {status: n}}`` and ``{source: {unreadable reason: n}}`` (e.g. summed
+    over the decisions parts). Raises if a status is unknown or the counts do not add up."""
+    bad = {s for c in per_source.values() for s, n in c.items() if n and s not in STATUSES}
+    if bad:
+        raise ValueError(f"unknown statuses {sorted(bad)}; expected one of {STATUSES}")
+    total, all_reasons = Counter(), Counter()
+    for c in per_source.values():
+        total.update(c)
     for c in reasons.values():
         all_reasons.update(c)
+
+    def counts(c) -> dict:
+        return {"input": int(sum(c.values())), **{s: int(c.get(s, 0)) for s in STATUSES}}
+
     manifest = {
         "counts": counts(total),
-        "unreadable_reasons": dict(sorted(all_reasons.items())),
+        "unreadable_reasons": dict(sorted((k, int(v)) for k, v in all_reasons.items() if v)),
         "per_source": {
-            name: {**counts(c), "unreadable_reasons": dict(sorted(reasons[name].items()))}
+            name: {**counts(c), "unreadable_reasons": dict(sorted((k, int(v)) for k, v in
+                                                               reasons.get(name, {}).items() if v))}
             for name, c in sorted(per_source.items())
         },
     }

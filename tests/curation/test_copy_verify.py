@@ -207,3 +207,34 @@ def test_config_checks_name_the_dedup_key(tmp_path):
         setattr(cfg.dedup, key, val)
         with pytest.raises(ConfigError, match=msg):
             validate(cfg)
+
+
+def test_parted_verification_equals_one_call_and_a_killed_task_reruns_only_its_part(retina_tiles, tmp_path):
+    """Verification as 3 tasks (each owning a range of first images) gives the verdicts of one call; a
+    lost part is recomputed alone, the others are read back."""
+    from curation.verify import PartedVerifier
+
+    tiles, copies, _ = retina_tiles
+    imgs = tiles + [c for _, c in copies]
+    n = len(tiles)
+    a = np.r_[np.array([i for i, _ in copies]), np.arange(0, n - 1)]
+    b = np.r_[np.arange(n, n + len(copies)), np.arange(1, n)]
+    srt = np.lexsort((b, a))
+    a, b = a[srt], b[srt]
+    one = PixelVerifier(lambda p: imgs[p])(a, b)
+    calls = []
+
+    def counted(x, y):
+        calls.append(len(x))
+        return PixelVerifier(lambda p: imgs[p])(x, y)
+
+    pv = PartedVerifier(counted, str(tmp_path / "verify"), num_tasks=3)
+    np.testing.assert_array_equal(pv(a, b), one)
+    assert len(calls) == 3 and sum(calls) == len(a) and one.sum() == len(copies)
+    import os
+
+    os.remove(tmp_path / "verify" / "call0-part-00001-of-00003.npz")
+    calls.clear()
+    again = PartedVerifier(counted, str(tmp_path / "verify"), num_tasks=3)
+    np.testing.assert_array_equal(again(a, b), one)
+    assert len(calls) == 1 and again.computed == 1

@@ -86,9 +86,14 @@ def test_array_tasks_split_the_pool_and_the_reader_waits_for_all(pool_dir, tmp_p
     split = open_embeddings(str(out))
     _embed(pool_dir[0], tmp_path / "single", desc)
     single = open_embeddings(str(tmp_path / "single"))
-    assert sorted(split.ids) == sorted(single.ids)
-    pos = single.index_of()
-    order = np.array([pos[i] for i in split.ids])
+    # canonical order: the same int64 ids, the same row order, whatever the number of tasks
+    assert split.ids.dtype == np.int64 and isinstance(split.ids, np.memmap)
+    np.testing.assert_array_equal(split.ids, single.ids)
+    assert split.digest == single.digest
+    strings = split.id_strings(np.arange(len(split)))
+    assert strings == sorted(strings) == single.id_strings(np.arange(len(single)))
+    assert split.positions_of(strings[:3] + ["nope"]).tolist() == [0, 1, 2, -1]
+    order = np.arange(len(single))
     # The tasks embed in other batch shapes than the single run: fp32 results may differ in the
     # last bit (OpenBLAS kernels per CPU), which can move an fp16-stored value by one fp16 ulp
     # (<= 2^-11 for |x| < 1).

@@ -72,7 +72,7 @@ def test_kmeanspp_seeding_beats_random_on_a_long_tail(data):
 
 def _write_embeddings(path, x, shard=1000):
     for i, s in enumerate(range(0, len(x), shard)):
-        ids = [f"img{j}" for j in range(s, min(s + shard, len(x)))]
+        ids = [f"img{j:07d}" for j in range(s, min(s + shard, len(x)))]  # rows come back by id: x order
         save_shard(path, shard_stem(0, i), x[s:s + shard],
                    {"ids": ids, "sources": ["synthetic"] * len(ids),
                     "hashes": ["0"] * len(ids), "unreadable": []})
