@@ -48,9 +48,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return 2
     try:
         model = load(args.model, num_heads=args.num_heads, which=args.which)
-    except (CheckpointError, FileNotFoundError) as exc:
+    except (CheckpointError, OSError) as exc:  # nothing there, or nothing dinopipe can read: the user's to fix
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     try:
         if args.format in ("onnx", "pt2"):  # deployable graphs (dinopipe/export/onnx.py), not weight layouts
             from .export.onnx import export_onnx, export_program
@@ -58,9 +58,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
             out = (export_onnx if args.format == "onnx" else export_program)(model, args.out, args.image_size)
         else:
             out = export(model, args.format, args.out)
-    except ValueError as exc:  # e.g. a layout that cannot hold this architecture
+    except ValueError as exc:  # e.g. a layout that cannot hold this architecture: choose another format
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     print(out)
     return 0
 

@@ -222,7 +222,7 @@ def test_cli_export_dinov3_formats(tmp_path, capsys):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "dinov3_vit"
     same(dinopipe.load(src), dinopipe.load(tmp_path / "o.pth"))
     same(dinopipe.load(src), dinopipe.load(tmp_path / "hf"))
-    assert main(["export", "--model", str(src), "--format", "dinov2", "--out", str(tmp_path / "x.pth")]) == 1
+    assert main(["export", "--model", str(src), "--format", "dinov2", "--out", str(tmp_path / "x.pth")]) == 2
     assert "--format dinov3" in capsys.readouterr().err
 
 
