@@ -1,8 +1,13 @@
-"""``dinopipe pipeline --config configs/pipeline/quickstart.yaml [key=value ...]``: curate -> pretrain ->
+"""dinopipe pipeline --config configs/pipeline/quickstart.yaml [key=value ...]: curate -> pretrain ->
 distill -> eval -> report, each stage skipped when its outputs are already complete, so rerunning after a
-crash continues where it stopped. With ``sample.enabled`` it first builds its own pool from photos shipped
-in pip packages (planted near-duplicates, corrupt files, a seed set and a held-out labelled eval set);
-otherwise it runs on ``input.paths`` and the labelled ``input.eval_train`` / ``input.eval_val`` folders.
+crash continues where it stopped. With sample.enabled it first builds its own pool from photos shipped in
+pip packages (planted near-duplicates, corrupt files, a seed set and a held-out labelled eval set);
+otherwise it runs on input.paths and the labelled input.eval_train / input.eval_val folders.
+
+Every stage's config (its YAML and the overrides given here) and every input path is checked before the
+first stage starts. Every key and its default: dinopipe config --kind pipeline (and --kind curation,
+pretrain, distill for each stage's own keys). Exit codes: 0 done, 2 a mistake in the config or the input,
+3 the loss became NaN/inf, 124 preempted (rerun to resume), 1 a bug to report.
 """
 
 from __future__ import annotations
