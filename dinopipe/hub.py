@@ -37,6 +37,7 @@ from .export import (  # noqa: F401
     export_dinov3,
     export_hf,
     export_timm,
+    read_sidecar,
     save_backbone,
     save_heads,
 )
@@ -113,7 +114,7 @@ def _resolve_path(path: Path, which: Optional[str] = None) -> tuple[list[Path], 
     ``which``, or the only one), else the latest DCP checkpoint (handled by the caller).
     """
     if path.is_file():
-        return [path], None, {}
+        return [path], read_sidecar(path), {}  # an official-layout export's FILE.json records its architecture
     if not path.is_dir():
         raise CheckpointError(f"'{path}' is neither a file, a folder nor a registry name ({', '.join(list_models())})")
     subs = ["", "export/teacher", "export"]
@@ -247,7 +248,9 @@ def _read_backbone(path: Path, num_heads: Optional[int], which: Optional[str]
         num_heads = hf_cfg["model_args"].get("num_heads")
     hf_cfg = hf_cfg if hf_cfg.get("model_type") in HF_MODEL_TYPES else {}
     try:
-        sd, inferred = convert_checkpoint(obj, num_heads=num_heads, hf_config=hf_cfg or None)
+        # a recorded architecture tells the head count the shapes cannot
+        heads = num_heads or (file_arch or {}).get("num_heads")
+        sd, inferred = convert_checkpoint(obj, num_heads=heads, hf_config=hf_cfg or None)
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{file}: {exc}") from None
     return sd, dict(file_arch or inferred), file, num_heads
