@@ -94,7 +94,7 @@ def _run_readme_snippet(onnx_path, model, monkeypatch):
     from PIL import Image
     from skimage import data
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "deploy.md").read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "onnxruntime" in b)
     monkeypatch.chdir(onnx_path.parent)
     onnx_path.rename("backbone.onnx")

@@ -243,7 +243,7 @@ def test_readme_dinov3_loading_example_runs(tmp_path, monkeypatch):
     """The README's DINOv3 loading block, run against tiny stand-ins for the files it names."""
     import re
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "load.md").read_text()  # moved from README.md
     block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "dinov3_vits16_pretrain" in b)
     monkeypatch.chdir(tmp_path)
     model = randomised()
