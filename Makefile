@@ -2,11 +2,19 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# torch/torchvision come from the machine's local disk (pip's find-links); the rest from the registry.
+# The development pair (pyproject.toml allows any torch >= the floor; this is the one `make venv` installs).
 TORCH_PINS := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.installed
+# The floor pair: the oldest torch pyproject.toml admits, and the tests that touch the APIs it must have
+# (FSDP2 matrix and mixed precision, DCP save/resume, export and load of every format).
+FLOOR_VENV ?= .venv-floor
+FLOOR_PINS := torch==2.9.1 torchvision==0.24.1
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+FLOOR_TESTS := tests/train/test_fsdp_matrix.py tests/train/test_mixed_precision.py tests/train/test_pretrain_resume.py \
+	tests/train/test_checkpoint_manager.py tests/test_hub.py tests/test_hub_dinov3.py tests/test_export_hf.py \
+	tests/test_export_onnx.py tests/test_export_roundtrip.py
 
-.PHONY: venv test test-fast bench quickstart gpu-check clean
+.PHONY: venv venv-floor test test-floor test-fast bench quickstart gpu-check clean
 
 venv: $(STAMP)
 
@@ -19,6 +27,20 @@ $(STAMP): pyproject.toml Makefile
 
 test: venv
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q tests
+
+# The floor subset on the oldest supported torch (a second virtualenv; .ci/run calls it after `make test`).
+venv-floor: $(FLOOR_STAMP)
+
+$(FLOOR_STAMP): pyproject.toml Makefile
+	test -x $(FLOOR_VENV)/bin/python || $(PY) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install -q $(FLOOR_PINS)
+	$(FLOOR_VENV)/bin/python -m pip install -q -e '.[cpu,dev]'
+	$(FLOOR_VENV)/bin/python -c "import torch, torchvision; assert torch.__version__.startswith('2.9.1'), torch.__version__"
+	touch $(FLOOR_STAMP)
+
+test-floor: venv-floor
+	OMP_WAIT_POLICY=PASSIVE $(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
 test-fast: venv
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -m "not slow" tests
@@ -37,4 +59,4 @@ bench: venv
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache

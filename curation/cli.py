@@ -1,4 +1,4 @@
-"""``curate``: the curation stage from the command line (also ``dinopipe curate ...``).
+"""curate: the curation stage from the command line (also dinopipe curate ...).
 
     curate run --config configs/curation/default.yaml input.paths=[DIR] output.dir=OUT [k=v ...]
     curate embed|dedup|decontaminate|rebalance|write|report --config ... [k=v ...]
@@ -9,9 +9,9 @@
 
 Load config -> validate (config mistakes exit 2, before anything is written) -> save the resolved
 config into output.dir -> run the step(s) -> print the manifest summary. Each step reads the
-previous steps' files in output.dir, so a Slurm array can run ``embed`` and one dependent job
+previous steps' files in output.dir, so a Slurm array can run embed and one dependent job
 the rest (slurm/submit_curation.sh). The steps and their order live in one place,
-:func:`curation.pipeline.run_steps`; this module only parses, validates and prints.
+curation.pipeline.run_steps; this module only parses, validates and prints.
 """
 
 from __future__ import annotations
@@ -46,6 +46,24 @@ def _print_manifest(out: str) -> None:
     print(f"shards: {os.path.join(out, 'shards')}")
 
 
+def _holds_an_image(folder: str) -> bool:
+    """Whether the folder (or a folder below it) holds a file with an image extension; stops at the first."""
+    from dinopipe.data.sources import IMAGE_EXTENSIONS, extension_of
+
+    for _dirpath, _dirs, files in os.walk(folder):
+        if any(extension_of(f) in IMAGE_EXTENSIONS for f in files):
+            return True
+    return False
+
+
+def check_inputs(paths: Sequence[str]) -> None:
+    """An input folder without a single image is a mistake (a wrong path, an unmounted disk): exit 2 naming it
+    before anything is written, rather than an empty dataset later. Tar shards and file lists are read later."""
+    for p in paths:
+        if os.path.isdir(p) and not any(f.endswith(".tar") for f in os.listdir(p)) and not _holds_an_image(p):
+            raise ConfigError(f"input.paths: no image in '{p}' (no .jpg/.png/... file below it, no .tar shard)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="curate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,6 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load_config(CurationConfig, args.config, args.overrides)
         validate(cfg, args.command)
+        if args.command in ("run", "embed"):
+            check_inputs(cfg.input.paths)
         embedder = build_embedder_for(cfg) if needs_embedder(cfg, args.command) else None
     except ConfigError as exc:
         exit_on_config_error(exc)
@@ -81,9 +101,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"embedder: {embedder}", file=sys.stderr)
     try:
         run_steps(cfg, steps, embedder, args.command, echo=_echo)
-    except StepError as exc:  # e.g. a step not run yet
+    except StepError as exc:  # e.g. a step not run yet, an input that cannot be read: the user's to fix
         print(exc, file=sys.stderr)
-        return 1
+        return 2
     out = cfg.output.dir
     if "write" in steps or (args.command == "report" and os.path.exists(os.path.join(out, "manifest.json"))):
         _print_manifest(out)

@@ -1,15 +1,16 @@
-"""``dinopipe`` command line. Stage commands read one config (YAML + key=value overrides); errors in it
-exit with code 2 before any work starts.
+"""dinopipe command line. Stage commands read one config (YAML + key=value overrides); errors in it
+exit with code 2 before any work starts (exit codes: docs/exit-codes.md).
 
     dinopipe models                                   list registry variants
     dinopipe export --model PATH --format timm --out DIR
     dinopipe export --model PATH --format onnx|pt2 --out FILE.onnx|FILE.pt2   deployable graph
-    dinopipe config --kind model --config X.yaml k=v  validate and print a resolved config
+    dinopipe config --kind pretrain                   every key of a config kind, its default, what it does
+    dinopipe config --kind pretrain --config X.yaml k=v   check a config and print it resolved
     dinopipe pipeline --config configs/pipeline/quickstart.yaml   curate -> pretrain -> distill -> eval
     dinopipe pretrain --config configs/pretrain/X.yaml [key=value ...]
     dinopipe distill --config configs/distill/X.yaml [key=value ...]
     dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [--trace] [key=value ...]
-    dinopipe curate ...                               same as the `curate` command
+    dinopipe curate ...                               same as the curate command
     dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]
     dinopipe slurm submit --config configs/slurm/X.yaml [--dry-run] [key=value | STAGE:key=value ...]
     dinopipe gpu-check [--out gpu-check] [--cpu]      GPU acceptance check (report.json; exit 1 on failure)
@@ -21,11 +22,31 @@ import argparse
 import sys
 from typing import Callable, Optional, Sequence
 
-from .config import ConfigError, ModelConfig, exit_on_config_error, load_config, to_yaml
+from .config import ConfigError, ModelConfig, exit_on_config_error, format_reference, load_config, to_yaml
 from .logs import setup_logging
 
-# Config schemas `dinopipe config --kind` knows; stages register theirs here.
-SCHEMAS: dict[str, Callable[[], type]] = {"model": lambda: ModelConfig}
+
+
+def _schema(kind: str) -> type:
+    """The config dataclass of each kind `dinopipe config --kind` knows (imported only when asked for)."""
+    if kind == "pretrain":
+        from .ssl.config import PretrainConfig as schema
+    elif kind == "distill":
+        from .ssl.distill_config import DistillConfig as schema
+    elif kind == "curation":
+        from curation.config import CurationConfig as schema
+    elif kind == "pipeline":
+        from .pipeline import PipelineConfig as schema
+    elif kind == "slurm":
+        from .slurm import SlurmConfig as schema
+    else:
+        schema = ModelConfig
+    return schema
+
+
+# Config kinds `dinopipe config --kind` knows: the stage commands and the model section.
+SCHEMAS: dict[str, Callable[[], type]] = {k: (lambda k=k: _schema(k))
+                                          for k in ("pretrain", "distill", "curation", "pipeline", "slurm", "model")}
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -58,9 +79,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
             out = (export_onnx if args.format == "onnx" else export_program)(model, args.out, args.image_size)
         else:
             out = export(model, args.format, args.out)
-    except ValueError as exc:  # e.g. a layout that cannot hold this architecture
+    except ValueError as exc:  # e.g. a layout that cannot hold this architecture: choose another format
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     print(out)
     return 0
 
@@ -69,8 +90,14 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.kind not in SCHEMAS:
         print(f"error: unknown --kind '{args.kind}'; choose from {sorted(SCHEMAS)}", file=sys.stderr)
         return 2
+    schema = SCHEMAS[args.kind]()
+    if args.config is None and not args.overrides:  # the reference: every key, its default, what it does
+        print(f"# dinopipe config --kind {args.kind}: every key (KEY = DEFAULT  what it does); set them in the YAML "
+              f"or as KEY=VALUE on the command line")
+        print(format_reference(schema), end="")
+        return 0
     try:
-        cfg = load_config(SCHEMAS[args.kind](), args.config, args.overrides)
+        cfg = load_config(schema, args.config, args.overrides)
     except ConfigError as exc:
         exit_on_config_error(exc)
     print(to_yaml(cfg), end="")
@@ -116,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(stage, help=_STAGE_HELP.get(stage, f"run the {stage} stage (--config FILE key=value ...)"),
                        add_help=False)
 
-    sub.add_parser("models", help="list registry variants").set_defaults(func=_cmd_models)
+    sub.add_parser("models", help="list the built-in backbones (registry variants)",
+                   description="List the backbones dinopipe can build by name (model.name=NAME in a config, or "
+                   "dinopipe.load('NAME') for a randomly initialised one): width, depth, heads, patch size, "
+                   "register tokens and feed-forward layer of each.").set_defaults(func=_cmd_models)
 
     e = sub.add_parser("export", help="export a backbone for timm / HF transformers / DINOv2 / DINOv3 / "
                        "plain safetensors, or as an ONNX / torch.export graph")
@@ -132,9 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
     e.set_defaults(func=_cmd_export)
 
-    c = sub.add_parser("config", help="validate a config and print it resolved")
-    c.add_argument("--kind", default="model")
-    c.add_argument("--config", default=None)
+    c = sub.add_parser("config", help="list every config key with its default and what it does, or check a "
+                       "config file and print it resolved",
+                       description="Without --config or overrides: every key of that kind of config, with its "
+                       "default and a one-line description. With them: the config checked and printed resolved.")
+    c.add_argument("--kind", default="model", choices=sorted(SCHEMAS),
+                   help="pretrain | distill | curation | pipeline | slurm | model (default: model)")
+    c.add_argument("--config", default=None, help="a YAML file of that kind to check and print resolved")
     c.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     c.set_defaults(func=_cmd_config)
     return p

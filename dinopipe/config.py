@@ -274,6 +274,91 @@ def phase_steps(cfg: Any) -> list[tuple[int, int]]:
     return bounds
 
 
+# -- the config reference (`dinopipe config --kind X`) -------------------------------------------------------
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the first line of its attribute docstring (the string under the field), else of the comment
+    on its line: what `dinopipe config --kind X` prints next to each key."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    lines, docs = src.splitlines(), {}
+    body = ast.parse(src).body[0].body  # type: ignore[attr-defined]
+    for stmt, nxt in zip(body, body[1:] + [None]):
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        doc = ""
+        if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            doc = " ".join(nxt.value.value.split()).replace("``", "")
+        elif "#" in lines[stmt.end_lineno - 1]:
+            doc = lines[stmt.end_lineno - 1].split("#", 1)[1].strip()
+        docs[stmt.target.id] = doc
+    return docs
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return "???"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if value is None:
+        return "null"
+    if value == "":
+        return '""'
+    if isinstance(value, (list, dict)) and value and dataclasses.is_dataclass(next(iter(value))):
+        return f"[{len(value)} entries]"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def config_reference(schema: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """Every key of a config dataclass, nested sections included: (dotted key, default, one-line doc).
+    A list of sections (e.g. ``phases``) is shown as ``phases[].KEY`` with the fields' own defaults."""
+    hints = typing.get_type_hints(schema)
+    docs = _field_docs(schema)
+    rows: list[tuple[str, str, str]] = []
+    for f in dataclasses.fields(schema):
+        key, tp, default = f"{prefix}{f.name}", hints.get(f.name), _default(f)
+        doc = docs.get(f.name, "")
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(tp):
+            if doc:
+                rows.append((key, "(section)", doc))
+            rows.extend(config_reference(tp, f"{key}."))
+        elif inner and typing.get_origin(tp) is list:
+            rows.append((f"{key}", _show(default), doc))
+            rows.extend(config_reference(inner[0], f"{key}[]."))
+        else:
+            rows.append((key, _show(default), doc))
+    return rows
+
+
+def format_reference(schema: type) -> str:
+    rows = config_reference(schema)
+    width = min(48, max(len(k) + len(d) + 3 for k, d, _ in rows))
+    out = []
+    for key, default, doc in rows:
+        if default == "(section)":
+            out.append(f"# {key}: {doc}")
+            continue
+        left = f"{key} = {default}"
+        out.append(f"{left:{width}s}  {doc}".rstrip() if len(left) <= width else f"{left}\n{'':{width}s}  {doc}".rstrip())
+    return "\n".join(out) + "\n"
+
+
 __all__ = [
     "Choice",
     "choices",
@@ -283,6 +368,8 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "check_parallel_config",
+    "config_reference",
+    "format_reference",
     "load_config",
     "save_config",
     "to_yaml",

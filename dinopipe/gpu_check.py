@@ -1,10 +1,10 @@
-"""``dinopipe gpu-check`` / ``make gpu-check``: one-command acceptance check of the GPU code paths, on one GPU
-in under 10 minutes. Writes ``OUT/report.json`` (one entry per check: ok / skipped with the reason / failed with
+"""dinopipe gpu-check / make gpu-check: one-command acceptance check of the GPU code paths, on one GPU
+in under 10 minutes. Writes OUT/report.json (one entry per check: ok / skipped with the reason / failed with
 the error, plus its measurements) and exits 1 if any check failed.
 
     python -m dinopipe.gpu_check [--out gpu-check] [--cpu] [--only attention,block,...]
 
-Checks (CUDA paths are chosen at run time; ``--cpu`` runs the subset that makes sense on a CPU, small, so CI
+Checks (CUDA paths are chosen at run time; --cpu runs the subset that makes sense on a CPU, small, so CI
 keeps the script from rotting):
 
 - attention: packed crop groups, SDPA (flash kernel forced on CUDA) vs the math reference in bf16, forward +
@@ -12,13 +12,13 @@ keeps the script from rotting):
 - block: one Block, drop path 0.4, activation checkpointing, compiled with inductor vs eager: same gradients
   within bf16 tolerance; dynamo graph and graph-break counts (CPU smoke: AC + drop path without compile).
 - losses: DINO / iBOT / Sinkhorn-Knopp / KoLeo on bf16 device inputs vs a CPU fp32 reference.
-- task: ``SSLTask`` on a 1-rank FSDP2 mesh (NCCL on CUDA, gloo on CPU), bf16, compile, N steps: teacher
+- task: SSLTask on a 1-rank FSDP2 mesh (NCCL on CUDA, gloo on CPU), bf16, compile, N steps: teacher
   parameters are fp32 DTensors after its forward, the EMA moves them, collectives get device tensors, host
   syncs per step, DCP save -> load into a fresh task is identical; step time, images/s, MFU against a bf16
-  GEMM measured in the same run, peak memory next to ``dinopipe plan``'s prediction (gpu_check_train.py).
-- trace: ``dinopipe plan --trace`` (the real step under fake tensors) at W = 1 vs the same two steps run on the
-  GPU: traced peak memory vs ``torch.cuda.max_memory_allocated`` (CUDA only).
-- cli: the real ``python -m dinopipe.train.pretrain`` with 2 phases, data workers and compile; SIGTERM to its
+  GEMM measured in the same run, peak memory next to dinopipe plan's prediction (gpu_check_train.py).
+- trace: dinopipe plan --trace (the real step under fake tensors) at W = 1 vs the same two steps run on the
+  GPU: traced peak memory vs torch.cuda.max_memory_allocated (CUDA only).
+- cli: the real python -m dinopipe.train.pretrain with 2 phases, data workers and compile; SIGTERM to its
   process group mid-run gives exit 124 and a checkpoint, and the rerun finishes (CUDA only).
 - curation: embedding images/s (vit_s14, bf16), faiss flat and IVF recall against a torch brute-force top-k,
   a multi-add, k > 2048 on GPU refused with a clear message, k-means (faiss-gpu when present).

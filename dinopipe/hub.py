@@ -75,7 +75,9 @@ def _read_backbone(path: Path, num_heads: Optional[int], which: Optional[str]
     num_heads = num_heads or found.num_heads
     hf_cfg = found.hf_config if found.hf_config.get("model_type") in HF_MODEL_TYPES else {}
     try:
-        sd, inferred = convert_checkpoint(found.obj, num_heads=num_heads, hf_config=hf_cfg or None)
+        # a recorded architecture tells the head count the shapes cannot
+        heads = num_heads or (found.arch or {}).get("num_heads")
+        sd, inferred = convert_checkpoint(found.obj, num_heads=heads, hf_config=hf_cfg or None)
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{found.file}: {exc}") from None
     return sd, dict(found.arch or inferred), found.file, num_heads

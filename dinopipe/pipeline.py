@@ -1,8 +1,13 @@
-"""``dinopipe pipeline --config configs/pipeline/quickstart.yaml [key=value ...]``: curate -> pretrain ->
+"""dinopipe pipeline --config configs/pipeline/quickstart.yaml [key=value ...]: curate -> pretrain ->
 distill -> eval -> report, each stage skipped when its outputs are already complete, so rerunning after a
-crash continues where it stopped. With ``sample.enabled`` it first builds its own pool from photos shipped
-in pip packages (planted near-duplicates, corrupt files, a seed set and a held-out labelled eval set);
-otherwise it runs on ``input.paths`` and the labelled ``input.eval_train`` / ``input.eval_val`` folders.
+crash continues where it stopped. With sample.enabled it first builds its own pool from photos shipped in
+pip packages (planted near-duplicates, corrupt files, a seed set and a held-out labelled eval set);
+otherwise it runs on input.paths and the labelled input.eval_train / input.eval_val folders.
+
+Every stage's config (its YAML and the overrides given here) and every input path is checked before the
+first stage starts. Every key and its default: dinopipe config --kind pipeline (and --kind curation,
+pretrain, distill for each stage's own keys). Exit codes: 0 done, 2 a mistake in the config or the input,
+3 the loss became NaN/inf, 124 preempted (rerun to resume), 1 a bug to report.
 """
 
 from __future__ import annotations
@@ -69,37 +74,73 @@ STAGES = ("curate", "pretrain", "distill", "eval", "report")
 
 
 def validate(cfg: PipelineConfig) -> None:
+    """Every mistake before any work: the pipeline's own keys, every input path, and each stage's config
+    (YAML + overrides, merged and validated as the stage itself will), so nothing runs and nothing is written
+    when one of them is wrong."""
     bad = [s for s in cfg.stages if s not in STAGES]
     if bad:
         raise ConfigError(f"stages: unknown {bad}; choose from {list(STAGES)}")
-    if not cfg.sample.enabled and not cfg.input.paths:
-        raise ConfigError("input.paths: give your images, or set sample.enabled=true")
+    if not cfg.sample.enabled:
+        if not cfg.input.paths:
+            raise ConfigError("input.paths: give your images, or set sample.enabled=true")
+        for key, paths in (("input.paths", cfg.input.paths), ("input.eval_train", [cfg.input.eval_train]),
+                           ("input.eval_val", [cfg.input.eval_val])):
+            for path in paths:
+                # tar globs / brace ranges are expanded by the stage; the plain paths must exist now
+                if path is not None and not any(c in path for c in "*?{[") and not Path(path).exists():
+                    raise ConfigError(f"{key}: '{path}' does not exist")
+        from curation.cli import check_inputs
+
+        check_inputs(cfg.input.paths)  # a folder without one image: exit 2 now, not an empty dataset later
+        if (cfg.input.eval_train is None) != (cfg.input.eval_val is None):
+            raise ConfigError("input.eval_train / input.eval_val: give both (the kNN gallery and its queries) "
+                              "or neither")
     for name in ("curate", "pretrain", "distill"):
         if name in cfg.stages and not Path(getattr(cfg, name).config).is_file():
             raise ConfigError(f"{name}.config: '{getattr(cfg, name).config}' does not exist")
-    _check_stage_overrides(cfg)
+    _check_stages(cfg)
 
 
-# The keys the pipeline sets itself to chain the stages (placeholders here: the paths do not exist yet).
-_CHAINED = {"curate": ["input.paths=[.]", "output.dir=."], "pretrain": ["data.paths=[.]", "train.output_dir=."],
+def _chained(cfg: PipelineConfig) -> dict[str, list[str]]:
+    """The keys the pipeline sets itself to chain the stages; paths that do not exist yet (the sample pool,
+    the curated shards, the teacher) are checked as '.'."""
+    pool = cfg.input.paths if not cfg.sample.enabled else ["."]
+    curate = [f"input.paths={_list(pool)}", "output.dir=."]
+    if not cfg.sample.enabled and cfg.input.eval_val:
+        curate.append(f"input.eval_paths=[{cfg.input.eval_val}]")
+    return {"curate": curate, "pretrain": ["data.paths=[.]", "train.output_dir=."],
             "distill": ["teacher_model.path=.", "data.paths=[.]", "train.output_dir=."]}
 
 
-def _check_stage_overrides(cfg: PipelineConfig) -> None:
-    """Merge each stage's YAML and overrides now, so a mistyped key or a bad choice in `pretrain.overrides`
-    exits 2 before curation has run for minutes (each stage's own checks run again when it starts)."""
+def _check_stages(cfg: PipelineConfig) -> None:
+    """Merge each stage's YAML and overrides and run its own validation now, so a mistyped key, a bad choice
+    or a bad value (`pretrain.overrides=[optim.base_lr=-1]`) exits 2 before curation has run for minutes.
+    The distillation checks that need the teacher's files run again when that stage starts."""
     from curation.config import CurationConfig
+    from curation.config import validate as validate_curation
 
     from .config import load_config
+    from .models import list_models
     from .ssl.config import PretrainConfig
     from .ssl.distill_config import DistillConfig
+    from .ssl.distill_config import validate as validate_distill
+    from .train.checks import validate_pretrain
 
-    schemas = {"curate": CurationConfig, "pretrain": PretrainConfig, "distill": DistillConfig}
-    for name, schema in schemas.items():
+    def distill_fields(c: DistillConfig) -> None:
+        validate_distill(c)
+        for i, s in enumerate(c.students):
+            if s.model.name not in list_models():
+                raise ConfigError(f"students[{i}].model.name: unknown model '{s.model.name}' "
+                                  f"(choose from {', '.join(list_models())})")
+
+    checks = {"curate": (CurationConfig, lambda c: validate_curation(c, "run")),
+              "pretrain": (PretrainConfig, validate_pretrain), "distill": (DistillConfig, distill_fields)}
+    chained = _chained(cfg)
+    for name, (schema, check) in checks.items():
         if name in cfg.stages:
             stage = getattr(cfg, name)
             try:
-                load_config(schema, stage.config, [*stage.overrides, *_CHAINED[name]])
+                check(load_config(schema, stage.config, [*stage.overrides, *chained[name]]))
             except ConfigError as exc:
                 raise ConfigError(f"{name}: {exc}") from None
 

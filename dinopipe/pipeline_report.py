@@ -21,7 +21,7 @@ def _loss_plot(run_dir: Path, keys: list[str], out: Path, title: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(7.5, 3.5), dpi=110)
     for key in keys:
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         if pts:
@@ -34,7 +34,7 @@ def _loss_plot(run_dir: Path, keys: list[str], out: Path, title: str) -> bool:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside, off the curves
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -101,6 +101,21 @@ def _rel(path: Path, start: Path) -> str:
     return os.path.relpath(path.resolve(), start.resolve())
 
 
+# What a healthy run looks like, one sentence per curve (the report prints them under the plots).
+HEALTHY = {
+    "loss": "loss (the weighted sum): follows its parts below; it may rise early on while the DINO loss does, "
+            "and what matters is that it settles and does not blow up.",
+    "dino_loss": "dino_loss: rises during the teacher-temperature warm-up and while the centre settles (the teacher's "
+                 "targets sharpen, so matching them gets harder), then flattens or falls slowly; a rise is not a "
+                 "failure, a collapse to ~0 is (the student copies one constant prototype).",
+    "ibot_loss": "ibot_loss: the same shape as the DINO loss, on the masked patch tokens.",
+    "koleo_loss": "koleo_loss: negative, and falling (more negative) while the batch's embeddings spread out.",
+    "distill": "each student's loss: falls quickly, then slowly; a flat curve means the student cannot follow.",
+    "knn": "the kNN accuracy on the held-out set (table below), not the loss, shows whether the backbone learnt: "
+           "each trained model should beat the random init of its own architecture by more than the standard error.",
+}
+
+
 def write_report(p, timings: dict) -> Path:
     out = Path(p.report)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,11 +133,12 @@ def write_report(p, timings: dict) -> Path:
     lines += ["## Training", ""]
     if _loss_plot(p.pretrain, ["loss", "dino_loss", "ibot_loss", "koleo_loss"], out / "pretrain_loss.png",
                   "pretraining"):
-        lines += ["![pretraining loss](pretrain_loss.png)", ""]
+        lines += ["![pretraining loss](pretrain_loss.png)", "", "What a healthy run looks like:", ""]
+        lines += [f"- {HEALTHY[k]}" for k in ("loss", "dino_loss", "ibot_loss", "koleo_loss", "knn")] + [""]
     rows = read_metrics(p.distill)
     if rows and _loss_plot(p.distill, sorted(k for k in rows[0] if k.endswith("/loss")), out / "distill_loss.png",
                            "distillation"):
-        lines += ["![distillation loss](distill_loss.png)", ""]
+        lines += ["![distillation loss](distill_loss.png)", "", f"- {HEALTHY['distill']}", ""]
     if p.eval.is_file():
         ev = json.loads(p.eval.read_text())
         ks = list(next(iter(ev["knn_top1"].values())))

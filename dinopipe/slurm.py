@@ -1,7 +1,7 @@
-"""``dinopipe slurm submit --config configs/slurm/X.yaml [--dry-run] [flags] [key=value | STAGE:key=value ...]``
+"""dinopipe slurm submit --config configs/slurm/X.yaml [--dry-run] [flags] [key=value | STAGE:key=value ...]
 
 Submits the pipeline as a chain of Slurm jobs, each one starting only if the one before succeeded
-(``--dependency=afterok``):
+(--dependency=afterok):
 
     curate_embed   slurm/curate.sbatch          array: task i embeds 1/N of the pool
     curate_index   slurm/curate_finish.sbatch   (curate.search_tasks > 0) train + save the kNN index once
@@ -17,15 +17,15 @@ Submits the pipeline as a chain of Slurm jobs, each one starting only if the one
     pretrain       slurm/pretrain.sbatch        --requeue --signal=USR1@<lead>: checkpoint, requeue, resume
     distill        slurm/distill.sbatch         same, teacher = the pretrain run
 
-The stages are chained through ``output_dir``: curation writes ``output_dir/curated``, pretraining reads
-its ``shards/`` and writes ``output_dir/pretrain``, distillation uses that as its teacher and writes
-``output_dir/distill``; job logs go to ``output_dir/logs``. Every stage config is loaded with its overrides
+The stages are chained through output_dir: curation writes output_dir/curated, pretraining reads
+its shards/ and writes output_dir/pretrain, distillation uses that as its teacher and writes
+output_dir/distill; job logs go to output_dir/logs. Every stage config is loaded with its overrides
 before anything is submitted, so a typo exits 2 here rather than hours later in the queue.
 
-``key=value`` overrides this file's config (e.g. ``slurm.time=04:00:00 stages=[pretrain,distill]``);
-``STAGE:key=value`` (STAGE = curate | pretrain | distill) is appended to that stage's overrides as is
-(e.g. ``pretrain:train.epochs=10``). Flags (--partition, --account, ...) win over both. Prints one
-``stage: job id`` line per job (with --dry-run: a shell script of the sbatch commands instead).
+key=value overrides this file's config (e.g. slurm.time=04:00:00 stages=[pretrain,distill]);
+STAGE:key=value (STAGE = curate | pretrain | distill) is appended to that stage's overrides as is
+(e.g. pretrain:train.epochs=10). Flags (--partition, --account, ...) win over both. Prints one
+stage: job id line per job (with --dry-run: a shell script of the sbatch commands instead).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""``dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]``
+"""dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]
 
-SRC is a folder of class sub-folders or webdataset ``.tar`` shards with a label per sample (see
-``dinopipe.eval.data``). PATH is anything ``dinopipe.load`` accepts. Results are printed as a table and, with
-``--out``, written as JSON. For ``seg`` SRC is a dense set, ``images/X.jpg`` + ``masks/X.png`` (class indices,
-255 = ignore; see ``dinopipe.eval.dense_data``), and the probe is linear on frozen patch tokens (mIoU).
+SRC is a folder of class sub-folders or webdataset .tar shards with a label per sample (see
+dinopipe.eval.data). PATH is anything dinopipe.load accepts. Results are printed as a table and, with
+--out, written as JSON. For seg SRC is a dense set, images/X.jpg + masks/X.png (class indices,
+255 = ignore; see dinopipe.eval.dense_data), and the probe is linear on frozen patch tokens (mIoU).
 Exit codes: 0 done, 1 the model cannot be loaded, 2 bad data arguments.
 """
 

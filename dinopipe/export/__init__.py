@@ -19,6 +19,7 @@ from .backbone import (
     IMAGENET_STD,
     WEIGHTS_NAME,
     export_arch,
+    read_sidecar,
     save_backbone,
     save_heads,
 )
@@ -45,7 +46,7 @@ def export(model: nn.Module, fmt: str, out: str | Path) -> Path:
 
 
 __all__ = [
-    "export", "EXPORTERS", "save_backbone", "save_heads", "export_arch", "export_timm", "export_dinov2",
+    "export", "EXPORTERS", "read_sidecar", "save_backbone", "save_heads", "export_arch", "export_timm", "export_dinov2",
     "export_dinov3", "export_hf", "WEIGHTS_NAME", "CONFIG_NAME", "HEADS_NAME", "ARCH_METADATA_KEY",
     "EXPORT_FORMAT", "IMAGENET_MEAN", "IMAGENET_STD",
 ]

@@ -52,6 +52,30 @@ def save_backbone(model: nn.Module, out_dir: str | Path, extra: Optional[dict] =
     return out
 
 
+def sidecar_path(weights: str | Path) -> Path:
+    """FILE.pth -> FILE.json: where the official-layout exports record the architecture (the official loaders
+    load the .pth strictly, so it cannot hold anything but the weights)."""
+    return Path(weights).with_suffix(".json")
+
+
+def write_sidecar(weights: Path, arch: Mapping[str, Any]) -> Path:
+    out = sidecar_path(weights)
+    out.write_text(json.dumps({"format": EXPORT_FORMAT, "arch": dict(arch)}, indent=2))
+    return out
+
+
+def read_sidecar(weights: str | Path) -> Optional[dict]:
+    """The architecture an export recorded beside a weights file, or None (a file from elsewhere)."""
+    path = sidecar_path(weights)
+    if path == Path(weights) or not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return dict(cfg["arch"]) if isinstance(cfg, dict) and cfg.get("format") == EXPORT_FORMAT else None
+
+
 def save_heads(out_dir: str | Path, heads: Mapping[str, Mapping[str, Tensor]]) -> Path:
     """{head name: state dict} -> OUT/heads.safetensors (what ``load_heads`` reads back)."""
     out = Path(out_dir) / HEADS_NAME
@@ -60,5 +84,6 @@ def save_heads(out_dir: str | Path, heads: Mapping[str, Mapping[str, Tensor]]) -
     return out
 
 
-__all__ = ["save_backbone", "save_heads", "export_arch", "WEIGHTS_NAME", "CONFIG_NAME", "HEADS_NAME",
+__all__ = ["save_backbone", "save_heads", "export_arch", "read_sidecar", "write_sidecar", "sidecar_path",
+           "WEIGHTS_NAME", "CONFIG_NAME", "HEADS_NAME",
            "ARCH_METADATA_KEY", "EXPORT_FORMAT", "IMAGENET_MEAN", "IMAGENET_STD"]

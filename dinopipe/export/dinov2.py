@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..models.convert import to_dinov2
-from .backbone import _contiguous_cpu, _is_dinov3, export_arch
+from .backbone import _contiguous_cpu, _is_dinov3, export_arch, write_sidecar
 
 
 def export_dinov2(model: nn.Module, out_path: str | Path) -> Path:
@@ -21,6 +21,7 @@ def export_dinov2(model: nn.Module, out_path: str | Path) -> Path:
     if _is_dinov3(arch):
         raise ValueError("a DINOv3 backbone (RoPE, no position embedding) has no DINOv2 layout: use --format dinov3")
     torch.save(to_dinov2(_contiguous_cpu(model.state_dict()), arch.get("ffn", "mlp")), out)
+    write_sidecar(out, arch)  # FILE.json: the whole architecture, for dinopipe.load (official loaders ignore it)
     return out
 
 

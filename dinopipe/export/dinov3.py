@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..models.convert_dinov3 import to_official_dinov3
-from .backbone import _contiguous_cpu, _is_dinov3, export_arch
+from .backbone import _contiguous_cpu, _is_dinov3, export_arch, write_sidecar
 
 
 def export_dinov3(model: nn.Module, out_path: str | Path) -> Path:
@@ -22,6 +22,7 @@ def export_dinov3(model: nn.Module, out_path: str | Path) -> Path:
     if not _is_dinov3(arch):
         raise ValueError("only DINOv3 backbones (RoPE) have the DINOv3 layout: use --format dinov2 for this one")
     torch.save(to_official_dinov3(_contiguous_cpu(model.state_dict()), arch), out)
+    write_sidecar(out, arch)  # FILE.json: the whole architecture, for dinopipe.load (official loaders ignore it)
     return out
 
 

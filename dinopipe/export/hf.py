@@ -30,7 +30,7 @@ from ..models.block import swiglu_hidden
 from ..models.convert_hf import hf_dinov3_config, to_hf_dinov3
 from ..utils.io import atomic_path
 from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD
-from .backbone import export_arch
+from .backbone import ARCH_METADATA_KEY, export_arch
 
 
 def hf_config(arch: Mapping[str, Any]) -> dict[str, Any]:
@@ -162,9 +162,11 @@ def export_hf(model, out_dir: str | Path) -> Path:
     else:
         cfg = hf_config(arch)
         sd = to_hf(model.state_dict(), arch)
-    # HF refuses safetensors files without a 'format' entry in their metadata.
+    # HF refuses safetensors files without a 'format' entry in their metadata; dinopipe's arch beside it makes the
+    # folder load back exactly (what config.json cannot say: norms, biases, interpolation, RoPE settings).
     with atomic_path(out / "model.safetensors") as tmp:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in sd.items()}, tmp, metadata={"format": "pt"})
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in sd.items()}, tmp,
+                  metadata={"format": "pt", ARCH_METADATA_KEY: json.dumps(arch)})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     pre = hf_dinov3_preprocessor_config if arch.get("family") == "dinov3" else hf_preprocessor_config
     (out / "preprocessor_config.json").write_text(json.dumps(pre(cfg["image_size"]), indent=2))

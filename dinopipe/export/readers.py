@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 from ..models.convert import detect_format, unwrap_state_dict
 from ..models.registry import list_models, model_defaults
 from ..utils.safe_load import CheckpointError, read_safetensors, torch_load
-from .backbone import ARCH_METADATA_KEY, CONFIG_NAME, EXPORT_FORMAT, WEIGHTS_NAME
+from .backbone import ARCH_METADATA_KEY, CONFIG_NAME, EXPORT_FORMAT, WEIGHTS_NAME, read_sidecar
 
 HF_MODEL_TYPES = ("dinov2", "dinov2_with_registers", "dinov3_vit")
 
@@ -218,7 +218,8 @@ def _read_timm_folder(p: Probe) -> Found:
 def _read_file(name: str) -> Callable[[Probe], Found]:
     def read(p: Probe) -> Found:
         obj, arch = p.weights
-        return Found(name, p.path, obj, arch=arch)
+        # an official-layout export's FILE.json records what the .pth cannot hold (heads, ...)
+        return Found(name, p.path, obj, arch=arch or read_sidecar(p.path))
     return read
 
 

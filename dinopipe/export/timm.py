@@ -12,6 +12,7 @@ from torch import nn
 from ..models.convert import timm_model_args, to_timm
 from ..models.convert_dinov3 import timm_dinov3_model_args, to_timm_dinov3
 from .backbone import (
+    ARCH_METADATA_KEY,
     CONFIG_NAME,
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -56,7 +57,8 @@ def export_timm(model: nn.Module, out_dir: str | Path) -> Path:
             "license": "apache-2.0",
         },
     }
-    save_file(_contiguous_cpu(weights), str(out / WEIGHTS_NAME))
+    # timm ignores the metadata; dinopipe.load reads the whole architecture from it (exact round trip)
+    save_file(_contiguous_cpu(weights), str(out / WEIGHTS_NAME), metadata={ARCH_METADATA_KEY: json.dumps(arch)})
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
     return out
 

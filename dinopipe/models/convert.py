@@ -12,8 +12,10 @@ and SwiGLU). Sources are detected by their keys:
 - DINOv3 (official, timm ``vit_*_patch16_dinov3``) in convert_dinov3.py, Hugging Face folders (Dinov2,
   Dinov2WithRegisters, DINOv3ViT) in convert_hf.py; ``convert_checkpoint`` dispatches to all of them.
 
-Architecture is inferred from tensor shapes (``infer_arch``); the head count cannot be, so it defaults to
-dim/64 (true for every DINOv2 model) unless given. Nothing here touches files or devices.
+Architecture is inferred from tensor shapes (``infer_arch``); the head count cannot be, so it is taken from the
+released models (64-dim heads at the released widths 384 / 768 / 1024 / 1536) and otherwise must be given: the
+reader refuses to guess. dinopipe's own exports record the whole architecture. Nothing here touches files or
+devices.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .block import swiglu_hidden
 from .convert_dinov3 import from_official_dinov3, from_timm_dinov3, infer_arch_dinov3, is_dinov3, is_timm_dinov3
 from .convert_hf import arch_from_hf_dinov2_config, arch_from_hf_dinov3_config, detect_hf, from_hf_dinov2, from_hf_dinov3
 
+# Head counts of the released DINOv2 widths (all 64-dim heads): the only widths whose head count is known.
+RELEASED_DINOV2_HEADS = {384: 6, 768: 12, 1024: 16, 1536: 24}
 _WRAPPER_KEYS = ("teacher", "model", "state_dict", "model_state_dict", "module", "student")
 _PREFIXES = ("module.", "_orig_mod.", "teacher.", "student.", "model.", "backbone.", "encoder.")
 _HEAD_PREFIXES = ("dino_head.", "ibot_head.", "head.", "dino_loss.", "ibot_patch_loss.")
@@ -173,7 +177,11 @@ def infer_arch(sd: Mapping[str, Tensor], num_heads: Optional[int] = None) -> dic
         mlp_ratio = 4.0 if swiglu_hidden(int(dim * 4.0)) == fc2_in else fc2_in * 1.5 / dim
     else:
         ffn, mlp_ratio = "mlp", fc1_out / dim
-    heads = num_heads or max(1, dim // 64)
+    heads = num_heads or RELEASED_DINOV2_HEADS.get(dim)
+    if heads is None:
+        raise ValueError(f"the file does not record its attention head count and embed dim {dim} is no released "
+                         f"DINOv2 width ({sorted(RELEASED_DINOV2_HEADS)}): pass num_heads (dinopipe.load(..., "
+                         f"num_heads=N), --num-heads N, model.num_heads=N)")
     if dim % heads:
         raise ValueError(f"embed dim {dim} is not divisible by num_heads {heads}; pass num_heads explicitly")
     return dict(

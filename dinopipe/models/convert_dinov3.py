@@ -188,7 +188,10 @@ def infer_arch_dinov3(sd: Mapping[str, Tensor], num_heads: Optional[int] = None,
     else:
         ffn, ratio = "mlp", fc1_out / dim
     if num_heads is None:
-        num_heads = dim // hints["head_dim"] if "head_dim" in hints else RELEASED_HEADS.get(dim, max(1, dim // 64))
+        num_heads = dim // hints["head_dim"] if "head_dim" in hints else RELEASED_HEADS.get(dim)
+    if num_heads is None:
+        raise ValueError(f"the file does not record its attention head count (no rope_embed.periods) and embed dim "
+                         f"{dim} is no released DINOv3 width ({sorted(RELEASED_HEADS)}): pass num_heads")
     if dim % num_heads or (dim // num_heads) % 4:
         raise ValueError(f"embed dim {dim} with {num_heads} heads: RoPE needs a head dim divisible by 4; "
                          f"pass num_heads explicitly")

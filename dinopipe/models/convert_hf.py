@@ -176,7 +176,34 @@ def hf_dinov3_config(arch: Mapping[str, Any], ffn_hidden: int) -> dict[str, Any]
     }
 
 
+# Config fields that do not change what the backbone computes at inference (bookkeeping, training-only
+# settings, output selection); every other field is either honoured below or refused, naming it.
+_HF_NEUTRAL = {
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "initializer_range",
+    "drop_path_rate", "hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout", "layerscale_value",
+    "use_mask_token", "out_features", "out_indices", "stage_names", "apply_layernorm", "reshape_hidden_states",
+    "pos_embed_shift", "pos_embed_jitter", "pos_embed_rescale", "id2label", "label2id", "_name_or_path",
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "use_return_dict", "name_or_path",
+    "_attn_implementation_autoset", "tie_word_embeddings", "chunk_size_feed_forward", "problem_type",
+}
+_HF_DINOV3_READ = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "hidden_act",
+                   "layer_norm_eps", "rope_theta", "image_size", "patch_size", "num_channels", "query_bias",
+                   "key_bias", "value_bias", "proj_bias", "mlp_bias", "use_gated_mlp", "num_register_tokens"}
+_HF_DINOV2_READ = {"hidden_size", "num_hidden_layers", "num_attention_heads", "mlp_ratio", "hidden_act",
+                   "layer_norm_eps", "image_size", "patch_size", "num_channels", "qkv_bias", "use_swiglu_ffn",
+                   "num_register_tokens"}
+
+
+def _refuse_unknown(cfg: Mapping[str, Any], read: set[str]) -> None:
+    """A field the reader does not know might change the features: an error naming it, not a silent default."""
+    unknown = sorted(k for k in cfg if k not in read and k not in _HF_NEUTRAL and not k.startswith("_"))
+    if unknown:
+        raise ValueError(f"config.json: field(s) {unknown} are not understood by dinopipe's reader; it will not "
+                         f"guess what they change (remove them if they do not affect the backbone)")
+
+
 def arch_from_hf_dinov3_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    _refuse_unknown(cfg, _HF_DINOV3_READ)
     dim, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
     gated = bool(cfg.get("use_gated_mlp", False))
     if gated:
@@ -203,9 +230,11 @@ def arch_from_hf_dinov3_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         ffn=ffn,
         num_register_tokens=int(cfg.get("num_register_tokens", 0)),
         init_values=1.0,
-        qkv_bias=bool(cfg.get("query_bias", True) or cfg.get("value_bias", True)),
+        # A key bias adds one constant per query to all its logits (softmax ignores it): with or without one,
+        # the reader drops it exactly, and a query- or value-only bias is the packed bias with zeros.
+        qkv_bias=bool(cfg.get("query_bias", True) or cfg.get("value_bias", True) or cfg.get("key_bias", False)),
         mask_k_bias=True,
-        proj_bias=True,
+        proj_bias=bool(cfg.get("proj_bias", True)),
         ffn_bias=bool(cfg.get("mlp_bias", True)),
         norm_eps=float(cfg.get("layer_norm_eps", 1e-5)),
         rope_base=float(cfg.get("rope_theta", 100.0)),
@@ -251,6 +280,21 @@ def from_hf_dinov2(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def arch_from_hf_dinov2_config(cfg: Mapping[str, Any], sd: Mapping[str, Tensor]) -> dict[str, Any]:
+    _refuse_unknown(cfg, _HF_DINOV2_READ)
+    swiglu = bool(cfg.get("use_swiglu_ffn", False))
+    act = cfg.get("hidden_act", "gelu")
+    if not swiglu and act != "gelu":  # HF's SwiGLU FFN applies SiLU whatever hidden_act says
+        raise ValueError(f"config.json: hidden_act '{act}' is not supported (dinopipe's DINOv2 MLP is exact GELU, "
+                         f"as every DINOv2 release)")
+    eps = float(cfg.get("layer_norm_eps", 1e-6))
+    if eps != 1e-6:
+        raise ValueError(f"config.json: layer_norm_eps {eps} is not supported (dinopipe's DINOv2 uses 1e-6, as "
+                         f"every DINOv2 release)")
+    ratio = float(cfg.get("mlp_ratio", 4))
+    if not swiglu and "blocks.0.mlp.fc1.weight" in sd and sd["blocks.0.mlp.fc1.weight"].shape[0] != int(
+            int(cfg["hidden_size"]) * ratio):
+        raise ValueError(f"config.json: mlp_ratio {ratio} does not match the weights' FFN width "
+                         f"{sd['blocks.0.mlp.fc1.weight'].shape[0]}")
     reg = int(cfg.get("num_register_tokens", 0)) if cfg.get("model_type") == "dinov2_with_registers" else 0
     n_pos = sd["pos_embed"].shape[1] - 1
     patch = int(cfg.get("patch_size", 14))
@@ -261,12 +305,12 @@ def arch_from_hf_dinov2_config(cfg: Mapping[str, Any], sd: Mapping[str, Tensor])
         embed_dim=int(cfg["hidden_size"]),
         depth=int(cfg["num_hidden_layers"]),
         num_heads=int(cfg["num_attention_heads"]),
-        mlp_ratio=float(cfg.get("mlp_ratio", 4)),
-        ffn="swiglu" if cfg.get("use_swiglu_ffn") else "mlp",
+        mlp_ratio=ratio,
+        ffn="swiglu" if swiglu else "mlp",
         num_register_tokens=reg,
         init_values=1.0,
         qkv_bias=bool(cfg.get("qkv_bias", True)),
-    )
+    )  # HF Dinov2 always has the output-projection and FFN biases (and a layer scale): the defaults
 
 
 __all__ = ["detect_hf", "from_hf_dinov3", "to_hf_dinov3", "hf_dinov3_config", "arch_from_hf_dinov3_config",

@@ -1,6 +1,9 @@
-"""``dinopipe distill --config configs/distill/X.yaml [key=value ...]``: load config -> build -> run -> close.
+"""dinopipe distill --config configs/distill/X.yaml [key=value ...]: train smaller students to copy a
+pretrained teacher (teacher_model.path); writes the run folder train.output_dir, one export per student.
 
-Same loop, phases, checkpoints, resume and preemption handling as pretraining; the task differs.
+Same loop, phases, checkpoints, resume and preemption handling as pretraining. Every config key, its
+default and what it does: dinopipe config --kind distill. Exit codes: 0 done, 2 a mistake in the config
+or the input (nothing written), 3 the loss became NaN/inf, 124 preempted (rerun to resume), 1 a bug.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
-"""``dinopipe pretrain --config configs/pretrain/X.yaml [key=value ...]``: load config -> build -> run -> close.
+"""dinopipe pretrain --config configs/pretrain/X.yaml [key=value ...]: self-supervised pretraining
+(DINOv2 / DINOv3 recipes) of a backbone on your images; writes the run folder train.output_dir.
 
-Rerunning the same command resumes from the run directory's latest checkpoint.
+Rerunning the same command resumes from the run folder's latest checkpoint. Every config key, its default
+and what it does: dinopipe config --kind pretrain. Exit codes: 0 done, 2 a mistake in the config or the
+input (nothing written), 3 the loss became NaN/inf, 124 preempted (rerun to resume), 1 a bug to report.
 """
 
 from __future__ import annotations

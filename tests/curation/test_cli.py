@@ -136,7 +136,7 @@ def test_steps_alone_as_a_slurm_array_then_the_rest(pool, tmp_path, capsys):
     extra = ("rebalance.mode=none", "embed.num_tasks=2")
     assert main(_args("embed", root, out, *extra, "embed.task_index=1")) == 0
     capsys.readouterr()
-    assert main(_args("dedup", root, out, *extra)) == 1  # task 0 has not embedded yet
+    assert main(_args("dedup", root, out, *extra)) == 2  # task 0 has not embedded yet
     assert "tasks [0] of 2 have not finished" in capsys.readouterr().err
     assert main(_args("embed", root, out, *extra, "embed.task_index=0")) == 0
     for step in ("dedup", "decontaminate", "rebalance", "write", "report"):
@@ -148,7 +148,7 @@ def test_steps_alone_as_a_slurm_array_then_the_rest(pool, tmp_path, capsys):
 
 
 def test_a_step_before_its_inputs_exist_says_what_to_run(pool, tmp_path, capsys):
-    assert main(_args("rebalance", pool[0], tmp_path / "empty")) == 1
+    assert main(_args("rebalance", pool[0], tmp_path / "empty")) == 2
     assert "run the 'decontaminate' step first" in capsys.readouterr().err
 
 

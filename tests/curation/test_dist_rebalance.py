@@ -62,7 +62,7 @@ def test_dist_kmeans_on_2_processes_then_rebalance_selects_like_one_process(cura
 
     # other settings than the tree was made with: refused, naming the key and what differs
     capsys.readouterr()
-    assert main(_args("rebalance", pool, out, "rebalance.kmeans_dir=kmeans", "rebalance.seed=3")) == 1
+    assert main(_args("rebalance", pool, out, "rebalance.kmeans_dir=kmeans", "rebalance.seed=3")) == 2
     err = capsys.readouterr().err
     assert "rebalance.kmeans_dir" in err and "seed" in err and "curate kmeans --curate" in err
 

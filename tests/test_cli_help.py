@@ -1,0 +1,75 @@
+"""Help in plain words, and the config reference: `dinopipe config --kind X` lists every key of that config
+with its default and what it does; each stage's --help points there."""
+
+import dataclasses
+import typing
+
+import pytest
+
+from dinopipe.cli import SCHEMAS, main
+from dinopipe.config import config_reference
+
+COMMANDS = [[], ["models"], ["export"], ["config"], ["pretrain"], ["distill"], ["pipeline"], ["curate"],
+            ["eval"], ["slurm"], ["gpu-check"]]
+
+
+def _help(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a) or "dinopipe")
+def test_help_has_no_source_markup(capsys, argv):
+    text = _help(capsys, argv)
+    for markup in ("``", ":func:", ":class:", ":mod:", ":meth:"):
+        assert markup not in text, (argv, markup)
+
+
+def test_models_help_has_a_description(capsys):
+    assert "backbones dinopipe can build" in _help(capsys, ["models"])
+
+
+@pytest.mark.parametrize("stage, kind", [("pretrain", "pretrain"), ("distill", "distill"), ("pipeline", "pipeline")])
+def test_stage_help_points_at_the_config_reference(capsys, stage, kind):
+    assert f"dinopipe config --kind {kind}" in " ".join(_help(capsys, [stage]).split())
+
+
+def _leaf_keys(schema, prefix=""):
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        tp = hints[f.name]
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(tp):
+            yield from _leaf_keys(tp, f"{prefix}{f.name}.")
+        elif inner and typing.get_origin(tp) is list:
+            yield f"{prefix}{f.name}"
+            yield from _leaf_keys(inner[0], f"{prefix}{f.name}[].")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "distill", "curation", "pipeline", "slurm", "model"])
+def test_config_reference_lists_every_key_with_its_default(capsys, kind):
+    assert main(["config", "--kind", kind]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shown = {line.split(" = ", 1)[0] for line in lines if " = " in line and not line.startswith("#")}
+    assert shown == set(_leaf_keys(SCHEMAS[kind]()))
+
+
+def test_reference_shows_defaults_and_the_field_docstring(capsys):
+    from dinopipe.ssl.config import PretrainConfig
+
+    rows = {k: (d, doc) for k, d, doc in config_reference(PretrainConfig)}
+    assert rows["optim.base_lr"][0] == "0.004" and "sqrt" in rows["optim.base_lr"][1]
+    assert rows["model.name"][0] == "vit_test" and rows["model.num_heads"][0] == "null"
+    assert main(["config", "--kind", "pretrain"]) == 0
+    assert any(line.startswith("optim.base_lr = 0.004") and "base_lr * sqrt" in line
+               for line in capsys.readouterr().out.splitlines())
+
+
+def test_config_with_a_file_still_prints_it_resolved(capsys):
+    assert main(["config", "--kind", "pretrain", "--config", "configs/pretrain/quickstart.yaml",
+                 "optim.base_lr=0.001"]) == 0
+    assert "base_lr: 0.001" in capsys.readouterr().out

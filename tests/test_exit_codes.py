@@ -1,0 +1,96 @@
+"""Every command follows one table of exit codes (docs/exit-codes.md): 0 done, 2 a mistake in the user's input or
+config (caught before anything is written), 3 non-finite loss, 124 preempted and resumable, 1 a bug to report.
+Here: each command's typical mistakes exit 2 with a message naming what is wrong, and leave nothing behind.
+(3 and 124 are pinned by tests/train/test_loop*.py and tests/train/test_preemption.py.)"""
+
+from pathlib import Path
+
+import pytest
+
+from dinopipe.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = str(REPO / "configs/pipeline/quickstart.yaml")
+
+
+def code(argv) -> int:
+    """The exit code of `dinopipe ARGV` run in this process (argparse and config errors raise SystemExit)."""
+    try:
+        return main(list(argv))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+def test_the_table_in_the_docs_is_the_one_the_code_uses():
+    from dinopipe.config import EXIT_CONFIG_ERROR
+    from dinopipe.train.builders import EXIT_NON_FINITE
+    from dinopipe.train.signals import EXIT_PREEMPTED
+
+    table = (REPO / "docs" / "exit-codes.md").read_text()
+    for c in (0, 1, EXIT_CONFIG_ERROR, EXIT_NON_FINITE, EXIT_PREEMPTED):
+        assert f"| {c} |" in table
+    assert (EXIT_CONFIG_ERROR, EXIT_NON_FINITE, EXIT_PREEMPTED) == (2, 3, 124)
+
+
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["pretrain.overrides=[optim.base_lr=-1]"], "optim.base_lr"),  # a bad value, not only a bad key
+    (["pretrain.overrides=[optim.base_lr_typo=1]"], "base_lr_typo"),
+    (["distill.overrides=[students=[]]"], "students"),
+    (["curate.overrides=[dedup.k=0]"], "dedup.k"),
+    (["sample.enabled=false", "input.paths=[/no/such/folder]"], "/no/such/folder"),
+    (["sample.enabled=false", "input.paths=[EMPTY]"], "no image in"),
+    (["stages=[curate,pretrian]"], "pretrian"),
+])
+def test_pipeline_mistakes_exit_2_before_any_stage_runs(tmp_path, capsys, overrides, says):
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    (empty / "notes.txt").write_text("not an image")
+    rc = code(["pipeline", "--config", QUICK, f"output_dir={tmp_path / 'run'}",
+               *[o.replace("EMPTY", str(empty)) for o in overrides]])
+    out, err = capsys.readouterr()
+    assert rc == 2, out + err
+    assert says in err and "== curate" not in out
+    assert not (tmp_path / "run").exists()  # no pipeline.yaml, no sample pool: nothing written
+
+
+def test_curate_run_on_a_folder_without_images_exits_2_naming_it(tmp_path, capsys):
+    empty = tmp_path / "photos"
+    empty.mkdir()
+    (empty / "readme.txt").write_text("no images here")
+    out = tmp_path / "out"
+    rc = code(["curate", "run", "--config", "configs/curation/quickstart.yaml", f"input.paths=[{empty}]",
+               f"output.dir={out}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(empty) in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and "matplotlib" not in err.lower()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["export", "--model", "runs/nothing", "--format", "timm", "--out", "OUT"], "runs/nothing"),
+    (["export", "--model", "vit_test", "--format", "nope", "--out", "OUT"], "--format"),
+    (["export", "--model", "vit_test", "--format", "timm", "--out", "OUT", "--image-size", "56"], "--image-size"),
+    (["pretrain", "--config", "configs/pretrain/quickstart.yaml", "data.paths=[.]", "optim.lrr=1"], "optim.lrr"),
+    (["pretrain", "--config", "configs/pretrain/quickstart.yaml", "data.paths=[.]", "model.name=vit_nope"], "vit_nope"),
+    (["pretrain", "--config", "no/such.yaml"], "no/such.yaml"),
+    (["distill", "--config", "configs/distill/quickstart.yaml", "teacher_model.path=runs/nothing",
+      "data.paths=[.]"], "teacher_model.path"),
+    (["curate", "run", "--config", "configs/curation/quickstart.yaml", "input.paths=[/no/such]", "output.dir=OUT"],
+     "/no/such"),
+    (["curate", "dedup", "--config", "configs/curation/quickstart.yaml", "input.paths=[.]", "output.dir=OUT"],
+     "embed"),  # a step before the one it needs: says what to run first
+    (["eval", "knn", "--model", "vit_test", "--train", "/no/such", "--val", "/no/such"], "/no/such"),
+    (["config", "--kind", "pretrain", "optim.nope=1"], "optim.nope"),
+    (["config", "--kind", "nope"], "--kind"),
+    (["slurm", "submit", "--config", "no/such.yaml"], "no/such.yaml"),
+    (["plan", "--config", "no/such.yaml", "--gpus", "8", "--gpu-mem-gb", "80"], "no/such.yaml"),
+    (["nosuchcommand"], "nosuchcommand"),
+])
+def test_every_commands_typical_mistakes_exit_2(tmp_path, capsys, argv, says):
+    out = tmp_path / "out"
+    rc = code([a.replace("OUT", str(out)) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err, (rc, err)
+    # nothing written (a curation step run too early leaves only its resolved config.yaml)
+    assert not out.exists() or {p.name for p in out.iterdir()} <= {"config.yaml"}
