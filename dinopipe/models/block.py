@@ -61,8 +61,11 @@ def drop_add_residual_subset(
     residuals = branch([x.index_select(0, idx) for x, idx in zip(xs, keep)])
     out = []
     for x, idx, r in zip(xs, keep, residuals):
+        # The scale multiplies the source rather than going in as index_add's alpha: under torch.compile with
+        # dynamic batch sizes a symbolic alpha makes the decomposition guard on it (torch 2.11: "Guard failed on
+        # the same frame it was created", seen in gpu-check's task on an H100).
         scale = x.shape[0] / idx.numel()
-        y = torch.index_add(x.flatten(1), 0, idx, r.flatten(1).to(x.dtype), alpha=scale)
+        y = torch.index_add(x.flatten(1), 0, idx, r.flatten(1).to(x.dtype) * scale)
         out.append(y.view_as(x))
     return out
 
