@@ -92,9 +92,10 @@ def validate(cfg: PipelineConfig) -> None:
         from curation.cli import check_inputs
 
         check_inputs(cfg.input.paths)  # a folder without one image: exit 2 now, not an empty dataset later
-        if (cfg.input.eval_train is None) != (cfg.input.eval_val is None):
-            raise ConfigError("input.eval_train / input.eval_val: give both (the kNN gallery and its queries) "
-                              "or neither")
+        # eval_val alone is fine for curation (decontamination reads it); the kNN stage needs both
+        if "eval" in cfg.stages and (cfg.input.eval_train is None) != (cfg.input.eval_val is None):
+            raise ConfigError("input.eval_train / input.eval_val: the eval stage needs both (the kNN gallery and "
+                              "its queries), or neither")
     for name in ("curate", "pretrain", "distill"):
         if name in cfg.stages and not Path(getattr(cfg, name).config).is_file():
             raise ConfigError(f"{name}.config: '{getattr(cfg, name).config}' does not exist")
