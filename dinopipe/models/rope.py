@@ -9,8 +9,9 @@ nothing to materialise after a meta-device build.
 
 Training-only augmentations (DINOv3 §3): ``shift`` adds a uniform offset in [-s, s] per axis, ``jitter``
 scales each axis by a log-uniform factor in [1/J, J], ``rescale`` scales both axes by one log-uniform
-factor in [1/R, R] (the released models were trained with R = 2). One draw per crop-size group and
-forward pass, shared by all blocks (transformers does the same; the official trainer redraws per block).
+factor in [1/R, R] (the released models were trained with R = 2). The backbone asks for a new draw per crop-size
+group *and per block*, as the official ``forward_features_list`` calls ``rope_embed`` inside its block loop
+(dinov3 ``models/vision_transformer.py:229-231``); in eval mode the tables are the same for every block.
 """
 
 from __future__ import annotations

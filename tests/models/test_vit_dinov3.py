@@ -254,3 +254,33 @@ def test_registry_lists_dinov3_names():
         d = model_defaults(n)
         assert d["family"] == "dinov3" and d["patch_size"] == 16 and d["num_register_tokens"] == 4
         assert (d["embed_dim"] // d["num_heads"]) % 4 == 0 and math.isfinite(d["mlp_ratio"])
+
+
+def test_rope_augmentation_drawn_per_block_and_group_in_training():
+    """dinov3 ``models/vision_transformer.py:229-231`` calls ``rope_embed`` inside the block loop, one call per crop
+    group: in training each block sees its own shift / jitter / rescale draw. Rebuilt here by hand from the same
+    RNG stream (block-major, group-minor) and compared; in eval one table serves every block."""
+    model = randomised("vit_test_dinov3", rope_shift=0.1, rope_jitter=1.3).train()
+    g, l = images(2, 64, 64, 1), images(3, 32, 48, 2)
+    calls = []
+    orig = model.rope_embed.forward
+    model.rope_embed.forward = lambda h, w, device=None: calls.append((h, w)) or orig(h, w, device)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        packed = model.forward_features([g, l])
+        assert calls == [(4, 4), (2, 3)] * len(model.blocks)
+        torch.manual_seed(5)
+        prepared = [model.prepare_tokens_with_masks(x) for x in (g, l)]
+        xs = [t for t, _ in prepared]
+        tables = []
+        for blk in model.blocks:
+            ropes = [orig(h, w) for _, (h, w) in prepared]
+            tables.append(ropes[0][0])
+            xs = blk(xs, rope=ropes)
+        assert not torch.equal(tables[0], tables[1])  # a new draw per block
+        for o, x in zip(packed, xs):
+            torch.testing.assert_close(o["x_prenorm"], x, atol=0, rtol=0)
+        calls.clear()
+        model.eval()
+        model.forward_features([g, l])
+        assert calls == [(4, 4), (2, 3)]  # eval: no augmentation, one table per group for all blocks
