@@ -39,6 +39,14 @@ class DinoConfig:
     loss_weight: float = 1.0
     head: HeadConfig = field(default_factory=HeadConfig)
     koleo_loss_weight: float = 0.1
+    koleo_distributed: bool = False
+    """DINOv3's ``koleo_loss_distributed``: each rank's CLS features find their nearest neighbour among the
+    global batch (gathered across ranks) instead of the rank's own batch; its high-resolution stage uses it."""
+    koleo_group_size: Optional[int] = None
+    """With koleo_distributed: neighbours are searched within consecutive groups of this many images of the
+    global batch (a multiple of the per-GPU batch; DINOv3's high-res stage: 16); null: the whole global batch."""
+    koleo_topk: int = 1
+    """With koleo_distributed: the loss averages over this many nearest neighbours (DINOv3: 1)."""
     local_loss_weight_schedule: Optional[WeightSchedule] = None
     """DINOv3's reweighting of the local-crop DINO terms (``reweight_dino_local_loss``; its Gram stage: 1 -> 0.5
     over one epoch, its high-resolution stage: 0.5). null: weight 1, as DINOv2."""
@@ -58,6 +66,7 @@ Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
 Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
 Blur = choices("Blur", ("released", "paper"), __name__)
 LrSchedule = choices("LrSchedule", ("cosine", "constant", "rise"), __name__)
+GramTokens = choices("GramTokens", ("all", "masked", "unmasked"), __name__)
 ResizeMode = choices("ResizeMode", ("bicubic", "bilinear", "nearest", "area"), __name__)
 
 
@@ -200,6 +209,12 @@ class GramConfig:
     resize_antialias: bool = False
     remove_neg: bool = False
     """Clip negative similarities to 0 in both Gram matrices (an option of DINOv3's loss; off in its recipes)."""
+    tokens_used: GramTokens = GramTokens.all
+    """Which student global-crop patches enter the loss: all (DINOv3's recipes) | masked | unmasked (the iBOT-masked
+    or the visible ones; these need image_level false, as DINOv3 asserts)."""
+    image_level: bool = True
+    """One Gram matrix per image (DINOv3's ``img_level: true``, its recipes); false: one matrix over all selected
+    patches of the batch (memory grows with their count squared)."""
 
 
 @dataclass
@@ -273,6 +288,12 @@ def check_ranges(cfg: PretrainConfig) -> None:
         s = list(getattr(c, key))
         _need(len(s) == 2 and 0 < s[0] <= s[1] <= 1, f"crops.{key}", f"need [min, max] with 0 < min <= max <= 1, "
               f"got {s}")
+    d = cfg.dino
+    _need(d.koleo_topk >= 1, "dino.koleo_topk", f"must be >= 1, got {d.koleo_topk}")
+    _need(d.koleo_group_size is None or d.koleo_group_size >= 2, "dino.koleo_group_size",
+          f"a group needs >= 2 images (or null: the global batch), got {d.koleo_group_size}")
+    _need(d.koleo_distributed or (d.koleo_topk == 1 and d.koleo_group_size is None), "dino.koleo_distributed",
+          "koleo_topk / koleo_group_size apply to the distributed KoLeo only (as DINOv3); set it true")
     _need(0 <= cfg.ibot.mask_sample_probability <= 1, "ibot.mask_sample_probability",
           f"a probability in [0, 1], got {cfg.ibot.mask_sample_probability}")
     tc = cfg.teacher
@@ -320,6 +341,9 @@ def validate_gram(g: GramConfig) -> None:
             raise ConfigError(f"gram.{key}: must be >= 0, got {getattr(g, key)}")
     if g.max_refreshes is not None and g.max_refreshes < 0:
         raise ConfigError(f"gram.max_refreshes: must be >= 0 or null, got {g.max_refreshes}")
+    if str(g.tokens_used) != "all" and g.image_level:
+        raise ConfigError(f"gram.tokens_used={g.tokens_used}: selected patches form one batch-level Gram matrix; "
+                          "set gram.image_level=false (as DINOv3 requires)")
 
 
 __all__ = ["PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig", "validate", "validate_gram"]
