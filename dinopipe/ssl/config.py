@@ -104,8 +104,9 @@ class OptimConfig:
     adamw_beta1: float = 0.9
     adamw_beta2: float = 0.999
     lr_schedule: LrSchedule = LrSchedule.cosine
-    """cosine (DINOv2: warm-up, then cosine to min_lr) | constant (DINOv3: warm-up, then the peak lr to the end,
-    so training can be extended or stopped at any point; later phases keep their own cosine) | rise (DINOv3's
+    """cosine (DINOv2: warm-up, then cosine to min_lr; later phases: their own cosine) | constant (DINOv3: warm-up,
+    then the peak lr to the end, so training can be extended or stopped at any point; a later phase holds its own
+    peak, e.g. DINOv3's Gram stage at 3/5 of it) | rise (DINOv3's
     high-resolution adaptation: half a cosine from 0 up to the peak lr over warmup_epochs, then the peak)."""
 
 
@@ -145,6 +146,9 @@ class PhaseConfig:
     """Peak lr of this phase relative to the base lr (later phases: a lower, compressed cosine)."""
     warmup_fraction: float = 0.0
     """Warm-up of a later phase, as a fraction of its own steps (the first phase uses optim.warmup_epochs)."""
+    momentum_teacher: Optional[float] = None
+    """Teacher EMA momentum held at this value through the phase (DINOv3's Gram-anchoring and high-resolution
+    stages: 0.999, after 0.994 in pretraining); null: the run's teacher.momentum_teacher schedule."""
     gram_crops_size: Optional[int] = None
     """With gram.enabled: the Gram teacher sees the global crops' boxes at this size (DINOv3 uses 2x the global
     size), its patch grid resampled to the student's; null = the student's global crops."""
@@ -280,6 +284,8 @@ def check_ranges(cfg: PretrainConfig) -> None:
             _need(getattr(ph, size) >= 1, f"{key}.{size}", f"must be >= 1 px, got {getattr(ph, size)}")
         _need(ph.lr_scale > 0, f"{key}.lr_scale", f"must be > 0, got {ph.lr_scale}")
         _need(0 <= ph.warmup_fraction < 1, f"{key}.warmup_fraction", f"must be in [0, 1), got {ph.warmup_fraction}")
+        _need(ph.momentum_teacher is None or 0 <= ph.momentum_teacher <= 1, f"{key}.momentum_teacher",
+              f"a momentum in [0, 1] or null, got {ph.momentum_teacher}")
     names = [ph.name for ph in cfg.phases]
     _need(len(set(names)) == len(names), "phases", f"names must be distinct (metrics log them), got {names}")
     c = cfg.crops

@@ -50,9 +50,10 @@ def lr_basis(cfg: Any, world_size: int) -> LrBasis:
 
 def build_schedules(cfg: Any, world_size: int = 1, lr_batches: Optional[Sequence[int]] = None) -> dict:
     """Per-step arrays. The first phase follows DINOv2's schedules; each later phase restarts the lr with its
-    own (lower, compressed) cosine — DINOv2 §4's short high-resolution stage — while weight decay, teacher
-    momentum and temperature run over the whole run. The peak lrs come from ``lr_batches`` (per phase), by
-    default this world size's global batches."""
+    own (lower, compressed) cosine — DINOv2 §4's short high-resolution stage — or, with ``lr_schedule: constant``,
+    holds its own peak (DINOv3's Gram stage); weight decay and teacher temperature run over the whole run, the
+    teacher momentum too unless a phase sets its own (``phases[].momentum_teacher``). The peak lrs come from
+    ``lr_batches`` (per phase), by default this world size's global batches."""
     o, t = cfg.optim, cfg.teacher
     bounds = phase_steps(cfg)
     total = bounds[-1][1]
@@ -77,14 +78,20 @@ def build_schedules(cfg: Any, world_size: int = 1, lr_batches: Optional[Sequence
     else:
         pieces = [first_lr(first_end)]
         for i, (ph, (s, e)) in enumerate(zip(cfg.phases[1:], bounds[1:]), start=1):
-            n = e - s
-            pieces.append(Piece("cosine", n, peaks[i], o.min_lr, warmup_steps=int(ph.warmup_fraction * n),
-                                warmup_start=o.min_lr))
+            n, warm = e - s, int(ph.warmup_fraction * (e - s))
+            if constant:  # DINOv3: each stage holds its own peak (the Gram stage: 3e-5 after 5e-5)
+                pieces.append(linear_warmup_cosine_decay(o.min_lr, peaks[i], peaks[i], warm, n))
+            else:
+                pieces.append(Piece("cosine", n, peaks[i], o.min_lr, warmup_steps=warm, warmup_start=o.min_lr))
         lr = piecewise(pieces)
+    momentum = base.momentum.values.copy()
+    for ph, (s, e) in zip(cfg.phases, bounds):
+        if getattr(ph, "momentum_teacher", None) is not None:  # DINOv3's later stages: their own constant momentum
+            momentum[s:e] = ph.momentum_teacher
     last_layer = lr.copy()
     last_layer[:int(round(o.freeze_last_layer_epochs * cfg.train.epoch_length))] = 0.0
     out = {"lr": lr, "wd": base.weight_decay.values, "last_layer_lr": last_layer,
-           "momentum": base.momentum.values, "teacher_temp": base.teacher_temp.values}
+           "momentum": momentum, "teacher_temp": base.teacher_temp.values}
     out.update(loss_weight_schedules(cfg, total))  # dino_local_weight, gram_weight, gram_refresh (ssl/gram.py)
     return out
 
