@@ -90,6 +90,7 @@ class DinoV3VisionTransformer(nn.Module):
         rope_shift: Optional[float] = None,
         rope_jitter: Optional[float] = None,
         rope_rescale: Optional[float] = 2.0,
+        rope_dtype: str = "fp32",
         untie_cls_and_patch_norms: bool = False,
         untie_global_and_local_cls_norm: bool = False,
         mlp_layer: Type[nn.Module] = Mlp,
@@ -111,7 +112,7 @@ class DinoV3VisionTransformer(nn.Module):
         self.storage_tokens = nn.Parameter(torch.zeros(1, num_register_tokens, embed_dim)) if num_register_tokens else None
         self.mask_token = nn.Parameter(torch.zeros(1, embed_dim))  # replaces masked patches (iBOT)
         self.rope_embed = RopeEmbedding(embed_dim // num_heads, base=rope_base, shift=rope_shift,
-                                        jitter=rope_jitter, rescale=rope_rescale)
+                                        jitter=rope_jitter, rescale=rope_rescale, dtype=rope_dtype)
         if attn_layer is None:
             attn_layer = MaskedKBiasAttention if mask_k_bias else Attention
         dpr = ([drop_path_rate] * depth if drop_path_uniform
@@ -256,8 +257,9 @@ class DinoV3VisionTransformer(nn.Module):
         return tuple(outputs)
 
     def arch_config(self) -> dict:
-        """Keyword arguments that rebuild this architecture (saved next to exported weights)."""
-        return dict(getattr(self, "_arch_kwargs", {}))
+        """Keyword arguments that rebuild this architecture (saved next to exported weights). The RoPE dtype is a
+        training setting: exports run fp32 RoPE, as the released models do."""
+        return {k: v for k, v in getattr(self, "_arch_kwargs", {}).items() if k != "rope_dtype"}
 
 
 __all__ = ["DinoV3VisionTransformer", "LinearKMaskedBias", "MaskedKBiasAttention", "SwiGLUAligned",

@@ -65,6 +65,7 @@ class IbotConfig:
 Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
 Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
 Blur = choices("Blur", ("released", "paper"), __name__)
+ScheduleShape = choices("ScheduleShape", ("dinov2", "dinov3"), __name__)
 LrSchedule = choices("LrSchedule", ("cosine", "constant", "rise"), __name__)
 GramTokens = choices("GramTokens", ("all", "masked", "unmasked"), __name__)
 ResizeMode = choices("ResizeMode", ("bicubic", "bilinear", "nearest", "area"), __name__)
@@ -103,6 +104,10 @@ class OptimConfig:
     official codes do; false exempts them (like norms and biases)."""
     adamw_beta1: float = 0.9
     adamw_beta2: float = 0.999
+    schedule_shape: ScheduleShape = ScheduleShape.dinov2
+    """How lr, weight decay, momentum and teacher temperature are sampled per step: dinov2 (its CosineScheduler:
+    the warm-up ends on the peak) | dinov3 (its linear_warmup_cosine_decay: the warm-up stops one step short, the
+    cosine ends on its final value). Loss-weight schedules (local-crop, Gram) are DINOv3's and always dinov3."""
     lr_schedule: LrSchedule = LrSchedule.cosine
     """cosine (DINOv2: warm-up, then cosine to min_lr; later phases: their own cosine) | constant (DINOv3: warm-up,
     then the peak lr to the end, so training can be extended or stopped at any point; a later phase holds its own

@@ -93,7 +93,7 @@ def gram_schedules(cfg: GramConfig, total_steps: int) -> dict[str, np.ndarray]:
         n = total_steps - cfg.first_step
         # DINOv3's loss_weight_schedule: half a cosine start -> loss_weight over warmup_steps, then constant.
         weight[cfg.first_step:] = linear_warmup_cosine_decay(start, start, cfg.loss_weight, 0, n,
-                                                             cosine=min(cfg.warmup_steps, n))
+                                                             cosine=min(cfg.warmup_steps, n), shape="dinov3")
         refresh[steps] = 1.0
     return {"gram_weight": weight, "gram_refresh": refresh}
 

@@ -25,7 +25,7 @@ from .losses import DINOLoss, IBOTPatchLoss
 log = logging.getLogger(__name__)
 
 _TRAINING_KWARGS = ("drop_path_rate", "drop_path_uniform", "efficient_drop_path", "attn_backend")
-_DINOV3_TRAINING_KWARGS = ("rope_rescale", "rope_shift", "rope_jitter")
+_DINOV3_TRAINING_KWARGS = ("rope_rescale", "rope_shift", "rope_jitter", "rope_dtype")
 
 
 def build_backbone(cfg: PretrainConfig, load_backbone: Optional[LoadBackbone] = None) -> nn.Module:
