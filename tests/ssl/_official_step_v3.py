@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._official_step import _rng, float32_resolution, pieces, relative_deviation  # noqa: F401  (shared rules)
+from ._official_step import (  # noqa: F401  (shared rules)
+    _rng, float32_resolution, permutation, permutations, pieces, relative_deviation)
 
 DIM, DEPTH, HEADS, PATCH, GLOBAL, LOCAL, GRAM = 32, 2, 2, 4, 16, 8, 32
 N_STORAGE, N_LOCAL, BATCH = 4, 2, 4
@@ -85,10 +86,6 @@ def batch(iteration: int, order: np.ndarray | None = None) -> dict[str, torch.Te
         "mask_indices": masks_t.flatten().nonzero().flatten(),
         "masks_weight": per_image.unsqueeze(-1).expand_as(masks_t)[masks_t],
     }
-
-
-def permutation() -> np.ndarray:
-    return np.array([2, 0, 3, 1])
 
 
 def part(name: str) -> str:
