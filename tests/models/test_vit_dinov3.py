@@ -284,3 +284,19 @@ def test_rope_augmentation_drawn_per_block_and_group_in_training():
         model.eval()
         model.forward_features([g, l])
         assert calls == [(4, 4), (2, 3)]  # eval: no augmentation, one table per group for all blocks
+
+
+def test_bf16_rope_is_a_training_setting():
+    """``rope_dtype=bf16`` (the official trainer's RoPE): tables in bf16, q/k rotated in bf16, the result cast back;
+    exports rebuild the released models' fp32 RoPE (arch_config leaves it out)."""
+    model = randomised("vit_test_dinov3", rope_dtype="bf16")
+    sin, cos = model.rope_embed(3, 5)
+    assert sin.dtype == cos.dtype == torch.bfloat16
+    ref = randomised("vit_test_dinov3")
+    x = images(2, 48, 80)
+    with torch.no_grad():
+        a, b = model(x), ref(x)
+    assert a.dtype == torch.float32 and 0 < (a - b).abs().max() < 0.05 * b.abs().max()
+    assert "rope_dtype" not in model.arch_config()
+    with pytest.raises(ValueError, match="rope dtype"):
+        create_model("vit_test_dinov3", rope_dtype="fp16")

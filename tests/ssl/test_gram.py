@@ -96,10 +96,11 @@ def test_refresh_steps(first, every, maxr, total, expected):
 
 
 def test_weight_schedule_off_before_first_copy_then_warms_up():
-    """DINOv3's loss_weight_schedule shape: half a cosine from the start weight up to loss_weight."""
+    """DINOv3's loss_weight_schedule shape: half a cosine from the start weight up to loss_weight, sampled as its
+    linear_warmup_cosine_decay samples it (``np.linspace(0, pi, n)``: the last ramp step is already loss_weight)."""
     cfg = GramConfig(enabled=True, first_step=3, loss_weight=2.0, loss_weight_start=0.0, warmup_steps=4)
     w = gram_schedules(cfg, 10)["gram_weight"]
-    ramp = [2.0 - 2.0 * (1 + np.cos(np.pi * i / 4)) / 2 for i in range(4)]
+    ramp = [2.0 - 2.0 * (1 + np.cos(np.pi * i / 3)) / 2 for i in range(4)]
     np.testing.assert_allclose(w, [0, 0, 0, *ramp, 2.0, 2.0, 2.0], atol=1e-12)
 
 
