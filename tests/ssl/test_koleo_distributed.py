@@ -69,3 +69,11 @@ def test_one_process_equals_koleo_and_checks_the_group():
         koleo_loss_distributed(x, group_size=16)
     two = koleo_loss_distributed(x, topk=2)  # the mean over the two nearest others
     assert float(two) < float(koleo_loss(x)) + 1e-6
+
+
+def test_the_task_term_switches_to_the_distributed_form():
+    """``dino.koleo_distributed`` in one process (no gather): the same per-crop KoLeo sum as DINOv2's."""
+    from dinopipe.ssl.base import koleo_per_global_crop
+
+    x = digits(8)
+    torch.testing.assert_close(koleo_per_global_crop(x, distributed=True), koleo_per_global_crop(x))
