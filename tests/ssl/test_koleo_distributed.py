@@ -31,33 +31,40 @@ def reference(x: torch.Tensor, group_size):
     return loss.item(), x.grad
 
 
-def _rank_main(rank: int, port: int, group_size, out: str) -> None:
+GROUPS = {"global": None, "half": B_LOCAL}
+
+
+def _rank_main(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from dinopipe.train.dist import all_gather_fn
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    x = digits(B_LOCAL * WORLD)[rank * B_LOCAL:(rank + 1) * B_LOCAL].clone().requires_grad_(True)
-    loss = koleo_loss_distributed(x, all_gather_fn(), rank, group_size)
-    loss.backward()
-    torch.save({"loss": loss.detach(), "grad": x.grad}, f"{out}.{rank}")
+    result = {}
+    for name, group_size in GROUPS.items():
+        x = digits(B_LOCAL * WORLD)[rank * B_LOCAL:(rank + 1) * B_LOCAL].clone().requires_grad_(True)
+        loss = koleo_loss_distributed(x, all_gather_fn(), rank, group_size)
+        loss.backward()
+        result.update({f"{name}/loss": loss.detach(), f"{name}/grad": x.grad})
+    torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("group_size", [None, B_LOCAL], ids=["global", "half"])
-def test_two_gloo_ranks_equal_one_process_with_the_whole_batch(tmp_path, group_size):
+def test_two_gloo_ranks_equal_one_process_with_the_whole_batch(tmp_path):
+    """One group (the global batch) and groups of half of it (each rank's own batch here)."""
     import torch.multiprocessing as mp
 
     from tests.train.conftest import free_port
 
     out = str(tmp_path / "r")
     sys.path.insert(0, os.getcwd())
-    mp.start_processes(_rank_main, args=(free_port(), group_size, out), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_rank_main, args=(free_port(), out), nprocs=WORLD, start_method="spawn")
     ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(WORLD)]
-    loss, grad = reference(digits(B_LOCAL * WORLD), group_size)
-    assert sum(float(r["loss"]) for r in ranks) / WORLD == pytest.approx(loss, rel=1e-6)
-    torch.testing.assert_close(torch.cat([r["grad"] for r in ranks]) / WORLD, grad, rtol=1e-5, atol=1e-7)
+    for name, group_size in GROUPS.items():
+        loss, grad = reference(digits(B_LOCAL * WORLD), group_size)
+        assert sum(float(r[f"{name}/loss"]) for r in ranks) / WORLD == pytest.approx(loss, rel=1e-6), name
+        torch.testing.assert_close(torch.cat([r[f"{name}/grad"] for r in ranks]) / WORLD, grad, rtol=1e-5, atol=1e-7)
 
 
 def test_one_process_equals_koleo_and_checks_the_group():
