@@ -55,7 +55,8 @@ from dinopipe.ssl.param_groups import build_param_groups  # noqa: E402
 from dinopipe.ssl.task import SSLTask  # noqa: E402
 from dinopipe.train.dist import DistInfo  # noqa: E402
 from dinopipe.train.clip import clip_grad_norm  # noqa: E402
-from dinopipe.train.parallel import ParallelConfig, local_tensor  # noqa: E402
+from dinopipe.config import ParallelConfig  # noqa: E402
+from dinopipe.ssl.ema import local_tensor  # noqa: E402
 from dinopipe.train.run import parallelize_task  # noqa: E402
 
 HERE = os.path.abspath(__file__)

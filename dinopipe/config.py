@@ -163,9 +163,10 @@ def check_choices(cfg: Any, prefix: str = "") -> None:
 
 AttnBackend = choices("AttnBackend", ("auto", "sdpa", "xformers", "math"), __name__)
 """dinopipe.models.attention.BACKENDS (a test keeps the two equal; configs import nothing above them)."""
+RopeDtype = choices("RopeDtype", ("fp32", "bf16"), __name__)
 FFN = choices("FFN", ("mlp", "swiglu", "swiglu32", "swiglu64", "swiglu128"), __name__)
 """dinopipe.models.registry.FFN_LAYERS."""
-DINOV3_KEYS = ("rope_rescale", "rope_shift", "rope_jitter", "untie_cls_and_patch_norms",
+DINOV3_KEYS = ("rope_rescale", "rope_shift", "rope_jitter", "rope_dtype", "untie_cls_and_patch_norms",
                "untie_global_and_local_cls_norm")
 
 
@@ -204,6 +205,10 @@ class ModelConfig:
     """DINOv3 only: training-time RoPE coordinate shift augmentation (null keeps the variant's default)."""
     rope_jitter: Optional[float] = None
     """DINOv3 only: training-time per-axis RoPE coordinate jitter augmentation."""
+    rope_dtype: Optional[RopeDtype] = None
+    """DINOv3 only, training: dtype of the RoPE tables and of the q/k rotation. bf16 is what the official trainer
+    runs (its build_model drops the config's pos_embed_rope_dtype, so the model default bf16 applies); null/fp32:
+    the released models' setting (hub, transformers, timm), which exports always use."""
     untie_cls_and_patch_norms: Optional[bool] = None
     """DINOv3 only: a separate final norm for the class/storage tokens."""
     untie_global_and_local_cls_norm: Optional[bool] = None

@@ -130,7 +130,7 @@ def _build(cfg, info, seed: int):
 def _local_states(task, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .train.parallel import local_tensor
+    from .ssl.ema import local_tensor
 
     msd, osd = get_state_dict(task.student, opt)
     tsd = {f"teacher.{k}": v for k, v in task.teacher.state_dict().items()}

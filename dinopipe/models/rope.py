@@ -9,8 +9,9 @@ nothing to materialise after a meta-device build.
 
 Training-only augmentations (DINOv3 §3): ``shift`` adds a uniform offset in [-s, s] per axis, ``jitter``
 scales each axis by a log-uniform factor in [1/J, J], ``rescale`` scales both axes by one log-uniform
-factor in [1/R, R] (the released models were trained with R = 2). One draw per crop-size group and
-forward pass, shared by all blocks (transformers does the same; the official trainer redraws per block).
+factor in [1/R, R] (the released models were trained with R = 2). The backbone asks for a new draw per crop-size
+group *and per block*, as the official ``forward_features_list`` calls ``rope_embed`` inside its block loop
+(dinov3 ``models/vision_transformer.py:229-231``); in eval mode the tables are the same for every block.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 
 # (sin, cos), each (h * w, head_dim) float32, for one crop-size group.
 RopeSinCos = tuple[Tensor, Tensor]
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def rope_periods(head_dim: int, base: float, device: Optional[torch.device] = None) -> Tensor:
@@ -52,11 +54,14 @@ class RopeEmbedding(nn.Module):
     """(sin, cos) tables for a patch grid; augments coordinates in training mode only."""
 
     def __init__(self, head_dim: int, base: float = 100.0, shift: Optional[float] = None,
-                 jitter: Optional[float] = None, rescale: Optional[float] = None) -> None:
+                 jitter: Optional[float] = None, rescale: Optional[float] = None, dtype: str = "fp32") -> None:
         super().__init__()
         rope_periods(head_dim, base)  # validates head_dim
+        if str(dtype) not in _DTYPES:
+            raise ValueError(f"rope dtype must be one of {sorted(_DTYPES)}, got '{dtype}'")
         self.head_dim, self.base = head_dim, float(base)
         self.shift, self.jitter, self.rescale = shift, jitter, rescale
+        self.dtype = _DTYPES[str(dtype)]
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}, shift={self.shift}, jitter={self.jitter}, rescale={self.rescale}"
@@ -74,10 +79,17 @@ class RopeEmbedding(nn.Module):
         return coords
 
     def forward(self, h: int, w: int, device: Optional[torch.device] = None) -> RopeSinCos:
-        coords = patch_coords(h, w, device)
+        if self.dtype != torch.float32:  # the official trainer's bf16 RoPE: every op in that dtype, its op order
+            dd = dict(device=device, dtype=self.dtype)
+            ch, cw = torch.arange(0.5, h, **dd) / h, torch.arange(0.5, w, **dd) / w
+            coords = 2.0 * torch.stack(torch.meshgrid(ch, cw, indexing="ij"), dim=-1).flatten(0, 1) - 1.0
+            n = self.head_dim // 4
+            periods = self.base ** (2 * torch.arange(n, **dd) / (self.head_dim // 2))
+        else:
+            coords = patch_coords(h, w, device)
+            periods = rope_periods(self.head_dim, self.base, coords.device)
         if self.training:
             coords = self._augment(coords)
-        periods = rope_periods(self.head_dim, self.base, coords.device)
         angles = (2 * math.pi) * coords[:, :, None] / periods  # (hw, 2, hd/4): rows then cols
         angles = angles.flatten(1).tile(2)  # (hw, hd): same angles on both halves for rotate_half
         return angles.sin(), angles.cos()
@@ -93,8 +105,9 @@ def rope_qkv(qkv: Tensor, shapes: Sequence[tuple[int, int]], ropes: Sequence[Opt
     """Rotate q and k of the *patch* tokens (the last h*w of each sequence) in a packed qkv.
 
     qkv: (T, 3D) for crop groups ``shapes`` [(b, n)]; ropes: one (sin, cos) per group (None: no RoPE).
-    The class and storage tokens in front stay unrotated (they have no position). The rotation runs in
-    float32, as the released models do, and is cast back to the activations' dtype.
+    The class and storage tokens in front stay unrotated (they have no position). q and k (all tokens, as the
+    official ``apply_rope``) go through the tables' dtype (float32 as the released models; bf16 as the official
+    trainer) and are cast back to the activations' dtype.
     """
     if len(ropes) != len(shapes):
         raise ValueError(f"{len(shapes)} crop groups but {len(ropes)} RoPE tables")
@@ -106,10 +119,11 @@ def rope_qkv(qkv: Tensor, shapes: Sequence[tuple[int, int]], ropes: Sequence[Opt
         sin, cos = rope  # (hw, hd)
         hw = sin.shape[0]
         c = chunk.view(b, n, 3, num_heads, -1)
-        qk = c[:, n - hw:, :2].float()  # (b, hw, 2, H, hd)
+        qk_all = c[:, :, :2].to(sin.dtype)
+        qk = qk_all[:, n - hw:]  # (b, hw, 2, H, hd)
         sin, cos = sin[:, None, None], cos[:, None, None]  # (hw, 1, 1, hd)
-        qk = (qk * cos + rotate_half(qk) * sin).to(chunk.dtype)
-        qk = torch.cat([c[:, : n - hw, :2], qk], dim=1)
+        qk = qk * cos + rotate_half(qk) * sin
+        qk = torch.cat([qk_all[:, : n - hw], qk], dim=1).to(chunk.dtype)
         out.append(torch.cat([qk, c[:, :, 2:]], dim=2).reshape(b * n, -1))
     return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -90,6 +90,7 @@ class DinoV3VisionTransformer(nn.Module):
         rope_shift: Optional[float] = None,
         rope_jitter: Optional[float] = None,
         rope_rescale: Optional[float] = 2.0,
+        rope_dtype: str = "fp32",
         untie_cls_and_patch_norms: bool = False,
         untie_global_and_local_cls_norm: bool = False,
         mlp_layer: Type[nn.Module] = Mlp,
@@ -111,7 +112,7 @@ class DinoV3VisionTransformer(nn.Module):
         self.storage_tokens = nn.Parameter(torch.zeros(1, num_register_tokens, embed_dim)) if num_register_tokens else None
         self.mask_token = nn.Parameter(torch.zeros(1, embed_dim))  # replaces masked patches (iBOT)
         self.rope_embed = RopeEmbedding(embed_dim // num_heads, base=rope_base, shift=rope_shift,
-                                        jitter=rope_jitter, rescale=rope_rescale)
+                                        jitter=rope_jitter, rescale=rope_rescale, dtype=rope_dtype)
         if attn_layer is None:
             attn_layer = MaskedKBiasAttention if mask_k_bias else Attention
         dpr = ([drop_path_rate] * depth if drop_path_uniform
@@ -194,10 +195,24 @@ class DinoV3VisionTransformer(nn.Module):
             raise ValueError(f"{len(x_list)} crop groups but {len(masks_list)} masks")
         prepared = [self.prepare_tokens_with_masks(x, m) for x, m in zip(x_list, masks_list)]
         xs = [t for t, _ in prepared]
-        ropes = [self.rope_embed(h, w, device=t.device) for t, (h, w) in prepared]
-        for blk in self.blocks:
+        grids = [hw for _, hw in prepared]
+        ropes = self._ropes(grids, xs[0].device)
+        for i, blk in enumerate(self.blocks):
+            if i and self._redraw_rope():
+                ropes = self._ropes(grids, xs[0].device)
             xs = blk(xs, rope=ropes)
         return [self._output(x, m, local=self.training and i == 1) for i, (x, m) in enumerate(zip(xs, masks_list))]
+
+    def _redraw_rope(self) -> bool:
+        """In training with a RoPE augmentation, every block gets its own draw, as the official
+        ``forward_features_list`` calls ``rope_embed`` inside the block loop (dinov3 ``vision_transformer.py``);
+        otherwise the tables are the same for every block and are computed once."""
+        r = self.rope_embed
+        return self.training and bool(r.shift or r.jitter or r.rescale)
+
+    def _ropes(self, grids: Sequence[tuple[int, int]], device: torch.device) -> list:
+        """One (sin, cos) table per crop group, drawn in group order (the official order)."""
+        return [self.rope_embed(h, w, device=device) for h, w in grids]
 
     def forward_features(self, x: Tensor | Sequence[Tensor], masks=None):
         if isinstance(x, (list, tuple)):
@@ -222,9 +237,11 @@ class DinoV3VisionTransformer(nn.Module):
         if bad:
             raise ValueError(f"block indices {bad} out of range for a {self.n_blocks}-block model")
         t, (h, w) = self.prepare_tokens_with_masks(x)
-        rope = [self.rope_embed(h, w, device=t.device)]
+        rope = self._ropes([(h, w)], t.device)
         outputs = []
         for i, blk in enumerate(self.blocks):
+            if i and self._redraw_rope():
+                rope = self._ropes([(h, w)], t.device)
             t = blk(t, rope=rope)
             if i in take:
                 outputs.append(t)
@@ -240,8 +257,9 @@ class DinoV3VisionTransformer(nn.Module):
         return tuple(outputs)
 
     def arch_config(self) -> dict:
-        """Keyword arguments that rebuild this architecture (saved next to exported weights)."""
-        return dict(getattr(self, "_arch_kwargs", {}))
+        """Keyword arguments that rebuild this architecture (saved next to exported weights). The RoPE dtype is a
+        training setting: exports run fp32 RoPE, as the released models do."""
+        return {k: v for k, v in getattr(self, "_arch_kwargs", {}).items() if k != "rope_dtype"}
 
 
 __all__ = ["DinoV3VisionTransformer", "LinearKMaskedBias", "MaskedKBiasAttention", "SwiGLUAligned",

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..models import DINOHead
 from .config import HeadConfig
 from .ema import ema_update_
-from .losses import koleo_loss
+from .losses import koleo_loss, koleo_loss_distributed
 
 LoadBackbone = Callable[..., nn.Module]
 """``dinopipe.load``-like: (path, **kwargs) -> backbone module."""
@@ -67,9 +67,17 @@ def n_prototypes(head: DINOHead) -> int:
     return int(head.last_layer.weight.shape[0])
 
 
-def koleo_per_global_crop(g_cls: Tensor) -> Tensor:
-    """KoLeo on the student's global-crop CLS features, one term per global crop (2B rows: crop 1, crop 2)."""
-    return sum(koleo_loss(c) for c in g_cls.chunk(2))  # type: ignore[return-value]
+def koleo_per_global_crop(g_cls: Tensor, distributed: bool = False, gather=None, rank: int = 0,
+                          group_size: Optional[int] = None, topk: int = 1) -> Tensor:
+    """KoLeo on the student's global-crop CLS features, one term per global crop (2B rows: crop 1, crop 2).
+
+    ``distributed`` (DINOv3's ``koleo_loss_distributed``): each crop's neighbours are searched in its group of the
+    global batch (``gather``: the train layer's differentiable all-gather, None in one process; ``rank``: this
+    rank), see :func:`koleo_loss_distributed`; otherwise within this rank's batch, as DINOv2."""
+    if not distributed:
+        return sum(koleo_loss(c) for c in g_cls.chunk(2))  # type: ignore[return-value]
+    return sum(koleo_loss_distributed(c, gather, rank, group_size, topk)  # type: ignore[return-value]
+               for c in g_cls.chunk(2))
 
 
 # -- optimizers -------------------------------------------------------------------------------------------
@@ -120,6 +128,9 @@ class TeacherStudentTask(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.all_reduce_fn = all_reduce_fn
+        self.all_gather_fn: Optional[Callable] = None
+        """Differentiable all-gather across ranks (set by the train layer in a multi-process run; None alone)."""
+        self.rank = 0
         self.load_backbone, self.load_heads = load_backbone, load_heads
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.compute_dtype = "fp32"  # set by the train layer's parallelize; reported in metrics.jsonl

@@ -39,6 +39,14 @@ class DinoConfig:
     loss_weight: float = 1.0
     head: HeadConfig = field(default_factory=HeadConfig)
     koleo_loss_weight: float = 0.1
+    koleo_distributed: bool = False
+    """DINOv3's ``koleo_loss_distributed``: each rank's CLS features find their nearest neighbour among the
+    global batch (gathered across ranks) instead of the rank's own batch; its high-resolution stage uses it."""
+    koleo_group_size: Optional[int] = None
+    """With koleo_distributed: neighbours are searched within consecutive groups of this many images of the
+    global batch (a multiple of the per-GPU batch; DINOv3's high-res stage: 16); null: the whole global batch."""
+    koleo_topk: int = 1
+    """With koleo_distributed: the loss averages over this many nearest neighbours (DINOv3: 1)."""
     local_loss_weight_schedule: Optional[WeightSchedule] = None
     """DINOv3's reweighting of the local-crop DINO terms (``reweight_dino_local_loss``; its Gram stage: 1 -> 0.5
     over one epoch, its high-resolution stage: 0.5). null: weight 1, as DINOv2."""
@@ -57,7 +65,9 @@ class IbotConfig:
 Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
 Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
 Blur = choices("Blur", ("released", "paper"), __name__)
+ScheduleShape = choices("ScheduleShape", ("dinov2", "dinov3"), __name__)
 LrSchedule = choices("LrSchedule", ("cosine", "constant", "rise"), __name__)
+GramTokens = choices("GramTokens", ("all", "masked", "unmasked"), __name__)
 ResizeMode = choices("ResizeMode", ("bicubic", "bilinear", "nearest", "area"), __name__)
 
 
@@ -94,9 +104,14 @@ class OptimConfig:
     official codes do; false exempts them (like norms and biases)."""
     adamw_beta1: float = 0.9
     adamw_beta2: float = 0.999
+    schedule_shape: ScheduleShape = ScheduleShape.dinov2
+    """How lr, weight decay, momentum and teacher temperature are sampled per step: dinov2 (its CosineScheduler:
+    the warm-up ends on the peak) | dinov3 (its linear_warmup_cosine_decay: the warm-up stops one step short, the
+    cosine ends on its final value). Loss-weight schedules (local-crop, Gram) are DINOv3's and always dinov3."""
     lr_schedule: LrSchedule = LrSchedule.cosine
-    """cosine (DINOv2: warm-up, then cosine to min_lr) | constant (DINOv3: warm-up, then the peak lr to the end,
-    so training can be extended or stopped at any point; later phases keep their own cosine) | rise (DINOv3's
+    """cosine (DINOv2: warm-up, then cosine to min_lr; later phases: their own cosine) | constant (DINOv3: warm-up,
+    then the peak lr to the end, so training can be extended or stopped at any point; a later phase holds its own
+    peak, e.g. DINOv3's Gram stage at 3/5 of it) | rise (DINOv3's
     high-resolution adaptation: half a cosine from 0 up to the peak lr over warmup_epochs, then the peak)."""
 
 
@@ -136,6 +151,9 @@ class PhaseConfig:
     """Peak lr of this phase relative to the base lr (later phases: a lower, compressed cosine)."""
     warmup_fraction: float = 0.0
     """Warm-up of a later phase, as a fraction of its own steps (the first phase uses optim.warmup_epochs)."""
+    momentum_teacher: Optional[float] = None
+    """Teacher EMA momentum held at this value through the phase (DINOv3's Gram-anchoring and high-resolution
+    stages: 0.999, after 0.994 in pretraining); null: the run's teacher.momentum_teacher schedule."""
     gram_crops_size: Optional[int] = None
     """With gram.enabled: the Gram teacher sees the global crops' boxes at this size (DINOv3 uses 2x the global
     size), its patch grid resampled to the student's; null = the student's global crops."""
@@ -200,6 +218,12 @@ class GramConfig:
     resize_antialias: bool = False
     remove_neg: bool = False
     """Clip negative similarities to 0 in both Gram matrices (an option of DINOv3's loss; off in its recipes)."""
+    tokens_used: GramTokens = GramTokens.all
+    """Which student global-crop patches enter the loss: all (DINOv3's recipes) | masked | unmasked (the iBOT-masked
+    or the visible ones; these need image_level false, as DINOv3 asserts)."""
+    image_level: bool = True
+    """One Gram matrix per image (DINOv3's ``img_level: true``, its recipes); false: one matrix over all selected
+    patches of the batch (memory grows with their count squared)."""
 
 
 @dataclass
@@ -265,6 +289,8 @@ def check_ranges(cfg: PretrainConfig) -> None:
             _need(getattr(ph, size) >= 1, f"{key}.{size}", f"must be >= 1 px, got {getattr(ph, size)}")
         _need(ph.lr_scale > 0, f"{key}.lr_scale", f"must be > 0, got {ph.lr_scale}")
         _need(0 <= ph.warmup_fraction < 1, f"{key}.warmup_fraction", f"must be in [0, 1), got {ph.warmup_fraction}")
+        _need(ph.momentum_teacher is None or 0 <= ph.momentum_teacher <= 1, f"{key}.momentum_teacher",
+              f"a momentum in [0, 1] or null, got {ph.momentum_teacher}")
     names = [ph.name for ph in cfg.phases]
     _need(len(set(names)) == len(names), "phases", f"names must be distinct (metrics log them), got {names}")
     c = cfg.crops
@@ -273,6 +299,12 @@ def check_ranges(cfg: PretrainConfig) -> None:
         s = list(getattr(c, key))
         _need(len(s) == 2 and 0 < s[0] <= s[1] <= 1, f"crops.{key}", f"need [min, max] with 0 < min <= max <= 1, "
               f"got {s}")
+    d = cfg.dino
+    _need(d.koleo_topk >= 1, "dino.koleo_topk", f"must be >= 1, got {d.koleo_topk}")
+    _need(d.koleo_group_size is None or d.koleo_group_size >= 2, "dino.koleo_group_size",
+          f"a group needs >= 2 images (or null: the global batch), got {d.koleo_group_size}")
+    _need(d.koleo_distributed or (d.koleo_topk == 1 and d.koleo_group_size is None), "dino.koleo_distributed",
+          "koleo_topk / koleo_group_size apply to the distributed KoLeo only (as DINOv3); set it true")
     _need(0 <= cfg.ibot.mask_sample_probability <= 1, "ibot.mask_sample_probability",
           f"a probability in [0, 1], got {cfg.ibot.mask_sample_probability}")
     tc = cfg.teacher
@@ -320,6 +352,9 @@ def validate_gram(g: GramConfig) -> None:
             raise ConfigError(f"gram.{key}: must be >= 0, got {getattr(g, key)}")
     if g.max_refreshes is not None and g.max_refreshes < 0:
         raise ConfigError(f"gram.max_refreshes: must be >= 0 or null, got {g.max_refreshes}")
+    if str(g.tokens_used) != "all" and g.image_level:
+        raise ConfigError(f"gram.tokens_used={g.tokens_used}: selected patches form one batch-level Gram matrix; "
+                          "set gram.image_level=false (as DINOv3 requires)")
 
 
 __all__ = ["PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig", "validate", "validate_gram"]

@@ -32,17 +32,23 @@ from .schedules import linear_warmup_cosine_decay, weight_schedule
 from .config import GramConfig
 
 
-def gram_loss(student: Tensor, teacher: Tensor, normalize: bool = True, remove_neg: bool = False) -> Tensor:
-    """Mean squared difference of per-image Gram matrices: student, teacher (B, N, D) -> scalar.
+def gram_loss(student: Tensor, teacher: Tensor, normalize: bool = True, remove_neg: bool = False,
+              image_level: bool = True) -> Tensor:
+    """Mean squared difference of Gram matrices: student, teacher (B, N, D) -> scalar, one Gram matrix per image;
+    with ``image_level`` false (DINOv3's ``img_level: false``) one Gram matrix over all tokens of the batch, which
+    may then also be given as (T, D) (the selected tokens of ``gram.tokens_used``).
 
     In float32 whatever the compute dtype (the matrices are (B, N, N) sums of D products)."""
-    if student.shape != teacher.shape or student.dim() != 3:
-        raise ValueError(f"gram_loss needs two (B, N, D) tensors of one shape, got {tuple(student.shape)} and "
-                         f"{tuple(teacher.shape)}")
+    if student.shape != teacher.shape or student.dim() != (3 if image_level else student.dim()) \
+            or student.dim() not in (2, 3):
+        raise ValueError(f"gram_loss needs two {'(B, N, D)' if image_level else '(B, N, D) or (T, D)'} tensors of "
+                         f"one shape, got {tuple(student.shape)} and {tuple(teacher.shape)}")
     s, t = student.float(), teacher.float()
     if normalize:
         s, t = F.normalize(s, dim=-1), F.normalize(t, dim=-1)
-    gs, gt = s @ s.transpose(1, 2), t @ t.transpose(1, 2)  # (B, N, N)
+    if not image_level:
+        s, t = s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1])  # (T, D): one matrix over the batch
+    gs, gt = s @ s.transpose(-1, -2), t @ t.transpose(-1, -2)  # (B, N, N) or (T, T)
     if remove_neg:
         gs, gt = gs.clamp_min(0.0), gt.clamp_min(0.0)
     return F.mse_loss(gs, gt)
@@ -87,7 +93,7 @@ def gram_schedules(cfg: GramConfig, total_steps: int) -> dict[str, np.ndarray]:
         n = total_steps - cfg.first_step
         # DINOv3's loss_weight_schedule: half a cosine start -> loss_weight over warmup_steps, then constant.
         weight[cfg.first_step:] = linear_warmup_cosine_decay(start, start, cfg.loss_weight, 0, n,
-                                                             cosine=min(cfg.warmup_steps, n))
+                                                             cosine=min(cfg.warmup_steps, n), shape="dinov3")
         refresh[steps] = 1.0
     return {"gram_weight": weight, "gram_refresh": refresh}
 
@@ -144,9 +150,17 @@ class GramTeacher(nn.Module):
         return resample_patch_grid(out, grid, student_grid, str(self.cfg.resize_mode), self.cfg.resize_antialias)
 
     def loss(self, student_patches: Tensor, crops: Tensor, student_grid: tuple[int, int],
-             targets: Optional[Tensor] = None) -> Tensor:
+             targets: Optional[Tensor] = None, masks: Optional[Tensor] = None) -> Tensor:
+        """``masks`` (B, N) bool, the student's iBOT masks: with ``tokens_used`` masked / unmasked only those
+        patches of student and targets enter the (batch-level) Gram matrix, as DINOv3's ``tokens_used``."""
         t = self.targets(crops, student_grid) if targets is None else targets
-        return gram_loss(student_patches, t, remove_neg=self.cfg.remove_neg)
+        s, used = student_patches, str(self.cfg.tokens_used)
+        if used != "all":
+            if masks is None:
+                raise ValueError(f"gram.tokens_used={used} needs the student's masks")
+            keep = masks if used == "masked" else ~masks
+            s, t = s[keep], t[keep]  # (T, D)
+        return gram_loss(s, t, remove_neg=self.cfg.remove_neg, image_level=self.cfg.image_level)
 
 
 __all__ = ["GramTeacher", "gram_loss", "gram_schedules", "loss_weight_schedules", "refresh_steps", "resample_patch_grid"]

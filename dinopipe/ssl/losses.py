@@ -14,7 +14,7 @@ Cross-entropies are computed in float32 whatever the autocast dtype.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +163,45 @@ def koleo_loss(features: Tensor, eps: float = 1e-8) -> Tensor:
         return -torch.log(distances + eps).mean()
 
 
+Gather = Callable[[Tensor], list[Tensor]]
+"""All ranks' copies of a tensor, rank order, differentiable (the train layer's ``all_gather_fn``)."""
+
+
+def koleo_loss_distributed(features: Tensor, gather: Optional[Gather] = None, rank: int = 0,
+                           group_size: Optional[int] = None, topk: int = 1, eps: float = 1e-8) -> Tensor:
+    """DINOv3's distributed KoLeo (``koleo_loss_distributed``; dinov3 ``loss/koleo_loss.py:KoLeoLossDistributed``).
+
+    Each rank L2-normalises its (b, D) features, gathers every rank's (differentiably: the neighbours' gradient goes
+    back to the rank that owns them), cuts the global batch into consecutive groups of ``group_size`` rows (null: one
+    group, the global batch) and, for each of its own rows, takes the ``topk`` nearest other rows *of its group*;
+    the loss is -mean log(distance + eps) over its own rows. Averaged over ranks (as the gradient all-reduce does),
+    this is KoLeo over each group of the global batch, i.e. what one process holding the whole batch computes.
+    With one process (``gather`` None) and ``topk`` 1 it equals :func:`koleo_loss`.
+    """
+    if features.dim() != 2:
+        raise ValueError(f"koleo_loss_distributed expects (B, D) features, got shape {tuple(features.shape)}")
+    b = features.shape[0]
+    with torch.autocast(device_type=features.device.type, enabled=False):
+        x = F.normalize(features.float(), p=2, dim=-1, eps=eps)
+        everyone = torch.cat(list(gather(x)), dim=0) if gather is not None else x
+        total = everyone.shape[0]
+        size = total if group_size is None else int(group_size)
+        if size % b or total % size:
+            raise ValueError(f"dino.koleo_group_size {size} must be a multiple of the per-rank batch {b} and divide "
+                             f"the global batch {total}")
+        if size < topk + 1:
+            raise ValueError(f"dino.koleo_group_size {size}: a group needs more than koleo_topk={topk} rows")
+        ranks_per_group = size // b
+        group = everyone.view(total // size, size, -1)[rank // ranks_per_group]  # (size, D)
+        with torch.no_grad():
+            dots = x @ group.t()  # (b, size)
+            own = (rank % ranks_per_group) * b + torch.arange(b, device=x.device)
+            dots[torch.arange(b, device=x.device), own] = -2.0  # never a row's own neighbour
+            idx = dots.topk(topk, dim=1).indices  # (b, topk)
+        distances = F.pairwise_distance(x.repeat_interleave(topk, dim=0), group[idx.flatten()], p=2, eps=eps)
+        return -torch.log(distances + eps).mean()
+
+
 class KoLeoLoss(nn.Module):
     def __init__(self, eps: float = 1e-8) -> None:
         super().__init__()
@@ -172,4 +211,4 @@ class KoLeoLoss(nn.Module):
         return koleo_loss(features, self.eps)
 
 
-__all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "koleo_loss"]
+__all__ = ["DINOLoss", "IBOTPatchLoss", "KoLeoLoss", "koleo_loss", "koleo_loss_distributed"]

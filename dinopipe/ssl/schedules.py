@@ -24,27 +24,39 @@ from typing import Optional, Sequence
 import numpy as np
 
 
+SHAPES = ("dinov2", "dinov3")
+
+
 def linear_warmup_cosine_decay(start: float, peak: float, end: float, warmup: int, total: int,
-                               cosine: Optional[int] = None, freeze: int = 0) -> np.ndarray:
-    """The one schedule shape: ``freeze`` zeros, a linear warm-up ``start -> peak`` over ``warmup`` steps
-    (endpoint included, DINOv2's ``np.linspace``), half a cosine ``peak -> end`` over ``cosine`` steps (default:
-    the rest of the run; value ``end + (peak - end) * (1 + cos(pi * i / cosine)) / 2`` at its i-th step), then
-    ``end``. Exactly ``total`` values: a freeze or warm-up longer than the run is cut, never compressed."""
+                               cosine: Optional[int] = None, freeze: int = 0, shape: str = "dinov2") -> np.ndarray:
+    """The one schedule shape: ``freeze`` zeros, a linear warm-up ``start -> peak`` over ``warmup`` steps, half a
+    cosine ``peak -> end`` over ``cosine`` steps (default: the rest of the run), then ``end``. Exactly ``total``
+    values: a freeze or warm-up longer than the run is cut, never compressed.
+
+    The two official codes sample the same curve differently. ``shape="dinov2"`` (its ``CosineScheduler``): the
+    warm-up includes ``peak`` (``np.linspace(start, peak, warmup)``) and the cosine's i-th value is
+    ``end + (peak - end) * (1 + cos(pi * i / cosine)) / 2`` (never quite ``end``). ``shape="dinov3"`` (dinov3
+    ``train/cosine_lr_scheduler.py:linear_warmup_cosine_decay``): the warm-up stops one step short of ``peak``
+    (``endpoint=False``) and the cosine runs over ``np.linspace(0, pi, cosine)``, reaching ``end`` on its last step."""
     if min(total, warmup, freeze) < 0 or (cosine is not None and cosine < 0):
         raise ValueError("schedule lengths must be >= 0")
+    if shape not in SHAPES:
+        raise ValueError(f"schedule shape must be one of {SHAPES}, got '{shape}'")
     n = max(total - warmup - freeze, 0) if cosine is None else cosine
-    it = np.arange(n)
-    decay = end + 0.5 * (peak - end) * (1 + np.cos(np.pi * it / max(n, 1)))
+    v3 = shape == "dinov3"
+    angle = np.linspace(0, np.pi, n) if v3 else np.pi * np.arange(n) / max(n, 1)
+    decay = end + 0.5 * (peak - end) * (1 + np.cos(angle))
     tail = np.full(max(total - freeze - warmup - n, 0), float(end))
-    out = np.concatenate([np.zeros(freeze), np.linspace(start, peak, warmup), decay, tail])
+    ramp = np.linspace(start, peak, warmup, endpoint=not v3)
+    out = np.concatenate([np.zeros(freeze), ramp, decay, tail])
     return out[:total].astype(np.float64)
 
 
 def cosine_schedule(base_value: float, final_value: float, total_steps: int, warmup_steps: int = 0,
-                    start_warmup_value: float = 0.0, freeze_steps: int = 0) -> np.ndarray:
+                    start_warmup_value: float = 0.0, freeze_steps: int = 0, shape: str = "dinov2") -> np.ndarray:
     """DINOv2's ``CosineScheduler`` arguments on :func:`linear_warmup_cosine_decay`."""
     return linear_warmup_cosine_decay(start_warmup_value, base_value, final_value, warmup_steps, total_steps,
-                                      freeze=freeze_steps)
+                                      freeze=freeze_steps, shape=shape)
 
 
 def linear_schedule(start_value: float, end_value: float, steps: int) -> np.ndarray:
@@ -57,10 +69,11 @@ def constant_schedule(value: float, steps: int) -> np.ndarray:
     return linear_warmup_cosine_decay(value, value, value, 0, max(steps, 0))
 
 
-def warmup_then_constant(start_value: float, value: float, warmup_steps: int, total_steps: int) -> np.ndarray:
-    """Linear warm-up start -> value over ``warmup_steps`` (endpoint included), then constant; a warm-up longer
-    than ``total_steps`` is cut, not compressed."""
-    return linear_warmup_cosine_decay(start_value, value, value, warmup_steps, total_steps)
+def warmup_then_constant(start_value: float, value: float, warmup_steps: int, total_steps: int,
+                         shape: str = "dinov2") -> np.ndarray:
+    """Linear warm-up start -> value over ``warmup_steps``, then constant; a warm-up longer than ``total_steps`` is
+    cut, not compressed."""
+    return linear_warmup_cosine_decay(start_value, value, value, warmup_steps, total_steps, shape=shape)
 
 
 @dataclass
@@ -163,6 +176,7 @@ def build_ssl_schedules(
     teacher_temp: float = 0.07,
     warmup_teacher_temp_epochs: float = 30,
     freeze_last_layer_epochs: float = 1,
+    shape: str = "dinov2",
 ) -> SSLSchedules:
     """The DINOv2 single-phase schedules (its defaults); ``lr`` is the already-scaled peak lr.
 
@@ -176,16 +190,18 @@ def build_ssl_schedules(
     def steps(epochs: float) -> int:
         return int(round(epochs * steps_per_epoch))
 
-    lr_values = cosine_schedule(lr, min_lr, total_steps, steps(warmup_epochs), 0.0)
+    lr_values = cosine_schedule(lr, min_lr, total_steps, steps(warmup_epochs), 0.0, shape=shape)
     last_layer = lr_values.copy()
     last_layer[: steps(freeze_last_layer_epochs)] = 0.0
     return SSLSchedules(
         lr=Schedule(lr_values, min_lr),
-        weight_decay=Schedule(cosine_schedule(weight_decay, weight_decay_end, total_steps), weight_decay_end),
-        momentum=Schedule(cosine_schedule(momentum_teacher, final_momentum_teacher, total_steps),
+        weight_decay=Schedule(cosine_schedule(weight_decay, weight_decay_end, total_steps, shape=shape),
+                              weight_decay_end),
+        momentum=Schedule(cosine_schedule(momentum_teacher, final_momentum_teacher, total_steps, shape=shape),
                           final_momentum_teacher),
         teacher_temp=Schedule(
-            warmup_then_constant(warmup_teacher_temp, teacher_temp, steps(warmup_teacher_temp_epochs), total_steps),
+            warmup_then_constant(warmup_teacher_temp, teacher_temp, steps(warmup_teacher_temp_epochs), total_steps,
+                                 shape=shape),
             teacher_temp,
         ),
         last_layer_lr=Schedule(last_layer, min_lr),
@@ -193,12 +209,13 @@ def build_ssl_schedules(
 
 
 def weight_schedule(ws, total_steps: int, steps_per_epoch: int) -> np.ndarray:
-    """A ``WeightSchedule`` (start, peak, end, warmup_epochs, cosine_epochs) as a per-step array."""
+    """A ``WeightSchedule`` (start, peak, end, warmup_epochs, cosine_epochs) as a per-step array, sampled as DINOv3
+    samples it (a DINOv3 loss weight: ``shape="dinov3"``)."""
     def steps(epochs: float) -> int:
         return int(round(epochs * steps_per_epoch))
 
     return linear_warmup_cosine_decay(ws.start, ws.peak, ws.end, steps(ws.warmup_epochs), total_steps,
-                                      cosine=steps(ws.cosine_epochs))
+                                      cosine=steps(ws.cosine_epochs), shape="dinov3")
 
 
 __all__ = [

@@ -25,7 +25,7 @@ from .losses import DINOLoss, IBOTPatchLoss
 log = logging.getLogger(__name__)
 
 _TRAINING_KWARGS = ("drop_path_rate", "drop_path_uniform", "efficient_drop_path", "attn_backend")
-_DINOV3_TRAINING_KWARGS = ("rope_rescale", "rope_shift", "rope_jitter")
+_DINOV3_TRAINING_KWARGS = ("rope_rescale", "rope_shift", "rope_jitter", "rope_dtype")
 
 
 def build_backbone(cfg: PretrainConfig, load_backbone: Optional[LoadBackbone] = None) -> nn.Module:
@@ -160,7 +160,9 @@ class SSLTask(TeacherStudentTask):
         dino = self.dino_loss(cls_logits[:n_g], teacher_cls, cls_logits[n_g:] if len(outs) > 1 else None,
                               local_weight=values.get("dino_local_weight", 1.0))
         ibot = self.ibot_loss(patch_logits, teacher_patch, n_images=n_g, masks_weight=batch["masks_weight"])
-        koleo = koleo_per_global_crop(g_cls)
+        d = cfg.dino
+        koleo = koleo_per_global_crop(g_cls, d.koleo_distributed, self.all_gather_fn, self.rank, d.koleo_group_size,
+                                      d.koleo_topk)
         loss = cfg.dino.loss_weight * dino + cfg.ibot.loss_weight * ibot + cfg.dino.koleo_loss_weight * koleo
         logs = {"dino_loss": dino.detach(), "ibot_loss": ibot.detach(), "koleo_loss": koleo.detach(),
                 "n_masked": int(batch["mask_indices"].numel()), "n_images": int(batch.get("n_images", n_g // 2))}
@@ -184,7 +186,7 @@ class SSLTask(TeacherStudentTask):
         grid = (batch["global_crops"].shape[-2] // p, batch["global_crops"].shape[-1] // p)
         targets = self.gram.targets(crops, grid)
         reshard_(self.gram)  # no backward will free the gathered copies
-        return self.gram.loss(student_patches, crops, grid, targets=targets)
+        return self.gram.loss(student_patches, crops, grid, targets=targets, masks=batch["masks"])
 
 
 __all__ = ["SSLTask", "build_backbone"]

@@ -50,41 +50,49 @@ def lr_basis(cfg: Any, world_size: int) -> LrBasis:
 
 def build_schedules(cfg: Any, world_size: int = 1, lr_batches: Optional[Sequence[int]] = None) -> dict:
     """Per-step arrays. The first phase follows DINOv2's schedules; each later phase restarts the lr with its
-    own (lower, compressed) cosine — DINOv2 §4's short high-resolution stage — while weight decay, teacher
-    momentum and temperature run over the whole run. The peak lrs come from ``lr_batches`` (per phase), by
-    default this world size's global batches."""
+    own (lower, compressed) cosine — DINOv2 §4's short high-resolution stage — or, with ``lr_schedule: constant``,
+    holds its own peak (DINOv3's Gram stage); weight decay and teacher temperature run over the whole run, the
+    teacher momentum too unless a phase sets its own (``phases[].momentum_teacher``). The peak lrs come from
+    ``lr_batches`` (per phase), by default this world size's global batches."""
     o, t = cfg.optim, cfg.teacher
     bounds = phase_steps(cfg)
     total = bounds[-1][1]
     peaks = peak_lrs(cfg, global_batches(cfg, world_size) if lr_batches is None else lr_batches)
 
     first_end = bounds[0][1]
+    shape = str(getattr(o, "schedule_shape", "dinov2"))
     base = build_ssl_schedules(total, cfg.train.epoch_length, peaks[0], o.min_lr, o.warmup_epochs,
                                o.weight_decay, o.weight_decay_end, t.momentum_teacher, t.final_momentum_teacher,
                                t.warmup_teacher_temp, t.teacher_temp, t.warmup_teacher_temp_epochs,
-                               o.freeze_last_layer_epochs)
+                               o.freeze_last_layer_epochs, shape=shape)
     constant = getattr(o, "lr_schedule", "cosine") == "constant"  # DINOv3: warm-up then the peak lr
 
     def first_lr(n: int):  # the first phase's lr: the one schedule shape (ssl/schedules.py)
         top = peaks[0]
         warm = int(round(o.warmup_epochs * cfg.train.epoch_length))
         if getattr(o, "lr_schedule", "cosine") == "rise":  # DINOv3 high-res adaptation: cosine 0 -> peak
-            return linear_warmup_cosine_decay(0.0, 0.0, top, 0, n, cosine=warm)
-        return linear_warmup_cosine_decay(0.0, top, top if constant else o.min_lr, warm, n)
+            return linear_warmup_cosine_decay(0.0, 0.0, top, 0, n, cosine=warm, shape=shape)
+        return linear_warmup_cosine_decay(0.0, top, top if constant else o.min_lr, warm, n, shape=shape)
 
     if len(cfg.phases) == 1:
         lr = first_lr(total)
     else:
         pieces = [first_lr(first_end)]
         for i, (ph, (s, e)) in enumerate(zip(cfg.phases[1:], bounds[1:]), start=1):
-            n = e - s
-            pieces.append(Piece("cosine", n, peaks[i], o.min_lr, warmup_steps=int(ph.warmup_fraction * n),
-                                warmup_start=o.min_lr))
+            n, warm = e - s, int(ph.warmup_fraction * (e - s))
+            if constant:  # DINOv3: each stage holds its own peak (the Gram stage: 3e-5 after 5e-5)
+                pieces.append(linear_warmup_cosine_decay(o.min_lr, peaks[i], peaks[i], warm, n, shape=shape))
+            else:
+                pieces.append(Piece("cosine", n, peaks[i], o.min_lr, warmup_steps=warm, warmup_start=o.min_lr))
         lr = piecewise(pieces)
+    momentum = base.momentum.values.copy()
+    for ph, (s, e) in zip(cfg.phases, bounds):
+        if getattr(ph, "momentum_teacher", None) is not None:  # DINOv3's later stages: their own constant momentum
+            momentum[s:e] = ph.momentum_teacher
     last_layer = lr.copy()
     last_layer[:int(round(o.freeze_last_layer_epochs * cfg.train.epoch_length))] = 0.0
     out = {"lr": lr, "wd": base.weight_decay.values, "last_layer_lr": last_layer,
-           "momentum": base.momentum.values, "teacher_temp": base.teacher_temp.values}
+           "momentum": momentum, "teacher_temp": base.teacher_temp.values}
     out.update(loss_weight_schedules(cfg, total))  # dino_local_weight, gram_weight, gram_refresh (ssl/gram.py)
     return out
 

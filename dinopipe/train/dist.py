@@ -124,6 +124,16 @@ def all_reduce_sum_fn() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     return reduce
 
 
+def all_gather_fn() -> Optional[Callable[[torch.Tensor], list[torch.Tensor]]]:
+    """Every rank's copy of a tensor (rank order) with autograd (the backward sums each copy's gradient back on its
+    owner), or None in a single process: what DINOv3's distributed KoLeo gathers (ssl/losses.py)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    from torch.distributed.nn.functional import all_gather
+
+    return lambda t: list(all_gather(t))
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

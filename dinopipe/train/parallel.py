@@ -20,15 +20,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import COMPUTE_DTYPES, ParallelConfig, check_parallel_config  # noqa: F401
-from ..ssl.ema import ema_update_, local_tensor, reshard_  # noqa: F401  (pure torch: the tasks call them)
+from ..config import ParallelConfig, check_parallel_config
 from .dist import DistInfo
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# The config lives at the bottom layer (stage configs embed it); re-exported here for existing imports.
-check_config = check_parallel_config
 
 
 def configure_device_math(device: torch.device) -> None:
@@ -113,7 +110,7 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
     head). ``frozen``: modules that only run no-grad forwards (no AC; always resharded after forward).
     Returns the compute dtype in effect ('bf16' / 'fp32'), also logged."""
     cfg = cfg or ParallelConfig()
-    check_config(cfg)
+    check_parallel_config(cfg)
     configure_device_math(info.device)
     modules = list(modules)
     for m in modules:
@@ -144,5 +141,5 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
     return cfg.param_dtype
 
 
-__all__ = ["ema_update_", "ParallelConfig", "parallelize", "apply_activation_checkpointing", "apply_autocast",
-           "check_config", "compile_block", "configure_device_math", "reshard_", "local_tensor", "DTYPES"]
+__all__ = ["parallelize", "apply_activation_checkpointing", "apply_autocast", "compile_block",
+           "configure_device_math", "DTYPES"]

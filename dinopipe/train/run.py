@@ -25,7 +25,7 @@ from ..ssl.base import TeacherStudentTask
 from ..ssl.param_groups import build_param_groups
 from .builders import open_pool, train
 from .checkpoint import ModelOptimState, full_state_dict
-from .dist import DistInfo, all_reduce_sum_fn, get_info, init_distributed
+from .dist import DistInfo, all_gather_fn, all_reduce_sum_fn, get_info, init_distributed
 from .parallel import parallelize
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistI
     task.to_empty(device=info.device)
     set_model_state_dict(task, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
+    task.all_gather_fn, task.rank = all_gather_fn(), info.rank  # DINOv3's distributed KoLeo
     return task
 
 

@@ -15,7 +15,8 @@ from torch._dynamo.utils import counters
 import dinopipe.models.attention as attention
 from dinopipe.models import create_model
 from dinopipe.train.dist import DistInfo
-from dinopipe.train.parallel import ParallelConfig, parallelize
+from dinopipe.config import ParallelConfig
+from dinopipe.train.parallel import parallelize
 
 
 def _crops(b, g, lo, seed):

@@ -254,3 +254,49 @@ def test_registry_lists_dinov3_names():
         d = model_defaults(n)
         assert d["family"] == "dinov3" and d["patch_size"] == 16 and d["num_register_tokens"] == 4
         assert (d["embed_dim"] // d["num_heads"]) % 4 == 0 and math.isfinite(d["mlp_ratio"])
+
+
+def test_rope_augmentation_drawn_per_block_and_group_in_training():
+    """dinov3 ``models/vision_transformer.py:229-231`` calls ``rope_embed`` inside the block loop, one call per crop
+    group: in training each block sees its own shift / jitter / rescale draw. Rebuilt here by hand from the same
+    RNG stream (block-major, group-minor) and compared; in eval one table serves every block."""
+    model = randomised("vit_test_dinov3", rope_shift=0.1, rope_jitter=1.3).train()
+    g, l = images(2, 64, 64, 1), images(3, 32, 48, 2)
+    calls = []
+    orig = model.rope_embed.forward
+    model.rope_embed.forward = lambda h, w, device=None: calls.append((h, w)) or orig(h, w, device)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        packed = model.forward_features([g, l])
+        assert calls == [(4, 4), (2, 3)] * len(model.blocks)
+        torch.manual_seed(5)
+        prepared = [model.prepare_tokens_with_masks(x) for x in (g, l)]
+        xs = [t for t, _ in prepared]
+        tables = []
+        for blk in model.blocks:
+            ropes = [orig(h, w) for _, (h, w) in prepared]
+            tables.append(ropes[0][0])
+            xs = blk(xs, rope=ropes)
+        assert not torch.equal(tables[0], tables[1])  # a new draw per block
+        for o, x in zip(packed, xs):
+            torch.testing.assert_close(o["x_prenorm"], x, atol=0, rtol=0)
+        calls.clear()
+        model.eval()
+        model.forward_features([g, l])
+        assert calls == [(4, 4), (2, 3)]  # eval: no augmentation, one table per group for all blocks
+
+
+def test_bf16_rope_is_a_training_setting():
+    """``rope_dtype=bf16`` (the official trainer's RoPE): tables in bf16, q/k rotated in bf16, the result cast back;
+    exports rebuild the released models' fp32 RoPE (arch_config leaves it out)."""
+    model = randomised("vit_test_dinov3", rope_dtype="bf16")
+    sin, cos = model.rope_embed(3, 5)
+    assert sin.dtype == cos.dtype == torch.bfloat16
+    ref = randomised("vit_test_dinov3")
+    x = images(2, 48, 80)
+    with torch.no_grad():
+        a, b = model(x), ref(x)
+    assert a.dtype == torch.float32 and 0 < (a - b).abs().max() < 0.05 * b.abs().max()
+    assert "rope_dtype" not in model.arch_config()
+    with pytest.raises(ValueError, match="rope dtype"):
+        create_model("vit_test_dinov3", rope_dtype="fp16")

@@ -31,6 +31,34 @@ def test_gram_loss_equals_the_formula():
         gram_loss(s, t[:, :4])
 
 
+def _cos_pairs_mse(s, t):
+    """Element-by-element reference over (T, D) rows: mean over all pairs (i, j) of the cosine differences."""
+    total = 0.0
+    for i in range(s.shape[0]):
+        for j in range(s.shape[0]):
+            cs = float(s[i] @ s[j]) / float(s[i].norm() * s[j].norm())
+            ct = float(t[i] @ t[j]) / float(t[i].norm() * t[j].norm())
+            total += (cs - ct) ** 2
+    return total / s.shape[0] ** 2
+
+
+@pytest.mark.parametrize("used", ["all", "masked", "unmasked"])
+def test_batch_level_gram_and_tokens_used_follow_dinov3(used):
+    """DINOv3's ``img_level: false`` (one Gram matrix over every selected patch of the batch) and ``tokens_used``
+    (the student's iBOT-masked / visible patches, the same positions of the targets): dinov3
+    ``ssl_meta_arch.py:get_gram_teacher_output`` and ``loss/gram_loss.py``."""
+    g = torch.Generator().manual_seed(1)
+    s, t = torch.randn(2, 4, 6, generator=g), torch.randn(2, 4, 6, generator=g)
+    masks = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 0]], dtype=torch.bool)
+    keep = {"all": torch.ones_like(masks), "masked": masks, "unmasked": ~masks}[used]
+    want = _cos_pairs_mse(s[keep], t[keep])
+    teacher = GramTeacher(create_model("vit_test"), GramConfig(enabled=True, tokens_used=used, image_level=False))
+    got = teacher.loss(s, torch.zeros(2, 3, 16, 16), (2, 2), targets=t, masks=masks)
+    assert float(got) == pytest.approx(want, rel=1e-5)
+    if used == "all":
+        assert float(gram_loss(s, t)) != pytest.approx(want, rel=1e-3)  # per image is another quantity
+
+
 def test_gram_loss_gradient_reaches_the_student_only():
     s = torch.randn(2, 4, 8, requires_grad=True)
     t = torch.randn(2, 4, 8, dtype=torch.bfloat16)
@@ -68,10 +96,11 @@ def test_refresh_steps(first, every, maxr, total, expected):
 
 
 def test_weight_schedule_off_before_first_copy_then_warms_up():
-    """DINOv3's loss_weight_schedule shape: half a cosine from the start weight up to loss_weight."""
+    """DINOv3's loss_weight_schedule shape: half a cosine from the start weight up to loss_weight, sampled as its
+    linear_warmup_cosine_decay samples it (``np.linspace(0, pi, n)``: the last ramp step is already loss_weight)."""
     cfg = GramConfig(enabled=True, first_step=3, loss_weight=2.0, loss_weight_start=0.0, warmup_steps=4)
     w = gram_schedules(cfg, 10)["gram_weight"]
-    ramp = [2.0 - 2.0 * (1 + np.cos(np.pi * i / 4)) / 2 for i in range(4)]
+    ramp = [2.0 - 2.0 * (1 + np.cos(np.pi * i / 3)) / 2 for i in range(4)]
     np.testing.assert_allclose(w, [0, 0, 0, *ramp, 2.0, 2.0, 2.0], atol=1e-12)
 
 
@@ -140,6 +169,12 @@ def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"phases.0.sizes"):
         validate(load_config(PretrainConfig, None, base + [
             "phases=[{name: hr, sizes: [{global_crops_size: 64, probability: 0.5}]}]"]))
+    with pytest.raises(ConfigError, match="gram.image_level"):
+        validate(load_config(PretrainConfig, None, base + ["gram.tokens_used=masked"]))
+    with pytest.raises(ConfigError, match="gram.tokens_used"):
+        validate(load_config(PretrainConfig, None, base + ["gram.tokens_used=some"]))
+    with pytest.raises(ConfigError, match="dino.koleo_distributed"):
+        validate(load_config(PretrainConfig, None, base + ["dino.koleo_group_size=16"]))
     with pytest.raises(ConfigError, match="optim.lr_schedule"):
         validate(load_config(PretrainConfig, None, base + ["optim.lr_schedule=linear"]))
 

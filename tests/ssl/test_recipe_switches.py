@@ -64,5 +64,24 @@ def test_dinov3_stage_schedules():
     s = build_schedules(hi, world_size=4)
     lr, peak = s["lr"], s["lr"].max()
     assert lr[0] == 0.0 and np.all(np.diff(lr[:100]) > 0) and np.all(lr[100:] == peak)
-    np.testing.assert_allclose(lr[50], peak / 2, rtol=1e-12)  # half-way up the half cosine
+    # half a cosine sampled as DINOv3 samples it (schedule_shape dinov3: np.linspace(0, pi, 100))
+    np.testing.assert_allclose(lr[50], peak * (1 - np.cos(np.pi * 50 / 99)) / 2, rtol=1e-12)
     assert np.all(s["dino_local_weight"] == 0.5)
+
+
+def test_dinov3_gram_stage_has_its_own_momentum_and_constant_lr():
+    """DINOv3 ran pretraining (lr 5e-5, momentum 0.994) and then the Gram stage (gram_anchor.yaml: lr 3e-5, momentum
+    0.999, both constant); ``phases[].momentum_teacher`` and a later phase's own peak under ``lr_schedule: constant``
+    give the same two stages in one run. The high-resolution stage holds 0.999 throughout."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(PretrainConfig, str(root / "configs/pretrain/vitl16_dinov3.yaml"), [])
+    s = build_schedules(cfg, world_size=4)
+    g = cfg.gram.first_step
+    assert (s["momentum"][:g] == 0.994).all() and (s["momentum"][g:] == 0.999).all()
+    assert s["lr"][g] == pytest.approx(0.6 * s["lr"][g - 1]) and np.ptp(s["lr"][g:]) == 0
+    hr = load_config(PretrainConfig, str(root / "configs/pretrain/vitl16_dinov3_highres.yaml"), [])
+    assert (build_schedules(hr, world_size=2)["momentum"] == 0.999).all()
+    cfg.phases[1].momentum_teacher = None  # null: the run's schedule goes on
+    assert (build_schedules(cfg, world_size=4)["momentum"] == 0.994).all()

@@ -40,7 +40,9 @@ DINOPIPE_ONLY = {
     "train.keep_last": "checkpoints kept", "parallel.param_dtype": "FSDP2 mixed precision (DINOv2: fp16/bf16 FSDP1)",
     "parallel.reduce_dtype": "FSDP2 gradient reduction dtype", "parallel.activation_checkpointing": "memory",
     "parallel.compile": "speed", "model.img_size": "position-embedding grid (the official code uses the global crop size)",
-    "phases.0.name": "a label", "phases.0.fraction": "the single 224 px stage", "phases.1": "the 518 px stage",
+    "phases.0.name": "a label", "phases.0.fraction": "the single 224 px stage",
+    "phases.1.name": "a label", "phases.1.fraction": "DINOv3: the Gram stage's share (gram.first_step)",
+    "phases.1": "DINOv2 recipes: the 518 px stage",
     "model.name": "(compared where the official YAML names it)",
     "model.drop_path_uniform": "DINOv3 has no such key: every block drops at drop_path_rate",
 }

@@ -94,3 +94,18 @@ def test_piecewise_phases():
         piecewise([Piece("step", steps=3, start=1.0)])
     s = Schedule(arr)
     assert s[104] == 8.0 and s[10**9] == 8.0
+
+
+def test_dinov3_shape_samples_warmup_and_cosine_as_dinov3():
+    """dinov3 ``train/cosine_lr_scheduler.py:linear_warmup_cosine_decay``: ``np.linspace(start, peak, warmup,
+    endpoint=False)``, then ``end + (peak - end) * (1 + cos(np.linspace(0, pi, cosine))) / 2``, then ``end``;
+    DINOv2's CosineScheduler includes the peak in the warm-up and never reaches ``end`` inside the cosine."""
+    from dinopipe.ssl.schedules import linear_warmup_cosine_decay
+
+    v3 = linear_warmup_cosine_decay(0.0, 1.0, 0.2, 4, 12, cosine=5, shape="dinov3")
+    want = [i / 4 for i in range(4)] + [0.2 + 0.8 * (1 + math.cos(math.pi * i / 4)) / 2 for i in range(5)] + [0.2] * 3
+    np.testing.assert_allclose(v3, want, rtol=0, atol=1e-15)
+    v2 = linear_warmup_cosine_decay(0.0, 1.0, 0.2, 4, 12, cosine=5)
+    assert v2[3] == 1.0 and v3[3] == 0.75 and v3[8] == pytest.approx(0.2) and v2[8] > 0.2
+    with pytest.raises(ValueError, match="shape"):
+        linear_warmup_cosine_decay(0.0, 1.0, 0.2, 4, 12, shape="dinov1")

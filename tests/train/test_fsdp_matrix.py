@@ -14,7 +14,7 @@ import torch
 
 import dinopipe
 from tests.train.conftest import REPO, env
-from dinopipe.train.parallel import ema_update_
+from dinopipe.ssl.ema import ema_update_
 
 WORKER = str(REPO / "tests" / "train" / "_fsdp_matrix_worker.py")
 COMBOS = [f"{raf},{ac},{dt}" for raf, ac, dt in itertools.product(("true", "false"), ("false", "true"), ("fp32", "bf16"))]

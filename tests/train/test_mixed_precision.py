@@ -16,7 +16,8 @@ from dinopipe.data.transforms import MultiCropAugmentation, MultiCropCollator
 from dinopipe.ssl.config import PretrainConfig
 from dinopipe.ssl.task import SSLTask
 from dinopipe.train.dist import DistInfo
-from dinopipe.train.parallel import ParallelConfig, configure_device_math
+from dinopipe.config import ParallelConfig
+from dinopipe.train.parallel import configure_device_math
 from dinopipe.train.run import parallelize_task
 
 
@@ -81,6 +82,6 @@ def test_bad_dtype_is_a_config_error_before_anything_is_written(tmp_path, capsys
 
 
 def test_parallel_config_defaults_are_valid():
-    from dinopipe.train.parallel import check_config
+    from dinopipe.config import check_parallel_config
 
-    check_config(ParallelConfig())
+    check_parallel_config(ParallelConfig())
