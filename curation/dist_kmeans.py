@@ -286,7 +286,7 @@ def curate_main(argv: list[str]) -> int:
     from dinopipe.config import ConfigError, exit_on_config_error, load_config
 
     from .config import CurationConfig, kmeans_dir, rebalance_kwargs, validate
-    from .pipeline import rebalance_rows
+    from .stepfiles import rebalance_rows
     from .rebalance import capped_levels
 
     p = argparse.ArgumentParser(prog="curate kmeans --curate")

@@ -99,7 +99,7 @@ def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: in
                progress: bool = False) -> EmbeddingSet:
     """Eval images in the pool's copy space (the copy model recorded in ``out_dir``, else the
     descriptor; resumable: finished shards are skipped)."""
-    from .pipeline import copy_embedder
+    from .stepfiles import copy_embedder
 
     fn, tf = copy_embedder(out_dir)
     eval_dir = os.path.join(out_dir, "embeddings", "eval")
@@ -210,7 +210,7 @@ def sharded_retrieval(out_dir: str, space: EmbeddingSet, rows_idx: np.ndarray, s
 def retrieval_inputs(out_dir: str):
     """(space, rows_idx, seeds) of rebalance mode 'sample', or None before decontamination or
     seed embedding (then `curate index` / `curate search` have no retrieval work yet)."""
-    from .pipeline import rebalance_rows
+    from .stepfiles import rebalance_rows
 
     seed_dir = os.path.join(out_dir, "embeddings", "seeds")
     if not (os.path.exists(os.path.join(out_dir, "steps", "decontaminate.npz")) and os.path.isdir(seed_dir)):
