@@ -418,7 +418,7 @@ def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], step
                "level1": {"objective": res.objective, "iterations": res.n_iter,
                           "centroid_piece": shards.piece, "pieces": len(shards.owner),
                           "centroid_bytes_per_rank": held,
-                          "peak_rss_bytes_per_rank": _max_over_ranks(_peak_rss(), comm)}}
+                          "peak_rss_bytes": _all_ranks(_peak_rss(), comm)}}
     if rank == 0:
         cent = np.load(cent_path, mmap_mode="r")  # read a piece at a time by the levels above
         first = Level(cent, np.asarray(labels), np.asarray(dists), counts)
@@ -449,6 +449,14 @@ def _max_over_ranks(x: int, comm: Comm) -> int:
     t = torch.tensor([x], dtype=torch.int64).to(comm.dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def _all_ranks(x: int, comm: Comm) -> list[int]:
+    if comm.world == 1:
+        return [int(x)]
+    out = [torch.zeros(1, dtype=torch.int64).to(comm.dev) for _ in range(comm.world)]
+    dist.all_gather(out, torch.tensor([x], dtype=torch.int64).to(comm.dev))
+    return [int(t.item()) for t in out]
 
 
 def _peak_rss() -> int:
