@@ -122,3 +122,36 @@ def test_tasks_config_validated_and_auto():
     assert task_plan(cfg, 10_000_000)["tasks"] == min(os.cpu_count() or 1, 8)
     cfg.tasks.count = 3
     assert task_plan(cfg, 10) == {"tasks": 3, "launcher": "local"}
+
+
+@pytest.mark.slow
+def test_eval_and_retrieval_searches_in_local_processes(big_pool, tmp_path):
+    """The nearest-eval and retrieval searches as W = 2 local processes (rows reopened from RowSources) give
+    the chunks one inline task gives."""
+    from curation.embeddings import embed_pool, open_embeddings
+    from curation.pipeline import get_descriptor
+
+    desc = get_descriptor(str(tmp_path / "d"))
+    emb_dir = str(tmp_path / "emb")
+    embed_pool([str(big_pool)], desc, emb_dir, batch_size=32, num_workers=0, transform=desc.transform(),
+               hash_name=None, progress=False)
+    emb = open_embeddings(emb_dir)
+    sub = np.arange(0, len(emb), 5)  # the "eval" / "seed" rows
+    sub_src = RowSource.save(emb_dir, sub, str(tmp_path / "sub.npy"))
+    got = {}
+    for w, launcher in ((1, "inline"), (2, "local")):
+        out = str(tmp_path / f"w{w}")
+        plan = {"tasks": w, "launcher": launcher}
+        ev = KnnJob(out, "eval")
+        ev.build(Rows(emb, sub), {"kind": "flat", "k": 4, "chunk_size": 16}, use_gpu=False)
+        run_search(out, "eval", "nearest", Rows(emb), Rows(emb, sub), False, plan, (RowSource(emb_dir), sub_src))
+        rt = KnnJob(out, "retrieval")
+        rt.build(Rows(emb), {"kind": "flat", "k": 3, "chunk_size": 4}, use_gpu=False)
+        run_search(out, "retrieval", "retrieval", Rows(emb, sub), Rows(emb), False, plan,
+                   (sub_src, RowSource(emb_dir)))
+        got[w] = {**{f"eval_{k}": v for k, v in ev.read(len(emb)).items()},
+                  **{f"ret_{k}": v for k, v in rt.read(len(sub)).items()}}
+    for key in got[1]:
+        np.testing.assert_array_equal(got[1][key], got[2][key], err_msg=key)
+    assert (got[1]["eval_sim"][sub] > 0.999).all()  # each eval row finds itself
+    assert len(got[1]["ret_pos"]) == 3 * len(sub)
