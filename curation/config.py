@@ -129,6 +129,24 @@ class KnnConfig:
     """auto (faiss-gpu when it sees GPUs) | true | false"""
 
 
+TaskLauncher = choices("TaskLauncher", ("local", "inline"), __name__)
+
+
+@dataclass
+class TasksConfig:
+    """W: how many tasks each sharded step after embedding runs as in `curate run` / `curate index`
+    (index add, kNN search, sampling; curation.steps.runner). Decisions do not depend on W."""
+
+    count: Optional[int] = None
+    """W. null: 1 below one block of rows (65,536, where the tasks would have nothing to split),
+    else min(CPU cores, 8)."""
+    launcher: TaskLauncher = "local"
+    """local: W fresh processes on this machine, the cores shared out between them (each task's peak
+    memory is its own); inline: the W tasks one after another in this process (no process start).
+    W = 1 always runs inline. Slurm arrays / torchrun: the per-step commands (`curate search` tasks,
+    `curate kmeans`), not `curate run`."""
+
+
 @dataclass
 class DecontaminateConfig:
     threshold: float = 0.45
@@ -201,6 +219,7 @@ class CurationConfig:
     hash_dedup: HashDedupConfig = field(default_factory=HashDedupConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     knn: KnnConfig = field(default_factory=KnnConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
     decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     write: WriteConfig = field(default_factory=WriteConfig)
@@ -248,6 +267,8 @@ def validate(cfg: CurationConfig, step: str = "run") -> None:
           f"expected 0..32 bits, got {cfg.hash_dedup.max_distance}")
     _validate_dedup(cfg.dedup)
     _validate_knn(cfg)
+    _need(cfg.tasks.count is None or cfg.tasks.count >= 1, "tasks.count",
+          f"must be >= 1 or null (auto), got {cfg.tasks.count}")
     for key, t in (("dedup.threshold", cfg.dedup.threshold),
                    ("decontaminate.threshold", cfg.decontaminate.threshold)):
         if t is None and key == "dedup.threshold":
@@ -291,6 +312,13 @@ def knn_kwargs(cfg: CurationConfig) -> dict:
     n = getattr(cfg, "knn", cfg)
     return {"chunk_size": n.chunk_size, "batch_size": n.batch_size, "nlist": n.nlist, "pq_m": n.pq_m,
             "train_size": n.train_size, "use_gpu": {"auto": "auto", "true": True, "false": False}[str(n.use_gpu).lower()]}
+
+
+def task_plan(cfg: CurationConfig, n: int = 0) -> dict:
+    """``{"tasks": W, "launcher": ...}`` of the sharded steps for ``n`` rows (tasks.count null: auto)."""
+    t = getattr(cfg, "tasks", cfg)
+    w = t.count if t.count is not None else (1 if n <= 65536 else min(os.cpu_count() or 1, 8))
+    return {"tasks": int(w), "launcher": "inline" if w == 1 else str(t.launcher)}
 
 
 def _check_model(model: str, image_size: int) -> None:
@@ -345,4 +373,4 @@ def rebalance_kwargs(r: RebalanceConfig) -> dict:
                        "niter": r.kmeans_niter, "tol": r.kmeans_tol, "n_init": r.kmeans_n_init}}
 
 
-__all__ = ["CurationConfig", "validate", "rebalance_kwargs", "knn_kwargs", "kmeans_dir"]
+__all__ = ["CurationConfig", "validate", "rebalance_kwargs", "knn_kwargs", "kmeans_dir", "task_plan"]

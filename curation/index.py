@@ -246,10 +246,11 @@ def save_index(knn: KnnIndex, path: str) -> None:
 
 
 def load_index(path: str, kind: str, nprobe: int = 16, use_gpu: bool | str = False,
-               mmap: bool = True) -> KnnIndex:
+               mmap: bool = True, ondisk: bool = False) -> KnnIndex:
     """Read a saved index. ``mmap``: the codes stay in the page cache (shared by the tasks of a
-    node, evictable) instead of being copied into each task's heap."""
-    flags = (faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY) if mmap else 0
+    node, evictable) instead of being copied into each task's heap. ``ondisk``: an index merged by
+    :func:`merge_parts`, its lists memory-mapped from ``path.ivfdata`` beside it."""
+    flags = faiss.IO_FLAG_ONDISK_SAME_DIR if ondisk else (faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY) if mmap else 0
     index = faiss.read_index(path, flags)
     ngpu = gpus_for(use_gpu)
     if ngpu:

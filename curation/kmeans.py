@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from dinopipe.utils.device import pick_device
 
 from .index import Rows
-from .steps.sampling import quota, split_target  # noqa: F401  (split_target: used here before)
+from .steps.sampling import pick, quota, split_target  # noqa: F401  (split_target: used here before)
 
 INITS = ("auto", "kmeans++", "random")
 KMEANSPP_MAX_K = 20000
@@ -323,16 +323,20 @@ def resample_positions(labels, dist, k, s, sampling, rng) -> np.ndarray:
 
 
 def balanced_sample(levels: list[Level], target_size: int, strategy: str = "r",
-                    seed: int = 0) -> np.ndarray:
+                    seed: int = 0, picker: Callable | None = None) -> np.ndarray:
     """Positions of ``target_size`` points chosen top-down as evenly as the tree allows.
 
-    ``strategy``: 'r' random points within each bottom cluster, 'c' the closest to its centroid.
+    ``strategy``: 'r' random points within each bottom cluster -- the quota's smallest per-row hash
+    keys (curation.steps.sampling.pick; ``picker(labels, quota, seed)``: the same selection made
+    elsewhere, e.g. ``sampling.sharded_pick`` as W tasks), 'c' the closest to its centroid.
     """
     if strategy not in ("r", "c"):
         raise ValueError(f"strategy={strategy!r}: choose 'r' (random) or 'c' (closest)")
     rng = np.random.default_rng(seed)
     alloc = quota([lvl.sizes for lvl in levels], [lvl.labels for lvl in levels[1:]], target_size, rng)
     bottom = levels[0]
+    if strategy == "r":
+        return np.asarray((picker or pick)(bottom.labels, alloc, seed), np.int64)
     members = _members(bottom.labels, len(bottom.sizes))
     picked = []
     for c in np.flatnonzero(alloc):

@@ -31,13 +31,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
 from dinopipe.utils.io import atomic_path, atomic_write_json
 
-from .index import KnnIndex, Rows, _drop_self, build_index, load_index, resolve_kind, save_index
+from .index import (KnnIndex, Rows, _drop_self, add_part, build_index, default_nlist, gpus_for, load_index,
+                    merge_parts, resolve_kind, save_index, train_ondisk)
+from .steps.runner import run_step, task_rows
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
 BATCH_DEFAULT = 8192
@@ -210,14 +213,23 @@ class KnnJob:
         meta = self.meta()
         return meta is not None and meta["params"] == _jsonable(params)
 
-    def build(self, rows: Rows, params: dict, use_gpu: bool | str = "auto", progress: bool = False) -> dict:
+    def build(self, rows: Rows, params: dict, use_gpu: bool | str = "auto", progress: bool = False,
+              source: "RowSource | None" = None, tasks: dict | None = None) -> dict:
         """Train + fill the index over ``rows`` and save it with ``params``; old chunks are removed
         (they belong to another index). ``params``: kind, nprobe, nlist, pq_m, train_size, seed,
-        plus whatever the searches need (k, threshold, chunk_size, ...): every task reads them here."""
+        plus whatever the searches need (k, threshold, chunk_size, ...): every task reads them here.
+
+        IVF kinds on CPU are built as faiss's on-disk pattern: trained once on a sample, filled by
+        ``tasks["tasks"]`` add tasks (each its rows' codes in its own file, blocks of ``chunk_size``
+        rows), merged on disk into ``index.faiss.ivfdata`` (:func:`build_ondisk`). ``source``: where a
+        task process reopens ``rows`` (needed unless the tasks run inline). Flat (small pools) and GPU
+        builds add in this process, as before."""
+        kind = resolve_kind(params.get("kind", "auto"), len(rows), params.get("flat_max", 50_000))
+        if kind != "flat" and gpus_for(use_gpu) == 0:
+            return self.build_ondisk(rows, params, kind, source, tasks)
         if os.path.isdir(self.dir):
             shutil.rmtree(self.dir)
         os.makedirs(self.dir)
-        kind = resolve_kind(params.get("kind", "auto"), len(rows), params.get("flat_max", 50_000))
         knn = build_index(rows, kind=kind, nlist=params.get("nlist"), nprobe=params.get("nprobe", 16),
                           use_gpu=use_gpu, train_size=params.get("train_size"),
                           seed=params.get("seed", 0), pq_m=params.get("pq_m", 0))
@@ -227,11 +239,47 @@ class KnnJob:
         atomic_write_json(self.meta_path, meta)  # written last: its presence marks a complete index
         return meta
 
+    def build_ondisk(self, rows: Rows, params: dict, kind: str, source: "RowSource | None" = None,
+                     tasks: dict | None = None) -> dict:
+        """The IVF trained once on a fixed sample, rows added by W tasks into separate inverted-list files,
+        merged on disk (faiss.contrib.ondisk): no process holds all codes. Resumable: a rerun with the
+        same ``params`` keeps the trained index and the finished add parts."""
+        plan = tasks or {"tasks": 1, "launcher": "inline"}
+        w = int(plan["tasks"])
+        build_json = os.path.join(self.dir, "build.json")
+        if not (os.path.exists(build_json) and _read_json(build_json) == _jsonable(params)):
+            if os.path.isdir(self.dir):
+                shutil.rmtree(self.dir)
+            os.makedirs(self.dir)
+            atomic_write_json(build_json, _jsonable(params))
+        for stale in (self.meta_path, self.index_path, self.index_path + ".ivfdata"):
+            if os.path.exists(stale):
+                os.remove(stale)
+        if os.path.isdir(self.chunks_dir):
+            shutil.rmtree(self.chunks_dir)
+        trained = os.path.join(self.dir, "trained.index")
+        train_ondisk(rows, trained, kind, params.get("nlist") or default_nlist(len(rows)), params.get("train_size"),
+                     params.get("seed", 0), params.get("pq_m", 0))
+        names = [os.path.join(self.dir, "add", f"part-{t:05d}-of-{w:05d}.index") for t in range(w)]
+        os.makedirs(os.path.join(self.dir, "add"), exist_ok=True)
+        inline = plan["launcher"] == "inline" or w == 1
+        run_step(add_task, w, "local", processes=0 if inline else None, trained=trained,
+                 rows=rows if inline else _need_source(source), names=names,
+                 block=params.get("chunk_size", CHUNK_SIZE_DEFAULT))
+        merge_parts(trained, names, self.index_path)
+        shutil.rmtree(os.path.join(self.dir, "add"))  # the merged lists hold them now
+        meta = {"params": _jsonable(params), "kind": kind, "n": len(rows), "dim": rows.dim, "ondisk": True,
+                "add_tasks": w, "index_bytes": os.path.getsize(self.index_path)
+                + os.path.getsize(self.index_path + ".ivfdata")}
+        atomic_write_json(self.meta_path, meta)  # written last: its presence marks a complete index
+        return meta
+
     def load(self, use_gpu: bool | str = False) -> tuple[KnnIndex, dict]:
         meta = self.meta()
         if meta is None:
             raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
-        return load_index(self.index_path, meta["kind"], meta["params"].get("nprobe", 16), use_gpu), meta
+        return load_index(self.index_path, meta["kind"], meta["params"].get("nprobe", 16), use_gpu,
+                          ondisk=meta.get("ondisk", False)), meta
 
     def search_pairs(self, rows: Rows, task_index: int = 0, num_tasks: int = 1,
                      use_gpu: bool | str = False, progress: bool = False) -> dict:
@@ -286,6 +334,82 @@ class KnnJob:
         if meta is None:
             raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
         return read_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT))
+
+
+# ------------------------------------------------------------------ the steps as W tasks (runner)
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Where a task process reopens a :class:`Rows` view: an embeddings folder and (optionally) a ``.npy``
+    of the row positions (picklable, unlike a memory-mapped set)."""
+
+    emb_dir: str
+    positions: str | None = None
+
+    @classmethod
+    def save(cls, emb_dir: str, positions: np.ndarray | None, path: str) -> "RowSource":
+        if positions is None:
+            return cls(emb_dir)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_path(path, suffix=".npy") as tmp:
+            np.save(tmp, np.asarray(positions, np.int64))
+        return cls(emb_dir, path)
+
+    def open(self) -> Rows:
+        from .embeddings import open_embeddings
+
+        emb = open_embeddings(self.emb_dir)
+        return Rows(emb, None if self.positions is None else np.load(self.positions))
+
+
+def _open(rows) -> Rows:
+    return rows.open() if isinstance(rows, RowSource) else rows
+
+
+def _need_source(source):
+    if source is None:
+        raise ValueError("tasks in other processes reopen the rows: pass source=RowSource(...)")
+    return source
+
+
+def add_task(task_index: int, num_tasks: int, trained: str, rows, names: list[str], block: int) -> dict:
+    """Index add, task ``task_index``: its whole blocks of rows into its own inverted-list file."""
+    rows = _open(rows)
+    lo, hi = task_rows(len(rows), task_index, num_tasks, block)
+    return {"added": add_part(trained, rows, lo, hi, names[task_index], block)}
+
+
+def search_task(task_index: int, num_tasks: int, out_dir: str, name: str, mode: str, queries, targets=None,
+                use_gpu: bool | str = False) -> dict:
+    """kNN search, task ``task_index``: its chunks of the queries (``mode``: pairs | nearest | retrieval)."""
+    job, q = KnnJob(out_dir, name), _open(queries)
+    if mode == "pairs":
+        return job.search_pairs(q, task_index, num_tasks, use_gpu)
+    t = _open(targets)
+    if mode == "nearest":
+        return job.search_nearest(q, t, task_index, num_tasks, use_gpu)
+    return job.search_retrieval(q, t, task_index, num_tasks, use_gpu)
+
+
+def run_search(out_dir: str, name: str, mode: str, queries, targets=None, use_gpu: bool | str = False,
+               tasks: dict | None = None, sources: tuple = (None, None)) -> list[dict]:
+    """All chunks of a search as W tasks (the runner: inline, or W local processes that reopen the rows
+    from ``sources`` = (queries', targets' :class:`RowSource`)); finished chunks are skipped. The chunks,
+    hence the pairs, are the same for any W (see the module docstring)."""
+    plan = tasks or {"tasks": 1, "launcher": "inline"}
+    w = int(plan["tasks"])
+    inline = plan["launcher"] == "inline" or w == 1
+    if not inline:
+        queries = _need_source(sources[0])
+        targets = targets if targets is None else _need_source(sources[1])
+    return run_step(search_task, w, "local", processes=0 if inline else None, out_dir=out_dir, name=name,
+                    mode=mode, queries=queries, targets=targets, use_gpu=use_gpu)
+
+
+def _read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
 
 
 def _check_rows(meta: dict, rows: Rows) -> None:

@@ -15,15 +15,24 @@ import os
 
 import numpy as np
 
-from .config import DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig, knn_kwargs
+from .config import DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig, knn_kwargs, task_plan
 from .dedup import DedupResult, copy_dedup_from_pairs, resolve_threshold
 from .embeddings import EmbeddingSet, embed_pool, open_embeddings
 from .hashdedup import HashDedupResult, hash_dedup
 from .index import Rows
-from .knn_shards import KnnJob, merge_pairs
+from .knn_shards import KnnJob, RowSource, merge_pairs, run_search
 from .verify import PartedVerifier, pixel_verifier
 
 EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
+
+
+def _desc_dir(out_dir: str) -> str:
+    return os.path.join(out_dir, "embeddings", "descriptor")
+
+
+def _source(out_dir: str, name: str, emb_dir: str, positions: np.ndarray | None, what: str) -> RowSource:
+    """The rows a task process reopens: ``knn/<name>/<what>_rows.npy`` (positions) in ``emb_dir``."""
+    return RowSource.save(emb_dir, positions, os.path.join(out_dir, "knn", f"{name}-{what}_rows.npy"))
 
 
 def hash_survivors(emb: EmbeddingSet, enabled: bool, max_distance: int,
@@ -69,9 +78,10 @@ def eval_params(ev: EmbeddingSet, knn: dict | None = None) -> dict:
 def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int, threshold: float,
                        index_kind: str = "auto", nprobe: int = 16, knn: dict | None = None,
                        progress: bool = False, verifier=None, grouping: str = "star",
-                       verify_tasks: int = 1) -> DedupResult:
+                       verify_tasks: int = 1, tasks: dict | None = None) -> DedupResult:
     """Copy dedup of rows ``surv`` of ``emb``: reuse the saved index and finished chunks when their
-    parameters match, else build/search them here (as task 0 of 1), then merge the candidate pairs
+    parameters match, else build/search them here (``tasks``: W tasks of the index add and of the
+    search, curation.config.task_plan; default one, inline), then merge the candidate pairs
     and verify + group them (curation.dedup.copy_dedup_from_pairs: depends only on the pair set)."""
     n = len(surv)
     ids = emb.ids[surv]
@@ -82,9 +92,10 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     use_gpu = (knn or {}).get("use_gpu", "auto")
     job = KnnJob(out_dir, "pool")
     params = pool_params(surv, k, threshold, index_kind, nprobe, knn)
+    src = _source(out_dir, "pool", _desc_dir(out_dir), surv, "pool")
     if not job.matches(params):
-        job.build(rows, params, use_gpu=use_gpu, progress=progress)
-    job.search_pairs(rows, 0, 1, use_gpu=use_gpu, progress=progress)  # only chunks not on disk
+        job.build(rows, params, use_gpu=use_gpu, progress=progress, source=src, tasks=tasks)
+    run_search(out_dir, "pool", "pairs", rows, None, use_gpu, tasks, (src, None))  # only chunks not on disk
     r = job.read(n)
     a, b, sim = merge_pairs(r["a"], r["b"], r["sim"])
     if verifier is not None:  # verdicts saved in parts: a rerun after a crash verifies only what is missing
@@ -99,7 +110,7 @@ def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: in
                progress: bool = False) -> EmbeddingSet:
     """Eval images in the pool's copy space (the copy model recorded in ``out_dir``, else the
     descriptor; resumable: finished shards are skipped)."""
-    from .pipeline import copy_embedder
+    from .stepfiles import copy_embedder
 
     fn, tf = copy_embedder(out_dir)
     eval_dir = os.path.join(out_dir, "embeddings", "eval")
@@ -109,7 +120,8 @@ def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: in
 
 
 def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev: EmbeddingSet,
-                         knn: dict | None = None, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                         knn: dict | None = None, progress: bool = False, tasks: dict | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
     """(max cosine, eval position) of every pool row in ``alive``: exact float64 rescoring of the
     eval index's nearest candidates, from the saved chunks (searched here when missing)."""
     if ev.dim != pool.dim:
@@ -119,7 +131,9 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
     params = {**eval_params(ev, knn), "pool_rows": _digest(alive)}
     if not job.matches(params):
         job.build(Rows(ev), params, use_gpu=False)
-    job.search_nearest(Rows(pool, alive), Rows(ev), 0, 1, progress=progress)
+    sources = (_source(out_dir, "eval", _desc_dir(out_dir), alive, "query"),
+               RowSource(os.path.join(out_dir, "embeddings", "eval")))
+    run_search(out_dir, "eval", "nearest", Rows(pool, alive), Rows(ev), False, tasks, sources)
     r = job.read(len(alive))
     return r["sim"], r["idx"]
 
@@ -133,8 +147,9 @@ def _survivors(emb: EmbeddingSet, sources, dedup: DedupConfig, hash_dedup: HashD
 
 def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, knn_cfg: KnnConfig,
                sources=None, eval_sources=None, embed: EmbedConfig | None = None,
-               progress: bool = False) -> dict:
-    """``curate index``: train and save the pool index (and the eval index) once, for the array."""
+               progress: bool = False, tasks=None) -> dict:
+    """``curate index``: train and save the pool index (and the eval index) once, for the array
+    (``tasks``: curation.config.TasksConfig, W add tasks into inverted-list files merged on disk)."""
     e, knn = embed or EmbedConfig(), knn_kwargs(knn_cfg)
     emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
     surv = _survivors(emb, sources, dedup, hash_dedup)
@@ -144,7 +159,9 @@ def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, kn
         params = pool_params(surv, dedup.k, resolve_threshold(dedup.threshold, dedup.verify), dedup.index,
                              dedup.nprobe, knn)
         meta = job.meta() if job.matches(params) else job.build(
-            Rows(emb, surv), params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress)
+            Rows(emb, surv), params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress,
+            source=_source(out_dir, "pool", _desc_dir(out_dir), surv, "pool"),
+            tasks=None if tasks is None else task_plan(tasks, len(surv)))
         out.update(kind=meta["kind"], index_bytes=meta["index_bytes"])
     if eval_sources:
         ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
@@ -193,16 +210,21 @@ def retrieval_params(rows_idx: np.ndarray, seeds: EmbeddingSet, k: int, knn: dic
 
 
 def sharded_retrieval(out_dir: str, space: EmbeddingSet, rows_idx: np.ndarray, seeds: EmbeddingSet,
-                      k: int, knn: dict | None = None, progress: bool = False):
+                      k: int, knn: dict | None = None, progress: bool = False, tasks: dict | None = None,
+                      space_dir: str | None = None):
     """(seed, pool position, exact sim) candidates of every seed's k nearest rows ``rows_idx`` of
     ``space``: from the saved index and chunks when `curate index` / `curate search` made them for
     these rows and seeds, else built and searched here as task 0 of 1 (the same chunks)."""
     job = KnnJob(out_dir, "retrieval")
     params = retrieval_params(rows_idx, seeds, k, knn)
     rows = Rows(space, rows_idx)
+    tsrc = None if space_dir is None else _source(out_dir, "retrieval", space_dir, rows_idx, "pool")
     if not job.matches(params):
-        job.build(rows, params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress)
-    job.search_retrieval(Rows(seeds), rows, 0, 1, progress=progress)  # only chunks not on disk
+        job.build(rows, params, use_gpu=(knn or {}).get("use_gpu", "auto"), progress=progress, source=tsrc,
+                  tasks=tasks if tsrc is not None else None)
+    plan = tasks if tsrc is not None else None  # W processes need to know where the rows are
+    run_search(out_dir, "retrieval", "retrieval", Rows(seeds), rows, False, plan,
+               (RowSource(os.path.join(out_dir, "embeddings", "seeds")), tsrc))  # only chunks not on disk
     r = job.read(len(seeds))
     return r["seed"], r["pos"], r["sim"]
 
@@ -210,7 +232,7 @@ def sharded_retrieval(out_dir: str, space: EmbeddingSet, rows_idx: np.ndarray, s
 def retrieval_inputs(out_dir: str):
     """(space, rows_idx, seeds) of rebalance mode 'sample', or None before decontamination or
     seed embedding (then `curate index` / `curate search` have no retrieval work yet)."""
-    from .pipeline import rebalance_rows
+    from .stepfiles import rebalance_rows
 
     seed_dir = os.path.join(out_dir, "embeddings", "seeds")
     if not (os.path.exists(os.path.join(out_dir, "steps", "decontaminate.npz")) and os.path.isdir(seed_dir)):

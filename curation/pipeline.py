@@ -18,6 +18,7 @@ Each step reads the previous steps' files; ``curate embed|dedup|...`` map onto t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -27,75 +28,22 @@ import numpy as np
 
 from dinopipe.config import save_config
 from dinopipe.data.sources import as_multi
-from dinopipe.utils.io import atomic_path
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
-                     RebalanceConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, validate)
+                     RebalanceConfig, TasksConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, task_plan,
+                     validate)
 from .dedup import resolve_threshold
 from .decontaminate import expand_to_components
-from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
+from .descriptor import DescriptorConfig
 from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
 from .index import Rows
 from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval
 from .rebalance import rebalance as select
 from .verify import pixel_verifier
+from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, _p,  # noqa: F401
+                        _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows)
 from .decisions import decisions_task, finish_decisions, selection_digest
 from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
-
-KEPT, HASH_DUP, COPY_DUP, DECONTAM, NOT_SELECTED = 0, 1, 2, 3, 4
-_STATUS_NAMES = {KEPT: "kept", HASH_DUP: "hash_duplicates", COPY_DUP: "copy_duplicates",
-                 DECONTAM: "decontaminated", NOT_SELECTED: "not_selected"}
-
-
-def _p(out_dir: str, *parts: str) -> str:
-    return os.path.join(out_dir, *parts)
-
-
-def _save_step(out_dir: str, name: str, **arrays) -> None:
-    os.makedirs(_p(out_dir, "steps"), exist_ok=True)
-    path = _p(out_dir, "steps", f"{name}.npz")
-    with atomic_path(path, suffix=".npz") as tmp:
-        np.savez(tmp, **arrays)
-
-
-def load_step(out_dir: str, name: str) -> dict:
-    path = _p(out_dir, "steps", f"{name}.npz")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing: run the '{name}' step first")
-    with np.load(path, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
-
-
-def get_descriptor(out_dir: str, sources=None, config: DescriptorConfig | None = None
-                   ) -> PCADescriptor:
-    """Load ``descriptor.npz``, or build/fit and save it (so every array task uses the same)."""
-    path = _p(out_dir, "descriptor.npz")
-    if os.path.exists(path):
-        return PCADescriptor.load(path)
-    os.makedirs(out_dir, exist_ok=True)
-    desc = fit_descriptor(sources, config) if sources is not None else PCADescriptor(config)
-    desc.save(path)
-    return desc
-
-
-def copy_embedder(out_dir: str, sources=None, config: DescriptorConfig | None = None,
-                  model: str | None = None, image_size: int = 224, device: str = "auto",
-                  precision: str = "auto"):
-    """``(embed_fn, transform)`` of the copy space: the copy model recorded in ``out_dir`` (or
-    given as ``model``), else the descriptor. Eval and seed images must be embedded alike."""
-    from .copymodel import build_copy_embedder, load_record, save_record
-
-    rec = load_record(out_dir)
-    if model is not None:
-        save_record(out_dir, model, image_size)
-    elif rec is not None and rec["model"]:
-        model, image_size = rec["model"], rec["image_size"]
-    if model is None:
-        desc = get_descriptor(out_dir, sources, config)
-        return desc, desc.transform()
-    emb = build_copy_embedder(model, image_size, device, precision)
-    return emb, emb.transform
-
 
 def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
                descriptor: DescriptorConfig | None = None, dedup: DedupConfig | None = None,
@@ -120,13 +68,15 @@ def _transform(embedder):
 
 
 def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashDedupConfig | None = None,
-               knn: KnnConfig | None = None, sources=None, progress: bool = True) -> dict:
+               knn: KnnConfig | None = None, sources=None, progress: bool = True,
+               tasks: TasksConfig | None = None) -> dict:
     """Hash pre-dedup (unless ``hash_dedup.enabled`` is False), then copy dedup of the hash survivors:
     kNN candidates on the copy descriptors through the sharded kNN (curation.knn_steps: the saved
     index and the chunks of `curate search` array tasks are reused, whatever is missing is computed
     here), each verified on the pixels of ``sources`` (unless ``dedup.verify`` is False), grouped
     without chaining (``dedup.grouping='star'``). ``dedup.threshold``: the kNN cosine of candidates
-    (None: 0.45 with verification, DINOv2's 0.6 without)."""
+    (None: 0.45 with verification, DINOv2's 0.6 without). ``tasks``: W of the index add and the search
+    (curation.config.TasksConfig; decisions do not depend on it)."""
     dd, hc = dedup or DedupConfig(), hash_dedup or HashDedupConfig()
     threshold = resolve_threshold(dd.threshold, dd.verify)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
@@ -140,7 +90,7 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     if dd.verify:
         verifier = pixel_verifier(sources, emb, surv, dd.verify_size, dd.verify_threshold)
     d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, _knn(knn), progress,
-                           verifier=verifier, grouping=dd.grouping)
+                           verifier=verifier, grouping=dd.grouping, tasks=task_plan(tasks or TasksConfig(), len(surv)))
     component = h.group.copy()  # hash duplicates join their kept image's copy component
     component[surv] = surv[d.component]
     component = component[component]  # a hash group's kept image may itself be a copy
@@ -162,7 +112,7 @@ def _knn(knn: KnnConfig | None) -> dict | None:
 
 def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: DecontaminateConfig | None = None,
                        embed: EmbedConfig | None = None, knn: KnnConfig | None = None,
-                       progress: bool = True) -> dict:
+                       progress: bool = True, tasks: TasksConfig | None = None) -> dict:
     """Drop the copy component of every pool image with cosine > ``decontaminate.threshold`` to an
     eval image (eval images embedded with ``embed.batch_size`` / ``embed.num_workers``)."""
     threshold = (decontaminate or DecontaminateConfig()).threshold
@@ -175,7 +125,8 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
         ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
         pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
         alive = np.flatnonzero(status != HASH_DUP)  # hash duplicates are gone already
-        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress)
+        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress,
+                                             task_plan(tasks or TasksConfig(), len(alive)))
                         if len(ev) and len(alive)
                         else (np.full(len(alive), -np.inf), np.full(len(alive), -1, np.int64)))
         res = expand_to_components(sim, nearest, threshold, component[alive])
@@ -188,24 +139,6 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
         n_removed = len(removed)
     _save_step(out_dir, "decontaminate", status=status, eval_sim=max_sim)
     return {"decontaminated": n_removed}
-
-
-def rebalance_rows(out_dir: str):
-    """What the rebalance step clusters: (embedding folder, its positions of the rows still kept
-    after dedup + decontamination, in canonical order, those rows' pool positions, the statuses)."""
-    status = load_step(out_dir, "decontaminate")["status"]
-    desc_set = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    model_dir = _p(out_dir, "embeddings", "model")
-    space_dir = model_dir if os.path.isdir(model_dir) else _p(out_dir, "embeddings", "descriptor")
-    space = open_embeddings(space_dir)
-    if space.digest != desc_set.digest:
-        raise ValueError(f"{space_dir} and the copy descriptors list different inputs: embed both in one "
-                         f"`curate embed` run (use a fresh output folder)")
-    alive = np.flatnonzero(status == KEPT)
-    rows_idx = np.searchsorted(space.ids, desc_set.ids[alive])  # both sorted by input id: one pass, no dict
-    if len(alive) and (rows_idx.max() >= len(space) or (space.ids[rows_idx] != desc_set.ids[alive]).any()):
-        raise ValueError(f"{space_dir} lacks rows the copy descriptors have: rerun `curate embed`")
-    return space_dir, rows_idx.astype(np.int64), alive, status
 
 
 def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, embed: EmbedConfig | None = None,
@@ -225,7 +158,8 @@ def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, em
 
 def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_sources=None,
                    embedder: Callable | None = None, embed: EmbedConfig | None = None,
-                   knn: KnnConfig | None = None, progress: bool = True, kmeans_dir: str | None = None) -> dict:
+                   knn: KnnConfig | None = None, progress: bool = True, kmeans_dir: str | None = None,
+                   tasks: TasksConfig | None = None) -> dict:
     """Rebalance the survivors on model embeddings (descriptors when no model was embedded).
 
     ``kmeans_dir``: mode=hierarchical takes its k-means tree from there (written by
@@ -236,6 +170,12 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     mode, mode_kwargs = r.mode, rebalance_kwargs(r)
     space_dir, rows_idx, alive, status = rebalance_rows(out_dir)
     space = open_embeddings(space_dir)
+    plan = task_plan(tasks or TasksConfig(), len(rows_idx))
+    if mode == "hierarchical":  # the random pick within clusters: three passes as W tasks
+        from .steps.sampling import sharded_pick
+
+        mode_kwargs["picker"] = functools.partial(sharded_pick, folder=_p(out_dir, "steps", "sample"),
+                                                  tasks=plan["tasks"], launcher=plan["launcher"])
     if kmeans_dir and mode == "hierarchical":
         from .dist_kmeans import curate_settings, load_tree
 
@@ -249,7 +189,7 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
             from .knn_steps import sharded_retrieval
 
             mode_kwargs["candidates"] = sharded_retrieval(out_dir, space, rows_idx, seed_set, r.k, _knn(knn),
-                                                          progress)
+                                                          progress, plan, space_dir)
     res = select(mode, Rows(space, rows_idx), seeds, progress=progress, **mode_kwargs)
     status = status.copy()
     status[alive[~res.selected]] = NOT_SELECTED
@@ -431,12 +371,12 @@ def run_step(step: str, cfg: CurationConfig, embedder=None):
     if step == "embed":
         return step_embed(cfg.input.paths, out, e, cfg.descriptor, dd, embedder, prog)
     if step == "dedup":
-        return step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog)
+        return step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks)
     if step == "decontaminate":
-        return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog)
+        return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks)
     if step == "rebalance":
         return step_rebalance(out, cfg.rebalance, cfg.input.seed_paths or None, embedder, e, knn, prog,
-                              kmeans_dir=kmeans_dir(cfg))
+                              kmeans_dir=kmeans_dir(cfg), tasks=cfg.tasks)
     if step == "write":
         return step_write(cfg.input.paths, out, cfg.write, progress=prog, extra={
             "params": _params(cfg), "steps": _load_summaries(out)})
@@ -454,7 +394,7 @@ def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
     out, prog, sections = cfg.output.dir, cfg.progress, (cfg.dedup, cfg.hash_dedup, cfg.knn)
     if step == "search":
         return step_search(out, *sections, cfg.input.paths, prog)
-    res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog)
+    res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog, cfg.tasks)
     if _retrieval(cfg) and os.path.exists(_p(out, "steps", "decontaminate.npz")):
         # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
         embed_seeds(out, cfg.input.seed_paths, embedder, cfg.embed, prog)

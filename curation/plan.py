@@ -136,11 +136,16 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
         kc = min(kc, pts)
         lloyd_s = KMEANS_ITERS * 2.0 * min(pts, kc * KMEANS_SAMPLE) * kc * dim / (gemm * max(n_gpus, cpu_tasks))
         assign_s = (1 + resampling) * 2.0 * pts * kc * dim / (gemm * max(n_gpus, cpu_tasks))
-        mem = kc * dim * 4 / GiB + 0.25 + pts / max(n_gpus, cpu_tasks) * 8 / GiB
-        steps.append(Step(f"k-means level {li} ({kc:,})", max(n_gpus, cpu_tasks) if li == 1 else 1, mem,
-                          kc * dim * 4 / GiB if gpus_per_node else 0, (lloyd_s + assign_s) / 3600,
+        w = max(n_gpus, cpu_tasks) if li == 1 else 1
+        # level 1 (curation.dist_kmeans): each rank its k/W fp32 centroids + one received 256 MB piece + that
+        # piece's float64 sums (512 MB); the levels above: one process holding its centroids
+        cent = kc * dim * 4 / GiB / w
+        mem = cent + (0.75 if li == 1 else 0.25) + pts / w * 8 / GiB
+        steps.append(Step(f"k-means level {li} ({kc:,})", w, mem,
+                          cent + 0.25 if gpus_per_node else 0, (lloyd_s + assign_s) / 3600,
                           f"{KMEANS_ITERS} Lloyd iterations on {KMEANS_SAMPLE}/centroid, {1 + resampling} assignment "
-                          f"passes; sums reduced in 256 MB chunks"))
+                          f"passes; " + (f"centroids sharded over {w} ranks, 256 MB pieces" if li == 1
+                                         else "one process (rank 0), on the level below's centroids")))
     steps.append(Step("sampling", cpu_tasks, pool / cpu_tasks * 16 / GiB + 0.1, 0, pool / (SAMPLE_RATE * cpu_tasks) / 3600,
                       "3 sharded passes, merges O(k x 256)"))
     kept = pool * keep_fraction

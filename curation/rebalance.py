@@ -44,7 +44,7 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
               strategy: str = "r", n_resampling_steps: int = 10, sample_size: int = 10,
               balance_clusters: int | None = None, seed: int = 0,
               batch_size: int = 8192, progress: bool = False,
-              kmeans: dict | None = None, tree=None, candidates=None) -> RebalanceResult:
+              kmeans: dict | None = None, tree=None, candidates=None, picker=None) -> RebalanceResult:
     """Dispatch to one mode. ``pool``/``seeds``: L2-normalised embeddings (array/EmbeddingSet/Rows).
 
     ``balance_clusters``: size of the common k-means used to report balance before/after
@@ -53,7 +53,8 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     n_init; see :func:`curation.kmeans.kmeans_fit`). ``tree``: the hierarchical mode's k-means
     tree computed elsewhere (:func:`curation.dist_kmeans.load_tree`) for exactly these rows.
     ``candidates``: mode 'sample''s (seed, pool position, exact sim) arrays found elsewhere (the
-    sharded kNN: curation.knn_steps.sharded_retrieval) instead of searching here.
+    sharded kNN: curation.knn_steps.sharded_retrieval) instead of searching here. ``picker``: the
+    hierarchical mode's random pick within clusters made elsewhere (curation.kmeans.balanced_sample).
     """
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     if mode not in MODES:
@@ -75,7 +76,7 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
         res = hierarchical_balanced(rows, levels=levels, target_size=target_size,
                                     strategy=strategy, n_resampling_steps=n_resampling_steps,
                                     sample_size=sample_size, seed=seed, progress=progress,
-                                    tree=tree, **(kmeans or {}))
+                                    tree=tree, picker=picker, **(kmeans or {}))
     if seeds is not None and len(seeds) and mode != "sample":
         _attach_nearest_seed(rows, seeds, res, batch_size)
     res.report.update(mode=mode, n_pool=len(rows), n_selected=res.n_selected)
@@ -154,7 +155,7 @@ def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster
 def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
                           target_size: int | None = None, strategy: str = "r",
                           n_resampling_steps: int = 10, sample_size: int = 10, seed: int = 0,
-                          niter: int = 50, progress: bool = False, tree=None,
+                          niter: int = 50, progress: bool = False, tree=None, picker=None,
                           **kmeans_kw) -> RebalanceResult:
     """Hierarchical k-means with resampling, then balanced sampling of ``target_size`` images
     (default: half the pool). Level sizes larger than the data are capped. ``tree``: the k-means
@@ -172,7 +173,7 @@ def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
                                    progress=progress, **kmeans_kw)
     elif len(tree[0].labels) != n:
         raise ValueError(f"the k-means tree covers {len(tree[0].labels)} rows, the pool {n}")
-    picked = balanced_sample(tree, min(target, n), strategy=strategy, seed=seed)
+    picked = balanced_sample(tree, min(target, n), strategy=strategy, seed=seed, picker=picker)
     res.selected[:] = False
     res.selected[picked] = True
     res.cluster = tree[0].labels.copy()

@@ -27,7 +27,7 @@ from dinopipe.data.sources import as_multi  # noqa: E402
 from dinopipe.utils.io import atomic_write  # noqa: E402
 
 from .embeddings import open_embeddings  # noqa: E402
-from .pipeline import _STATUS_NAMES, KEPT, NOT_SELECTED, load_step  # noqa: E402
+from .stepfiles import _STATUS_NAMES, KEPT, NOT_SELECTED, load_step  # noqa: E402
 from .write import STATUSES  # noqa: E402
 
 _RED, _BLUE, _GREEN, _ORANGE = "#c0392b", "#2e86c1", "#1e8449", "#e67e22"

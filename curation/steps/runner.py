@@ -94,7 +94,13 @@ def read_rows(path: str, lo: int, hi: int, dtype=np.float32) -> np.ndarray:
 
 
 class PeakMemory:
-    """Peak anonymous memory (RssAnon, sampled) and peak RSS (VmHWM, incl. mapped file pages)."""
+    """Peak anonymous memory (RssAnon, sampled) and peak RSS (VmHWM, incl. mapped file pages).
+
+    The sampled RssAnon misses an allocation that lives shorter than ``every`` (faiss's 4096 x 1024
+    fp32 distance tile in an IVF add, ~8-16 MB, is caught in some runs and not in others). VmHWM is the
+    kernel's exact high-water mark: it is reset at the start (``clear_refs`` 5, Linux >= 4.0), so
+    ``peak_rss - start_rss`` is exactly what the task added at its peak (``hwm_reset`` says if the reset
+    worked; without it VmHWM also covers the interpreter's imports)."""
 
     def __init__(self, every: float = 0.05):
         self.peak_anon = 0
@@ -108,7 +114,7 @@ class PeakMemory:
             with open("/proc/self/status") as f:
                 for line in f:
                     k, _, v = line.partition(":")
-                    if k in ("RssAnon", "VmHWM"):
+                    if k in ("RssAnon", "VmHWM", "VmRSS"):
                         out[k] = int(v.split()[0]) * 1024
         except OSError:
             pass
@@ -120,7 +126,15 @@ class PeakMemory:
             self._stop.wait(every)
 
     def __enter__(self):
-        self.start_anon = self._status().get("RssAnon", 0)  # the interpreter + imports, before the task
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS now
+            self.hwm_reset = True
+        except OSError:
+            self.hwm_reset = False
+        st = self._status()
+        self.start_anon = st.get("RssAnon", 0)  # the interpreter + imports, before the task
+        self.start_rss = st.get("VmRSS", 0)
         self._t.start()
         return self
 
@@ -137,7 +151,8 @@ def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict) -> dict:
     with PeakMemory() as mem:
         out = fn(task_index, num_tasks, **kw) or {}
     return {"task": task_index, "wall_s": time.perf_counter() - t0, "peak_anon": mem.peak_anon,
-            "start_anon": mem.start_anon, "peak_rss": mem.peak_rss, "result": out}
+            "start_anon": mem.start_anon, "peak_rss": mem.peak_rss, "start_rss": mem.start_rss,
+            "hwm_reset": mem.hwm_reset, "result": out}
 
 
 def env_task(launcher: str) -> tuple[int, int]:

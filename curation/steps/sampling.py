@@ -10,6 +10,8 @@ task marks its rows. Same rows for any W (the key is a function of the row and t
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 BINS = 256
@@ -105,3 +107,79 @@ def selected(labels: np.ndarray, keys: np.ndarray, b: np.ndarray, thr: np.ndarra
     byte = (keys >> np.uint64(56)).astype(np.int64)
     bl = b[labels]
     return (byte < bl) | ((byte == bl) & (keys <= thr[labels]))
+
+
+def pick(labels: np.ndarray, q: np.ndarray, seed: int) -> np.ndarray:
+    """In one process: the ``q[c]`` rows of each cluster ``c`` with the smallest keys (sorted positions).
+    The keys are distinct (splitmix64 is a bijection of the row), so this is exactly what the three
+    sharded passes (:func:`sharded_pick`) select."""
+    labels = np.asarray(labels, np.int64)
+    n = len(labels)
+    if not n:
+        return np.zeros(0, np.int64)
+    keys = row_keys(np.arange(n), seed)
+    order = np.lexsort((keys, labels))
+    lab = labels[order]
+    rank = np.arange(n) - np.searchsorted(lab, np.arange(len(q)))[lab]
+    return np.sort(order[rank < np.asarray(q)[lab]])
+
+
+def _own(labels_path: str, t: int, w: int, block: int, seed: int):
+    from .runner import task_rows
+
+    lab = np.load(labels_path, mmap_mode="r")
+    lo, hi = task_rows(len(lab), t, w, block)
+    return lo, np.asarray(lab[lo:hi], np.int64), row_keys(np.arange(lo, hi), seed)
+
+
+def hist_task(t, w, labels_path, folder, k, seed, block):
+    from .runner import part_path, write_part
+
+    _, lab, keys = _own(labels_path, t, w, block, seed)
+    write_part(part_path(folder, "hist", t, w), hist=histogram(lab, keys, k))
+    return {}
+
+
+def boundary_task(t, w, labels_path, folder, byte, seed, block):
+    from .runner import part_path, write_part
+
+    _, lab, keys = _own(labels_path, t, w, block, seed)
+    lb, kb = in_boundary(lab, keys, byte)
+    write_part(part_path(folder, "boundary", t, w), labels=lb, keys=kb)
+    return {}
+
+
+def select_task(t, w, labels_path, folder, byte, thr, seed, block):
+    from .runner import part_path, write_part
+
+    lo, lab, keys = _own(labels_path, t, w, block, seed)
+    write_part(part_path(folder, "picked", t, w), rows=np.flatnonzero(selected(lab, keys, byte, thr)) + lo)
+    return {}
+
+
+def sharded_pick(labels: np.ndarray, q: np.ndarray, seed: int, folder: str, tasks: int = 1,
+                 launcher: str = "inline", block: int | None = None) -> np.ndarray:
+    """:func:`pick` as W tasks of the runner (curation.steps.runner): each task reads its blocks of the
+    labels from ``folder/labels.npy``; the merges between the three passes are O(k x 256)."""
+    import shutil
+
+    from .runner import BLOCK, part_path, parts, read_part, run_step
+
+    block = block or BLOCK
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)  # the parts of an earlier selection
+    os.makedirs(folder)
+    labels_path = os.path.join(folder, "labels.npy")
+    np.save(labels_path, np.asarray(labels, np.int64))
+    k, w = len(q), int(tasks)
+    kw = {"processes": 0 if launcher == "inline" or w == 1 else None, "labels_path": labels_path,
+          "folder": folder, "seed": seed, "block": block}
+    run_step(hist_task, w, "local", k=k, **kw)
+    hist = sum(read_part(p)["hist"] for p in parts(folder, "hist", w))
+    byte, need = boundary(hist, np.asarray(q, np.int64))
+    run_step(boundary_task, w, "local", byte=byte, **kw)
+    got = [read_part(p) for p in parts(folder, "boundary", w)]
+    thr = thresholds(np.concatenate([g["labels"] for g in got]), np.concatenate([g["keys"] for g in got]), need)
+    run_step(select_task, w, "local", byte=byte, thr=thr, **kw)
+    rows = [read_part(part_path(folder, "picked", t, w))["rows"] for t in range(w)]
+    return np.concatenate(rows) if rows else np.zeros(0, np.int64)

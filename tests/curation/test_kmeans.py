@@ -116,3 +116,34 @@ def test_distributed_1_and_3_processes_give_identical_clusters(tmp_path, data):
     assert BLOCK > len(x)  # one process used one block, the ranks 256-row blocks
     np.testing.assert_allclose(outs[3]["centroids_level1.npy"], tree[0].centroids, atol=1e-5)
     assert (outs[3]["level1_labels.npy"] == tree[0].labels).mean() > 0.99
+
+
+def test_sharded_centroids_1_2_3_ranks_equal_the_one_process_kmeans(tmp_path, data):
+    """Level-1 centroids sharded in pieces of 8 (k = 40: 5 pieces, each rank owns 2-3 or 1-2 of them):
+    bit-identical for 1, 2 and 3 gloo ranks, and equal to one process with all centroids in one piece
+    (the unsharded Lloyd) -- same labels, centroids to fp32 rounding."""
+    x, _ = data
+    emb = str(tmp_path / "emb")
+    _write_embeddings(emb, x)
+    piece_mb = str(8 * x.shape[1] * 4 / 2**20)
+    outs, summaries = {}, {}
+    for nproc, port, extra in ((1, 29621, ()), (1, 29622, ("--piece-mb", piece_mb)),
+                               (2, 29623, ("--piece-mb", piece_mb)), (3, 29624, ("--piece-mb", piece_mb))):
+        key = (nproc, bool(extra))
+        out = str(tmp_path / f"w{nproc}{'p' if extra else ''}")
+        summaries[key] = _launch(nproc, emb, out, port, *extra)
+        outs[key] = {f: np.load(os.path.join(out, f)) for f in sorted(os.listdir(out)) if f.endswith(".npy")}
+    assert summaries[(1, False)]["level1"]["pieces"] == 1
+    assert summaries[(3, True)]["level1"]["pieces"] == 5 and summaries[(3, True)]["level1"]["centroid_piece"] == 8
+    for key in ((2, True), (3, True)):
+        for f in outs[(1, True)]:
+            np.testing.assert_array_equal(outs[(1, True)][f], outs[key][f], err_msg=f"{key} {f}")
+    one = outs[(1, False)]
+    np.testing.assert_array_equal(one["level1_labels.npy"], outs[(3, True)]["level1_labels.npy"])
+    np.testing.assert_allclose(one["centroids_level1.npy"], outs[(3, True)]["centroids_level1.npy"], rtol=0,
+                               atol=1e-6)
+    # per rank: its pieces + one received piece + one float64 sums piece, not k x D
+    d = x.shape[1]
+    held = {n: summaries[(n, True)]["level1"]["centroid_bytes_per_rank"] for n in (1, 2, 3)}
+    assert held[1] == 40 * d * 4 + 8 * d * 12
+    assert held[3] == 16 * d * 4 + 8 * d * 12  # the largest share: 2 of 5 pieces

@@ -1,0 +1,157 @@
+"""`curate run` on the sharded steps: the IVF trained once, filled by W add tasks into separate
+inverted-list files and merged on disk; the kNN search and the hierarchical sampling as W tasks.
+Decisions identical for tasks.count=1 and 3 (real processes) on one pool of real photos."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tests._photos import encode
+
+from curation.cli import main
+from curation.config import CurationConfig, task_plan, validate
+from curation.index import Rows
+from curation.knn_shards import KnnJob, RowSource, run_search
+from curation.steps import runner, sampling
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
+
+
+@pytest.fixture(scope="module")
+def big_pool(pool_dir, photos, tmp_path_factory):
+    """pool_dir (photos + planted copies) and three corner crops of every photo: > 78 rows, so the pool
+    index is an IVF (fewer rows fall back to flat)."""
+    root = tmp_path_factory.mktemp("run_tasks") / "pool"
+    shutil.copytree(pool_dir[0], root)
+    (root / "tiles").mkdir()
+    for name, arr in sorted(photos.items()):
+        h, w = arr.shape[:2]
+        for i, (y, x) in enumerate(((0, 0), (h // 2, 0), (0, w // 2))):
+            (root / "tiles" / f"{name}-{i}.jpg").write_bytes(encode(np.ascontiguousarray(arr[y:y + h // 2, x:x + w // 2])))
+    return root
+
+
+def _args(pool, out, *extra) -> list[str]:
+    return ["run", "--config", QUICKSTART, f"input.paths=[{pool}]", f"output.dir={out}", "progress=false",
+            "embed.num_workers=0", "embed.batch_size=16", "report.enabled=false", "dedup.index=ivf",
+            "knn.nlist=4", "knn.chunk_size=16", "dedup.nprobe=4", *extra]
+
+
+@pytest.mark.slow
+def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "BLOCK", 16)  # sampling blocks: the 3 tasks each own rows
+    one, three = tmp_path / "one", tmp_path / "three"
+    assert main(_args(big_pool, one, "tasks.count=1")) == 0
+    assert main(_args(big_pool, three, "tasks.count=3", "tasks.launcher=local")) == 0
+    for out, w in ((one, 1), (three, 3)):
+        meta = json.loads((out / "knn" / "pool" / "meta.json").read_text())
+        assert meta["kind"] == "ivf" and meta["ondisk"] and meta["add_tasks"] == w
+        assert (out / "knn" / "pool" / "index.faiss.ivfdata").exists()
+        assert not (out / "knn" / "pool" / "add").exists()  # parts merged, then removed
+    assert len(os.listdir(three / "steps" / "sample")) == 1 + 3 * 3  # labels + 3 passes x 3 parts
+    d1, d3 = (one / "decisions.tsv").read_text(), (three / "decisions.tsv").read_text()
+    assert d1 == d3
+    statuses = [line.split("\t")[2] for line in d1.splitlines()[1:]]
+    assert len(statuses) > 78
+    assert statuses.count("copy_duplicates") + statuses.count("hash_duplicates") >= 8
+    assert statuses.count("not_selected") >= 10
+
+
+def test_ondisk_index_equals_one_process_build(big_pool, tmp_path):
+    """W = 3 add tasks + on-disk merge search exactly like the index one process filled."""
+    from curation.embeddings import embed_pool, open_embeddings
+    from curation.pipeline import get_descriptor
+
+    desc = get_descriptor(str(tmp_path / "d"))
+    emb_dir = str(tmp_path / "emb")
+    embed_pool([str(big_pool)], desc, emb_dir, batch_size=32, num_workers=0, transform=desc.transform(),
+               hash_name=None, progress=False)
+    emb = open_embeddings(emb_dir)
+    rows = Rows(emb)
+    params = {"kind": "ivf", "nlist": 4, "nprobe": 4, "k": 8, "threshold": 0.3, "chunk_size": 16}
+    got = {}
+    for w in (1, 3):
+        job = KnnJob(str(tmp_path / f"w{w}"), "pool")
+        meta = job.build(rows, params, use_gpu=False, source=RowSource(emb_dir),
+                         tasks={"tasks": w, "launcher": "inline"})
+        assert meta["ondisk"] and meta["n"] == len(rows)
+        run_search(str(tmp_path / f"w{w}"), "pool", "pairs", rows, tasks={"tasks": w, "launcher": "inline"})
+        got[w] = job.read(len(rows))
+        index, _ = job.load()
+        sims, idx = index.search(rows.take(np.arange(len(rows))), 8)
+        got[w]["raw"] = np.concatenate([sims, idx.astype(np.float32)], 1)
+    # the same index filled in one process, in memory (the old path)
+    from curation.index import build_index
+
+    ref = build_index(rows, kind="ivf", nlist=4, nprobe=4, use_gpu=False)
+    sims, idx = ref.search(rows.take(np.arange(len(rows))), 8)
+    np.testing.assert_array_equal(got[1]["raw"], np.concatenate([sims, idx.astype(np.float32)], 1))
+    for key in got[1]:
+        np.testing.assert_array_equal(got[1][key], got[3][key])
+    assert len(got[1]["a"]) > 0
+
+
+@pytest.mark.parametrize("w", [1, 3])
+def test_sharded_pick_is_the_one_process_pick(tmp_path, w):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 7, 500)
+    sizes = np.bincount(labels, minlength=7)
+    q = np.minimum(sizes, rng.integers(0, 40, 7))
+    q[3] = 0
+    q[5] = sizes[5]  # all of one cluster
+    want = sampling.pick(labels, q, seed=3)
+    np.testing.assert_array_equal(np.bincount(labels[want], minlength=7), q)
+    got = sampling.sharded_pick(labels, q, 3, str(tmp_path / "s"), tasks=w, launcher="inline", block=64)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tasks_config_validated_and_auto():
+    cfg = CurationConfig()
+    cfg.output.dir, cfg.input.paths = "/tmp/x", [str(ROOT)]
+    cfg.tasks.count = 0
+    with pytest.raises(Exception, match="tasks.count"):
+        validate(cfg)
+    cfg.tasks.count = None
+    assert task_plan(cfg, 1000) == {"tasks": 1, "launcher": "inline"}
+    assert task_plan(cfg, 10_000_000)["tasks"] == min(os.cpu_count() or 1, 8)
+    cfg.tasks.count = 3
+    assert task_plan(cfg, 10) == {"tasks": 3, "launcher": "local"}
+
+
+@pytest.mark.slow
+def test_eval_and_retrieval_searches_in_local_processes(big_pool, tmp_path):
+    """The nearest-eval and retrieval searches as W = 2 local processes (rows reopened from RowSources) give
+    the chunks one inline task gives."""
+    from curation.embeddings import embed_pool, open_embeddings
+    from curation.pipeline import get_descriptor
+
+    desc = get_descriptor(str(tmp_path / "d"))
+    emb_dir = str(tmp_path / "emb")
+    embed_pool([str(big_pool)], desc, emb_dir, batch_size=32, num_workers=0, transform=desc.transform(),
+               hash_name=None, progress=False)
+    emb = open_embeddings(emb_dir)
+    sub = np.arange(0, len(emb), 5)  # the "eval" / "seed" rows
+    sub_src = RowSource.save(emb_dir, sub, str(tmp_path / "sub.npy"))
+    got = {}
+    for w, launcher in ((1, "inline"), (2, "local")):
+        out = str(tmp_path / f"w{w}")
+        plan = {"tasks": w, "launcher": launcher}
+        ev = KnnJob(out, "eval")
+        ev.build(Rows(emb, sub), {"kind": "flat", "k": 4, "chunk_size": 16}, use_gpu=False)
+        run_search(out, "eval", "nearest", Rows(emb), Rows(emb, sub), False, plan, (RowSource(emb_dir), sub_src))
+        rt = KnnJob(out, "retrieval")
+        rt.build(Rows(emb), {"kind": "flat", "k": 3, "chunk_size": 4}, use_gpu=False)
+        run_search(out, "retrieval", "retrieval", Rows(emb, sub), Rows(emb), False, plan,
+                   (sub_src, RowSource(emb_dir)))
+        got[w] = {**{f"eval_{k}": v for k, v in ev.read(len(emb)).items()},
+                  **{f"ret_{k}": v for k, v in rt.read(len(sub)).items()}}
+    for key in got[1]:
+        np.testing.assert_array_equal(got[1][key], got[2][key], err_msg=key)
+    assert (got[1]["eval_sim"][sub] > 0.999).all()  # each eval row finds itself
+    assert len(got[1]["ret_pos"]) == 3 * len(sub)
