@@ -177,10 +177,22 @@ def run_curate(cfg: PipelineConfig, p: Paths) -> int:
     return main(["run", "--config", cfg.curate.config, *cfg.curate.overrides, *extra])
 
 
+def knn_probe_overrides(cfg: PipelineConfig, p: Paths) -> list[str]:
+    """The teacher's kNN during pretraining on the pipeline's held-out set (the report plots it beside the
+    losses); the stage's own overrides come after these, so pretrain.overrides=[knn.points=...] wins."""
+    if not (p.eval_train and p.eval_val):
+        return []
+    out = [f"knn.train={p.eval_train}", f"knn.val={p.eval_val}", f"knn.k={max(cfg.eval.k)}"]
+    if cfg.eval.img_size:
+        out.append(f"knn.img_size={cfg.eval.img_size}")
+    return out
+
+
 def run_pretrain(cfg: PipelineConfig, p: Paths) -> int:
     from .train.pretrain import main
 
-    return _stage(main, cfg.pretrain, [f"data.paths=[{p.curated / 'shards'}]", f"train.output_dir={p.pretrain}"])
+    return main(["--config", cfg.pretrain.config, *knn_probe_overrides(cfg, p), *cfg.pretrain.overrides,
+                 f"data.paths=[{p.curated / 'shards'}]", f"train.output_dir={p.pretrain}"])
 
 
 def run_distill(cfg: PipelineConfig, p: Paths) -> int:

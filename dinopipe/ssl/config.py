@@ -203,6 +203,26 @@ class GramConfig:
 
 
 @dataclass
+class KnnProbeConfig:
+    """kNN of the EMA teacher on a labelled held-out set at a few points of the run, written to RUN/knn.jsonl and
+    plotted beside the losses in the pipeline report: the losses alone do not show whether the backbone learns."""
+
+    train: Optional[str] = None
+    """Labelled gallery: a folder of class sub-folders or webdataset shards (null: no kNN during pretraining)."""
+    val: Optional[str] = None
+    """Labelled queries with the same classes as knn.train (the pipeline passes its held-out eval set)."""
+    points: int = 4
+    """Evaluations over the run: one before the first step (the random init) and points - 1 evenly spaced
+    after it, the last at the end of training."""
+    max_queries: int = 256
+    """At most this many queries (the first ones, the same at every point), to keep each evaluation cheap."""
+    k: int = 20
+    """Neighbours that vote (weighted kNN, temperature 0.07, as DINO); a gallery smaller than k uses all of it."""
+    img_size: Optional[int] = None
+    """Eval crop size (resize to 256/224 of it, centre crop); null: the size the backbone was built for."""
+
+
+@dataclass
 class PretrainConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name="vit_l14", drop_path_rate=0.4,
                                                                    drop_path_uniform=True))
@@ -216,6 +236,7 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     gram: GramConfig = field(default_factory=GramConfig)
+    knn: KnnProbeConfig = field(default_factory=KnnProbeConfig)
 
 
 def validate(cfg: PretrainConfig) -> None:
@@ -233,6 +254,8 @@ def validate(cfg: PretrainConfig) -> None:
     if len(ratio) != 2 or not 0 <= ratio[0] <= ratio[1] < 1:
         raise ConfigError(f"ibot.mask_ratio_min_max: need [min, max] with 0 <= min <= max < 1, got {ratio}")
     check_ranges(cfg)
+    if getattr(cfg, "knn", None) is not None:
+        validate_knn(cfg.knn)
     validate_sizes(cfg)
     if getattr(cfg, "gram", None) is not None:
         validate_gram(cfg.gram)
@@ -312,6 +335,15 @@ def validate_sizes(cfg) -> None:
             raise ConfigError(f"phases.{i}.sizes: probabilities must be >= 0")
 
 
+def validate_knn(k: KnnProbeConfig) -> None:
+    """Both sets or neither, and counts that make sense (the sets' contents are read by the train layer's check)."""
+    _need((k.train is None) == (k.val is None), "knn.train / knn.val", "give both (gallery and queries) or neither, "
+          f"got train={k.train} val={k.val}")
+    for key in ("points", "max_queries", "k"):
+        _need(getattr(k, key) >= 1, f"knn.{key}", f"must be >= 1, got {getattr(k, key)}")
+    _need(k.img_size is None or k.img_size >= 1, "knn.img_size", f"must be >= 1 px or null, got {k.img_size}")
+
+
 def validate_gram(g: GramConfig) -> None:
     from ..config import ConfigError
 
@@ -322,4 +354,5 @@ def validate_gram(g: GramConfig) -> None:
         raise ConfigError(f"gram.max_refreshes: must be >= 0 or null, got {g.max_refreshes}")
 
 
-__all__ = ["PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig", "validate", "validate_gram"]
+__all__ = ["PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig", "KnnProbeConfig", "validate",
+           "validate_gram", "validate_knn"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..config import ConfigError
 from ..hub import CheckpointError, check_backbone_file
 from ..models import list_models, model_defaults
+from .knn_probe import LabelError, check_sets
 from ..ssl.config import PretrainConfig, validate
 
 
@@ -57,6 +58,10 @@ def validate_pretrain(cfg: PretrainConfig) -> None:
     validate(cfg)
     check_backbone(cfg)
     check_pretrained(cfg)
+    try:  # the kNN sets are read before any work, like every other input path
+        check_sets(cfg)
+    except LabelError as exc:
+        raise ConfigError(f"knn.train / knn.val: {exc}") from None
 
 
 __all__ = ["check_backbone", "check_pretrained", "check_crops_tile", "validate_pretrain"]
