@@ -73,3 +73,22 @@ def test_config_with_a_file_still_prints_it_resolved(capsys):
     assert main(["config", "--kind", "pretrain", "--config", "configs/pretrain/quickstart.yaml",
                  "optim.base_lr=0.001"]) == 0
     assert "base_lr: 0.001" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "distill", "curation", "pipeline", "slurm", "model"])
+def test_every_key_of_every_kind_has_a_one_line_doc(capsys, kind):
+    """`dinopipe config --kind X` prints a doc beside every key (a field without an attribute docstring or a
+    comment would print bare), and the printed doc is plain words (no source markup)."""
+    rows = config_reference(SCHEMAS[kind]())
+    bare = [key for key, default, doc in rows if default != "(section)" and not doc.strip()]
+    assert not bare, f"keys of --kind {kind} without a doc: {bare}"
+    assert main(["config", "--kind", kind]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for key, default, doc in rows:
+        if default == "(section)":
+            continue
+        i = next(i for i, line in enumerate(lines) if line.startswith(f"{key} = "))
+        assert doc[:40] in " ".join(lines[i:i + 2]), key  # beside the default, or under it for a long key
+    for markup in ("``", ":func:", ":class:", ":mod:", ":meth:"):
+        assert markup not in out, (kind, markup)
