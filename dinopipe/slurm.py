@@ -26,6 +26,8 @@ key=value overrides this file's config (e.g. slurm.time=04:00:00 stages=[pretrai
 STAGE:key=value (STAGE = curate | pretrain | distill) is appended to that stage's overrides as is
 (e.g. pretrain:train.epochs=10). Flags (--partition, --account, ...) win over both. Prints one
 stage: job id line per job (with --dry-run: a shell script of the sbatch commands instead).
+Every key of this file, its default and what it does: dinopipe config --kind slurm (a stage's keys:
+--kind curation / pretrain / distill).
 """
 
 from __future__ import annotations
