@@ -56,7 +56,7 @@ def test_two_rank_runs_exit_zero_every_time(tmp_path):
     data workers, a phase switch (so a second loader's workers), checkpoints and the collective export. Every
     run exits 0 on both ranks, and when the loop returns no data worker and no non-daemon thread is left for
     interpreter exit to tear down in no set order."""
-    r = subprocess.run([sys.executable, MINI, "repeat", "30", str(tmp_path), "steps=8", "ckpt=4", "phases=2",
+    r = subprocess.run([sys.executable, MINI, "repeat", "30", str(tmp_path), "steps=4", "ckpt=2", "phases=2",
                         "workers=2", "persistent=1"], env=env(), capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
     codes = json.loads(r.stdout.strip().splitlines()[-1])
