@@ -138,7 +138,9 @@ HEALTHY = {
                  "targets sharpen, so matching them gets harder), then flattens or falls slowly; a rise is not a "
                  "failure, a collapse to ~0 is (the student copies one constant prototype).",
     "ibot_loss": "ibot_loss: the same shape as the DINO loss, on the masked patch tokens.",
-    "koleo_loss": "koleo_loss: negative, and falling (more negative) while the batch's embeddings spread out.",
+    "koleo_loss": "koleo_loss: falls while the batch's embeddings spread out (it is minus the log of each "
+                  "embedding's distance to its nearest neighbour, so its sign says nothing); rising again means they "
+                  "bunch together.",
     "distill": "each student's loss: falls quickly, then slowly; a flat curve means the student cannot follow.",
     "knn_curve": "teacher kNN top-1 (right panel, the first point is the random init): rises above the first "
                  "point by more than its error bars while the losses still climb; flat at the first point, or "
