@@ -11,7 +11,8 @@ Load config -> validate (config mistakes exit 2, before anything is written) -> 
 config into output.dir -> run the step(s) -> print the manifest summary. Each step reads the
 previous steps' files in output.dir, so a Slurm array can run embed and one dependent job
 the rest (slurm/submit_curation.sh). The steps and their order live in one place,
-curation.pipeline.run_steps; this module only parses, validates and prints.
+curation.pipeline.run_steps; this module only parses, validates and prints. Every config key, its
+default and what it does: dinopipe config --kind curation.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="curate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("run",) + STEPS + SHARDED + ("plan",),
-                   help="all steps, or one step alone (plan: see `curate plan --help`)")
+                   help="all steps, or one step alone (plan: see curate plan --help)")
     p.add_argument("--config", default=None, help="YAML (e.g. configs/curation/default.yaml)")
     p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. output.dir=OUT")
     return p

@@ -51,6 +51,7 @@ class EmbedConfig:
     tests), or anything ``dinopipe.load`` accepts (official DINOv2 .pth, dinopipe run/export
     folder, timm state dict). null: descriptor only (rebalancing then uses the descriptor)."""
     batch_size: int = 64
+    """Images per forward pass of the embedding backbone."""
     num_workers: int = 4
     """DataLoader workers decoding and resizing images."""
     image_size: int = 224
@@ -61,6 +62,7 @@ class EmbedConfig:
     task_index: int = 0
     """This task's share of the pool (a Slurm array sets it from SLURM_ARRAY_TASK_ID)."""
     num_tasks: int = 1
+    """Tasks the pool is split over (a Slurm array sets it from SLURM_ARRAY_TASK_COUNT)."""
     device: str = "auto"
     """auto (CUDA when available) | cpu | cuda | cuda:N"""
     precision: Precision = Precision.auto
@@ -115,6 +117,7 @@ class KnnConfig:
     task_index: int = 0
     """This search task's chunks (a Slurm array sets it from SLURM_ARRAY_TASK_ID)."""
     num_tasks: int = 1
+    """Search tasks the chunks are split over (a Slurm array sets it from SLURM_ARRAY_TASK_COUNT)."""
     chunk_size: int = 65536
     """Queries per chunk file: the unit of resumption and of the task split."""
     batch_size: int = 8192
@@ -174,6 +177,7 @@ class RebalanceConfig:
     strategy: Strategy = Strategy.r
     """mode=hierarchical: 'r' random or 'c' closest-to-centroid within bottom clusters."""
     n_resampling_steps: int = 10
+    """mode=hierarchical: resampling steps of hierarchical k-means per level (0: one k-means per level)."""
     sample_size: int = 10
     """Points per cluster in each resampling step."""
     kmeans_init: KMeansInit = KMeansInit.auto
@@ -194,6 +198,7 @@ class RebalanceConfig:
     balance_clusters: Optional[int] = None
     """Clusters used to report balance (entropy) before/after; null: the mode's own clustering."""
     seed: int = 0
+    """Seed of k-means and of the balanced sampling (the same selection on every rerun)."""
 
 
 @dataclass

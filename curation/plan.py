@@ -1,15 +1,15 @@
-"""``curate plan``: memory per task and wall time of every curation step, on paper.
+"""curate plan: memory per task and wall time of every curation step, on paper.
 
     curate plan --pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100
 
 A cost model, not a measurement: index sizes are exact (faiss code sizes); times come from per-device
 rates, each either measured in this repository (where is said next to it) or marked ASSUMED -- replace
-those with your own (``--scan-rate`` etc.). Steps, as the sharded curation runs them: embed (array, 1 GPU
+those with your own (--scan-rate etc.). Steps, as the sharded curation runs them: embed (array, 1 GPU
 per task) -> hash dedup (W tasks by band value) -> index train (one sample) -> index add (W tasks, one
 inverted-list file each) -> index merge (on disk) -> search (W tasks by query rows) -> verification (pairs
 on pixels) -> grouping (pair arrays, one process) -> decontamination (eval rows on the pool index) ->
 k-means levels (assignment of every row by W tasks, Lloyd on a sample) -> sampling (three sharded passes)
--> shard writing (W tasks). `curate simulate` / bench/bench_curation_scale.py check the growth of each
+-> shard writing (W tasks). curate simulate and bench/bench_curation_scale.py check the growth of each
 step (time ~ N, memory per task ~ N/W) on this machine.
 """
 

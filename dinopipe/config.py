@@ -179,13 +179,18 @@ class ModelConfig:
     img_size: int = 224
     """Size the position embedding is created for; other sizes are interpolated."""
     patch_size: Optional[int] = None
+    """Patch side in pixels; null keeps the variant's (14 for DINOv2 names, 16 for *16 and DINOv3 names)."""
     drop_path_rate: float = 0.0
+    """Stochastic depth: probability of dropping a block's residual branch per sample (the last block's when not uniform)."""
     drop_path_uniform: bool = False
+    """true: every block drops with drop_path_rate (DINOv2's large models); false: the rate grows linearly with depth."""
     efficient_drop_path: bool = True
     """Run each residual branch only on the kept samples (DINOv2's subset stochastic depth)."""
     attn_backend: AttnBackend = AttnBackend.auto
     """auto | sdpa | xformers | math"""
     num_register_tokens: Optional[int] = None
+    """Register tokens (Darcet et al. 2024; DINOv3 calls them storage tokens); null keeps the variant's (4 for
+    *_reg4 and DINOv3 names, else 0)."""
     init_values: Optional[float] = 1.0e-5
     """LayerScale init; null disables LayerScale."""
     ffn: Optional[FFN] = None
@@ -243,6 +248,7 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"
     """dtype of gradient reduce-scatter (fp32 / bf16)."""
     activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them (less memory, one more forward per block)."""
     compile: bool = False
     """Per-block torch.compile(fullgraph=True) (useful on CUDA; slow to compile on CPU)."""
     reshard_after_forward: bool = True

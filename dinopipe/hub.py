@@ -54,7 +54,7 @@ from .export import readers
 from .export.readers import HF_MODEL_TYPES, read_dcp_backbone, read_weights_file
 from .models.registry import build_vit, list_models, model_defaults
 from .models.vit import DinoVisionTransformer
-from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors
+from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors, read_safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +171,29 @@ def backbone_arch(path_or_name: str | Path, num_heads: Optional[int] = None, whi
     return kwargs
 
 
+def check_backbone_file(path_or_name: str | Path, num_heads: Optional[int] = None, which: Optional[str] = None
+                        ) -> dict[str, Any]:
+    """What a training stage checks on every rank before its process group starts or anything is written: the
+    path exists, is a format dinopipe reads (none of which unpickles), its architecture is known, and the
+    headers of an export folder's weight files are sound (sizes that fit the file). Returns the architecture
+    kwargs. An export folder's weights are not read here (headers only); other files are read memory-mapped,
+    as ``backbone_arch`` does. Raises :class:`CheckpointError` naming the file."""
+    arch = backbone_arch(path_or_name, num_heads, which)
+    p = Path(path_or_name)
+    if p.exists() and readers.recorded_arch(p, which):
+        probe = readers.Probe(readers.locate(p, which), which)
+        for f in probe.files or []:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing (the export folder {probe.path} lists it)")
+            if f.suffix == ".safetensors":
+                read_safetensors_header(f)
+    return arch
+
+
 # Writers live in dinopipe/export (imported above, so ``hub.save_backbone``, ``hub.export(...)`` keep working).
 __all__ = [
-    "load", "load_heads", "has_heads", "backbone_arch", "read_checkpoint", "read_dcp_backbone", "CheckpointError",
+    "load", "load_heads", "has_heads", "backbone_arch", "check_backbone_file",
+    "read_checkpoint", "read_dcp_backbone", "CheckpointError",
     "UnsafeCheckpointError",
     "save_backbone", "save_heads", "export", "export_arch", "export_timm", "export_dinov2", "export_dinov3",
     "export_hf",

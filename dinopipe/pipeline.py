@@ -33,11 +33,15 @@ class StageConfig:
 @dataclass
 class SampleConfig:
     enabled: bool = True
+    """true: build a sample pool and labelled eval set from photos shipped in pip packages; false: use input.*."""
     n_images: int = 1500
     """Views of the real photos in the pool (before planted copies and corrupt files)."""
     eval_train_per_class: int = 8
+    """Sample eval set: gallery views per photo (class)."""
     eval_val_per_class: int = 4
+    """Sample eval set: query views per photo (class)."""
     seed: int = 0
+    """Seed of the sample pool's random views and planted duplicates."""
 
 
 @dataclass
@@ -53,7 +57,9 @@ class InputConfig:
 @dataclass
 class EvalConfig:
     enabled: bool = True
+    """false: no kNN (neither the eval stage nor the teacher's kNN during pretraining)."""
     k: list[int] = field(default_factory=lambda: [10, 20])
+    """Neighbour counts of the kNN table (the largest also serves the kNN during pretraining)."""
     img_size: Optional[int] = None
     """Eval resolution (default: what each model was built for)."""
 
@@ -61,6 +67,7 @@ class EvalConfig:
 @dataclass
 class PipelineConfig:
     output_dir: str = "runs/pipeline"
+    """Root of the pipeline's run: data/, curated/, pretrain/, distill/, eval_results.json, report/."""
     sample: SampleConfig = field(default_factory=SampleConfig)
     input: InputConfig = field(default_factory=InputConfig)
     curate: StageConfig = field(default_factory=lambda: StageConfig("configs/curation/quickstart.yaml"))
@@ -68,6 +75,7 @@ class PipelineConfig:
     distill: StageConfig = field(default_factory=lambda: StageConfig("configs/distill/quickstart.yaml"))
     eval: EvalConfig = field(default_factory=EvalConfig)
     stages: list[str] = field(default_factory=lambda: ["curate", "pretrain", "distill", "eval", "report"])
+    """Stages to run, in order: curate, pretrain, distill, eval, report (a complete stage is skipped)."""
 
 
 STAGES = ("curate", "pretrain", "distill", "eval", "report")
@@ -177,10 +185,22 @@ def run_curate(cfg: PipelineConfig, p: Paths) -> int:
     return main(["run", "--config", cfg.curate.config, *cfg.curate.overrides, *extra])
 
 
+def knn_probe_overrides(cfg: PipelineConfig, p: Paths) -> list[str]:
+    """The teacher's kNN during pretraining on the pipeline's held-out set (the report plots it beside the
+    losses); the stage's own overrides come after these, so pretrain.overrides=[knn.points=...] wins."""
+    if not (cfg.eval.enabled and p.eval_train and p.eval_val):
+        return []
+    out = [f"knn.train={p.eval_train}", f"knn.val={p.eval_val}", f"knn.k={max(cfg.eval.k)}"]
+    if cfg.eval.img_size:
+        out.append(f"knn.img_size={cfg.eval.img_size}")
+    return out
+
+
 def run_pretrain(cfg: PipelineConfig, p: Paths) -> int:
     from .train.pretrain import main
 
-    return _stage(main, cfg.pretrain, [f"data.paths=[{p.curated / 'shards'}]", f"train.output_dir={p.pretrain}"])
+    return main(["--config", cfg.pretrain.config, *knn_probe_overrides(cfg, p), *cfg.pretrain.overrides,
+                 f"data.paths=[{p.curated / 'shards'}]", f"train.output_dir={p.pretrain}"])
 
 
 def run_distill(cfg: PipelineConfig, p: Paths) -> int:
@@ -264,6 +284,9 @@ def run(cfg: PipelineConfig) -> int:
     timings = {}
     for stage in cfg.stages:
         if stage == "report":
+            continue
+        if stage == "eval" and not cfg.eval.enabled:
+            print("== eval: eval.enabled=false, skipped")
             continue
         if _done(stage, p):
             print(f"== {stage}: outputs complete, skipped")

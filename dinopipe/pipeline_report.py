@@ -8,37 +8,66 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Optional
 
+from .train.knn_probe import read_knn
 from .train.metrics import read_metrics
 
 
-def _loss_plot(run_dir: Path, keys: list[str], out: Path, title: str) -> bool:
-    rows = read_metrics(run_dir)
-    if not rows:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 3.5), dpi=110)
-    for key in keys:
-        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        if pts:
-            ax.plot(*zip(*pts), label=key)
+def _phase_lines(ax, rows: list[dict]) -> None:
     phases = [(r["step"], r.get("phase")) for r in rows]
     for (s0, a), (s1, b) in zip(phases, phases[1:]):
         if a != b:
             ax.axvline(s1, color="grey", ls="--", lw=0.8)
             ax.text(s1, ax.get_ylim()[1], f" {b}", va="top", fontsize=7, color="grey")
+
+
+def _loss_plot(run_dir: Path, keys: list[str], out: Path, title: str, knn: Optional[list[dict]] = None) -> list[str]:
+    """Loss curves (and, when given, the teacher's kNN top-1 at its points in a panel beside them); legends sit
+    outside the axes, off the data. Returns the names of the series drawn (empty: nothing to plot)."""
+    rows = read_metrics(run_dir)
+    if not rows:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if knn:
+        fig, (ax, kx) = plt.subplots(1, 2, figsize=(11, 3.5), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(7.5, 3.5), dpi=110)
+    drawn = []
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts), label=key)
+            drawn.append(key)
+    _phase_lines(ax, rows)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside, off the curves
+    if knn:
+        steps, top1 = [r["step"] for r in knn], [r["top1"] for r in knn]
+        se = [binomial_se(r["top1"], int(r["queries"])) for r in knn]
+        kx.errorbar(steps, top1, yerr=se, marker="o", capsize=3, label="teacher kNN top-1 ± SE")
+        kx.axhline(1.0 / max(1, int(knn[0]["classes"])), color="grey", ls=":", lw=0.8, label="chance")
+        x0, x1 = ax.get_xlim()  # one step axis for both panels (the last point is after the last logged step)
+        pad = 0.05 * max(x1 - x0, max(steps) - min(steps), 1)
+        lo, hi = min(x0, min(steps) - pad), max(x1, max(steps) + pad)
+        ax.set_xlim(lo, hi)
+        kx.set_xlim(lo, hi)
+        kx.set_ylim(0, 1)
+        kx.set_xlabel("step")
+        kx.set_ylabel(f"kNN top-1 (k={knn[-1]['k']})")
+        kx.set_title(f"teacher kNN, {knn[-1]['queries']} held-out queries")
+        kx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, borderaxespad=0)  # below
+        drawn.append("knn_top1")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
-    return True
+    return drawn
 
 
 def binomial_se(p: float, n: int) -> float:
@@ -109,8 +138,13 @@ HEALTHY = {
                  "targets sharpen, so matching them gets harder), then flattens or falls slowly; a rise is not a "
                  "failure, a collapse to ~0 is (the student copies one constant prototype).",
     "ibot_loss": "ibot_loss: the same shape as the DINO loss, on the masked patch tokens.",
-    "koleo_loss": "koleo_loss: negative, and falling (more negative) while the batch's embeddings spread out.",
+    "koleo_loss": "koleo_loss: falls while the batch's embeddings spread out (it is minus the log of each "
+                  "embedding's distance to its nearest neighbour, so its sign says nothing); rising again means they "
+                  "bunch together.",
     "distill": "each student's loss: falls quickly, then slowly; a flat curve means the student cannot follow.",
+    "knn_curve": "teacher kNN top-1 (right panel, the first point is the random init): rises above the first "
+                 "point by more than its error bars while the losses still climb; flat at the first point, or "
+                 "falling to chance, means the backbone is not learning whatever the losses do.",
     "knn": "the kNN accuracy on the held-out set (table below), not the loss, shows whether the backbone learnt: "
            "each trained model should beat the random init of its own architecture by more than the standard error.",
 }
@@ -131,10 +165,20 @@ def write_report(p, timings: dict) -> Path:
             lines.append(f"![{png.stem}]({_rel(png, out)})")
         lines.append("")
     lines += ["## Training", ""]
-    if _loss_plot(p.pretrain, ["loss", "dino_loss", "ibot_loss", "koleo_loss"], out / "pretrain_loss.png",
-                  "pretraining"):
-        lines += ["![pretraining loss](pretrain_loss.png)", "", "What a healthy run looks like:", ""]
-        lines += [f"- {HEALTHY[k]}" for k in ("loss", "dino_loss", "ibot_loss", "koleo_loss", "knn")] + [""]
+    knn = read_knn(p.pretrain)
+    drawn = _loss_plot(p.pretrain, ["loss", "dino_loss", "ibot_loss", "koleo_loss"], out / "pretrain_loss.png",
+                       "pretraining", knn=knn)
+    if drawn:
+        lines += ["![pretraining loss and the teacher's kNN](pretrain_loss.png)", "", "What a healthy run looks like:",
+                  ""]
+        keys = [k for k in ("loss", "dino_loss", "ibot_loss", "koleo_loss") if k in drawn]
+        lines += [f"- {HEALTHY[k]}" for k in keys + (["knn_curve"] if knn else []) + ["knn"]] + [""]
+    if knn:
+        first = knn[0]
+        lines += [f"Teacher kNN during pretraining (k={first['k']}, {first['queries']} queries, {first['classes']} "
+                  f"classes, {first['gallery']} gallery): "
+                  + ", ".join(f"step {r['step']} {r['top1']:.3f} ± {binomial_se(r['top1'], int(r['queries'])):.3f}"
+                              for r in knn), ""]
     rows = read_metrics(p.distill)
     if rows and _loss_plot(p.distill, sorted(k for k in rows[0] if k.endswith("/loss")), out / "distill_loss.png",
                            "distillation"):

@@ -26,6 +26,8 @@ key=value overrides this file's config (e.g. slurm.time=04:00:00 stages=[pretrai
 STAGE:key=value (STAGE = curate | pretrain | distill) is appended to that stage's overrides as is
 (e.g. pretrain:train.epochs=10). Flags (--partition, --account, ...) win over both. Prints one
 stage: job id line per job (with --dry-run: a shell script of the sbatch commands instead).
+Every key of this file, its default and what it does: dinopipe config --kind slurm (a stage's keys:
+--kind curation / pretrain / distill).
 """
 
 from __future__ import annotations
@@ -51,17 +53,23 @@ class ClusterConfig:
     """Site settings: every job of the chain gets them (a stage may change `nodes` and `time`)."""
 
     partition: Optional[str] = None
+    """sbatch --partition; null leaves the site default."""
     account: Optional[str] = None
+    """sbatch --account; null leaves the site default."""
     qos: Optional[str] = None
+    """sbatch --qos; null leaves the site default."""
     nodes: int = 1
+    """Nodes per training job (a stage's own nodes overrides it)."""
     gpus_per_node: int = 0
     """0 runs on CPU (one task per node)."""
     tasks_per_node: Optional[int] = None
     """Training tasks per node; default one per GPU (1 without GPUs)."""
     cpus_per_task: int = 8
+    """sbatch --cpus-per-task (data workers and decoding run on these)."""
     mem: Optional[str] = None
     """--mem per node, e.g. 64G; null leaves the site default."""
     time: str = "24:00:00"
+    """Time limit of each job (HH:MM:SS or D-HH:MM:SS); training jobs requeue themselves before it."""
     env_setup: str = ""
     """Shell line each job runs first, e.g. 'source /path/to/dinopipe/.venv/bin/activate' or 'module load ...'."""
     signal_lead: int = 120
@@ -75,7 +83,9 @@ class ClusterConfig:
 @dataclass
 class CurateStageConfig:
     config: str = "configs/curation/default.yaml"
+    """Curation YAML (configs/curation/...)."""
     overrides: list[str] = field(default_factory=list)
+    """key=value overrides of the curation config."""
     tasks: int = 4
     """Embedding array tasks (each embeds its share of the pool)."""
     gpus_per_task: Optional[int] = None
@@ -94,7 +104,9 @@ class CurateStageConfig:
 @dataclass
 class TrainStageConfig:
     config: str = ""
+    """The stage's YAML (configs/pretrain/... or configs/distill/...)."""
     overrides: list[str] = field(default_factory=list)
+    """key=value overrides of that config."""
     nodes: Optional[int] = None
     """Default slurm.nodes."""
     time: Optional[str] = None
@@ -108,6 +120,7 @@ class SlurmConfig:
     input_paths: list[str] = field(default_factory=list)
     """Image folders / file lists / tar shards to curate (curation's input.paths)."""
     stages: list[str] = field(default_factory=lambda: list(STAGES))
+    """Jobs to submit, chained with afterok: curate, pretrain, distill."""
     slurm: ClusterConfig = field(default_factory=ClusterConfig)
     curate: CurateStageConfig = field(default_factory=CurateStageConfig)
     pretrain: TrainStageConfig = field(default_factory=lambda: TrainStageConfig(config="configs/pretrain/quickstart.yaml"))

@@ -69,6 +69,15 @@ def test_all_stages_produce_their_outputs(pipeline_run):
     summary = [line.split() for line in r.stdout.splitlines()]  # the printed summary states them too
     assert ["teacher", *acc.split(), *gain.split(), "over", "random", "init", "(teacher", "arch)"] in summary
     assert (run / "report" / "pretrain_loss.png").is_file() and (run / "report" / "distill_loss.png").is_file()
+    # The teacher's kNN during pretraining (the pipeline passes its held-out set): 4 points over the 8 steps, the
+    # last one the same number the eval stage measures on the exported teacher (same queries, k and size).
+    from dinopipe.pipeline_report import HEALTHY
+    from dinopipe.train.knn_probe import read_knn
+
+    points = read_knn(run / "pretrain")
+    assert [p["step"] for p in points] == [0, 3, 5, 8] and points[-1]["k"] == 20
+    assert points[-1]["top1"] == pytest.approx(acc_t, abs=1e-12)
+    assert "Teacher kNN during pretraining" in report and HEALTHY["knn_curve"] in report
     for link in [line.split("](")[1].rstrip(")") for line in report.splitlines() if line.startswith("![")]:
         assert (run / "report" / link).is_file(), link  # relative links that resolve
     assert f"report: {run / 'report' / 'report.md'}" in r.stdout

@@ -53,7 +53,8 @@ ALLOWED: dict[str, set[str]] = {
     "data": _BOTTOM | {"data"},
     "ssl": _BOTTOM | {"models", "ssl"},
     "export": _BOTTOM | {"models", "export"},
-    "train": _BOTTOM | {"models", "data", "ssl", "export", "train"},
+    # train -> eval: pretraining runs the eval layer's kNN on its teacher (eval imports nothing of train: no cycle)
+    "train": _BOTTOM | {"models", "data", "ssl", "export", "eval", "train"},
     "eval": _BOTTOM | {"models", "data", "export", "eval"},
     "plan": _BOTTOM | {"models", "data", "ssl", "export", "train", "plan"},
     "curation": _BOTTOM | {"models", "data", "export", "curation"},

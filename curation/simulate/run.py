@@ -1,4 +1,4 @@
-"""``curate simulate``: generate a pool whose answer is known, run every step after embedding as W tasks,
+"""curate simulate: generate a pool whose answer is known, run every step after embedding as W tasks,
 print per step the wall time and the peak memory of its largest task, and the recall of what was planted.
 
     curate simulate --n 1000000 --dim 384 --tasks 4 --work /tmp/sim

@@ -425,13 +425,19 @@ def implied_mfu(total_flops: float, gpu_hours: float, gpu_tflops: float) -> floa
 
 
 def main(argv=None) -> int:
-    """``dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [--trace] [key=value ...]``"""
+    """dinopipe plan --config X.yaml --gpus N --gpu-mem-gb G [--gpu-tflops T --mfu M] [--trace] [key=value ...]
+
+    Memory per GPU, FLOPs and step time of a pretraining config, on paper (--trace: the real step under fake
+    tensors). Every config key, its default and what it does: dinopipe config --kind pretrain."""
     import argparse
 
     from ..config import ConfigError, exit_on_config_error, load_config
     from ..ssl.config import PretrainConfig
 
-    p = argparse.ArgumentParser(prog="dinopipe plan", description=main.__doc__)
+    import inspect
+
+    p = argparse.ArgumentParser(prog="dinopipe plan", description=inspect.cleandoc(main.__doc__ or ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="pretraining YAML (configs/pretrain/...)")
     p.add_argument("--gpus", type=int, required=True, help="total GPUs (FSDP2 shards over all of them)")
     p.add_argument("--gpu-mem-gb", type=float, required=True, help="memory per GPU in GiB (80 for an A100-80GB)")

@@ -38,7 +38,9 @@ class FeatureLossConfig:
     loss: FeatureLoss = FeatureLoss.cosine
     """cosine | smooth_l1 (on L2-normalised features)."""
     cls_weight: float = 1.0
+    """feature mode: weight of the loss on the CLS token."""
     patch_weight: float = 1.0
+    """feature mode: weight of the loss on the patch tokens."""
 
 
 @dataclass
@@ -51,6 +53,7 @@ class DistillConfig:
     of the teacher's heads, behind a new linear map from the student's width to the teacher's when they differ,
     so the prototypes the targets are built on are there from step 0)."""
     students: list[StudentConfig] = field(default_factory=lambda: [StudentConfig()])
+    """The students trained together against one teacher forward (a list of entries with the keys below)."""
     dino: DinoConfig = field(default_factory=lambda: DinoConfig(koleo_loss_weight=0.0))
     ibot: IbotConfig = field(default_factory=lambda: IbotConfig(mask_sample_probability=0.0))
     """ssl mode: iBOT on all patch tokens of both global crops; students see unmasked crops by default."""
@@ -60,6 +63,7 @@ class DistillConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(layerwise_decay=1.0, warmup_epochs=5))
     crops: CropsConfig = field(default_factory=CropsConfig)
     phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig()])
+    """Resolution phases in order (a list of entries with the keys below); fractions sum to 1."""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/distill"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -17,6 +17,7 @@ from ..ssl.gram import loss_weight_schedules
 from ..ssl.schedules import Piece, build_ssl_schedules, linear_warmup_cosine_decay, piecewise, scaled_lr
 from .dist import DistInfo, LaunchError, all_reduce_max_scalar, barrier, destroy, init_distributed
 from .highres import phase_loader, phase_sizes
+from .knn_probe import build_probe
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
 from .lr_record import LrBasis
 
@@ -129,8 +130,9 @@ def train(cfg: Any, task, optimizer, info: DistInfo, refs, read, patch_size: int
                           checkpoint_every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                           stop_after=cfg.train.stop_after, progress=cfg.train.progress,
                           accumulate=int(getattr(cfg.train, "accumulate", 1)))
+    probe = build_probe(cfg, getattr(task, "task", task), info, phases[-1].end)  # the teacher's kNN (knn.*)
     trainer = Trainer(task, optimizer, lr_basis(cfg, info.world_size), phases, cfg.train.output_dir, info,
-                      loop_cfg, pool_size=len(refs))
+                      loop_cfg, pool_size=len(refs), probe=probe)
     return trainer.fit()
 
 

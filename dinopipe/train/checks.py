@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from ..config import ConfigError
+from ..hub import CheckpointError, check_backbone_file
 from ..models import list_models, model_defaults
+from .knn_probe import LabelError, check_sets
 from ..ssl.config import PretrainConfig, validate
 
 
@@ -14,9 +16,28 @@ def check_backbone(cfg: PretrainConfig) -> None:
     m = cfg.model
     if m.name not in list_models():
         raise ConfigError(f"model.name: unknown model '{m.name}' (choose from {', '.join(list_models())})")
-    if m.pretrained:  # the patch size is the file's (checked when it is loaded)
+    if m.pretrained:  # the file's architecture (patch size) is checked by check_pretrained
         return
-    patch = int({**model_defaults(m.name), **m.create_kwargs()}["patch_size"])
+    check_crops_tile(cfg, int({**model_defaults(m.name), **m.create_kwargs()}["patch_size"]), m.name)
+
+
+def check_pretrained(cfg: PretrainConfig) -> None:
+    """model.pretrained exists and is a file dinopipe reads (no unpickling, sound headers), and the crops tile
+    into its patches: run on every rank before the process group starts, so a wrong path is one line and exit 2
+    with nothing written (it used to surface after init, with config.yaml and the pool index written)."""
+    m = cfg.model
+    if not m.pretrained:
+        return
+    try:
+        arch = check_backbone_file(m.pretrained, num_heads=m.num_heads)
+    except (CheckpointError, OSError) as exc:
+        raise ConfigError(f"model.pretrained: {exc}") from None
+    if arch.get("patch_size"):
+        check_crops_tile(cfg, int(arch["patch_size"]), f"the backbone in {m.pretrained}")
+
+
+def check_crops_tile(cfg: PretrainConfig, patch: int, model: str) -> None:
+    """Every crop size of every phase is a multiple of the backbone's patch size."""
     gram = getattr(cfg, "gram", None) is not None and cfg.gram.enabled
     for i, ph in enumerate(cfg.phases):
         # a high-res adaptation phase draws its sizes from phases.N.sizes; a plain phase has one set
@@ -29,13 +50,18 @@ def check_backbone(cfg: PretrainConfig) -> None:
                 sizes.append(("gram_crops_size", s.gram_crops_size))
             for key, size in sizes:
                 if size % patch:
-                    raise ConfigError(f"{where}.{key}: {size} px is not a multiple of {m.name}'s patch size {patch} "
+                    raise ConfigError(f"{where}.{key}: {size} px is not a multiple of {model}'s patch size {patch} "
                                       f"(e.g. {max(patch, size // patch * patch)})")
 
 
 def validate_pretrain(cfg: PretrainConfig) -> None:
     validate(cfg)
     check_backbone(cfg)
+    check_pretrained(cfg)
+    try:  # the kNN sets are read before any work, like every other input path
+        check_sets(cfg)
+    except LabelError as exc:
+        raise ConfigError(f"knn.train / knn.val: {exc}") from None
 
 
-__all__ = ["check_backbone", "validate_pretrain"]
+__all__ = ["check_backbone", "check_pretrained", "check_crops_tile", "validate_pretrain"]

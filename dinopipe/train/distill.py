@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..config import ConfigError
-from ..hub import CheckpointError, backbone_arch, has_heads
+from ..hub import CheckpointError, check_backbone_file, has_heads
 from ..models import list_models, model_defaults
 from ..ssl.distill import DistillTask
 from ..ssl.distill_config import DistillConfig, resolve_mode
@@ -27,12 +27,15 @@ def validate(cfg: DistillConfig) -> None:
     validate_fields(cfg)
     path = cfg.teacher_model.path
     try:
-        t_patch = int(backbone_arch(path, num_heads=cfg.teacher_model.num_heads)["patch_size"])
+        t_patch = int(check_backbone_file(path, num_heads=cfg.teacher_model.num_heads)["patch_size"])
     except (CheckpointError, OSError) as exc:
         raise ConfigError(f"teacher_model.path: {exc}") from None
     resolve_mode(cfg, has_heads(path))
     patches = {t_patch}
     for i, s in enumerate(cfg.students):
+        if s.model.pretrained:  # students start from random init (DINOv2 §5); a set value must not be ignored
+            raise ConfigError(f"students[{i}].model.pretrained: students are trained from random init; "
+                              f"'{s.model.pretrained}' would not be read. Remove the key")
         if s.model.name not in list_models():
             raise ConfigError(f"students[{i}].model.name: unknown model '{s.model.name}' "
                               f"(choose from {', '.join(list_models())})")

@@ -100,7 +100,7 @@ class Trainer:
     def __init__(self, task: Task, optimizer: torch.optim.Optimizer,
                  schedules: dict[str, np.ndarray] | LrBasis, phases: Sequence[Phase], run_dir: str | Path,
                  info: DistInfo, cfg: LoopConfig, pool_size: int,
-                 step_hooks: Optional[list[Callable[[int, int, Any], None]]] = None) -> None:
+                 step_hooks: Optional[list[Callable[[int, int, Any], None]]] = None, probe: Any = None) -> None:
         self.task, self.optimizer = task, optimizer
         self.phases, self.run_dir, self.info, self.cfg = list(phases), Path(run_dir), info, cfg
         self.total_steps = self.phases[-1].end
@@ -122,6 +122,8 @@ class Trainer:
             raise ValueError(f"metric_keys {clash} are logged by the loop itself; give the task's values other names")
         # Test hooks (signals at an exact step) only exist when a test asks for them: nothing in a real run.
         self.step_hooks = test_hooks_from_env() if step_hooks is None else step_hooks
+        # An evaluation at a few steps (``probe.steps``; 0 = before the first): called on every rank, collective.
+        self.probe = probe
 
     # -- state ----------------------------------------------------------------------------------
     def _states(self) -> dict[str, Any]:
@@ -190,6 +192,8 @@ class Trainer:
                          desc="train", dynamic_ncols=True)
         self._steps_this_run = 0
         try:
+            if step == 0 and self.probe is not None and 0 in self.probe.steps:
+                self.probe(0)  # the random init: the baseline of every later point
             while step < self.total_steps:
                 phase = self.phases[self._phase_index(step)]
                 rc = self._run_phase(phase)
@@ -248,6 +252,8 @@ class Trainer:
                     if self.info.is_main:
                         log.info("preempted (signal %s): checkpoint saved at step %d", self._preempt.received, step)
                     return EXIT_PREEMPTED
+                if self.probe is not None and step in self.probe.steps:
+                    self.probe(step)
                 if stop:
                     return 0
                 if step >= phase.end:

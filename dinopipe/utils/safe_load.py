@@ -160,5 +160,20 @@ def read_safetensors(path: str | Path) -> tuple[dict, dict[str, str]]:
                               f"{str(exc)[:200]})") from None
 
 
+def read_safetensors_header(path: str | Path) -> dict[str, str]:
+    """The string metadata of a ``.safetensors`` file, after checking its header (tensor names, dtypes, offsets
+    that fit the file) without reading the tensors; a malformed header is a :class:`CheckpointError`."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+            return f.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({type(exc).__name__}: "
+                              f"{str(exc)[:200]})") from None
+
+
 __all__ = ["ALLOWED_GLOBALS", "CheckpointError", "UnsafeCheckpointError", "RestrictedUnpickler", "restricted_loads",
-           "read_dcp_metadata", "torch_load", "read_safetensors"]
+           "read_dcp_metadata", "torch_load", "read_safetensors",
+           "read_safetensors_header"]

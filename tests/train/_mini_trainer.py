@@ -166,9 +166,25 @@ def main() -> int:
             install_counters(trainer, Path(run_dir) / f"counts_rank{info.rank}.json", info.rank)
         rc = trainer.fit()
         clean = True
+        record_teardown(Path(run_dir) / f"teardown_rank{info.rank}.json")
         return rc
     finally:
         destroy(clean)
+
+
+def record_teardown(out: Path) -> None:
+    """What is still running when the loop has returned and the process group is about to go: data workers
+    (child processes) and threads. Tests of a clean exit expect no worker and no non-daemon thread here: what
+    lives on is torn down by interpreter exit, in no set order, where an abort in a C++ destructor happens."""
+    import multiprocessing
+    import threading
+
+    out.write_text(json.dumps({
+        "children": [p.name for p in multiprocessing.active_children()],
+        "threads": sorted(t.name for t in threading.enumerate() if t is not threading.main_thread()),
+        "non_daemon_threads": sorted(t.name for t in threading.enumerate()
+                                     if t is not threading.main_thread() and not t.daemon),
+    }))
 
 
 def repeat(n: int, base: str, opts: list[str]) -> int:

@@ -17,15 +17,30 @@ PHASE = "phases=[{{name: base, fraction: 1.0, global_crops_size: 56, local_crops
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, photo_pool):
+def knn(tmp_path_factory):
+    """The teacher's kNN during training (knn.*): under FSDP its weights are gathered by every rank."""
+    from dinopipe.data.samples import build_eval_set
+
+    sets = build_eval_set(tmp_path_factory.mktemp("evalset"), n_train=2, n_val=1, size=64)
+    return (f"knn.train={sets['train']}", f"knn.val={sets['val']}", "knn.points=2", "knn.k=5")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, photo_pool, knn):
     run = tmp_path_factory.mktemp("single")
-    run_pretrain(run, photo_pool, *SAME, PHASE.format(b=8))
+    run_pretrain(run, photo_pool, *SAME, *knn, PHASE.format(b=8))
     return run
 
 
-def test_fsdp2_two_processes_match_one(tmp_path, photo_pool, single):
+def test_fsdp2_two_processes_match_one(tmp_path, photo_pool, single, knn):
+    from dinopipe.train.knn_probe import read_knn
+
     run = tmp_path / "fsdp"
-    run_pretrain(run, photo_pool, *SAME, PHASE.format(b=4), nproc=2)
+    run_pretrain(run, photo_pool, *SAME, *knn, PHASE.format(b=4), nproc=2)
+    ref_knn, got_knn = read_knn(single), read_knn(run)
+    assert [r["step"] for r in got_knn] == [r["step"] for r in ref_knn] == [0, 8]
+    for a, b in zip(ref_knn, got_knn):  # same teacher to 2e-4: at most a near-tie query may flip
+        assert abs(a["top1"] - b["top1"]) <= 1.0 / a["queries"], (ref_knn, got_knn)
     ref, got = losses(single), losses(run)
     assert sorted(got) == sorted(ref) == list(range(8))
     for step in ref:
