@@ -53,6 +53,7 @@ from .models.convert_dinov3 import (  # noqa: F401
 from .export import readers
 from .export.readers import HF_MODEL_TYPES, read_dcp_backbone, read_weights_file
 from .models.registry import build_vit, list_models, model_defaults
+from .models.timm_backbone import from_timm_keys
 from .models.vit import DinoVisionTransformer
 from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors
 
@@ -74,6 +75,8 @@ def _read_backbone(path: Path, num_heads: Optional[int], which: Optional[str]
     found = readers.read(path, which)
     num_heads = num_heads or found.num_heads
     hf_cfg = found.hf_config if found.hf_config.get("model_type") in HF_MODEL_TYPES else {}
+    if (found.arch or {}).get("family") == "timm":  # a timm student: timm's own keys, nothing to convert
+        return from_timm_keys(dict(found.obj)), dict(found.arch), found.file, None
     try:
         # a recorded architecture tells the head count the shapes cannot
         heads = num_heads or (found.arch or {}).get("num_heads")
