@@ -43,6 +43,8 @@ class TimmBackbone(nn.Module):
     """A timm model (``self.model``, timm's own parameter names below it) as a dinopipe backbone."""
 
     num_register_tokens = 0
+    input_multiple = 1
+    """Any input size works (a ViT needs multiples of its patch size); evals use the size they are given."""
 
     def __init__(self, model: str, img_size: int = 224, in_chans: int = 3, drop_path_rate: float = 0.0,
                  model_args: Optional[dict] = None) -> None:
@@ -86,7 +88,7 @@ class TimmBackbone(nn.Module):
             "x_norm_patchtokens": fmap.flatten(2).transpose(1, 2),  # (B, h*w, C)
             "x_prenorm": None,
             "masks": None,
-            "patch_grid": (int(h), int(w)),
+            "patch_grid": (h, w),  # no int(): traced, that would pin the graph to one size
         }
 
     def forward_features_list(self, xs: list[Tensor], masks_list: Optional[list] = None) -> list[dict[str, Any]]:
