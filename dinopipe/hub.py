@@ -53,7 +53,7 @@ from .models.convert_dinov3 import (  # noqa: F401
 from .export import readers
 from .export.readers import HF_MODEL_TYPES, read_dcp_backbone, read_weights_file
 from .models.registry import build_vit, list_models, model_defaults
-from .models.timm_backbone import from_timm_keys
+from .models.timm_backbone import from_timm_keys, is_timm_name
 from .models.vit import DinoVisionTransformer
 from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors
 
@@ -104,11 +104,14 @@ def load(
     ``attn_backend='sdpa'``, ``drop_path_rate``) change run-time behaviour, not weights.
     """
     name = str(path_or_name)
-    if name in list_models() and not Path(name).exists():
+    if (name in list_models() or is_timm_name(name)) and not Path(name).exists():
         from .models.registry import create_model
 
         log.warning("dinopipe.load('%s'): a registry name, so the weights are randomly initialised", name)
-        return create_model(name, **overrides).to(device).eval()
+        try:
+            return create_model(name, **overrides).to(device).eval()
+        except ValueError as exc:  # an unknown timm:NAME
+            raise CheckpointError(str(exc)) from None
     sd, kwargs, file, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
     kwargs.update(arch or {})
     if num_heads:
