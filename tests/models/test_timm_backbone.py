@@ -138,3 +138,20 @@ def test_cli_export_of_a_timm_student(tmp_path, capsys, photos):
     assert main(["export", "--model", str(tmp_path / "run"), "--format", "dinov2",
                  "--out", str(tmp_path / "x.pth")]) == 2
     assert "a timm student (resnet10t) exports as" in capsys.readouterr().err
+
+
+def test_activation_checkpointing_per_stage_keeps_gradients(photos):
+    """The train layer's wrap units for a CNN are its stages: checkpointing each gives the same gradients."""
+    from dinopipe.train.parallel import _blocks, apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    ref = create_model("timm:convnext_atto", img_size=64)
+    ac = create_model("timm:convnext_atto", img_size=64)
+    ac.load_state_dict(ref.state_dict())
+    assert [type(b).__name__ for b in _blocks(ac)] == ["ConvNeXtStage"] * 4
+    for blk in _blocks(ac):
+        apply_activation_checkpointing(blk)
+    for m in (ref, ac):
+        m.forward_features(photos[:4])["x_norm_patchtokens"].square().mean().backward()
+    for (name, a), (_, b) in zip(ref.named_parameters(), ac.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
