@@ -34,6 +34,12 @@ def validate(cfg: DistillConfig) -> None:
     resolve_mode(cfg, has_heads(path))
 
 
+# ModelConfig keys a timm student cannot honour (left at their null defaults, or refused).
+_VIT_ONLY_KEYS = ("patch_size", "num_register_tokens", "ffn", "num_heads", "embed_dim", "depth", "pretrained",
+                  "rope_rescale", "rope_shift", "rope_jitter", "untie_cls_and_patch_norms",
+                  "untie_global_and_local_cls_norm")
+
+
 def _timm_stride(name: str) -> int:
     """A timm model's total stride, read from a build on ``meta`` (no memory, no weights)."""
     import torch
@@ -53,6 +59,10 @@ def check_students(cfg: DistillConfig, t_patch: Optional[int] = None) -> None:
             err = timm_name_error(s.model.name)
             if err:
                 raise ConfigError(f"students[{i}].model.name: {err}")
+            vit_only = [k for k in _VIT_ONLY_KEYS if getattr(s.model, k) is not None]
+            if vit_only:
+                raise ConfigError(f"students[{i}].model.{vit_only[0]}: a ViT setting, but {s.model.name} is a timm "
+                                  f"model (random init; of the model keys only img_size and drop_path_rate apply)")
             strides[_timm_stride(s.model.name)] = s.model.name
             continue
         if s.model.name not in list_models():

@@ -46,6 +46,8 @@ def test_bad_student_specs_are_config_errors(teacher):
         "students=[{name: c, model: {name: 'timm:convnext_nope'}}]": "timm has no model 'convnext_nope'",
         "students=[{name: c, model: {name: 'timm:'}}]": "names no timm model",
         "students=[{name: c, model: {name: resnet18}}]": "or any timm model as timm:NAME",
+        "students=[{name: c, model: {name: 'timm:resnet18', embed_dim: 64}}]":
+            r"students\[0\].model.embed_dim: a ViT setting, but timm:resnet18 is a timm model",
     }
     for override, msg in bad.items():
         with pytest.raises(ConfigError, match=msg):
