@@ -12,6 +12,7 @@ from dinopipe.config import ConfigError, load_config
 from dinopipe.hub import export_dinov2
 from dinopipe.models import TimmBackbone, create_model
 from dinopipe.ssl.distill_config import DistillConfig
+from dinopipe.train import distill
 from dinopipe.train.distill import validate
 from tests.train.conftest import REPO, TINY_DISTILL, metrics, run_distill
 
@@ -62,12 +63,18 @@ def test_bad_student_specs_are_config_errors(teacher):
                   "crops.local_crops_number=0"))  # no local crops: fine
 
 
-@pytest.mark.slow
-def test_unknown_timm_student_exits_2_before_any_work(tmp_path, photo_pool, teacher):
-    r = run_distill(tmp_path / "bad", photo_pool, f"teacher_model.path={teacher}",
-                    "students=[{name: c, model: {name: 'timm:resnet_nope'}}]", check=False)
-    assert r.returncode == 2 and "students[0].model.name: timm has no model 'resnet_nope'" in r.stderr
-    assert not (tmp_path / "bad").exists()
+@pytest.mark.parametrize("overrides, msg", [
+    (["students=[{name: c, model: {name: 'timm:resnet_nope'}}]"], "students[0].model.name: timm has no model 'resnet_nope'"),
+    ([STUDENTS, "mode=ssl"], "students[0].model.name: 'timm:convnext_atto' is not a ViT"),
+])
+def test_bad_timm_students_exit_2_before_anything_is_written(tmp_path, teacher, capsys, overrides, msg):
+    out = tmp_path / "run"
+    argv = ["--config", str(REPO / "configs/distill/quickstart.yaml"), *TINY_DISTILL, f"data.paths=[{tmp_path}]",
+            f"train.output_dir={out}", f"teacher_model.path={teacher}", PHASE.format(b=4), *overrides]
+    with pytest.raises(SystemExit) as exc:
+        distill.main(argv)
+    assert exc.value.code == 2 and msg in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.fixture(scope="module")
