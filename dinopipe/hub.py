@@ -53,6 +53,7 @@ from .models.convert_dinov3 import (  # noqa: F401
 from .export import readers
 from .export.readers import HF_MODEL_TYPES, read_dcp_backbone, read_weights_file
 from .models.registry import build_vit, list_models, model_defaults
+from .models.timm_backbone import from_timm_keys, is_timm_name
 from .models.vit import DinoVisionTransformer
 from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors, read_safetensors_header
 
@@ -74,6 +75,8 @@ def _read_backbone(path: Path, num_heads: Optional[int], which: Optional[str]
     found = readers.read(path, which)
     num_heads = num_heads or found.num_heads
     hf_cfg = found.hf_config if found.hf_config.get("model_type") in HF_MODEL_TYPES else {}
+    if (found.arch or {}).get("family") == "timm":  # a timm student: timm's own keys, nothing to convert
+        return from_timm_keys(dict(found.obj)), dict(found.arch), found.file, None
     try:
         # a recorded architecture tells the head count the shapes cannot
         heads = num_heads or (found.arch or {}).get("num_heads")
@@ -101,11 +104,14 @@ def load(
     ``attn_backend='sdpa'``, ``drop_path_rate``) change run-time behaviour, not weights.
     """
     name = str(path_or_name)
-    if name in list_models() and not Path(name).exists():
+    if (name in list_models() or is_timm_name(name)) and not Path(name).exists():
         from .models.registry import create_model
 
         log.warning("dinopipe.load('%s'): a registry name, so the weights are randomly initialised", name)
-        return create_model(name, **overrides).to(device).eval()
+        try:
+            return create_model(name, **overrides).to(device).eval()
+        except ValueError as exc:  # an unknown timm:NAME
+            raise CheckpointError(str(exc)) from None
     sd, kwargs, file, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
     kwargs.update(arch or {})
     if num_heads:

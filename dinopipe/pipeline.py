@@ -129,18 +129,17 @@ def _check_stages(cfg: PipelineConfig) -> None:
     from curation.config import validate as validate_curation
 
     from .config import load_config
-    from .models import list_models
+    from .train.distill import check_students
     from .ssl.config import PretrainConfig
     from .ssl.distill_config import DistillConfig
+    from .ssl.distill_config import resolve_mode
     from .ssl.distill_config import validate as validate_distill
     from .train.checks import validate_pretrain
 
     def distill_fields(c: DistillConfig) -> None:
         validate_distill(c)
-        for i, s in enumerate(c.students):
-            if s.model.name not in list_models():
-                raise ConfigError(f"students[{i}].model.name: unknown model '{s.model.name}' "
-                                  f"(choose from {', '.join(list_models())})")
+        check_students(c)  # names (registry ViT or timm:NAME), crops against each student
+        resolve_mode(c, has_heads=True)  # the pipeline's teacher is a pretraining run: it exports its heads
 
     checks = {"curate": (CurationConfig, lambda c: validate_curation(c, "run")),
               "pretrain": (PretrainConfig, validate_pretrain), "distill": (DistillConfig, distill_fields)}

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from ..hub import load
     from ..utils.device import pick_device
-    from .features import eval_crop_size, extract_features
+    from .features import extract_features, model_crop_size
     from .knn import knn_classify
     from .linear import linear_probe
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
     out = {
         "task": args.task, "model": str(args.model), "device": str(device),
         "feature": "cls+avgpool" if args.avgpool else "cls",
-        "img_size": eval_crop_size(args.img_size or int(model.patch_embed.img_size[0]), int(model.patch_size)),
+        "img_size": model_crop_size(model, args.img_size),
         "train": _describe(train, f_train.unreadable), "val": _describe(val, f_val.unreadable),
         "feature_seconds": round(time.time() - t0, 2),
     }

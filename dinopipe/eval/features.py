@@ -59,6 +59,13 @@ def model_features(model: nn.Module, x: Tensor, avgpool: bool = False) -> Tensor
     return torch.cat([cls, out["x_norm_patchtokens"].mean(dim=1)], dim=-1)  # (B, 2D)
 
 
+def model_crop_size(model: nn.Module, img_size: Optional[int] = None) -> int:
+    """The eval crop for ``model``: ``img_size`` (default: the size it was built for) rounded down to a multiple
+    of a ViT's patch size; a CNN student (``timm:NAME``) takes any size, so it is evaluated at ``img_size``."""
+    size = img_size or int(getattr(model, "img_size", 0) or model.patch_embed.img_size[0])
+    return eval_crop_size(size, int(getattr(model, "input_multiple", model.patch_size)))
+
+
 @torch.no_grad()
 def extract_features(
     model: nn.Module,
@@ -76,9 +83,7 @@ def extract_features(
     average-patch halves are normalised separately, so neither dominates the concatenation.
     """
     device = pick_device(device)
-    patch = int(model.patch_size)
-    size = img_size or int(model.patch_embed.img_size[0])
-    crop = eval_crop_size(size, patch)
+    crop = model_crop_size(model, img_size)
     loader = DataLoader(_EvalDataset(data, eval_transform(crop), crop), batch_size=batch_size, shuffle=False,
                         num_workers=num_workers, pin_memory=device.type == "cuda")
     model = model.to(device).eval()
@@ -102,4 +107,4 @@ def extract_features(
     return Features(torch.cat(feats), torch.cat(labels).long(), bad)
 
 
-__all__ = ["Features", "extract_features", "eval_transform", "eval_crop_size", "model_features"]
+__all__ = ["Features", "extract_features", "model_crop_size", "eval_transform", "eval_crop_size", "model_features"]

@@ -37,11 +37,16 @@ EXPORTERS = {
     "hf": export_hf,  # transformers Dinov2Model / Dinov2WithRegistersModel / DINOv3ViTModel folder
 }
 
+TIMM_STUDENT_FORMATS = ("dinopipe", "safetensors", "timm")
+
 
 def export(model: nn.Module, fmt: str, out: str | Path) -> Path:
     """Write ``model`` in weight layout ``fmt`` (see EXPORTERS); returns the file or folder written."""
     if fmt not in EXPORTERS:
         raise ValueError(f"unknown export format '{fmt}'; choose from {sorted(EXPORTERS)}")
+    if (getattr(model, "arch_config", lambda: {})() or {}).get("family") == "timm" and fmt not in TIMM_STUDENT_FORMATS:
+        raise ValueError(f"'{fmt}' is a ViT layout; a timm student ({model.arch_config()['model']}) exports as "
+                         f"{' | '.join(TIMM_STUDENT_FORMATS)} (or onnx | pt2)")
     return EXPORTERS[fmt](model, out)
 
 

@@ -184,6 +184,8 @@ def _run_arch(ckpt: Path, state: str) -> Optional[dict]:
         student = state.split(".", 1)[1]
         model = next((s.get("model") for s in cfg["students"] if isinstance(s, dict) and s.get("name") == student),
                      None)
+    if isinstance(model, Mapping) and str(model.get("name", "")).startswith("timm:"):  # a timm student
+        return {"family": "timm", "model": model["name"][len("timm:"):], "img_size": int(model.get("img_size", 224))}
     if not isinstance(model, Mapping) or model.get("pretrained") or model.get("name") not in list_models():
         return None
     from ..config import ModelConfig

@@ -18,6 +18,7 @@ import functools
 from timm.layers import Mlp
 
 from .block import SwiGLU
+from .timm_backbone import create_timm_backbone, is_timm_name
 from .vit import DinoVisionTransformer
 from .vit_dinov3 import DinoV3VisionTransformer, SwiGLUAligned
 
@@ -76,9 +77,16 @@ def model_defaults(name: str) -> dict[str, Any]:
 
 
 def build_vit(**kwargs: Any) -> DinoVisionTransformer | DinoV3VisionTransformer:
-    """Build from plain arguments (``ffn`` as a string, ``family`` dinov2 | dinov3), remembering them so
-    exports can rebuild it. Arguments without a ``family`` are DINOv2 (what older exports hold)."""
+    """Build from plain arguments (``ffn`` as a string, ``family`` dinov2 | dinov3 | timm), remembering them so
+    exports can rebuild it. Arguments without a ``family`` are DINOv2 (what older exports hold); ``timm`` is a
+    timm student's ``arch_config()``."""
     kwargs = dict(kwargs)
+    if kwargs.get("family") == "timm":  # a timm student (models/timm_backbone.py): its own arch record
+        from .timm_backbone import TimmBackbone
+
+        for key in ("family", "embed_dim", "patch_size", "num_register_tokens"):  # implied by the timm model
+            kwargs.pop(key, None)
+        return TimmBackbone(**kwargs)
     ffn = kwargs.pop("ffn", "mlp")
     family = kwargs.pop("family", "dinov2")
     if ffn not in FFN_LAYERS:
@@ -106,7 +114,10 @@ TRAINING_ONLY_KEYS = ("drop_path_rate", "drop_path_uniform", "efficient_drop_pat
 
 
 def create_model(name: str, **overrides: Any) -> DinoVisionTransformer | DinoV3VisionTransformer:
-    """Build a registry variant; any constructor argument can be overridden (e.g. ``embed_dim=64``)."""
+    """Build a registry variant; any constructor argument can be overridden (e.g. ``embed_dim=64``).
+    ``timm:NAME`` builds a randomly initialised timm model as a backbone (``models/timm_backbone.py``)."""
+    if is_timm_name(name):
+        return create_timm_backbone(name, **overrides)
     kwargs = model_defaults(name)
     kwargs.update({k: v for k, v in overrides.items() if v is not None or k == "init_values"})
     model = build_vit(**kwargs)

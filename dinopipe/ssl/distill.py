@@ -8,7 +8,9 @@ Two modes:
   student's EMA is the model kept.
 - ``feature`` — for a bare backbone (released weights have no heads): cosine (or smooth-L1) distance of the
   student's CLS and patch tokens, through learned projections, to the teacher's; the student's patch grid
-  is resampled to the teacher's when patch size or resolution differ.
+  is resampled to the teacher's when patch size or resolution differ. The only mode for students of other
+  architectures (``timm:NAME``, e.g. a ConvNeXt or a ResNet): their pooled feature stands for the CLS token
+  and their last feature map, resized to the teacher's patch grid, for the patch tokens.
 
 One teacher forward per step feeds every student; each student has its own optimizer, EMA, checkpoint
 state and export. The teacher is never written into checkpoints.
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models import create_model
+from ..models import create_model, is_timm_name
 from .base import (ExportSpec, LoadBackbone, LoadHeads, TeacherStudentTask, build_head, head_config,
                    koleo_per_global_crop, n_prototypes)
 from .distill_config import DistillConfig, resolve_mode
@@ -47,6 +49,19 @@ def _grid(crops: Tensor, patch: int) -> tuple[int, int]:
     return crops.shape[-2] // patch, crops.shape[-1] // patch
 
 
+def _student_grid(out: dict, crops: Tensor, backbone: nn.Module) -> tuple[int, int]:
+    """The grid of a student's patch tokens: a CNN reports its last feature map's (h, w); a ViT's follows
+    from the crop and its patch size."""
+    return out.get("patch_grid") or _grid(crops, backbone.patch_size)
+
+
+def create_student(model_cfg) -> nn.Module:
+    """A registry ViT, or any timm model (``timm:NAME``, random init) behind the same interface."""
+    if is_timm_name(model_cfg.name):
+        return create_model(model_cfg.name, img_size=model_cfg.img_size, drop_path_rate=model_cfg.drop_path_rate)
+    return create_model(model_cfg.name, **model_cfg.create_kwargs())
+
+
 class DistillTask(TeacherStudentTask):
     """Students (backbone + heads or projections), each with its EMA, learning from one frozen teacher that
     ``load_backbone`` / ``load_heads`` (``dinopipe.load`` and its heads reader, handed in by the train
@@ -67,10 +82,11 @@ class DistillTask(TeacherStudentTask):
         t_dim = t_backbone.embed_dim
         self.students = nn.ModuleDict()
         for s in cfg.students:
-            backbone = create_model(s.model.name, **s.model.create_kwargs())
+            backbone = create_student(s.model)
             # Students see unmasked crops: a parameter that never gets a gradient must be frozen, or its
             # optimizer state would be missing from checkpoints and resuming would fail.
-            backbone.mask_token.requires_grad_(False)
+            if getattr(backbone, "mask_token", None) is not None:
+                backbone.mask_token.requires_grad_(False)
             if self.mode == "ssl":
                 mods = {name: self._student_head(sd, backbone.embed_dim, t_dim) for name, sd in head_sds.items()}
             else:
@@ -150,7 +166,7 @@ class DistillTask(TeacherStudentTask):
         cls_logits = student["dino_head"](cls)
         dino = self.dino_loss(cls_logits[:n_g], t["cls_probs"], cls_logits[n_g:] if len(outs) > 1 else None)
         t_grid = _grid(crops[0], self.teacher["backbone"].patch_size)
-        patches = resample_patch_tokens(g["x_norm_patchtokens"], _grid(crops[0], student["backbone"].patch_size), t_grid)
+        patches = resample_patch_tokens(g["x_norm_patchtokens"], _student_grid(g, crops[0], student["backbone"]), t_grid)
         head = student["ibot_head"] if "ibot_head" in student else student["dino_head"]
         n_patch = t_grid[0] * t_grid[1]
         weights = torch.full((n_g * n_patch,), 1.0 / n_patch, device=patches.device)
@@ -175,7 +191,7 @@ class DistillTask(TeacherStudentTask):
         cls_loss, patch_loss = 0.0, 0.0
         for o, to, c in zip(outs, t["outs"], crops):
             cls_loss = cls_loss + dist(student["proj_cls"](o["x_norm_clstoken"]), to["x_norm_clstoken"])
-            p = resample_patch_tokens(o["x_norm_patchtokens"], _grid(c, student["backbone"].patch_size),
+            p = resample_patch_tokens(o["x_norm_patchtokens"], _student_grid(o, c, student["backbone"]),
                                       _grid(c, self.teacher["backbone"].patch_size))
             patch_loss = patch_loss + dist(student["proj_patch"](p), to["x_norm_patchtokens"])
         loss = (f.cls_weight * cls_loss + f.patch_weight * patch_loss) / len(outs)
@@ -196,4 +212,4 @@ class DistillTask(TeacherStudentTask):
         return total, logs
 
 
-__all__ = ["DistillTask", "resample_patch_tokens"]
+__all__ = ["DistillTask", "create_student", "resample_patch_tokens"]

@@ -24,6 +24,9 @@ class StudentConfig:
     name: str = "student"
     """Folder name of this student's export (RUN/export/NAME)."""
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name="vit_s14", drop_path_rate=0.0))
+    """``model.name``: a registry ViT, or any timm model as ``timm:NAME`` (e.g. timm:convnext_tiny,
+    timm:resnet50; random init, feature mode only; of the other model keys only img_size and drop_path_rate
+    apply)."""
     lr_scale: float = 1.0
     """This student's lr relative to the schedule (each student has its own optimizer)."""
 
@@ -46,7 +49,7 @@ class FeatureLossConfig:
 @dataclass
 class DistillConfig:
     mode: DistillMode = DistillMode.auto
-    """auto (ssl when the teacher run has heads, else feature) | ssl | feature."""
+    """auto (ssl when the teacher run has heads and every student is a ViT, else feature) | ssl | feature."""
     teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
     student_heads: StudentHeads = StudentHeads.new
     """ssl mode: ``new`` (DINOv2: fresh student heads) | ``teacher`` (each student starts from a trainable copy
@@ -89,7 +92,13 @@ def resolve_mode(cfg: DistillConfig, has_heads: bool) -> str:
     """The distillation mode for a teacher with or without exported DINO heads (``auto`` picks); raises
     ConfigError, naming the key, for a mode or loss term that teacher cannot serve. Called before the run
     starts (from the teacher's files) and again by the task (from what it loaded)."""
-    mode = cfg.mode if cfg.mode != "auto" else ("ssl" if has_heads else "feature")
+    other = [(i, s.model.name) for i, s in enumerate(cfg.students) if str(s.model.name).startswith("timm:")]
+    mode = cfg.mode if cfg.mode != "auto" else ("ssl" if has_heads and not other else "feature")
+    if mode == "ssl" and other:
+        i, name = other[0]
+        raise ConfigError(f"students[{i}].model.name: '{name}' is not a ViT; students of other architectures "
+                          f"distil features (their pooled and dense features through learned projections), not "
+                          f"the DINO/iBOT heads of mode=ssl: set mode=feature (or auto), or use a registry ViT")
     if mode == "ssl" and not has_heads:
         raise ConfigError(f"mode: mode=ssl needs the teacher's heads, but {cfg.teacher_model.path} has none "
                           f"(a bare backbone); use mode=feature")

@@ -65,10 +65,28 @@ def ema_update_(target: nn.Module, source: nn.Module, momentum: float) -> None:
     """target = m * target + (1 - m) * source, parameter by parameter on the local shards (both modules are
     sharded identically by parallelize(), so shard i of one pairs with shard i of the other)."""
     t, s = _ema_pairs(target, source)
-    if not t:
-        return
-    torch._foreach_mul_(t, momentum)
-    torch._foreach_add_(t, s, alpha=1.0 - momentum)
+    if t:
+        torch._foreach_mul_(t, momentum)
+        torch._foreach_add_(t, s, alpha=1.0 - momentum)
+    _ema_norm_stats_(target, source, momentum)
+
+
+def _ema_norm_stats_(target: nn.Module, source: nn.Module, momentum: float) -> None:
+    """BatchNorm running statistics (a timm CNN student) follow the same EMA (timm's ModelEmaV3 default; the
+    counter is copied): the EMA model never runs forward in train mode, so without this its running mean and
+    variance would stay at their init and the exported CNN would normalise with 0 / 1. ViTs have no such
+    buffers, so this is a no-op for them. FSDP2 does not shard buffers: they are full tensors on every rank."""
+    t_mods = dict(target.named_modules())
+    for name, src in source.named_modules():
+        if not isinstance(src, nn.modules.batchnorm._NormBase) or not src.track_running_stats:
+            continue
+        dst = t_mods[name]
+        for key in ("running_mean", "running_var"):
+            a, b = getattr(dst, key), getattr(src, key)
+            if a is not None and b is not None:
+                a.lerp_(b.to(a.dtype), 1.0 - momentum)
+        if dst.num_batches_tracked is not None and src.num_batches_tracked is not None:
+            dst.num_batches_tracked.copy_(src.num_batches_tracked)
 
 
 __all__ = ["ema_update_", "local_tensor", "reshard_"]

@@ -38,6 +38,9 @@ def configure_device_math(device: torch.device) -> None:
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The wrap units of a backbone: a ViT's blocks, a timm CNN's stages (``shard_units``), none for a head."""
+    if callable(getattr(module, "shard_units", None)):
+        return list(module.shard_units())
     blocks = getattr(module, "blocks", None)
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
