@@ -294,12 +294,15 @@ def teacher_targets(work: Path, sets: dict[str, tuple], n_centre: int = 680) -> 
     from dinopipe.config import load_config
     from dinopipe.eval import extract_features, knn_classify
     from dinopipe.eval.features import eval_transform
-    from dinopipe.ssl.distill import load_teacher
+    from dinopipe.hub import load, load_heads
+    from dinopipe.ssl.base import build_head
     from dinopipe.ssl.distill_config import DistillConfig
 
     cfg = load_config(DistillConfig, str(DISTILL_CFG), [f"teacher_model.path={work / 'teacher'}"])
-    backbone, heads = load_teacher(cfg)
-    head, temp = heads["dino_head"].eval(), cfg.teacher.teacher_temp
+    path = cfg.teacher_model.path
+    backbone = load(path, num_heads=cfg.teacher_model.num_heads)
+    head = build_head(state_dict=load_heads(path)["dino_head"]).eval()
+    temp = cfg.teacher.teacher_temp
     files = sorted(str(f) for f in (work / "pool").rglob("*") if f.suffix in (".jpg", ".png"))
     random.Random(0).shuffle(files)
     tf = eval_transform(EVAL_SIZE)
