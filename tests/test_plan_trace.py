@@ -6,6 +6,7 @@ FSDP2 issues per step against the model's own sizes. Fake tensors cost no comput
 recipes' real widths."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def test_trace_peak_equals_a_real_two_rank_gloo_run(tmp_path):
                  "dino.head.hidden_dim=256", "dino.head.bottleneck_dim=64", PHASE.format(b=2)]
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "real.json"
-    env = {"PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                     str(repo / "tests" / "train" / "_trace_real_worker.py"), str(out), *overrides],
                    check=True, env=env, capture_output=True, timeout=600)
