@@ -195,6 +195,23 @@ def test_largest_batch_is_monotone_in_gpu_memory():
     assert need(b) <= 40 * GiB < need(b + 1)
 
 
+
+def test_accumulation_holds_one_micro_batch_of_activations_and_all_targets():
+    """train.accumulate=K at micro-batch b: the student's activations are those of b (not K b), the teacher
+    targets of all K micro-batches are held, and the plan's total grows with K only by those targets."""
+    cfg = load_config(PretrainConfig, VITG)
+    arch, heads = describe(cfg)
+    ph = cfg.phases[0]
+
+    def mem(k, b):
+        cfg.train.accumulate = k
+        return step_memory(cfg, arch, heads, ph, b, 2, "fused", True, n_masked=100 * b)
+
+    one, four, big = mem(1, 12), mem(4, 12), mem(1, 48)
+    assert four["backbone_activations"] == one["backbone_activations"]
+    assert four["teacher_targets"] == 4 * one["teacher_targets"]
+    assert one["peak"] < four["peak"] < big["peak"]
+
 # -- the recipe and the command ---------------------------------------------------------------------
 
 

@@ -154,6 +154,16 @@ def state_memory(arch: Arch, heads: list[HeadArch], n_gpus: int, param_dtype: st
     return out
 
 
+def counted_peak(state: dict, act_peak: int) -> int:
+    """Per-GPU peak of state + activations. The activation peak falls at the loss, where backward is about to
+    start: no gradient exists yet (``zero_grad(set_to_none=True)``; FSDP2 writes each unit's sharded gradient
+    when its backward ends) and no unit is gathered (heads and blocks reshard after forward). Gradients and
+    gathered units peak later, at the last blocks' backward and the optimizer step, when the activations are
+    gone. Checked against the traced real step (``plan --trace``, tests/test_plan_trace.py)."""
+    late = state["student_grads"] + state["unsharded_units"]
+    return state["total"] - late + max(act_peak, late)
+
+
 def param_counts(arch: Arch, heads: list[HeadArch]) -> dict:
     backbone = sum(arch.block_params) + arch.root_params
     out = {"backbone": backbone, **{h.name: h.params for h in heads}}
@@ -272,12 +282,21 @@ def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, a
     K = [h.n_prototypes for h in heads]
     t = sum(bb * n for bb, n in groups)
     # Teacher: no_grad forward of the global crops; what outlives it are fp32 targets for the student losses.
-    targets = (2 * b * K[0] + m * K[-1]) * 4
+    # train.accumulate=K (b is one micro-batch): the targets of all K micro-batches are computed first (centring /
+    # Sinkhorn-Knopp over their union) and held through the K forward/backward passes; their logits are
+    # concatenated (a second compute-dtype copy) before the softmax work.
+    acc = max(1, int(getattr(getattr(cfg, "train", None), "accumulate", 1) or 1))
+    targets = acc * (2 * b * K[0] + m * K[-1]) * 4
     tg = groups[0][0] * groups[0][1]
     attn_nn = sum(arch.num_heads * bb * n * n for bb, n in groups) * (4 + c) if attn == "math" else 0
     teacher_nn = arch.num_heads * groups[0][0] * groups[0][1] ** 2 * (8 + c) if attn == "math" else 0
     # no_grad working set of one teacher block (residual, qkv, attention, MLP hidden) and its logits.
-    teacher_peak = tg * (6 * D + 2 * F) * c + teacher_nn + (2 * b + m) * max(K) * (c + 8)
+    teacher_block = tg * (6 * D + 2 * F) * c + teacher_nn
+    scores = (2 * b + m) * max(K)  # prototype scores of one micro-batch
+    if acc == 1:
+        teacher_total = teacher_block + scores * (c + 8) + targets
+    else:  # K logits kept, their concatenation, and the fp32 softmax / Sinkhorn-Knopp work over all of them
+        teacher_total = max(teacher_block + (acc - 1) * scores * c, acc * scores * (2 * c + 8))
     # Student.
     backbone = backbone_saved_bytes(arch, groups, sizes, c, attn, checkpointing, stat_bytes)
     head_tok = _head_tokens(cfg, heads, groups, m)
@@ -296,8 +315,8 @@ def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, a
         "head_activations": head_saved,
         "teacher_targets": targets,
         "backward_transient": max(logits_grad, workspace),
-        "teacher_forward_peak": teacher_peak + targets,
-        "peak": max(student_peak, teacher_peak + targets, gram_peak),
+        "teacher_forward_peak": teacher_total,
+        "peak": max(student_peak, teacher_total, gram_peak),
     }
 
 
@@ -378,7 +397,7 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
 
     def need(b, phase, ac, attn):
         act = step_memory(cfg, arch, heads, phase, b, c, attn, ac)["peak"]
-        return (state["total"] + act) * (1 + margin) + overhead_gb * GiB
+        return counted_peak(state, act) * (1 + margin) + overhead_gb * GiB
 
     phases = []
     for full_phase, (start, end) in zip(cfg.phases, phase_steps(cfg)):
@@ -486,4 +505,4 @@ def main(argv=None) -> int:
 
 
 __all__ = ["plan", "format_report", "describe", "backbone_arch", "block_saved_bytes", "crop_forward_flops",
-           "step_flops", "step_memory", "state_memory", "largest_batch", "implied_mfu", "main"]
+           "step_flops", "step_memory", "state_memory", "counted_peak", "largest_batch", "implied_mfu", "main"]

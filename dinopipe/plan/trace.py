@@ -79,13 +79,28 @@ class CollectiveBytes(TorchDispatchMode):
 
 def _tracker_cls():
     """FSDPMemTracker that tolerates FSDP units entered through registered forward methods (the task calls
-    ``forward_features_list``, which FSDP2 hooks directly, not through the module hooks the tracker wraps)."""
+    ``forward_features_list``, which FSDP2 hooks directly, not through the module hooks the tracker wraps) and
+    roots called once per micro-batch (``train.accumulate``)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
 
     class Tracker(FSDPMemTracker):
         def _ensure(self, mod) -> None:
             if mod not in self.memory_tracking:
                 self.memory_tracking[mod] = _FSDPModMemStats(type(mod).__name__)
+
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+            def again(*a, **k):
+                # A root called again in forward: the next micro-batch of train.accumulate, not a new iteration
+                # (the tracker refuses that); its per-module stats start over, the global peak is kept.
+                if not self._mod_tracker.is_bw and fsdp_mod in self.memory_tracking:
+                    parents = self._mod_tracker.parents - {self._mod_tracker.get_known_fqn(fsdp_mod)}
+                    if len(parents) == 1 and "Global" in parents:
+                        del self.memory_tracking[fsdp_mod]
+                return inner(*a, **k)
+
+            return again
 
         def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
             inner = super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
@@ -96,6 +111,25 @@ def _tracker_cls():
             return lambda *a, **k: (self._ensure(fsdp_mod), inner(*a, **k))[1]
 
     return Tracker
+
+
+@contextlib.contextmanager
+def _own_fake_mode_for_sharding_propagation():
+    """DTensor's sharding propagation runs each op once on *global-shape* fake tensors to learn the output's
+    metadata, in ``detect_fake_mode() or FakeTensorMode()``: in a real run a private fake mode, which the memory
+    tracker skips (it counts only ops under the fake mode active at its entry); under the trace's fake mode it
+    finds that one, so the tracker counted those full-size shadows as real memory. The foreach AdamW ops take
+    every parameter at once, so the trace carried ~4 x (student numel) bytes more than any rank allocates (the
+    batch-independent term measured at W=256; a real 2-rank gloo run shows it absent, docs/training-scale.md).
+    Here the propagation gets a private fake mode, as in a real run."""
+    from torch.distributed.tensor import _sharding_prop
+
+    saved = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = saved
 
 
 @dataclasses.dataclass
@@ -114,6 +148,8 @@ class TraceResult:
     planner: dict[str, int]
     """The analytic planner's counted bytes for the same config, phase and W (no margin, no overhead)."""
     seconds: float
+    accumulate: int = 1
+    """Micro-batches per optimizer step (``train.accumulate``); ``batch_per_rank`` is one micro-batch."""
 
     @property
     def planner_ratio(self) -> float:
@@ -121,14 +157,17 @@ class TraceResult:
 
     def report(self) -> str:
         lines = [f"traced {self.steps} real step(s) of {self.config}, phase {self.phase}, W={self.world_size}, "
-                 f"{self.batch_per_rank} images per rank, in {self.seconds:.0f} s (fake tensors, fake process group)",
+                 f"{self.batch_per_rank} images per rank"
+                 + (f" x {self.accumulate} micro-batches" if self.accumulate > 1 else "")
+                 + f", in {self.seconds:.0f} s (fake tensors, fake process group)",
                  f"  peak memory per rank (FSDPMemTracker): {self.peak_bytes / GiB:.2f} GiB"]
         for k, v in sorted(self.peak_by_category.items(), key=lambda kv: -kv[1]):
             if v:
                 lines.append(f"    {k:<18} {v / GiB:8.2f} GiB")
         p = self.planner
-        lines.append(f"  analytic planner: {p['counted'] / GiB:.2f} GiB counted (state {p['state'] / GiB:.2f} + step "
-                     f"{p['activations'] / GiB:.2f}); planner / trace = {self.planner_ratio:.3f}")
+        lines.append(f"  analytic planner: {p['counted'] / GiB:.2f} GiB counted (state {p['state'] / GiB:.2f}, step "
+                     f"{p['activations'] / GiB:.2f}; gradients and gathered units count after the activation peak); "
+                     f"planner / trace = {self.planner_ratio:.3f}")
         lines.append("  collectives per step and rank (bytes moved through c10d):")
         for k in sorted(self.collective_bytes_per_step):
             lines.append(f"    {k:<15} {self.collective_bytes_per_step[k] / GiB:8.3f} GiB in "
@@ -171,14 +210,15 @@ def planner_figures(cfg: Any, world_size: int, phase: Any, n_masked: int) -> dic
     arch, heads = describe(cfg)
     p = cfg.parallel
     c = DTYPE_BYTES[p.param_dtype]
-    state = state_memory(arch, heads, world_size, p.param_dtype, p.reduce_dtype)["total"]
-    from .analytic import sharded_numel
+    state = state_memory(arch, heads, world_size, p.param_dtype, p.reduce_dtype)
+    from .analytic import counted_peak, sharded_numel
 
-    state += gram_state_bytes(cfg, arch, world_size, sharded_numel)
+    gram = gram_state_bytes(cfg, arch, world_size, sharded_numel)
+    state = {**state, "total": state["total"] + gram}
     attn = "math" if str(cfg.model.attn_backend) == "math" else "sdpa"
     act = step_memory(cfg, arch, heads, phase, phase.batch_size_per_gpu, c, attn, p.activation_checkpointing,
                       n_masked=n_masked)["peak"]
-    return {"state": state, "activations": act, "counted": state + act}
+    return {"state": state["total"], "activations": act, "counted": counted_peak(state, act)}
 
 
 def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None, seed: int = 0,
@@ -217,8 +257,9 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
         torch.manual_seed(seed)
         with torch.device("meta"):
             task = build_task(SSLTask, cfg, all_reduce_fn=all_reduce_sum_fn())
-        batch = synthetic_batch(cfg, ph, task.data_patch_size, seed)
-        n_masked = int(batch["mask_indices"].numel())
+        k_acc = max(1, int(getattr(cfg.train, "accumulate", 1)))
+        micro = [synthetic_batch(cfg, ph, task.data_patch_size, seed + i) for i in range(k_acc)]
+        n_masked = max(int(b["mask_indices"].numel()) for b in micro)
         # Step values at the first step every part of the loss is on (the Gram teacher's first refresh).
         bounds = phase_steps(cfg)
         first = bounds[index][0]
@@ -237,16 +278,16 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             roots = [m for m in task.modules() if hasattr(m, "unshard")]
             tracker = _tracker_cls()(roots[0], first_opt)
             tracker._root_mod = task  # every FSDP root of the task (student, heads, teacher, Gram teacher)
-            tracker.track_inputs((batch,))
+            tracker.track_inputs((micro,))
             comm, counter = (CommDebugMode() if comm_debug else contextlib.nullcontext()), CollectiveBytes()
             per_step: list[dict[str, int]] = []
             calls: list[dict[str, int]] = []
-            with tracker, comm, counter:
+            with _own_fake_mode_for_sharding_propagation(), tracker, comm, counter:
                 for k in range(steps):
                     before, before_calls = dict(counter.bytes), dict(counter.calls)
                     s = min(first + k, len(sched["lr"]) - 1)
                     values = {name: float(arr[s]) for name, arr in sched.items()}
-                    _step(task, optimizer, batch, values, cfg.optim.clip_grad)
+                    _step(task, optimizer, micro, values, cfg.optim.clip_grad)
                     per_step.append({kk: v - before.get(kk, 0) for kk, v in counter.bytes.items()})
                     calls.append({kk: v - before_calls.get(kk, 0) for kk, v in counter.calls.items()})
                     tracker.reset_mod_stats()
@@ -258,7 +299,8 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             phase=ph.name, steps=steps, peak_bytes=int(peak[dev]["Total"]), peak_by_category=by_cat,
             collective_bytes_per_step=per_step[-1], collective_calls_per_step=calls[-1],
             comm_counts={str(k): int(v) for k, v in comm.get_comm_counts().items()} if comm_debug else {},
-            planner=planner_figures(cfg, world_size, ph, n_masked), seconds=time.perf_counter() - t0)
+            planner=planner_figures(cfg, world_size, ph, n_masked), seconds=time.perf_counter() - t0,
+            accumulate=k_acc)
         return result
     finally:
         tdist._INFO = saved_info
@@ -268,11 +310,16 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
         dist.destroy_process_group()
 
 
-def _step(task, optimizer, batch: dict, values: dict, clip: float) -> None:
-    """The loop's step order (train/loop.py): zero_grad -> forward -> backward -> clip -> step -> EMA."""
+def _step(task, optimizer, micro: list[dict], values: dict, clip: float) -> None:
+    """The loop's step order (train/loop.py): zero_grad -> [teacher targets of all K micro-batches] -> forward
+    and backward of each micro-batch (loss / K) -> clip -> step -> EMA."""
     optimizer.zero_grad(set_to_none=True)
-    loss, _ = task(batch, values)
-    loss.backward()
+    k = len(micro)
+    if k > 1 and hasattr(task, "begin_accumulation"):
+        task.begin_accumulation(micro, values)
+    for batch in micro:
+        loss, _ = task(batch, values)
+        (loss / k if k > 1 else loss).backward()
     for group in task.clip_groups():
         params = [p for p in group if p.grad is not None]
         if params and clip > 0:
