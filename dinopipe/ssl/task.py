@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..models import create_model
 from ..models.channels import expand_patch_embed, in_chans_of
+from ..utils.norm import set_input_norm
 from .base import ExportSpec, LoadBackbone, TeacherStudentTask, build_head, koleo_per_global_crop
 from .config import PretrainConfig
 from .ema import reshard_
@@ -42,8 +43,11 @@ def build_backbone(cfg: PretrainConfig, load_backbone: Optional[LoadBackbone] = 
         model = load_backbone(cfg.model.pretrained, num_heads=cfg.model.num_heads,
                               **{k: kwargs[k] for k in _TRAINING_KWARGS}, **extra)
         log.info("initialised backbone from %s", cfg.model.pretrained)
-        return match_channels(model, cfg.model).train()
-    return create_model(cfg.model.name, **kwargs)
+        model = match_channels(model, cfg.model).train()
+    else:
+        model = create_model(cfg.model.name, **kwargs)
+    set_input_norm(model, cfg.data.mean, cfg.data.std)  # N channels: exports record the statistics
+    return model
 
 
 def match_channels(model: nn.Module, mcfg) -> nn.Module:
