@@ -2,6 +2,7 @@
 their channels, rendered to RGB for curation, their statistics, and the per-channel augmentation."""
 
 import io
+import json
 import tarfile
 
 import numpy as np
@@ -156,3 +157,28 @@ def test_normalisation_uses_the_configured_statistics(photo):
     centre = x[:, :, 8:104]
     want = (centre - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
     assert torch.allclose(y, want, atol=1e-4)
+
+
+def test_float_tiff_in_physical_units(photo):
+    import tifffile
+
+    refl = bands(photo, 4) * 800.0 + 20.0  # float32 'reflectance' bands, far outside [0, 1]
+    buf = io.BytesIO()
+    tifffile.imwrite(buf, refl.astype(np.float32), photometric="minisblack", planarconfig="contig")
+    x, reason = decode_channels(buf.getvalue(), 4)
+    assert reason is None and np.allclose(x.numpy().transpose(1, 2, 0), refl, rtol=1e-6)  # floats as stored
+    img, _ = safe_decode(buf.getvalue())
+    assert np.corrcoef(np.asarray(img)[..., 0].ravel(), photo[..., 0].ravel())[0, 1] > 0.999
+
+
+def test_channel_stats_command_prints_config_keys(tmp_path, photo, capsys):
+    from dinopipe.cli import main
+
+    for i in range(3):
+        (tmp_path / f"{i}.tif").write_bytes(encode_tile(bands(photo[i * 8:], 4), "tiff16"))
+    assert main(["channel-stats", str(tmp_path), "--channels", "4", "--sample", "2"]) == 0
+    keys = dict(kv.split("=", 1) for kv in capsys.readouterr().out.split())
+    assert keys["data.channels"] == "4" and len(json.loads(keys["data.mean"])) == 4 and len(json.loads(keys["data.std"])) == 4
+    assert main(["channel-stats", str(tmp_path), "--channels", "5"]) == 2
+    assert "--channels" in capsys.readouterr().err
+    assert main(["channel-stats", str(tmp_path / "nowhere"), "--channels", "4"]) == 2
