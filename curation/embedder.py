@@ -3,7 +3,8 @@
 The device is chosen once here (CUDA when available); the model runs under bf16 autocast on CUDA
 and returns L2-normalised CLS embeddings in fp32 (stored as fp16 by the embedding writer).
 The transform is DINOv2's eval transform: resize the shorter side to size*256/224, centre-crop
-``image_size`` (a multiple of the patch size), ImageNet normalisation.
+``image_size`` (a multiple of the patch size), ImageNet normalisation — or, for an N-channel backbone, its
+N-channel input (npy / TIFF through dinopipe.data.channels) normalised by the statistics its export records.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from dinopipe.config import ConfigError
 from dinopipe.data.transforms import eval_transform
+from dinopipe.utils.norm import input_norm
 from dinopipe.utils.device import pick_device
 
 
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class ModelEmbedder:
-    """``embedder(batch (B, 3, H, W)) -> (B, D)`` L2-normalised CLS embeddings (fp32, on CPU)."""
+    """``embedder(batch (B, C, H, W)) -> (B, D)`` L2-normalised CLS embeddings (fp32, on CPU)."""
 
     def __init__(self, model: torch.nn.Module, image_size: int = 224, device: str = "auto",
                  precision: str = "auto"):
@@ -38,7 +40,11 @@ class ModelEmbedder:
         self.precision = precision
         self.image_size = image_size
         self.model = model.to(self.device).eval()
-        self.transform: Callable = eval_transform(image_size)
+        self.channels = int(model.patch_embed.proj.in_channels)
+        mean, std = input_norm(model)
+        self.transform: Callable = eval_transform(image_size, mean=mean, std=std)
+        if self.channels != 3:  # an N-channel backbone sees the N-channel array (embeddings.py reads it so)
+            self.transform.channels = self.channels
 
     def _autocast(self):
         if self.precision == "bf16":

@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from dinopipe.data.channels import decode_channels
 from dinopipe.data.decode import DEFAULT_MAX_PIXELS, safe_decode
 from dinopipe.data.sources import ImageRef, MultiSource, as_multi, check_split
 from dinopipe.data.transforms import eval_transform
@@ -206,22 +207,32 @@ class _DecodeDataset(torch.utils.data.Dataset):
         self.source, self.refs, self.transforms = source, refs, transforms
         self.hash_names = hash_names
         self.max_pixels = max_pixels
+        wanted = {int(tf.channels) for tf in transforms if getattr(tf, "channels", None)}
+        if len(wanted) > 1:
+            raise ValueError(f"embedding targets want different channel counts {sorted(wanted)}")
+        self.channels = wanted.pop() if wanted else None
 
     def __len__(self) -> int:
         return len(self.refs)
 
     def __getitem__(self, i: int):
         ref = self.refs[i]
-        img, reason = safe_decode(self.source.read(ref), max_pixels=self.max_pixels)
+        data = self.source.read(ref)
+        img, reason = safe_decode(data, max_pixels=self.max_pixels)  # N channels: the 3-channel rendering
         if img is None:
             return i, None, reason, None
+        arr = None
+        if self.channels:  # an N-channel backbone: its transform takes the (C, H, W) array, the rest the rendering
+            arr, reason = decode_channels(data, self.channels, self.max_pixels)
+            if arr is None:
+                return i, None, reason, None
         try:
             done: dict[str, int] = {}
             for name in self.hash_names:
                 if name and name not in done:
                     done[name] = HASHES[name](img)
             hashes = [done[name] if name else 0 for name in self.hash_names]
-            return i, [tf(img) for tf in self.transforms], None, hashes
+            return i, [tf(arr) if getattr(tf, "channels", None) else tf(img) for tf in self.transforms], None, hashes
         except Exception as e:  # e.g. a 1x1 image a transform cannot crop: count, don't crash
             return i, None, f"transform_error:{type(e).__name__}", None
 

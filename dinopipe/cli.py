@@ -14,6 +14,7 @@ exit with code 2 before any work starts (exit codes: docs/exit-codes.md).
     dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]
     dinopipe slurm submit --config configs/slurm/X.yaml [--dry-run] [key=value | STAGE:key=value ...]
     dinopipe gpu-check [--out gpu-check] [--cpu]      GPU acceptance check (report.json; exit 1 on failure)
+    dinopipe channel-stats PATH... --channels N [--sample 512]   per-channel mean/std as config keys
 """
 
 from __future__ import annotations
@@ -83,6 +84,37 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(out)
+    return 0
+
+
+def _cmd_channel_stats(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .data.channels import channel_stats
+    from .data.loader import list_pool
+
+    if not 1 <= args.channels <= 16 or args.sample < 1:
+        print(f"error: need --channels in 1-16 and --sample >= 1, got {args.channels} and {args.sample}",
+              file=sys.stderr)
+        return 2
+    try:
+        refs, read = list_pool(args.paths)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    pick = np.sort(np.random.default_rng(args.seed).permutation(len(refs))[:args.sample])
+    try:
+        mean, std, used, skipped = channel_stats((read(refs[i]) for i in pick), args.channels)
+    except ValueError as exc:
+        print(f"error: {exc} (is --channels right?)", file=sys.stderr)
+        return 2
+
+    def fmt(v: list) -> str:
+        return "[" + ",".join(f"{x:.6g}" for x in v) + "]"  # no spaces: one shell word
+
+    print(f"# {used} of {len(refs)} images sampled (seed {args.seed}); {skipped} unreadable or not "
+          f"{args.channels}-channel", file=sys.stderr)
+    print(f"data.channels={args.channels} data.mean={fmt(mean)} data.std={fmt(std)}")
     return 0
 
 
@@ -161,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="onnx / pt2: example size traced (any multiple of the patch size runs; default 4 patches)")
     e.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
     e.set_defaults(func=_cmd_export)
+
+    cs = sub.add_parser("channel-stats", help="per-channel mean / std of a pool sample, printed as config keys",
+                        description="Read a random sample of the pool (folders, file lists, .tar shards; npy / "
+                        "TIFF tiles of any bit depth) with N channels and print data.channels, data.mean and "
+                        "data.std as key=value overrides to paste into a config (docs/multichannel.md).")
+    cs.add_argument("paths", nargs="+", help="image folders, file lists or shard paths")
+    cs.add_argument("--channels", type=int, required=True, help="channels per image (1-16)")
+    cs.add_argument("--sample", type=int, default=512, help="images read (a seeded random sample)")
+    cs.add_argument("--seed", type=int, default=0)
+    cs.set_defaults(func=_cmd_channel_stats)
 
     c = sub.add_parser("config", help="list every config key with its default and what it does, or check a "
                        "config file and print it resolved",

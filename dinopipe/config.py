@@ -166,6 +166,8 @@ AttnBackend = choices("AttnBackend", ("auto", "sdpa", "xformers", "math"), __nam
 RopeDtype = choices("RopeDtype", ("fp32", "bf16"), __name__)
 FFN = choices("FFN", ("mlp", "swiglu", "swiglu32", "swiglu64", "swiglu128"), __name__)
 """dinopipe.models.registry.FFN_LAYERS."""
+PatchEmbedExpand = choices("PatchEmbedExpand", ("mean", "rgb_map"), __name__)
+"""dinopipe.models.channels.EXPAND_MODES."""
 DINOV3_KEYS = ("rope_rescale", "rope_shift", "rope_jitter", "rope_dtype", "untie_cls_and_patch_norms",
                "untie_global_and_local_cls_norm")
 
@@ -204,6 +206,14 @@ class ModelConfig:
     """Override the variant's number of blocks."""
     pretrained: Optional[str] = None
     """A checkpoint dinopipe.load accepts, used to initialise the backbone (continued pretraining)."""
+    in_chans: Optional[int] = None
+    """Input channels (1-16); null: data.channels. A pretrained file with another count (e.g. RGB weights for
+    4-band images) has its patch embedding expanded as expand_patch_embed says (docs/multichannel.md)."""
+    expand_patch_embed: PatchEmbedExpand = PatchEmbedExpand.mean
+    """RGB weights -> in_chans channels: mean (the mean RGB kernel in every channel, x 3/in_chans) | rgb_map (the
+    channels named by rgb_channels get the R, G, B kernels, the rest the mean kernel; all x 3/in_chans)."""
+    rgb_channels: Optional[list[int]] = None
+    """rgb_map: the input channels (0-based) holding red, green and blue, e.g. [2, 1, 0] for B,G,R,NIR bands."""
     rope_rescale: Optional[float] = None
     """DINOv3 backbones only (RoPE): training-time coordinate rescale augmentation (released models: 2)."""
     rope_shift: Optional[float] = None
@@ -228,7 +238,7 @@ class ModelConfig:
             "attn_backend": str(self.attn_backend),  # model code gets plain strings, not config enums
             "init_values": self.init_values,
         }
-        for key in ("patch_size", "num_register_tokens", "ffn", "num_heads", "embed_dim", "depth") + DINOV3_KEYS:
+        for key in ("patch_size", "num_register_tokens", "ffn", "num_heads", "embed_dim", "depth", "in_chans") + DINOV3_KEYS:
             if getattr(self, key) is not None:
                 v = getattr(self, key)
                 out[key] = str(v) if isinstance(v, Choice) else v

@@ -13,12 +13,13 @@ restricted unpickler (``dinopipe/utils/safe_load.py``); a file that needs arbitr
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .export import (  # noqa: F401
     ARCH_METADATA_KEY,
@@ -55,6 +56,7 @@ from .export.readers import HF_MODEL_TYPES, read_dcp_backbone, read_weights_file
 from .models.registry import build_vit, list_models, model_defaults
 from .models.timm_backbone import from_timm_keys, is_timm_name
 from .models.vit import DinoVisionTransformer
+from .utils.norm import set_input_norm
 from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors, read_safetensors_header
 
 log = logging.getLogger(__name__)
@@ -131,7 +133,26 @@ def load(
         raise CheckpointError(
             f"{file}: weights do not fit the architecture {kwargs}: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    _recorded_norm(model, Path(file))
     return model.to(device).eval()
+
+
+def _recorded_norm(model: nn.Module, file: Path) -> None:
+    """An N-channel export's per-channel statistics (its config.json's mean / std) onto the model, so exports
+    made from it carry them on (utils/norm.py:input_norm)."""
+    cfg_path = (file if file.is_dir() else file.parent) / CONFIG_NAME
+    try:
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    except (OSError, ValueError):
+        return
+    mean, std = (cfg.get("mean"), cfg.get("std")) if isinstance(cfg, dict) and cfg.get("format") == EXPORT_FORMAT \
+        else (None, None)
+    n = int(model.patch_embed.proj.in_channels)
+    if isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std) == n:
+        try:
+            set_input_norm(model, mean, std)
+        except (TypeError, ValueError):  # not numbers: the file's problem, ignore the record
+            pass
 
 
 def _heads_file(path: Path) -> Optional[Path]:

@@ -128,7 +128,8 @@ def test_stage_configs_and_overrides_are_valid(cmd):
     load_config(schema, REPO / config if config else None, overrides)  # raises ConfigError naming the key
 
 
-@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.startswith("dinopipe eval") or c.startswith("dinopipe export")])
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.startswith(("dinopipe eval", "dinopipe export",
+                                                                       "dinopipe channel-stats"))])
 def test_subcommand_flags_parse(cmd):
     toks = _tokens(cmd)
     if toks[1] == "eval":
@@ -236,7 +237,7 @@ def _checked_by(cmd: str) -> list[str]:
         checks.append("make target")
     if _has_schema(cmd) and not cmd.startswith("curate plan"):
         checks.append("config and overrides")
-    if cmd.startswith(("dinopipe eval", "dinopipe export")):
+    if cmd.startswith(("dinopipe eval", "dinopipe export", "dinopipe channel-stats")):
         checks.append("flags parse")
     if cmd.startswith(("dinopipe plan", "dinopipe models", "dinopipe config")):
         checks.append("runs")

@@ -2,7 +2,8 @@
 
 Web-scale pools contain empty files, cut-off downloads, HTML error pages saved as ``.jpg``,
 decompression bombs, CMYK JPEGs, 16-bit PNGs, palette GIFs, transparent PNGs and phone photos
-whose orientation lives in EXIF. :func:`safe_decode` never raises; the curation manifest and the
+whose orientation lives in EXIF. ``.npy`` arrays and TIFFs of any band count or bit depth come back as
+their documented 3-channel rendering (:mod:`.channels`). :func:`safe_decode` never raises; the curation manifest and the
 training loader count the reasons instead of crashing or silently dropping files.
 """
 
@@ -14,6 +15,8 @@ import warnings
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from .channels import ArrayTooLarge, is_npy, is_tiff, read_array, render_rgb
 
 # Stable reason strings (they appear in manifest.json; keep them short and unchanged).
 EMPTY = "empty"  # zero bytes
@@ -44,6 +47,10 @@ def safe_decode(data: bytes | None, max_pixels: int = DEFAULT_MAX_PIXELS,
         return None, READ_ERROR
     if len(data) == 0:
         return None, EMPTY
+    if is_npy(data) or is_tiff(data):  # any band count and bit depth: the 3-channel rendering (channels.py)
+        rendered = _render_array(data, max_pixels)
+        if rendered is not None:
+            return rendered
     try:
         with warnings.catch_warnings():
             # Our own pixel limit below replaces Pillow's bomb warning.
@@ -71,6 +78,19 @@ def safe_decode(data: bytes | None, max_pixels: int = DEFAULT_MAX_PIXELS,
     except Exception:
         return None, BAD_MODE
     return rgb, None
+
+
+def _render_array(data: bytes, max_pixels: int) -> tuple[Image.Image | None, str | None] | None:
+    """npy / TIFF through their own readers, as channels.render_rgb draws them; None hands a TIFF tifffile
+    cannot read (e.g. palette, or a compression it lacks) to Pillow."""
+    try:
+        return render_rgb(read_array(data, max_pixels)), None
+    except ArrayTooLarge:
+        return None, TOO_LARGE
+    except MemoryError:
+        return None, TOO_LARGE
+    except Exception:
+        return None if is_tiff(data) else (None, TRUNCATED)
 
 
 def _upright(img: Image.Image) -> Image.Image:

@@ -141,7 +141,8 @@ class ImagePoolDataset(Dataset):
     """
 
     def __init__(self, refs: Pool | Sequence[ImageRef], read: Callable[[Any], Optional[bytes]],
-                 transform: Callable[[Any], Any], seed: int = 0) -> None:
+                 transform: Callable[[Any], Any], seed: int = 0, decode: Optional[Callable] = None) -> None:
+        self.decode = decode or safe_decode  # bytes -> (image, None) | (None, reason); N channels: decode_channels
         # A Pool is kept as it is: copying it into a list would bring back one Python object per image.
         refs = refs if isinstance(refs, Pool) else list(refs)
         self.refs, self.read, self.transform, self.seed = refs, read, transform, seed
@@ -151,7 +152,7 @@ class ImagePoolDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
-        img, reason = safe_decode(self.read(self.refs[index]))
+        img, reason = self.decode(self.read(self.refs[index]))
         if img is None:
             return ("__corrupt__", reason)
         # Per-sample seed: the same augmentation whichever worker (or how many) decodes it.
@@ -196,8 +197,8 @@ def list_pool(paths: Sequence[str]) -> tuple[list[ImageRef], Callable[[ImageRef]
 def build_train_loader(refs: Pool | Sequence[ImageRef], read: Callable, transform: Callable, collate: Callable,
                        batch_per_rank: int, rank: int, world_size: int, seed: int, start: DataPosition,
                        num_workers: int = 2, pin_memory: bool = False, worker_init_fn: Optional[Callable] = None,
-                       persistent_workers: bool = False) -> DataLoader:
-    dataset = ImagePoolDataset(refs, read, transform, seed)
+                       persistent_workers: bool = False, decode: Optional[Callable] = None) -> DataLoader:
+    dataset = ImagePoolDataset(refs, read, transform, seed, decode)
     sampler = GlobalBatchSampler(len(dataset), batch_per_rank, rank, world_size, seed, start)
     return DataLoader(
         dataset,

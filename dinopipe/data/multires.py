@@ -99,8 +99,9 @@ class SizedBatchSampler(GlobalBatchSampler):
 class MultiSizeDataset(ImagePoolDataset):
     """(index, epoch, size) -> the ``size``-th augmentation of the sample (seeded as ImagePoolDataset does)."""
 
-    def __init__(self, refs, read: Callable, transforms: Sequence[Callable], seed: int = 0) -> None:
-        super().__init__(refs, read, transforms[0], seed)
+    def __init__(self, refs, read: Callable, transforms: Sequence[Callable], seed: int = 0,
+                 decode: Optional[Callable] = None) -> None:
+        super().__init__(refs, read, transforms[0], seed, decode)
         self.transforms = list(transforms)
 
     def __getitem__(self, key: tuple[int, int, int]):
@@ -112,11 +113,12 @@ class MultiSizeDataset(ImagePoolDataset):
 def build_multisize_loader(refs, read: Callable, transforms: Sequence[Callable], probabilities: Sequence[float],
                            collate: Callable, batch_per_rank: int, rank: int, world_size: int, seed: int,
                            start: DataPosition, num_workers: int = 2, pin_memory: bool = False,
-                           worker_init_fn: Optional[Callable] = None, persistent_workers: bool = False) -> DataLoader:
+                           worker_init_fn: Optional[Callable] = None, persistent_workers: bool = False,
+                           decode: Optional[Callable] = None) -> DataLoader:
     """build_train_loader with one augmentation per size triple and one triple per global batch."""
     if len(transforms) != len(probabilities):
         raise ValueError(f"{len(transforms)} augmentations but {len(probabilities)} probabilities")
-    dataset = MultiSizeDataset(refs, read, transforms, seed)
+    dataset = MultiSizeDataset(refs, read, transforms, seed, decode)
     sampler = SizedBatchSampler(len(dataset), batch_per_rank, rank, world_size, seed, start,
                                 probabilities=probabilities)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=SkipCorrupt(collate), num_workers=num_workers,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 IMAGE_EXTENSIONS = frozenset(
-    {"jpg", "jpeg", "png", "bmp", "gif", "tif", "tiff", "webp", "ppm", "pgm", "pbm", "jp2"}
+    {"jpg", "jpeg", "png", "bmp", "gif", "tif", "tiff", "webp", "ppm", "pgm", "pbm", "jp2", "npy"}
 )
 
 

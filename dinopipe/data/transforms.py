@@ -33,6 +33,27 @@ BLUR_PROBABILITIES = {"released": (0.0, 0.9), "paper": (1.0, 0.1)}
 """Probability of blurring (global crop 1, global crop 2); local crops: 0.5 in both."""
 
 
+class ChannelBrightnessContrast(torch.nn.Module):
+    """Per-channel brightness and contrast for N-channel float images (C, H, W): each channel is scaled by its
+    own factor in [1 - brightness, 1 + brightness], then its deviation from its mean by one in
+    [1 - contrast, 1 + contrast]. No clipping: float channels carry physical units, not a [0, 1] range."""
+
+    def __init__(self, brightness: float = 0.4, contrast: float = 0.4) -> None:
+        super().__init__()
+        self.brightness, self.contrast = brightness, contrast
+
+    def forward(self, x: Tensor) -> Tensor:
+        c = x.shape[-3]
+        b = 1.0 + (torch.rand(c, 1, 1) * 2 - 1) * self.brightness  # (C, 1, 1)
+        k = 1.0 + (torch.rand(c, 1, 1) * 2 - 1) * self.contrast
+        y = x * b
+        mean = y.mean(dim=(-2, -1), keepdim=True)
+        return (y - mean) * k + mean
+
+    def extra_repr(self) -> str:
+        return f"brightness={self.brightness}, contrast={self.contrast}"
+
+
 def _blur(p: float) -> v2.Transform:
     # DINOv2 / DINO: 9-px kernel, sigma uniform in [0.1, 2]. RandomApply's p is the probability of blurring.
     return v2.RandomApply([v2.GaussianBlur(kernel_size=9, sigma=(0.1, 2.0))], p=p)
@@ -41,6 +62,11 @@ def _blur(p: float) -> v2.Transform:
 class MultiCropAugmentation:
     """PIL image (or uint8 CHW tensor / HWC array) -> {"global_crops": [t, t], "local_crops": [t] * n_local},
     float32 tensors (3, S, S), normalised.
+
+    N-channel images (``channels``, ``float_input=True``): a float (C, H, W) tensor from
+    :func:`.channels.decode_channels`; the same crops, flips and blur (per channel), per-channel brightness /
+    contrast in place of colour jitter and greyscale and no solarisation unless C == 3, and normalisation by
+    the given per-channel ``mean`` / ``std``.
 
     ``__call__(image, seed=...)`` is reproducible: the torch RNG is forked and seeded for that call only
     (torchvision's v2 transforms draw from torch's global generator). Without a seed the global stream is used.
@@ -63,7 +89,14 @@ class MultiCropAugmentation:
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
         horizontal_flip: bool = True,
+        channels: int = 3,
+        float_input: bool = False,
     ) -> None:
+        if float_input is False and channels != 3:
+            raise ValueError(f"{channels}-channel images come as float (C, H, W) tensors: pass float_input=True")
+        if len(mean) != channels or len(std) != channels:
+            raise ValueError(f"need {channels} per-channel mean and std values, got {len(mean)} and {len(std)}")
+        self.channels, self.float_input = channels, float_input
         self.global_size, self.local_size, self.n_local = global_size, local_size, n_local
         if blur not in BLUR_PROBABILITIES:
             raise ValueError(f"blur must be one of {sorted(BLUR_PROBABILITIES)}, got '{blur}'")
@@ -83,15 +116,21 @@ class MultiCropAugmentation:
                 v2.ToImage(),  # uint8 tensor from here on: photometric ops run on the small crop
             ]
 
-        colour = [
-            v2.RandomApply([v2.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)], p=color_jitter_p),
-            v2.RandomGrayscale(p=grayscale_p),
-        ]
+        if channels == 3:  # colour jitter, greyscale and solarisation mean something only for RGB
+            colour = [
+                v2.RandomApply([v2.ColorJitter(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1)],
+                               p=color_jitter_p),
+                v2.RandomGrayscale(p=grayscale_p),
+            ]
+        else:
+            colour = [v2.RandomApply([ChannelBrightnessContrast(0.4, 0.4)], p=color_jitter_p)]
+        # Float input (npy / TIFF, channels.py) is on a [0, 1] scale for integer files: solarise at its middle.
+        solarize = [v2.RandomSolarize(threshold=0.5 if float_input else 128, p=solarize_p)] if channels == 3 else []
         normalize = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean=list(mean), std=list(std))]
         self.global1 = v2.Compose(geometric(global_size, global_scale) + colour + [_blur(global1_blur_p)] + normalize)
         self.global2 = v2.Compose(
             geometric(global_size, global_scale) + colour
-            + [_blur(global2_blur_p), v2.RandomSolarize(threshold=128, p=solarize_p)]  # threshold on uint8
+            + [_blur(global2_blur_p)] + solarize  # threshold on uint8 (or the float scale's middle)
             + normalize
         )
         self.local = v2.Compose(geometric(local_size, local_scale) + colour + [_blur(local_blur_p)] + normalize)
@@ -101,7 +140,11 @@ class MultiCropAugmentation:
                 f"n_local={self.n_local})\n  global1={self.global1}\n  global2={self.global2}\n  local={self.local}")
 
     def _crops(self, image: Any) -> dict[str, list[Tensor]]:
-        if hasattr(image, "mode") and image.mode != "RGB":  # PIL: palette, greyscale, RGBA, CMYK...
+        if self.float_input:
+            if not torch.is_tensor(image) or image.ndim != 3 or image.shape[0] != self.channels:
+                raise ValueError(f"expected a float ({self.channels}, H, W) tensor (channels.decode_channels), got "
+                                 f"{getattr(image, 'shape', type(image).__name__)}")
+        elif hasattr(image, "mode") and image.mode != "RGB":  # PIL: palette, greyscale, RGBA, CMYK...
             image = image.convert("RGB")
         elif isinstance(image, np.ndarray):  # HWC uint8
             image = v2.functional.to_image(image)
@@ -216,19 +259,21 @@ def eval_crop_size(img_size: int, patch_size: int) -> int:
     return max(patch_size, img_size // patch_size * patch_size)
 
 
-def eval_transform(crop: int = 224, resize_ratio: float = 256 / 224) -> v2.Compose:
+def eval_transform(crop: int = 224, resize_ratio: float = 256 / 224, mean: Sequence[float] = IMAGENET_MEAN,
+                   std: Sequence[float] = IMAGENET_STD) -> v2.Compose:
     """DINOv2's eval preprocessing: resize the shorter side to ``crop * resize_ratio`` (bicubic), centre crop,
     ImageNet normalisation -> float32 (3, crop, crop). Used by the kNN / linear evals and by curation's
     embedder. A PIL image is resized and cropped by PIL (what DINOv2's torchvision-v1 evals did, so
-    embeddings match theirs); ``ToImage`` comes after, so a uint8 tensor input works too."""
+    embeddings match theirs); ``ToImage`` comes after, so a uint8 tensor input works too, and so does an
+    N-channel float (C, H, W) tensor (channels.decode_channels) with that many ``mean`` / ``std`` values."""
     return v2.Compose([
         v2.Resize(int(round(crop * resize_ratio)), interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
         v2.CenterCrop(crop),
         v2.ToImage(),
         v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        v2.Normalize(list(mean), list(std)),
     ])
 
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MultiCropAugmentation", "MultiCropCollator", "eval_transform",
-           "eval_crop_size", "BLUR_PROBABILITIES"]
+           "eval_crop_size", "BLUR_PROBABILITIES", "ChannelBrightnessContrast"]

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ..models.convert import infer_arch
 from ..models.registry import TRAINING_ONLY_KEYS
 from ..utils.io import atomic_path
-from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD
+from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD, input_norm
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -47,7 +47,8 @@ def save_backbone(model: nn.Module, out_dir: str | Path, extra: Optional[dict] =
     arch = export_arch(model)
     with atomic_path(out / WEIGHTS_NAME) as tmp:
         save_file(_contiguous_cpu(model.state_dict()), tmp, metadata={ARCH_METADATA_KEY: json.dumps(arch)})
-    cfg = {"format": EXPORT_FORMAT, "arch": arch, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, **(extra or {})}
+    mean, std = input_norm(model)  # per input channel (utils/norm.py)
+    cfg = {"format": EXPORT_FORMAT, "arch": arch, "mean": mean, "std": std, **(extra or {})}
     (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
     return out
 

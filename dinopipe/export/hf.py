@@ -29,7 +29,7 @@ from torch import Tensor
 from ..models.block import swiglu_hidden
 from ..models.convert_hf import hf_dinov3_config, to_hf_dinov3
 from ..utils.io import atomic_path
-from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD
+from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD, input_norm
 from .backbone import ARCH_METADATA_KEY, export_arch
 
 
@@ -117,11 +117,11 @@ def to_hf(sd: Mapping[str, Tensor], arch: Mapping[str, Any]) -> dict[str, Tensor
     return out
 
 
-def hf_preprocessor_config(img_size: int) -> dict[str, Any]:
+def hf_preprocessor_config(img_size: int, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> dict[str, Any]:
     """What ``facebook/dinov2-*`` ship: resize the short side to 256/224 of the crop, centre crop, ImageNet norm."""
     return {
         "image_processor_type": "BitImageProcessor",
-        "do_convert_rgb": True,
+        "do_convert_rgb": len(mean) == 3,  # N-channel input is not to be made RGB
         "do_resize": True,
         "size": {"shortest_edge": int(round(img_size * 256 / 224))},
         "resample": 3,  # bicubic
@@ -130,12 +130,12 @@ def hf_preprocessor_config(img_size: int) -> dict[str, Any]:
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
-        "image_mean": list(IMAGENET_MEAN),
-        "image_std": list(IMAGENET_STD),
+        "image_mean": list(mean),
+        "image_std": list(std),
     }
 
 
-def hf_dinov3_preprocessor_config(img_size: int) -> dict[str, Any]:
+def hf_dinov3_preprocessor_config(img_size: int, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> dict[str, Any]:
     """What ``facebook/dinov3-*`` ship: resize to a square (RoPE needs no fixed grid), ImageNet norm."""
     return {
         "image_processor_type": "DINOv3ViTImageProcessorFast",
@@ -145,8 +145,8 @@ def hf_dinov3_preprocessor_config(img_size: int) -> dict[str, Any]:
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
-        "image_mean": list(IMAGENET_MEAN),
-        "image_std": list(IMAGENET_STD),
+        "image_mean": list(mean),
+        "image_std": list(std),
     }
 
 
@@ -169,7 +169,7 @@ def export_hf(model, out_dir: str | Path) -> Path:
                   metadata={"format": "pt", ARCH_METADATA_KEY: json.dumps(arch)})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     pre = hf_dinov3_preprocessor_config if arch.get("family") == "dinov3" else hf_preprocessor_config
-    (out / "preprocessor_config.json").write_text(json.dumps(pre(cfg["image_size"]), indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(pre(cfg["image_size"], *input_norm(model)), indent=2))
     return out
 
 

@@ -1,6 +1,7 @@
 """Deployable graphs of a backbone: ONNX (``torch.onnx.export(..., dynamo=True)``) and ``torch.export`` (.pt2).
 
-Both take one input, ``pixel_values`` (B, 3, H, W) float32, already normalised (ImageNet mean/std), with
+Both take one input, ``pixel_values`` (B, C, H, W) float32 (C = the model's in_chans), already normalised
+(ImageNet mean/std, or the N-channel statistics of the export's config.json), with
 dynamic batch, height and width (H and W multiples of the patch size), and return three outputs:
 
     cls_token        (B, D)       normalised class token (``x_norm_clstoken``)
@@ -130,7 +131,7 @@ def _example_and_shapes(model: nn.Module, image_size: Optional[int]) -> tuple[Te
     # The example has 4 patches per side: torch.export would specialise a dim whose example value is 0 or 1.
     gh, gw = Dim("grid_h", min=1, max=MAX_GRID), Dim("grid_w", min=1, max=MAX_GRID)
     shapes = {INPUT_NAME: {0: Dim("batch", min=1, max=4096), 2: p * gh, 3: p * gw}}
-    return torch.randn(2, 3, size, size), shapes
+    return torch.randn(2, int(model.patch_embed.proj.in_channels), size, size), shapes  # (B, in_chans, H, W)
 
 
 def trace(model: nn.Module, image_size: Optional[int] = None) -> torch.export.ExportedProgram:

@@ -11,11 +11,10 @@ from torch import nn
 
 from ..models.convert import timm_model_args, to_timm
 from ..models.convert_dinov3 import timm_dinov3_model_args, to_timm_dinov3
+from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD, input_norm
 from .backbone import (
     ARCH_METADATA_KEY,
     CONFIG_NAME,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     WEIGHTS_NAME,
     _contiguous_cpu,
     _ffn_hidden,
@@ -71,6 +70,7 @@ def export_timm(model: nn.Module, out_dir: str | Path) -> Path:
         name, model_args = timm_model_args(arch)
         weights = to_timm(model.state_dict())
     size = int(arch["img_size"])
+    mean, std = input_norm(model)  # one value per input channel (utils/norm.py)
     cfg = {
         "architecture": name,
         "num_classes": 0,
@@ -83,8 +83,8 @@ def export_timm(model: nn.Module, out_dir: str | Path) -> Path:
             "interpolation": "bicubic",
             "crop_pct": 1.0,
             "crop_mode": "center",
-            "mean": list(IMAGENET_MEAN),
-            "std": list(IMAGENET_STD),
+            "mean": mean,
+            "std": std,
             "num_classes": 0,
             "pool_size": None,
             "first_conv": "patch_embed.proj",

@@ -80,6 +80,7 @@ Centering = choices("Centering", ("centering", "sinkhorn_knopp"), __name__)
 Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
 Blur = choices("Blur", ("released", "paper"), __name__)
 ScheduleShape = choices("ScheduleShape", ("dinov2", "dinov3"), __name__)
+Reader = choices("Reader", ("rgb", "array"), __name__)
 LrSchedule = choices("LrSchedule", ("cosine", "constant", "rise"), __name__)
 GramTokens = choices("GramTokens", ("all", "masked", "unmasked"), __name__)
 ResizeMode = choices("ResizeMode", ("bicubic", "bilinear", "nearest", "area"), __name__)
@@ -214,6 +215,17 @@ class DataConfig:
     """DataLoader worker processes per training process (decode and crop); 0 decodes in the process."""
     persistent_workers: bool = False
     """Keep each phase's DataLoader workers between epochs (they still stop at a phase switch)."""
+    channels: int = 3
+    """Image channels, 1-16. 3: photos through Pillow (8-bit RGB). Any other count: .npy / TIFF tiles of any bit
+    depth, read with their channels (docs/multichannel.md); model.in_chans follows it."""
+    mean: Optional[list[float]] = None
+    """Per-channel normalisation mean on the reader's value scale (print it with `dinopipe channel-stats PATH`);
+    null: ImageNet's (3 channels only)."""
+    std: Optional[list[float]] = None
+    """Per-channel normalisation std (see mean)."""
+    reader: Optional[Reader] = None
+    """rgb (Pillow, 8-bit RGB) | array (npy / TIFF with their bands and bit depth; float tensors); null: rgb for
+    3 channels, array otherwise."""
 
 
 @dataclass
@@ -335,6 +347,7 @@ def validate(cfg: PretrainConfig) -> None:
     check_ranges(cfg)
     if getattr(cfg, "knn", None) is not None:
         validate_knn(cfg.knn)
+    check_channels(cfg)
     validate_sizes(cfg)
     if getattr(cfg, "gram", None) is not None:
         validate_gram(cfg.gram)
@@ -398,6 +411,39 @@ def check_ranges(cfg: PretrainConfig) -> None:
         _need(0 <= getattr(o, key) < 1, f"optim.{key}", f"must be in [0, 1), got {getattr(o, key)}")
 
 
+def check_channels(cfg) -> None:
+    """data.channels, its statistics and every backbone's in_chans agree (null in_chans takes data.channels)."""
+    from ..config import ConfigError
+
+    d = cfg.data
+    _need(1 <= d.channels <= 16, "data.channels", f"must be 1-16, got {d.channels}")
+    for key in ("mean", "std"):
+        v = getattr(d, key)
+        if v is None and d.channels != 3:
+            raise ConfigError(f"data.{key}: {d.channels}-channel images need their own per-channel statistics; "
+                              f"print them with `dinopipe channel-stats {' '.join(d.paths) or 'PATH'} "
+                              f"--channels {d.channels}` and paste the line into the config")
+        _need(v is None or len(v) == d.channels, f"data.{key}", f"needs {d.channels} values, got {v}")
+    _need(d.std is None or all(s > 0 for s in d.std), "data.std", f"must be > 0, got {d.std}")
+    _need(d.reader != "rgb" or d.channels == 3, "data.reader", f"rgb reads 3 channels; use array for {d.channels}")
+    models = [("model", cfg.model)] if getattr(cfg, "model", None) is not None else []
+    models += [(f"students.{i}.model", s.model) for i, s in enumerate(getattr(cfg, "students", None) or [])]
+    for where, m in models:
+        if getattr(m, "in_chans", None) is None:
+            m.in_chans = d.channels
+        _need(m.in_chans == d.channels, f"{where}.in_chans", f"{m.in_chans} but data.channels is {d.channels}")
+        if getattr(m, "expand_patch_embed", "mean") == "rgb_map":
+            rgb = m.rgb_channels or []
+            _need(len(rgb) == 3 and len(set(rgb)) == 3 and all(0 <= c < d.channels for c in rgb),
+                  f"{where}.rgb_channels", f"rgb_map needs 3 distinct channel indices in [0, {d.channels}), got "
+                  f"{m.rgb_channels}")
+
+
+def data_reader(data) -> str:
+    """'rgb' or 'array': how the loaders decode (DataConfig.reader, null = by channel count)."""
+    return str(data.reader) if data.reader is not None else ("rgb" if data.channels == 3 else "array")
+
+
 def check_dinov3_keys(model, where: str) -> None:
     """RoPE / untied-norm keys exist only on DINOv3 backbones (registry names ``*_dinov3*``); a DINOv2 model
     given one would fail deep in its constructor, so say so here, naming the key."""
@@ -444,5 +490,5 @@ def validate_gram(g: GramConfig) -> None:
                           "set gram.image_level=false (as DINOv3 requires)")
 
 
-__all__ = ["PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig", "KnnProbeConfig", "validate",
-           "validate_gram", "validate_knn"]
+__all__ = ["check_channels", "data_reader", "PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig",
+           "KnnProbeConfig", "validate", "validate_gram", "validate_knn"]

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from ..models import create_model
+from ..models.channels import expand_patch_embed, in_chans_of
+from ..utils.norm import set_input_norm
 from .base import ExportSpec, LoadBackbone, TeacherStudentTask, build_head, koleo_per_global_crop
 from .config import PretrainConfig
 from .ema import reshard_
@@ -41,8 +43,26 @@ def build_backbone(cfg: PretrainConfig, load_backbone: Optional[LoadBackbone] = 
         model = load_backbone(cfg.model.pretrained, num_heads=cfg.model.num_heads,
                               **{k: kwargs[k] for k in _TRAINING_KWARGS}, **extra)
         log.info("initialised backbone from %s", cfg.model.pretrained)
-        return model.train()
-    return create_model(cfg.model.name, **kwargs)
+        model = match_channels(model, cfg.model).train()
+    else:
+        model = create_model(cfg.model.name, **kwargs)
+    set_input_norm(model, cfg.data.mean, cfg.data.std)  # N channels: exports record the statistics
+    return model
+
+
+def match_channels(model: nn.Module, mcfg) -> nn.Module:
+    """A pretrained RGB backbone for N-channel data: expand its patch embedding (model.expand_patch_embed)."""
+    want = getattr(mcfg, "in_chans", None)
+    have = in_chans_of(model)
+    if want is None or want == have:
+        return model
+    if have != 3:
+        from ..config import ConfigError
+
+        raise ConfigError(f"model.in_chans: {mcfg.pretrained} takes {have} channels; only RGB (3-channel) weights "
+                          f"can be expanded to {want}")
+    log.info("expanding the patch embedding from 3 to %d channels (%s)", want, mcfg.expand_patch_embed)
+    return expand_patch_embed(model, want, str(mcfg.expand_patch_embed), mcfg.rgb_channels)
 
 
 class SSLTask(TeacherStudentTask):

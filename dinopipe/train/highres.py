@@ -5,11 +5,15 @@ Gram crop size, samples also carry the Gram teacher's crops (same boxes, its res
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Iterable, Optional
+
+from ..data.channels import decode_channels
 
 from ..data.loader import DataPosition, build_train_loader
 from ..data.multires import GramCropAugmentation, GramCropCollator, build_multisize_loader
 from ..data.transforms import MultiCropAugmentation
+from ..ssl.config import data_reader
 from .dist import DistInfo
 from .signals import worker_ignore_signals
 
@@ -31,10 +35,26 @@ def size_triples(cfg: Any, ph: Any) -> list[tuple[int, int, Optional[int], float
 def _augmentation(cfg: Any, global_size: int, local_size: int, gram_size: Optional[int]) -> Callable:
     kw = dict(global_size=global_size, local_size=local_size, n_local=cfg.crops.local_crops_number,
               global_scale=tuple(cfg.crops.global_crops_scale), local_scale=tuple(cfg.crops.local_crops_scale),
-              blur=str(getattr(cfg.crops, "blur", "released")), horizontal_flip=getattr(cfg.crops, "horizontal_flip", True))
+              blur=str(getattr(cfg.crops, "blur", "released")), horizontal_flip=getattr(cfg.crops, "horizontal_flip", True),
+              **channel_kwargs(cfg.data))
     if gram_size is None:
         return MultiCropAugmentation(**kw)
     return GramCropAugmentation(gram_size=gram_size, **kw)
+
+
+def channel_kwargs(data: Any) -> dict:
+    """The augmentation's channel count, input kind and per-channel statistics (data.channels / mean / std)."""
+    kw: dict = {"channels": data.channels, "float_input": data_reader(data) == "array"}
+    if data.mean is not None:
+        kw.update(mean=tuple(data.mean), std=tuple(data.std))
+    return kw
+
+
+def sample_decoder(data: Any) -> Optional[Callable]:
+    """None (Pillow RGB, the default) or the N-channel reader for data.reader=array (data/channels.py)."""
+    if data_reader(data) != "array":
+        return None
+    return partial(decode_channels, channels=data.channels)
 
 
 def phase_loader(cfg: Any, ph: Any, info: DistInfo, refs, read, patch_size: int
@@ -44,7 +64,8 @@ def phase_loader(cfg: Any, ph: Any, info: DistInfo, refs, read, patch_size: int
     triples = size_triples(cfg, ph)
     augs = [_augmentation(cfg, g, loc, gr) for g, loc, gr, _ in triples]
     common = dict(num_workers=cfg.data.num_workers, pin_memory=info.device.type == "cuda",
-                  worker_init_fn=worker_ignore_signals, persistent_workers=cfg.data.persistent_workers)
+                  worker_init_fn=worker_ignore_signals, persistent_workers=cfg.data.persistent_workers,
+                  decode=sample_decoder(cfg.data))
 
     def loader(pos: DataPosition):
         if len(augs) == 1:

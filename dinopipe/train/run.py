@@ -20,6 +20,7 @@ from torch import nn
 from .. import hub
 from ..config import ParallelConfig, save_config
 from ..export import save_backbone, save_heads
+from ..utils.norm import set_input_norm
 from ..models import build_vit
 from ..ssl.base import TeacherStudentTask
 from ..ssl.param_groups import build_param_groups
@@ -172,6 +173,7 @@ def export_task(task: TeacherStudentTask, run_dir: str | Path, step: int) -> Non
             continue
         model = build_vit(**spec.backbone.arch_config())
         model.load_state_dict(backbone_sd)
+        set_input_norm(model, getattr(spec.backbone, "input_mean", None), getattr(spec.backbone, "input_std", None))
         out = Path(run_dir) / "export" / spec.name
         save_backbone(model, out, extra=spec.extra)
         if heads_sd:

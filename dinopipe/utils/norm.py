@@ -5,4 +5,26 @@ DINOv2 / DINOv3). One home at the bottom layer: the augmentations, the eval tran
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD"]
+
+
+def input_norm(model) -> tuple[list[float], list[float]]:
+    """(mean, std) a backbone expects its input normalised with, one value per input channel: what its
+    training data recorded (``model.input_mean`` / ``input_std``, set from data.mean / data.std and kept in
+    exports' config.json), else ImageNet's for RGB, else ImageNet's channel average in every channel (what
+    the ``mean`` patch-embedding expansion of RGB weights assumes)."""
+    n = int(model.patch_embed.proj.in_channels)
+    mean, std = getattr(model, "input_mean", None), getattr(model, "input_std", None)
+    if mean is not None and std is not None and len(mean) == n == len(std):
+        return [float(v) for v in mean], [float(v) for v in std]
+    if n == 3:
+        return list(IMAGENET_MEAN), list(IMAGENET_STD)
+    return [sum(IMAGENET_MEAN) / 3] * n, [sum(IMAGENET_STD) / 3] * n
+
+
+def set_input_norm(model, mean, std) -> None:
+    """Record the per-channel statistics on the module (plain attributes: no weights, no state dict entry)."""
+    if mean is not None and std is not None:
+        model.input_mean, model.input_std = tuple(float(v) for v in mean), tuple(float(v) for v in std)
+
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "input_norm", "set_input_norm"]

@@ -1,0 +1,204 @@
+"""N-channel images (multispectral, fluorescence microscopy, 16-bit and float sensors): reading, the 3-channel
+rendering that curation's hash and pixel checks see, and per-channel normalisation statistics.
+
+Readers, by the file's first bytes (not its name): ``.npy`` through ``np.load(allow_pickle=False)`` (an object
+array is refused, never unpickled), TIFF through tifffile (any sample count, 8/16/32-bit integer or float,
+one page per band or interleaved), everything else through Pillow (:func:`.decode.safe_decode`). An array is
+taken as (H, W), (H, W, C) or (C, H, W): the axis of length ``channels`` (the last one first); without a
+channel count the shorter of the first and last axes, when it is at most :data:`MAX_CHANNELS`.
+
+Value scale (the one the statistics and the augmentations see): unsigned integers divided by their type's
+maximum (8-bit /255, 16-bit /65535), so 16-bit data keeps its full precision in [0, 1]; floats as stored.
+
+The 3-channel rendering (:func:`render_rgb`, used for perceptual hashes, copy verification, the copy descriptor
+and report thumbnails of an N-channel pool): channels 1-3 as R, G, B when there are at least three, else
+the mean of the channels as grey; each on the value scale above, mapped to 8 bits (floats outside [0, 1]:
+the image's own min-max over the rendered channels).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Iterable, Optional
+
+import numpy as np
+
+MAX_CHANNELS = 16
+NPY_MAGIC = b"\x93NUMPY"
+TIFF_MAGICS = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # classic and BigTIFF, both byte orders
+WRONG_CHANNELS = "wrong_channels"  # decoded, but not the configured number of channels (a decode reason)
+
+
+class ArrayTooLarge(ValueError):
+    """More pixels than the decoder's limit (checked from the header, before the data is read)."""
+
+
+def is_npy(data: bytes) -> bool:
+    return data[:6] == NPY_MAGIC
+
+
+def is_tiff(data: bytes) -> bool:
+    return data[:4] in TIFF_MAGICS
+
+
+def read_npy(data: bytes, max_pixels: int) -> np.ndarray:
+    """An ``.npy`` file's array; never unpickles (object arrays raise ValueError)."""
+    f = io.BytesIO(data)
+    version = np.lib.format.read_magic(f)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in read_header:
+        raise ValueError(f".npy format version {version} is not supported (1.0 and 2.0 are)")
+    shape, _, dtype = read_header[version](f)  # the header only: size checked before the data is read
+    _check_size(shape, max_pixels)
+    if dtype.hasobject:
+        raise ValueError("object arrays are not images (and would need unpickling)")
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def read_tiff(data: bytes, max_pixels: int) -> np.ndarray:
+    """The first image series of a TIFF (all its bands) as an array, via tifffile."""
+    import tifffile
+
+    with tifffile.TiffFile(io.BytesIO(data)) as tif:
+        if not tif.series:
+            raise ValueError("the TIFF holds no image")
+        series = tif.series[0]
+        if int(tif.pages[0].photometric) == 3:  # a palette image: indices, not intensities (Pillow's job)
+            raise ValueError("palette TIFF")
+        _check_size(series.shape, max_pixels)
+        return series.asarray()
+
+
+def _check_size(shape: tuple, max_pixels: int) -> None:
+    dims = sorted(int(d) for d in shape)
+    if len(dims) < 2 or len(dims) > 3 or min(dims) < 1:
+        raise ValueError(f"array of shape {tuple(shape)} is not an image (need H x W [x C])")
+    h, w = dims[-2:]  # the two largest axes are the image's (channels come last in the sort)
+    if h * w > max_pixels:
+        raise ArrayTooLarge(f"{h * w} pixels > {max_pixels}")
+
+
+def to_hwc(arr: np.ndarray, channels: Optional[int] = None) -> np.ndarray:
+    """(H, W), (H, W, C) or (C, H, W) -> (H, W, C). The channel axis: the one of length ``channels`` (last
+    preferred), else the shorter of the first and last axes when it is at most MAX_CHANNELS."""
+    arr = np.asarray(arr)
+    if arr.ndim == 2:
+        return arr[..., None]
+    if arr.ndim != 3:
+        raise ValueError(f"array of shape {arr.shape} is not an image (need H x W [x C])")
+    if channels is not None:
+        if arr.shape[-1] == channels:
+            return arr
+        if arr.shape[0] == channels:
+            return np.moveaxis(arr, 0, -1)
+        raise ValueError(f"no axis of length {channels} in an array of shape {arr.shape}")
+    first, last = arr.shape[0], arr.shape[-1]
+    if last <= MAX_CHANNELS and last <= first:
+        return arr
+    if first <= MAX_CHANNELS:
+        return np.moveaxis(arr, 0, -1)
+    raise ValueError(f"array of shape {arr.shape}: no channel axis of at most {MAX_CHANNELS}")
+
+
+def to_float(arr: np.ndarray) -> np.ndarray:
+    """float32 on the value scale (unsigned integers / their maximum, floats as stored); nan/inf -> 0."""
+    if arr.dtype == bool:
+        return arr.astype(np.float32)
+    if np.issubdtype(arr.dtype, np.unsignedinteger):
+        return arr.astype(np.float32) / float(np.iinfo(arr.dtype).max)
+    if np.issubdtype(arr.dtype, np.signedinteger):  # e.g. int16 sensors: the positive range
+        return arr.astype(np.float32) / float(np.iinfo(arr.dtype).max)
+    if np.issubdtype(arr.dtype, np.floating):
+        return np.nan_to_num(arr.astype(np.float32), nan=0.0, posinf=0.0, neginf=0.0)
+    raise ValueError(f"pixel type {arr.dtype} is not numeric")
+
+
+def read_array(data: bytes, max_pixels: int) -> np.ndarray:
+    """npy / TIFF bytes -> the stored array (any dtype, layout as stored)."""
+    if is_npy(data):
+        return read_npy(data, max_pixels)
+    if is_tiff(data):
+        return read_tiff(data, max_pixels)
+    raise ValueError("not an .npy or TIFF file")
+
+
+def render_rgb(arr: np.ndarray):
+    """The documented 3-channel rendering of any image array (module docstring) as a PIL RGB image."""
+    from PIL import Image
+
+    hwc = to_float(to_hwc(arr))
+    rgb = hwc[..., :3] if hwc.shape[-1] >= 3 else np.repeat(hwc.mean(-1, keepdims=True), 3, axis=-1)
+    lo, hi = float(rgb.min(initial=0.0)), float(rgb.max(initial=0.0))
+    if lo < 0.0 or hi > 1.0:  # floats in physical units: this image's own range
+        rgb = (rgb - lo) / max(hi - lo, 1e-12)
+    return Image.fromarray(np.clip(np.rint(rgb * 255.0), 0, 255).astype(np.uint8), "RGB")
+
+
+def decode_channels(data: Optional[bytes], channels: int, max_pixels: Optional[int] = None):
+    """Bytes -> ``(tensor (C, H, W) float32 on the value scale, None)`` or ``(None, reason)``; never raises.
+
+    npy / TIFF through their readers; other formats through Pillow (:func:`.decode.safe_decode`), as RGB for
+    3 channels and as grey for 1 (any other count needs an npy or TIFF file). A file with another channel
+    count is ``wrong_channels``."""
+    import torch
+
+    from . import decode as d
+
+    max_pixels = max_pixels or d.DEFAULT_MAX_PIXELS
+    if data is None:
+        return None, d.READ_ERROR
+    if len(data) == 0:
+        return None, d.EMPTY
+    arr = None
+    if is_npy(data) or is_tiff(data):
+        try:
+            arr = read_array(data, max_pixels)
+        except (ArrayTooLarge, MemoryError):
+            return None, d.TOO_LARGE
+        except Exception:  # damaged npy; a TIFF tifffile cannot read goes to Pillow below
+            if is_npy(data):
+                return None, d.TRUNCATED
+    if arr is None:
+        img, reason = d.safe_decode(data, max_pixels=max_pixels)
+        if img is None:
+            return None, reason
+        arr = np.asarray(img.convert("L") if channels == 1 else img)
+    try:
+        hwc = to_hwc(arr, channels)
+        x = to_float(hwc)
+    except ValueError:
+        return None, WRONG_CHANNELS
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1))), None
+
+
+def channel_stats(images: Iterable[Optional[bytes]], channels: int,
+                  max_pixels_per_image: int = 1 << 18) -> tuple[list[float], list[float], int, int]:
+    """Per-channel (mean, std, images used, images skipped) over the given files' bytes, on the value scale.
+
+    Each image contributes at most ``max_pixels_per_image`` pixels (a regular subsample), so one huge tile
+    does not outweigh the rest; sums are accumulated in float64."""
+    total = np.zeros(channels, np.float64)
+    total_sq = np.zeros(channels, np.float64)
+    count, used, skipped = 0, 0, 0
+    for data in images:
+        x, reason = decode_channels(data, channels)
+        if x is None:
+            skipped += 1
+            continue
+        flat = x.reshape(channels, -1).numpy().astype(np.float64)
+        step = max(1, flat.shape[1] // max_pixels_per_image)
+        flat = flat[:, ::step]
+        total += flat.sum(1)
+        total_sq += (flat * flat).sum(1)
+        count += flat.shape[1]
+        used += 1
+    if used == 0:
+        raise ValueError(f"none of the images could be read as {channels}-channel images")
+    mean = total / count
+    std = np.sqrt(np.maximum(total_sq / count - mean * mean, 0.0))
+    std = np.where(std > 1e-8, std, 1.0)  # a constant channel: leave its scale alone rather than divide by 0
+    return [float(v) for v in mean], [float(v) for v in std], used, skipped
+
+
+__all__ = ["MAX_CHANNELS", "WRONG_CHANNELS", "decode_channels", "render_rgb", "channel_stats", "read_array",
+           "to_hwc", "to_float", "is_npy", "is_tiff"]
