@@ -56,7 +56,7 @@ from .export.readers import HF_MODEL_TYPES, read_dcp_backbone, read_weights_file
 from .models.registry import build_vit, list_models, model_defaults
 from .models.timm_backbone import from_timm_keys, is_timm_name
 from .models.vit import DinoVisionTransformer
-from .utils.norm import set_input_norm
+from .utils.norm import in_channels, set_input_norm
 from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors, read_safetensors_header
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def _recorded_norm(model: nn.Module, file: Path) -> None:
         return
     mean, std = (cfg.get("mean"), cfg.get("std")) if isinstance(cfg, dict) and cfg.get("format") == EXPORT_FORMAT \
         else (None, None)
-    n = int(model.patch_embed.proj.in_channels)
+    n = in_channels(model)
     if isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std) == n:
         try:
             set_input_norm(model, mean, std)

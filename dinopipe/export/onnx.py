@@ -38,6 +38,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from ..utils.norm import in_channels
+
 OUTPUT_NAMES = ("cls_token", "register_tokens", "patch_tokens")
 INPUT_NAME = "pixel_values"
 ONNX_OPSET = 18
@@ -131,7 +133,7 @@ def _example_and_shapes(model: nn.Module, image_size: Optional[int]) -> tuple[Te
     # The example has 4 patches per side: torch.export would specialise a dim whose example value is 0 or 1.
     gh, gw = Dim("grid_h", min=1, max=MAX_GRID), Dim("grid_w", min=1, max=MAX_GRID)
     shapes = {INPUT_NAME: {0: Dim("batch", min=1, max=4096), 2: p * gh, 3: p * gw}}
-    return torch.randn(2, int(model.patch_embed.proj.in_channels), size, size), shapes  # (B, in_chans, H, W)
+    return torch.randn(2, in_channels(model), size, size), shapes  # (B, in_chans, H, W)
 
 
 def trace(model: nn.Module, image_size: Optional[int] = None) -> torch.export.ExportedProgram:
