@@ -198,6 +198,10 @@ class ModelConfig:
     """Override the variant's number of blocks."""
     pretrained: Optional[str] = None
     """A checkpoint dinopipe.load accepts, used to initialise the backbone (continued pretraining)."""
+    pretrained_heads: Optional[str] = None
+    """Pretraining only: DINO/iBOT heads to start from instead of fresh ones (docs/pretrain.md, "Continuing from a
+    release"): ``auto`` = the heads saved with ``pretrained`` (a dinopipe run, export or DCP checkpoint; fresh
+    heads when it has none), or a path to such a run/export/checkpoint. null: fresh heads."""
     rope_rescale: Optional[float] = None
     """DINOv3 backbones only (RoPE): training-time coordinate rescale augmentation (released models: 2)."""
     rope_shift: Optional[float] = None

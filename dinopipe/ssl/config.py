@@ -94,6 +94,9 @@ class OptimConfig:
     official codes do; false exempts them (like norms and biases)."""
     adamw_beta1: float = 0.9
     adamw_beta2: float = 0.999
+    backbone_warmup_steps: int = 0
+    """Continued pretraining: after ``train.head_warmup_steps`` the backbone's lr ramps linearly from 0 to the
+    schedule's over these steps, while the heads keep the schedule's lr (0: the backbone follows the schedule)."""
     lr_schedule: LrSchedule = LrSchedule.cosine
     """cosine (DINOv2: warm-up, then cosine to min_lr) | constant (DINOv3: warm-up, then the peak lr to the end,
     so training can be extended or stopped at any point; later phases keep their own cosine) | rise (DINOv3's
@@ -169,6 +172,10 @@ class TrainConfig:
     stop_after: Optional[int] = None
     """Leave after this many steps of this invocation (with a checkpoint); rerunning resumes."""
     progress: bool = True
+    head_warmup_steps: int = 0
+    """Continued pretraining (needs model.pretrained): the first N steps train the new DINO/iBOT heads against
+    the frozen released backbone (student = teacher backbone, no backbone updates, the EMA moves the teacher's
+    heads only); then the backbone trains too, its lr ramped over ``optim.backbone_warmup_steps``."""
     accumulate: int = 1
     """Gradient accumulation: micro-batches of ``batch_size_per_gpu`` per optimizer step (global batch = per-GPU
     batch x GPUs x accumulate; the lr follows it). Exact for the DINO/iBOT losses and their centring; KoLeo stays
@@ -233,6 +240,7 @@ def validate(cfg: PretrainConfig) -> None:
     if len(ratio) != 2 or not 0 <= ratio[0] <= ratio[1] < 1:
         raise ConfigError(f"ibot.mask_ratio_min_max: need [min, max] with 0 <= min <= max < 1, got {ratio}")
     check_ranges(cfg)
+    validate_continue(cfg)
     validate_sizes(cfg)
     if getattr(cfg, "gram", None) is not None:
         validate_gram(cfg.gram)
@@ -288,6 +296,34 @@ def check_ranges(cfg: PretrainConfig) -> None:
         _need(0 <= getattr(o, key) < 1, f"optim.{key}", f"must be in [0, 1), got {getattr(o, key)}")
 
 
+def validate_continue(cfg) -> None:
+    """Head warm-up and loaded heads (continued pretraining) only where they mean something."""
+    from ..config import phase_steps
+
+    t, o = cfg.train, cfg.optim
+    _need(t.head_warmup_steps >= 0, "train.head_warmup_steps", f"must be >= 0, got {t.head_warmup_steps}")
+    _need(o.backbone_warmup_steps >= 0, "optim.backbone_warmup_steps", f"must be >= 0, got {o.backbone_warmup_steps}")
+    students = getattr(cfg, "students", None)
+    if students is not None:  # distillation: its teacher is frozen throughout and its students start fresh
+        _need(t.head_warmup_steps == 0, "train.head_warmup_steps", "pretraining only (continued pretraining from "
+              "model.pretrained); distillation has no backbone to keep")
+        _need(o.backbone_warmup_steps == 0, "optim.backbone_warmup_steps", "pretraining only")
+        for i, s in enumerate(students):
+            _need(s.model.pretrained_heads is None, f"students.{i}.model.pretrained_heads",
+                  "pretraining only (distillation's heads come from teacher_model.path and student_heads)")
+        return
+    m = cfg.model
+    if t.head_warmup_steps:
+        _need(bool(m.pretrained), "train.head_warmup_steps", "a head warm-up keeps a released backbone frozen: set "
+              "model.pretrained (a random backbone would give the heads nothing to learn from)")
+        total = phase_steps(cfg)[-1][1]
+        _need(t.head_warmup_steps < total, "train.head_warmup_steps",
+              f"{t.head_warmup_steps} leaves no step for the backbone (the run has {total} steps)")
+    _need(not m.pretrained_heads or bool(m.pretrained), "model.pretrained_heads",
+          "heads are loaded to go with a pretrained backbone: set model.pretrained too")
+    _need(m.pretrained_heads != "", "model.pretrained_heads", "give auto, a path or null")
+
+
 def check_dinov3_keys(model, where: str) -> None:
     """RoPE / untied-norm keys exist only on DINOv3 backbones (registry names ``*_dinov3*``); a DINOv2 model
     given one would fail deep in its constructor, so say so here, naming the key."""
@@ -322,4 +358,4 @@ def validate_gram(g: GramConfig) -> None:
         raise ConfigError(f"gram.max_refreshes: must be >= 0 or null, got {g.max_refreshes}")
 
 
-__all__ = ["PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig", "validate", "validate_gram"]
+__all__ = ["PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig", "validate", "validate_gram", "validate_continue"]

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..config import ConfigError
+from ..utils.safe_load import CheckpointError
 from ..models import list_models, model_defaults
 from ..ssl.config import PretrainConfig, validate
 
@@ -33,9 +36,28 @@ def check_backbone(cfg: PretrainConfig) -> None:
                                       f"(e.g. {max(patch, size // patch * patch)})")
 
 
+def check_pretrained_heads(cfg: PretrainConfig) -> None:
+    """model.pretrained_heads: the saved heads exist and fit the configured ones on the pretrained backbone's
+    width, checked here so a mismatch exits 2 before the process group starts (rank 0 alone reads the files
+    when the task is built; an error there would leave the other ranks waiting)."""
+    from .. import hub
+    from ..ssl.adapt import heads_source, read_heads
+
+    if heads_source(cfg.model) is None:
+        return
+    try:
+        sds = hub.load_heads(heads_source(cfg.model)) if Path(heads_source(cfg.model)).exists() else {}
+        # the width of the backbone the heads go on (an export records it: no weights are read)
+        dim = int(hub.backbone_arch(cfg.model.pretrained, num_heads=cfg.model.num_heads)["embed_dim"]) if sds else 0
+        read_heads(cfg, lambda _: sds, dim)  # the same checks the task runs, exit 2 on a mismatch
+    except CheckpointError as exc:
+        raise ConfigError(f"model.pretrained_heads: {exc}") from None
+
+
 def validate_pretrain(cfg: PretrainConfig) -> None:
     validate(cfg)
     check_backbone(cfg)
+    check_pretrained_heads(cfg)
 
 
-__all__ = ["check_backbone", "validate_pretrain"]
+__all__ = ["check_backbone", "check_pretrained_heads", "validate_pretrain"]
