@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     work = Path(args.workdir or REPO / "runs" / "bench_continue").resolve()
     if work.exists() and not args.eval_only:
         for child in work.iterdir():
-            if not (args.reuse_release and child.name in ("release", "release.log", "pool")):
+            if not args.keep_runs and not (args.reuse_release and child.name in ("release", "release.log", "pool")):
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
     work.mkdir(parents=True, exist_ok=True)
     C.setup(args.threads, args.seed)
