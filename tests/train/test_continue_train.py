@@ -68,3 +68,19 @@ def test_second_adaptation_starts_from_the_first_ones_heads(runs, photo_pool):
                      "dino.head.n_prototypes=64", check=False)
     assert r.returncode == 2 and "dino_head.last_layer.weight" in r.stderr, r.stderr[-2000:]
     assert not bad.exists()  # refused before anything was written
+
+
+def test_two_fsdp2_ranks_keep_the_release_and_resume_exactly(runs, photo_pool):
+    """The same on 2 gloo ranks (FSDP2): the sharded student backbone's no-grad forward, its AdamW state without
+    gradients, the heads-only EMA on shards; the release's own heads loaded (auto) on rank 0 and broadcast."""
+    rel = runs / "release"
+    two = [f"model.pretrained={rel}", *WARMUP[:-1], "train.epochs=2", "model.pretrained_heads=auto"]
+    run_pretrain(runs / "fsdp", photo_pool, *two, nproc=2)
+    released, n = _sd(hub.load(rel)), hub.load(rel).arch_config()["num_heads"]
+    for which in ("teacher", "student"):
+        assert _equal(_sd(hub.load(runs / "fsdp" / "checkpoints" / "step_00000004", which=which, num_heads=n)),
+                      released), which
+    run_pretrain(runs / "fsdp_b", photo_pool, *two, "train.stop_after=3", nproc=2)
+    run_pretrain(runs / "fsdp_b", photo_pool, *two, nproc=2)
+    final = _sd(hub.load(runs / "fsdp"))
+    assert not _equal(final, released) and _equal(_sd(hub.load(runs / "fsdp_b")), final)
