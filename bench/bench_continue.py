@@ -125,6 +125,51 @@ def evaluate_runs(work: Path, rel: Path, arms: list[tuple[str, float]], seeds: l
     return out
 
 
+def warmup_step_cost(rel: Path, pool: Path, rounds: int = 15) -> float:
+    """Compute time of a head warm-up step (no backbone backward or update) over a full step, in this process on
+    one batch of 32 (forward, backward, AdamW, EMA; no data loading): median of interleaved per-round ratios."""
+    import glob
+    from functools import partial
+
+    from PIL import Image
+
+    from dinopipe import hub
+    from dinopipe.config import load_config
+    from dinopipe.data.transforms import MultiCropAugmentation, MultiCropCollator
+    from dinopipe.ssl.config import PretrainConfig
+    from dinopipe.ssl.param_groups import build_param_groups
+    from dinopipe.ssl.task import SSLTask
+    from dinopipe.train.builders import build_schedules
+
+    cfg = load_config(PretrainConfig, str(CONTINUE_CFG), [f"model.pretrained={rel}", "model.pretrained_heads=null",
+                                                          f"data.paths=[{pool}]"])
+    ph = cfg.phases[0]
+    aug = MultiCropAugmentation(global_size=ph.global_crops_size, local_size=ph.local_crops_size,
+                                n_local=cfg.crops.local_crops_number)
+    files = sorted(glob.glob(str(pool / "*.png")))[:ph.batch_size_per_gpu]
+    batch = MultiCropCollator(14, mask_probability=0.5)([aug(Image.open(f).convert("RGB"), seed=i)
+                                                         for i, f in enumerate(files)])
+    task = SSLTask(cfg, load_backbone=hub.load, load_heads=hub.load_heads)
+    opt = task.build_optimizer(partial(build_param_groups, lr_decay_rate=cfg.optim.layerwise_decay))
+    sched = build_schedules(cfg)
+    frozen_step, full_step = 0, len(sched["lr"]) - 1
+
+    def step(i: int) -> float:
+        values = {k: float(v[i]) for k, v in sched.items()}
+        t = time.perf_counter()
+        opt.zero_grad()
+        loss, _ = task(batch, values)
+        loss.backward()
+        opt.step()
+        task.after_step(values)
+        return time.perf_counter() - t
+
+    for i in (frozen_step, full_step):  # warm caches
+        step(i)
+    ratios = [step(frozen_step) / step(full_step) for _ in range(rounds)]
+    return float(sorted(ratios)[len(ratios) // 2])
+
+
 def report(accs: dict, arms: list[tuple[str, float]], seeds: list[int], points: list[int], args) -> dict:
     rel = accs["release"]
     rows, lines = [], {}
@@ -218,6 +263,9 @@ def main(argv=None) -> int:
     accs = evaluate_runs(work, rel, arms, seeds, points)
     times["eval"] = time.perf_counter() - t0
     lines = report(accs, arms, seeds, points, args)
+    lines["head_warmup_step_time_ratio"] = warmup_step_cost(rel, work / "digits_pool")
+    print(f"head_warmup_step_time_ratio: {lines['head_warmup_step_time_ratio']:.2f} (compute of a warm-up step over a "
+          f"full step, one batch, no data loading; load {os.getloadavg()[0]:.1f})")
     wall = time.perf_counter() - t_start
     C.print_table("wall time (arms summed over seeds)", [(k, f"{v:.0f} s") for k, v in times.items()]
                   + [("total wall", f"{wall:.0f} s")])
