@@ -214,6 +214,10 @@ class ModelConfig:
     channels named by rgb_channels get the R, G, B kernels, the rest the mean kernel; all x 3/in_chans)."""
     rgb_channels: Optional[list[int]] = None
     """rgb_map: the input channels (0-based) holding red, green and blue, e.g. [2, 1, 0] for B,G,R,NIR bands."""
+    pretrained_heads: Optional[str] = None
+    """Pretraining only: DINO/iBOT heads to start from instead of fresh ones (docs/pretrain.md, "Continuing from a
+    release"): ``auto`` = the heads saved with ``pretrained`` (a dinopipe run, export or DCP checkpoint; fresh
+    heads when it has none), or a path to such a run/export/checkpoint. null: fresh heads."""
     rope_rescale: Optional[float] = None
     """DINOv3 backbones only (RoPE): training-time coordinate rescale augmentation (released models: 2)."""
     rope_shift: Optional[float] = None

@@ -169,17 +169,34 @@ def has_heads(path: str | Path) -> bool:
 
 
 def load_heads(path: str | Path) -> dict[str, dict[str, Tensor]]:
-    """{'dino_head': sd, 'ibot_head': sd} exported next to a pretraining run's teacher ({} for a bare backbone)."""
+    """{'dino_head': sd, 'ibot_head': sd} exported next to a pretraining run's teacher, or its EMA teacher's heads
+    in a DCP checkpoint folder ({} for a bare backbone)."""
     path = Path(path)
     hf = _heads_file(path) if path.is_dir() else None
     if hf is None:
-        return {}
+        return _dcp_heads(path) if (path / ".metadata").is_file() else {}
     sd, _ = read_safetensors(hf)
     heads = {}
     for name in ("dino_head", "ibot_head"):
         part = {k[len(name) + 1:]: v for k, v in sd.items() if k.startswith(name + ".")}
         if part:
             heads[name] = part
+    return heads
+
+
+def _dcp_heads(path: Path) -> dict[str, dict[str, Tensor]]:
+    """The EMA teacher's heads in a pretraining run's DCP checkpoint (RUN/checkpoints/step_N), read without a
+    process group or unpickling ({} when it holds none, e.g. a distillation checkpoint)."""
+    from .utils import safe_dcp
+    from .utils.safe_load import read_dcp_metadata
+
+    md = read_dcp_metadata(path)
+    heads = {}
+    for name in ("dino_head", "ibot_head"):
+        prefix = f"teacher.model.{name}."
+        keys = {k for k in md.state_dict_metadata if k.startswith(prefix)}
+        if keys:
+            heads[name] = {k[len(prefix):]: v for k, v in safe_dcp.read_tensors(path, keys, md=md).items()}
     return heads
 
 

@@ -141,6 +141,9 @@ class OptimConfig:
     """How lr, weight decay, momentum and teacher temperature are sampled per step: dinov2 (its CosineScheduler:
     the warm-up ends on the peak) | dinov3 (its linear_warmup_cosine_decay: the warm-up stops one step short, the
     cosine ends on its final value). Loss-weight schedules (local-crop, Gram) are DINOv3's and always dinov3."""
+    backbone_warmup_steps: int = 0
+    """Continued pretraining: after ``train.head_warmup_steps`` the backbone's lr ramps linearly from 0 to the
+    schedule's over these steps, while the heads keep the schedule's lr (0: the backbone follows the schedule)."""
     lr_schedule: LrSchedule = LrSchedule.cosine
     """cosine (DINOv2: warm-up, then cosine to min_lr; later phases: their own cosine) | constant (DINOv3: warm-up,
     then the peak lr to the end, so training can be extended or stopped at any point; a later phase holds its own
@@ -250,6 +253,10 @@ class TrainConfig:
     """Leave after this many steps of this invocation (with a checkpoint); rerunning resumes."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    head_warmup_steps: int = 0
+    """Continued pretraining (needs model.pretrained): the first N steps train the new DINO/iBOT heads against
+    the frozen released backbone (student = teacher backbone, no backbone updates, the EMA moves the teacher's
+    heads only); then the backbone trains too, its lr ramped over ``optim.backbone_warmup_steps``."""
     accumulate: int = 1
     """Gradient accumulation: micro-batches of ``batch_size_per_gpu`` per optimizer step (global batch = per-GPU
     batch x GPUs x accumulate; the lr follows it). Exact for the DINO/iBOT losses and their centring; KoLeo stays
@@ -348,6 +355,7 @@ def validate(cfg: PretrainConfig) -> None:
     if getattr(cfg, "knn", None) is not None:
         validate_knn(cfg.knn)
     check_channels(cfg)
+    validate_continue(cfg)
     validate_sizes(cfg)
     if getattr(cfg, "gram", None) is not None:
         validate_gram(cfg.gram)
@@ -444,6 +452,34 @@ def data_reader(data) -> str:
     return str(data.reader) if data.reader is not None else ("rgb" if data.channels == 3 else "array")
 
 
+def validate_continue(cfg) -> None:
+    """Head warm-up and loaded heads (continued pretraining) only where they mean something."""
+    from ..config import phase_steps
+
+    t, o = cfg.train, cfg.optim
+    _need(t.head_warmup_steps >= 0, "train.head_warmup_steps", f"must be >= 0, got {t.head_warmup_steps}")
+    _need(o.backbone_warmup_steps >= 0, "optim.backbone_warmup_steps", f"must be >= 0, got {o.backbone_warmup_steps}")
+    students = getattr(cfg, "students", None)
+    if students is not None:  # distillation: its teacher is frozen throughout and its students start fresh
+        _need(t.head_warmup_steps == 0, "train.head_warmup_steps", "pretraining only (continued pretraining from "
+              "model.pretrained); distillation has no backbone to keep")
+        _need(o.backbone_warmup_steps == 0, "optim.backbone_warmup_steps", "pretraining only")
+        for i, s in enumerate(students):
+            _need(s.model.pretrained_heads is None, f"students.{i}.model.pretrained_heads",
+                  "pretraining only (distillation's heads come from teacher_model.path and student_heads)")
+        return
+    m = cfg.model
+    if t.head_warmup_steps:
+        _need(bool(m.pretrained), "train.head_warmup_steps", "a head warm-up keeps a released backbone frozen: set "
+              "model.pretrained (a random backbone would give the heads nothing to learn from)")
+        total = phase_steps(cfg)[-1][1]
+        _need(t.head_warmup_steps < total, "train.head_warmup_steps",
+              f"{t.head_warmup_steps} leaves no step for the backbone (the run has {total} steps)")
+    _need(not m.pretrained_heads or bool(m.pretrained), "model.pretrained_heads",
+          "heads are loaded to go with a pretrained backbone: set model.pretrained too")
+    _need(m.pretrained_heads != "", "model.pretrained_heads", "give auto, a path or null")
+
+
 def check_dinov3_keys(model, where: str) -> None:
     """RoPE / untied-norm keys exist only on DINOv3 backbones (registry names ``*_dinov3*``); a DINOv2 model
     given one would fail deep in its constructor, so say so here, naming the key."""
@@ -491,4 +527,4 @@ def validate_gram(g: GramConfig) -> None:
 
 
 __all__ = ["check_channels", "data_reader", "PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig",
-           "KnnProbeConfig", "validate", "validate_gram", "validate_knn"]
+           "KnnProbeConfig", "validate", "validate_continue", "validate_gram", "validate_knn"]

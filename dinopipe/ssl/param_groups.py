@@ -57,6 +57,8 @@ class ParamSpec:
     lr_multiplier: float
     wd_multiplier: float
     is_last_layer: bool
+    is_backbone: bool = False
+    """Inside a backbone: its lr takes the continued-pretraining ramp (``backbone_lr_scale``, ssl/adapt.py)."""
 
 
 def _is_backbone(module: nn.Module) -> bool:
@@ -96,7 +98,8 @@ def param_specs(model: nn.Module, lr_decay_rate: float = 0.9, patch_embed_lr_mul
             or issubclass(owner_type.get(full_name, nn.Module), _NORM_TYPES)
             or "norm" in owner
         )
-        specs.append(ParamSpec(name, param, lr_mult, 0.0 if no_decay else 1.0, "last_layer" in name))
+        specs.append(ParamSpec(name, param, lr_mult, 0.0 if no_decay else 1.0, "last_layer" in name,
+                               prefix is not None))
     return specs
 
 
@@ -110,19 +113,24 @@ def build_param_groups(
     """
     fused: "OrderedDict[tuple, dict]" = OrderedDict()
     for s in param_specs(model, lr_decay_rate, patch_embed_lr_mult, decay_tokens):
-        key = (s.lr_multiplier, s.wd_multiplier, s.is_last_layer)
+        key = (s.lr_multiplier, s.wd_multiplier, s.is_last_layer, s.is_backbone)
         group = fused.setdefault(key, {"params": [], "lr_multiplier": s.lr_multiplier,
-                                       "wd_multiplier": s.wd_multiplier, "is_last_layer": s.is_last_layer})
+                                       "wd_multiplier": s.wd_multiplier, "is_last_layer": s.is_last_layer,
+                                       "is_backbone": s.is_backbone})
         group["params"].append(s.param)
     return list(fused.values())
 
 
-def apply_optim_schedules(optimizer, lr: float, weight_decay: float, last_layer_lr: Optional[float] = None) -> None:
+def apply_optim_schedules(optimizer, lr: float, weight_decay: float, last_layer_lr: Optional[float] = None,
+                          backbone_lr_scale: float = 1.0) -> None:
     """Set each group's lr and weight decay for this step: ``(last_layer_lr if is_last_layer else lr) *
-    lr_multiplier`` and ``weight_decay * wd_multiplier`` (groups without the fields get multiplier 1)."""
+    lr_multiplier`` (times ``backbone_lr_scale`` for backbone groups: the continued-pretraining ramp) and
+    ``weight_decay * wd_multiplier`` (groups without the fields get multiplier 1)."""
     last_layer_lr = lr if last_layer_lr is None else last_layer_lr
     for group in optimizer.param_groups:
         base = last_layer_lr if group.get("is_last_layer", False) else lr
+        if group.get("is_backbone", False):
+            base = base * backbone_lr_scale
         group["lr"] = base * group.get("lr_multiplier", 1.0)
         group["weight_decay"] = weight_decay * group.get("wd_multiplier", 1.0)
 

@@ -18,9 +18,10 @@ from torch import Tensor, nn
 from ..models import create_model
 from ..models.channels import expand_patch_embed, in_chans_of
 from ..utils.norm import set_input_norm
+from .adapt import heads_source, read_heads
 from .base import ExportSpec, LoadBackbone, TeacherStudentTask, build_head, koleo_per_global_crop
 from .config import PretrainConfig
-from .ema import reshard_
+from .ema import ema_update_, reshard_
 from .gram import GramTeacher
 from .losses import DINOLoss, IBOTPatchLoss
 
@@ -76,9 +77,14 @@ class SSLTask(TeacherStudentTask):
         super().__init__(cfg, all_reduce_fn, load_backbone, load_heads)
         backbone = build_backbone(cfg, load_backbone)
         dim = backbone.embed_dim
+        saved = read_heads(cfg, load_heads, dim)  # model.pretrained_heads: a previous run's heads ({}: fresh)
         student = {"backbone": backbone, "dino_head": build_head(dim, cfg.dino.head)}
         if cfg.ibot.separate_head:
             student["ibot_head"] = build_head(dim, cfg.ibot.head)
+        for name, sd in saved.items():
+            student[name].load_state_dict(dict(sd))
+        if saved:
+            log.info("heads %s loaded from %s", sorted(saved), heads_source(cfg.model))
         self.student = nn.ModuleDict(student)
         self.teacher = copy.deepcopy(self.student)  # same init, as DINOv2
         for blk in self.teacher["backbone"].blocks:
@@ -165,12 +171,38 @@ class SSLTask(TeacherStudentTask):
         self._queued_targets = list(zip(cls.split([c.shape[0] for c, _ in logits]),
                                         patch.split([p.shape[0] for _, p in logits])))
 
+    # -- head warm-up (continued pretraining, ssl/adapt.py) -------------------------------------------------
+    def build_optimizer(self, param_groups_fn, betas=(0.9, 0.999)):
+        opt = super().build_optimizer(param_groups_fn, betas)
+        if self.cfg.train.head_warmup_steps:
+            for o in self.optimizers.values():
+                init_adamw_state_(o)
+        return opt
+
+    def after_step(self, values: dict) -> None:
+        if values.get("backbone_frozen", 0.0) > 0:  # the teacher's backbone stays the release, bit for bit
+            for name, module in self.student.items():
+                if name != "backbone":
+                    ema_update_(self.teacher[name], module, values["momentum"])
+            return
+        super().after_step(values)
+
+    def _student_features(self, crops: list[Tensor], masks: list, values: dict) -> list[dict]:
+        """The student backbone's packed forward; without gradients while the head warm-up freezes it."""
+        backbone = self.student["backbone"]
+        if values.get("backbone_frozen", 0.0) <= 0:
+            return backbone.forward_features_list(crops, masks)
+        with torch.no_grad():
+            outs = backbone.forward_features_list(crops, masks)
+        reshard_(backbone)  # no backward will free the gathered copies
+        return outs
+
     def compute_loss(self, batch: dict, crops: list[Tensor], values: dict) -> tuple[Tensor, dict[str, Any]]:
         cfg = self.cfg
         teacher_cls, teacher_patch = self._teacher_targets(batch, values)
         self.student.train()
         masks = [batch["masks"]] + [None] * (len(crops) - 1)
-        outs = self.student["backbone"].forward_features_list(crops, masks)  # one packed forward
+        outs = self._student_features(crops, masks, values)  # one packed forward
         g_cls = outs[0]["x_norm_clstoken"]  # (2B, D)
         l_cls = outs[1]["x_norm_clstoken"] if len(outs) > 1 else g_cls[:0]
         patches = outs[0]["x_norm_patchtokens"].flatten(0, 1)[batch["mask_indices"]]  # (M, D)
@@ -209,4 +241,18 @@ class SSLTask(TeacherStudentTask):
         return self.gram.loss(student_patches, crops, grid, targets=targets, masks=batch["masks"])
 
 
-__all__ = ["SSLTask", "build_backbone"]
+@torch.no_grad()
+def init_adamw_state_(opt: torch.optim.Optimizer) -> None:
+    """AdamW's state as its first step would create it (step 0, zero moments), for every parameter now: a
+    parameter without a gradient for the first steps (the frozen backbone of a head warm-up) otherwise has no
+    state in the checkpoints written meanwhile, and resuming from one would fail on the missing keys (or, with
+    torch's zero-gradient initialisation, start its moments from a fake step)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not opt.state.get(p):
+                opt.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+__all__ = ["SSLTask", "build_backbone", "init_adamw_state_"]

@@ -13,6 +13,7 @@ from ..data.pool_index import Ranks
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
 from ..utils.safe_load import CheckpointError
+from ..ssl.adapt import head_warmup_schedules
 from ..ssl.gram import loss_weight_schedules
 from ..ssl.schedules import Piece, build_ssl_schedules, linear_warmup_cosine_decay, piecewise, scaled_lr
 from .dist import DistInfo, LaunchError, all_reduce_max_scalar, barrier, destroy, init_distributed
@@ -95,6 +96,7 @@ def build_schedules(cfg: Any, world_size: int = 1, lr_batches: Optional[Sequence
     out = {"lr": lr, "wd": base.weight_decay.values, "last_layer_lr": last_layer,
            "momentum": momentum, "teacher_temp": base.teacher_temp.values}
     out.update(loss_weight_schedules(cfg, total))  # dino_local_weight, gram_weight, gram_refresh (ssl/gram.py)
+    out.update(head_warmup_schedules(cfg, total))  # backbone_frozen, backbone_lr_scale (ssl/adapt.py)
     return out
 
 

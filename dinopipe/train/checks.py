@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..config import ConfigError
 from ..hub import CheckpointError, check_backbone_file
 from ..models import list_models, model_defaults
@@ -54,14 +56,33 @@ def check_crops_tile(cfg: PretrainConfig, patch: int, model: str) -> None:
                                       f"(e.g. {max(patch, size // patch * patch)})")
 
 
+def check_pretrained_heads(cfg: PretrainConfig) -> None:
+    """model.pretrained_heads: the saved heads exist and fit the configured ones on the pretrained backbone's
+    width, checked here so a mismatch exits 2 before the process group starts (rank 0 alone reads the files
+    when the task is built; an error there would leave the other ranks waiting)."""
+    from .. import hub
+    from ..ssl.adapt import heads_source, read_heads
+
+    if heads_source(cfg.model) is None:
+        return
+    try:
+        sds = hub.load_heads(heads_source(cfg.model)) if Path(heads_source(cfg.model)).exists() else {}
+        # the width of the backbone the heads go on (an export records it: no weights are read)
+        dim = int(hub.backbone_arch(cfg.model.pretrained, num_heads=cfg.model.num_heads)["embed_dim"]) if sds else 0
+        read_heads(cfg, lambda _: sds, dim)  # the same checks the task runs, exit 2 on a mismatch
+    except CheckpointError as exc:
+        raise ConfigError(f"model.pretrained_heads: {exc}") from None
+
+
 def validate_pretrain(cfg: PretrainConfig) -> None:
     validate(cfg)
     check_backbone(cfg)
     check_pretrained(cfg)
+    check_pretrained_heads(cfg)
     try:  # the kNN sets are read before any work, like every other input path
         check_sets(cfg)
     except LabelError as exc:
         raise ConfigError(f"knn.train / knn.val: {exc}") from None
 
 
-__all__ = ["check_backbone", "check_pretrained", "check_crops_tile", "validate_pretrain"]
+__all__ = ["check_backbone", "check_pretrained", "check_pretrained_heads", "check_crops_tile", "validate_pretrain"]

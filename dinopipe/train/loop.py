@@ -163,7 +163,8 @@ class Trainer:
         return {k: float(v[step]) for k, v in self.schedules.items()}
 
     def _apply_schedules(self, values: dict[str, float]) -> None:
-        apply_optim_schedules(self.optimizer, values["lr"], values.get("wd", 0.0), values.get("last_layer_lr"))
+        apply_optim_schedules(self.optimizer, values["lr"], values.get("wd", 0.0), values.get("last_layer_lr"),
+                              values.get("backbone_lr_scale", 1.0))
 
     def _phase_index(self, step: int) -> int:
         for i, ph in enumerate(self.phases):

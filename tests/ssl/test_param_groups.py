@@ -63,7 +63,8 @@ def test_groups_are_fused_and_schedules_applied(student):
     groups = build_param_groups(student, lr_decay_rate=0.9, patch_embed_lr_mult=0.2)
     n_params = sum(len(g["params"]) for g in groups)
     assert n_params == len(list(student.parameters()))
-    keys = [(g["lr_multiplier"], g["wd_multiplier"], g["is_last_layer"]) for g in groups]
+    # backbone and head parameters never share a group (the backbone's lr takes the continued-pretraining ramp)
+    keys = [(g["lr_multiplier"], g["wd_multiplier"], g["is_last_layer"], g["is_backbone"]) for g in groups]
     assert len(keys) == len(set(keys))
     opt = torch.optim.AdamW(groups, lr=0.0)
     apply_optim_schedules(opt, lr=1e-3, weight_decay=0.04, last_layer_lr=0.0)
