@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from dinopipe.config import ConfigError
 from dinopipe.data.transforms import eval_transform
-from dinopipe.utils.norm import input_norm
+from dinopipe.utils.norm import in_channels, input_norm
 from dinopipe.utils.device import pick_device
 
 
@@ -40,7 +40,7 @@ class ModelEmbedder:
         self.precision = precision
         self.image_size = image_size
         self.model = model.to(self.device).eval()
-        self.channels = int(model.patch_embed.proj.in_channels)
+        self.channels = in_channels(model)  # a ViT, or 3 for a scripted copy-detection model
         mean, std = input_norm(model)
         self.transform: Callable = eval_transform(image_size, mean=mean, std=std)
         if self.channels != 3:  # an N-channel backbone sees the N-channel array (embeddings.py reads it so)
