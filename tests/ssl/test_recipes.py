@@ -27,7 +27,9 @@ CONFIGS = sorted({r["config"] for r in ROWS})
 
 DELIBERATE = {
     # DINOv3: the 7B's SSL recipe applied to a ViT-L, shortened to a run one team can afford.
-    ("configs/pretrain/vitl16_dinov3.yaml", "train.epochs"): "300 epochs, not the 7B's 1000 (budget)",
+    ("configs/pretrain/vitl16_dinov3.yaml", "train.epochs"): "300 epochs, not the 7B's 1200 (budget)",
+    ("configs/pretrain/vitl16_dinov3.yaml", "phases.0.fraction"):
+        "the Gram stage starts at epoch 200 of 300, not at 1000 of 1200",
     ("configs/pretrain/vitl16_dinov3.yaml", "gram.first_step"): "Gram from step 200k of the 300k-step run, not 1.01M",
     ("configs/pretrain/vitl16_dinov3.yaml", "dino.local_loss_weight_schedule.warmup_epochs"):
         "the local-crop weight drops as this run's Gram stage starts (epoch 200, not 1000)",
@@ -44,6 +46,7 @@ DINOPIPE_ONLY = {
     "phases.1.name": "a label", "phases.1.fraction": "DINOv3: the Gram stage's share (gram.first_step)",
     "phases.1": "DINOv2 recipes: the 518 px stage",
     "model.name": "(compared where the official YAML names it)",
+    "model.pretrained": "the base run to adapt (DINOv3's high-res stage: its resumed checkpoint)",
     "model.drop_path_uniform": "DINOv3 has no such key: every block drops at drop_path_rate",
 }
 
