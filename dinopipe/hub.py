@@ -138,15 +138,26 @@ def load(
 
 
 def _recorded_norm(model: nn.Module, file: Path) -> None:
-    """An N-channel export's per-channel statistics (its config.json's mean / std) onto the model, so exports
-    made from it carry them on (utils/norm.py:input_norm)."""
-    cfg_path = (file if file.is_dir() else file.parent) / CONFIG_NAME
-    try:
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    except (OSError, ValueError):
-        return
-    mean, std = (cfg.get("mean"), cfg.get("std")) if isinstance(cfg, dict) and cfg.get("format") == EXPORT_FORMAT \
-        else (None, None)
+    """An export's per-channel statistics onto the model (a dinopipe folder's config.json mean / std, a timm
+    folder's pretrained_cfg, a Hugging Face folder's preprocessor_config.json), so exports made from it and
+    evals of it use them (utils/norm.py:input_norm)."""
+    folder = file if file.is_dir() else file.parent
+    mean, std = None, None
+    for name, keys in ((CONFIG_NAME, None), ("preprocessor_config.json", ("image_mean", "image_std"))):
+        try:
+            cfg = json.loads((folder / name).read_text()) if (folder / name).is_file() else {}
+        except (OSError, ValueError):
+            continue
+        if not isinstance(cfg, dict):
+            continue
+        if keys is not None:  # a Hugging Face folder's preprocessor
+            mean, std = cfg.get(keys[0]), cfg.get(keys[1])
+        elif cfg.get("format") == EXPORT_FORMAT:  # a dinopipe folder
+            mean, std = cfg.get("mean"), cfg.get("std")
+        elif isinstance(cfg.get("pretrained_cfg"), dict):  # a timm folder
+            mean, std = cfg["pretrained_cfg"].get("mean"), cfg["pretrained_cfg"].get("std")
+        if mean is not None:
+            break
     n = in_channels(model)
     if isinstance(mean, list) and isinstance(std, list) and len(mean) == len(std) == n:
         try:

@@ -8,6 +8,10 @@ dynamic batch, height and width (H and W multiples of the patch size), and retur
     register_tokens  (B, R, D)    normalised register / DINOv3 storage tokens (R = 0 for plain DINOv2)
     patch_tokens     (B, h*w, D)  normalised patch tokens, row-major over the (H/p, W/p) grid
 
+Both record what the input must be normalised with (``in_chans``, per-channel ``mean`` and ``std``, JSON strings):
+the ONNX model's ``metadata_props`` (onnxruntime: ``get_modelmeta().custom_metadata_map``) and the .pt2
+archive's extra file ``dinopipe.json``; :func:`graph_metadata` reads either back.
+
 Masks are not an input (they only matter in training). One graph serves every resolution, so the
 position information is computed *in the graph* from the input size:
 
@@ -31,6 +35,7 @@ AOTInductor and ExecuTorch consume its programs.
 from __future__ import annotations
 
 import copy
+import json
 import types
 from pathlib import Path
 from typing import Any, Optional
@@ -38,12 +43,34 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ..utils.norm import in_channels
+from ..utils.norm import in_channels, input_norm
 
 OUTPUT_NAMES = ("cls_token", "register_tokens", "patch_tokens")
 INPUT_NAME = "pixel_values"
 ONNX_OPSET = 18
 MAX_GRID = 512  # patches per side the exported graph accepts (a bound torch.export wants for symbolic dims)
+PT2_META = "dinopipe.json"  # the .pt2 archive's extra file holding the input normalisation
+
+
+def input_metadata(model: nn.Module) -> dict[str, str]:
+    """What a graph's input expects: channel count and per-channel statistics (utils/norm.py:input_norm)."""
+    mean, std = input_norm(model)
+    return {"in_chans": str(in_channels(model)), "mean": json.dumps(mean), "std": json.dumps(std)}
+
+
+def graph_metadata(path: str | Path) -> dict:
+    """``{'in_chans': int, 'mean': [...], 'std': [...]}`` recorded in an exported .onnx or .pt2 ({} if none)."""
+    path = Path(path)
+    if path.suffix == ".pt2":
+        extra = {PT2_META: ""}
+        torch.export.load(str(path), extra_files=extra)
+        raw = json.loads(extra[PT2_META]) if extra[PT2_META] else {}
+    else:
+        import onnx
+
+        raw = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    return {k: json.loads(raw[k]) if isinstance(raw[k], str) else raw[k] for k in ("in_chans", "mean", "std")
+            if k in raw}
 
 
 def _cubic(x: Tensor, a: float) -> Tensor:
@@ -148,7 +175,8 @@ def export_program(model: nn.Module, out_path: str | Path, image_size: Optional[
                    program: Optional[torch.export.ExportedProgram] = None) -> Path:
     """Saved ``.pt2``; load with ``torch.export.load(PATH).module()``. ``program``: reuse a ``trace``."""
     out = _out_file(out_path, ".pt2")
-    torch.export.save(program if program is not None else trace(model, image_size), str(out))
+    torch.export.save(program if program is not None else trace(model, image_size), str(out),
+                      extra_files={PT2_META: json.dumps(input_metadata(model))})
     return out
 
 
@@ -163,6 +191,7 @@ def export_onnx(model: nn.Module, out_path: str | Path, image_size: Optional[int
     ep = program if program is not None else trace(model, image_size)
     onnx_prog = torch.onnx.export(ep, dynamo=True, opset_version=opset, input_names=[INPUT_NAME],
                                   output_names=list(OUTPUT_NAMES), verbose=False)
+    onnx_prog.model.metadata_props.update(input_metadata(model))
     onnx_prog.save(str(out))
     return out
 
@@ -199,6 +228,7 @@ def program_runner(path: str | Path) -> Any:
     return lambda x: mod(x)
 
 
-__all__ = ["export_onnx", "export_program", "trace", "FeatureGraph", "resample_matrix", "max_abs_diff", "onnx_runner",
+__all__ = ["export_onnx", "export_program", "graph_metadata", "input_metadata",
+           "trace", "FeatureGraph", "resample_matrix", "max_abs_diff", "onnx_runner",
            "program_runner", "OUTPUT_NAMES", "INPUT_NAME"]
 

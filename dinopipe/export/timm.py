@@ -11,7 +11,7 @@ from torch import nn
 
 from ..models.convert import timm_model_args, to_timm
 from ..models.convert_dinov3 import timm_dinov3_model_args, to_timm_dinov3
-from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD, input_norm
+from ..utils.norm import input_norm
 from .backbone import (
     ARCH_METADATA_KEY,
     CONFIG_NAME,
@@ -65,8 +65,9 @@ def export_timm(model: nn.Module, out_dir: str | Path) -> Path:
     if arch.get("family") == "timm":
         src_cfg = dict(getattr(model.model, "pretrained_cfg", None) or {})
         model_args = {**arch.get("model_args", {}), "in_chans": int(arch.get("in_chans", 3))}
+        mean, std = input_norm(model)  # the statistics its training data recorded, one per input channel
         return _write_folder(out, model.timm_state_dict(), arch, arch["model"], model.embed_dim, model_args,
-                             IMAGENET_MEAN, IMAGENET_STD, src_cfg.get("first_conv", ""), src_cfg.get("classifier", ""))
+                             mean, std, src_cfg.get("first_conv", ""), src_cfg.get("classifier", ""))
     if _is_dinov3(arch):
         name, model_args = timm_dinov3_model_args(arch, _ffn_hidden(model))
         weights = to_timm_dinov3(model.state_dict(), arch)

@@ -27,9 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models import create_model, is_timm_name
+from ..models.channels import expand_patch_embed
+from ..utils.norm import in_channels, set_input_norm
 from .base import (ExportSpec, LoadBackbone, LoadHeads, TeacherStudentTask, build_head, head_config,
                    koleo_per_global_crop, n_prototypes)
-from .distill_config import DistillConfig, resolve_mode
+from .distill_config import DistillConfig, check_teacher_channels, resolve_mode
 from .ema import reshard_
 from .losses import DINOLoss, IBOTPatchLoss
 
@@ -58,8 +60,21 @@ def _student_grid(out: dict, crops: Tensor, backbone: nn.Module) -> tuple[int, i
 def create_student(model_cfg) -> nn.Module:
     """A registry ViT, or any timm model (``timm:NAME``, random init) behind the same interface."""
     if is_timm_name(model_cfg.name):
-        return create_model(model_cfg.name, img_size=model_cfg.img_size, drop_path_rate=model_cfg.drop_path_rate)
+        return create_model(model_cfg.name, img_size=model_cfg.img_size, drop_path_rate=model_cfg.drop_path_rate,
+                            in_chans=model_cfg.in_chans or 3)
     return create_model(model_cfg.name, **model_cfg.create_kwargs())
+
+
+def match_teacher_channels(backbone: nn.Module, cfg: DistillConfig) -> nn.Module:
+    """An RGB teacher for N-channel data: its patch embedding expanded as ``teacher_model.expand_patch_embed``
+    says (the expansion of continued pretraining); any other mismatch is a ConfigError (checked before the run)."""
+    have, want = in_channels(backbone), cfg.data.channels
+    check_teacher_channels(cfg, have)
+    if have == want:
+        return backbone
+    tm = cfg.teacher_model
+    log.info("expanding the teacher's patch embedding from 3 to %d channels (%s)", want, tm.expand_patch_embed)
+    return expand_patch_embed(backbone, want, str(tm.expand_patch_embed), tm.rgb_channels)
 
 
 class DistillTask(TeacherStudentTask):
@@ -73,7 +88,7 @@ class DistillTask(TeacherStudentTask):
         if load_backbone is None:
             raise TypeError("DistillTask needs load_backbone (e.g. dinopipe.load) to read the teacher")
         path = cfg.teacher_model.path
-        t_backbone = load_backbone(path, num_heads=cfg.teacher_model.num_heads)
+        t_backbone = match_teacher_channels(load_backbone(path, num_heads=cfg.teacher_model.num_heads), cfg)
         head_sds = load_heads(path) if load_heads is not None else {}
         self.mode = resolve_mode(cfg, has_heads="dino_head" in head_sds)  # ConfigError: checked before the run
         t_heads = {name: build_head(state_dict=sd) for name, sd in head_sds.items()}
@@ -83,6 +98,7 @@ class DistillTask(TeacherStudentTask):
         self.students = nn.ModuleDict()
         for s in cfg.students:
             backbone = create_student(s.model)
+            set_input_norm(backbone, cfg.data.mean, cfg.data.std)  # exports record the data's statistics
             # Students see unmasked crops: a parameter that never gets a gradient must be frozen, or its
             # optimizer state would be missing from checkpoints and resuming would fail.
             if getattr(backbone, "mask_token", None) is not None:

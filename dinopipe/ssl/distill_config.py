@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import ConfigError, ModelConfig, ParallelConfig, choices
+from ..config import ConfigError, ModelConfig, ParallelConfig, PatchEmbedExpand, choices
 from .config import CropsConfig, DataConfig, DinoConfig, IbotConfig, OptimConfig, PhaseConfig, TeacherConfig, TrainConfig
 
 
@@ -17,6 +17,11 @@ class TeacherModelConfig:
     (a bare backbone such as released DINOv2 weights -> feature distillation)."""
     num_heads: Optional[int] = None
     """Only for foreign files whose heads are not 64-dimensional."""
+    expand_patch_embed: Optional[PatchEmbedExpand] = None
+    """An RGB teacher for data.channels other than 3: expand its patch embedding as continued pretraining does
+    (mean | rgb_map, docs/multichannel.md). null: such a teacher is refused (exit 2)."""
+    rgb_channels: Optional[list[int]] = None
+    """rgb_map: the input channels (0-based) holding red, green and blue."""
 
 
 @dataclass
@@ -88,6 +93,28 @@ def validate(cfg: DistillConfig) -> None:
                           f"{f.cls_weight} / {f.patch_weight}")
 
 
+def check_teacher_channels(cfg: DistillConfig, teacher_chans: int) -> None:
+    """The teacher takes data.channels, or is an RGB teacher that teacher_model.expand_patch_embed expands;
+    raises ConfigError naming the key otherwise. Called before the run (from the teacher's recorded
+    architecture) and again by the task (from what it loaded)."""
+    want, tm = cfg.data.channels, cfg.teacher_model
+    if teacher_chans == want:
+        return
+    if teacher_chans != 3:
+        raise ConfigError(f"teacher_model.path: {tm.path} takes {teacher_chans} channels but data.channels is "
+                          f"{want}; only an RGB (3-channel) teacher can be expanded")
+    if tm.expand_patch_embed is None:
+        raise ConfigError(f"teacher_model.expand_patch_embed: {tm.path} is an RGB teacher and data.channels is "
+                          f"{want}; set teacher_model.expand_patch_embed=mean (or rgb_map with "
+                          f"teacher_model.rgb_channels) to expand its patch embedding, or continue pretraining it "
+                          f"on the {want}-channel data first (docs/multichannel.md)")
+    if tm.expand_patch_embed == "rgb_map":
+        rgb = tm.rgb_channels or []
+        if len(rgb) != 3 or len(set(rgb)) != 3 or not all(0 <= c < want for c in rgb):
+            raise ConfigError(f"teacher_model.rgb_channels: rgb_map needs 3 distinct channel indices in "
+                              f"[0, {want}), got {tm.rgb_channels}")
+
+
 def resolve_mode(cfg: DistillConfig, has_heads: bool) -> str:
     """The distillation mode for a teacher with or without exported DINO heads (``auto`` picks); raises
     ConfigError, naming the key, for a mode or loss term that teacher cannot serve. Called before the run
@@ -108,4 +135,5 @@ def resolve_mode(cfg: DistillConfig, has_heads: bool) -> str:
     return mode
 
 
-__all__ = ["DistillConfig", "resolve_mode", "StudentConfig", "TeacherModelConfig", "FeatureLossConfig", "validate"]
+__all__ = ["DistillConfig", "check_teacher_channels",
+           "resolve_mode", "StudentConfig", "TeacherModelConfig", "FeatureLossConfig", "validate"]

@@ -15,7 +15,7 @@ from ..config import ConfigError
 from ..hub import CheckpointError, check_backbone_file, has_heads
 from ..models import create_model, is_timm_name, list_models, model_defaults, timm_name_error
 from ..ssl.distill import DistillTask
-from ..ssl.distill_config import DistillConfig, resolve_mode
+from ..ssl.distill_config import DistillConfig, check_teacher_channels, resolve_mode
 from ..ssl.distill_config import validate as validate_fields
 from .builders import stage_main
 from .run import run_training
@@ -27,10 +27,11 @@ def validate(cfg: DistillConfig) -> None:
     validate_fields(cfg)
     path = cfg.teacher_model.path
     try:
-        t_patch = int(check_backbone_file(path, num_heads=cfg.teacher_model.num_heads)["patch_size"])
+        arch = check_backbone_file(path, num_heads=cfg.teacher_model.num_heads)
     except (CheckpointError, OSError) as exc:
         raise ConfigError(f"teacher_model.path: {exc}") from None
-    check_students(cfg, t_patch)
+    check_teacher_channels(cfg, int(arch.get("in_chans", 3)))
+    check_students(cfg, int(arch["patch_size"]))
     resolve_mode(cfg, has_heads(path))
 
 
