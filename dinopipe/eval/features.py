@@ -1,7 +1,10 @@
 """Frozen features of a labelled image set, as DINO / DINOv2 evaluate them.
 
 Eval transform: resize the short side to ``crop * 256 / 224`` (bicubic), centre-crop ``crop`` (a multiple of
-the patch size), ImageNet normalisation. The feature is the final-norm CLS token, optionally concatenated with
+the patch size), normalisation with the statistics the model records (``utils/norm.py:input_norm``: ImageNet's
+for an RGB model without a record). An N-channel model reads each file's N bands (``.tif`` / ``.npy``, through
+``data/channels.py:decode_channels``, on the value scale its statistics were computed on); a file with another
+band count is unreadable, skipped and counted. The feature is the final-norm CLS token, optionally concatenated with
 the average patch token (DINOv2's linear-probe ``avgpool`` option). On CUDA the forward runs under bf16
 autocast; features come back float32 on the CPU. Images that cannot be decoded are skipped and counted.
 """
@@ -17,27 +20,31 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..data.channels import decode_channels
 from ..data.decode import safe_decode
 from ..data.transforms import eval_crop_size, eval_transform
 from ..utils.device import pick_device
+from ..utils.norm import in_channels, input_norm
 from .data import LabelError, LabelledImages
 
 log = logging.getLogger(__name__)
 
 
 class _EvalDataset(Dataset):
-    """(image tensor, label, ok); an unreadable image gives a zero tensor and ok=False."""
+    """(image tensor, label, ok); an unreadable image gives a zero tensor and ok=False. RGB models see the
+    upright RGB photo (``safe_decode``), others the file's ``channels`` bands (``decode_channels``)."""
 
-    def __init__(self, data: LabelledImages, transform, crop: int):
-        self.data, self.transform, self.crop = data, transform, crop
+    def __init__(self, data: LabelledImages, transform, crop: int, channels: int = 3):
+        self.data, self.transform, self.crop, self.channels = data, transform, crop, channels
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int):
-        img, reason = safe_decode(self.data.read(self.data.refs[i]))
+        raw = self.data.read(self.data.refs[i])
+        img, _ = safe_decode(raw) if self.channels == 3 else decode_channels(raw, self.channels)
         if img is None:
-            return torch.zeros(3, self.crop, self.crop), self.data.labels[i], False
+            return torch.zeros(self.channels, self.crop, self.crop), self.data.labels[i], False
         return self.transform(img), self.data.labels[i], True
 
 
@@ -84,7 +91,9 @@ def extract_features(
     """
     device = pick_device(device)
     crop = model_crop_size(model, img_size)
-    loader = DataLoader(_EvalDataset(data, eval_transform(crop), crop), batch_size=batch_size, shuffle=False,
+    mean, std = input_norm(model)
+    dataset = _EvalDataset(data, eval_transform(crop, mean=mean, std=std), crop, in_channels(model))
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,
                         num_workers=num_workers, pin_memory=device.type == "cuda")
     model = model.to(device).eval()
     feats, labels, bad = [], [], 0
