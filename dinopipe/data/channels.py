@@ -7,6 +7,9 @@ one page per band or interleaved), everything else through Pillow (:func:`.decod
 taken as (H, W), (H, W, C) or (C, H, W): the axis of length ``channels`` (the last one first); without a
 channel count the shorter of the first and last axes, when it is at most :data:`MAX_CHANNELS`.
 
+A TIFF's orientation tag (274: how a camera's sensor rows map to the upright picture) is applied, as Pillow's
+``ImageOps.exif_transpose`` applies a JPEG's EXIF orientation (:func:`upright`).
+
 Value scale (the one the statistics and the augmentations see): unsigned integers divided by their type's
 maximum (8-bit /255, 16-bit /65535), so 16-bit data keeps its full precision in [0, 1]; floats as stored.
 
@@ -66,7 +69,28 @@ def read_tiff(data: bytes, max_pixels: int) -> np.ndarray:
         if int(tif.pages[0].photometric) == 3:  # a palette image: indices, not intensities (Pillow's job)
             raise ValueError("palette TIFF")
         _check_size(series.shape, max_pixels)
-        return series.asarray()
+        tag = tif.pages[0].tags.get("Orientation")
+        return upright(series.asarray(), series.axes, int(tag.value) if tag is not None else 1)
+
+
+def upright(arr: np.ndarray, axes: str, orientation: int) -> np.ndarray:
+    """Apply a TIFF / EXIF orientation (tag 274, values 1-8) to the image axes Y and X of ``arr`` (tifffile's
+    ``axes`` string, e.g. ``YXS`` for interleaved RGB, ``CYX`` / ``SYX`` for one page per band), as Pillow's
+    ``ImageOps.exif_transpose`` does for a photo: camera TIFFs store the sensor's rows and name the rotation."""
+    if orientation not in range(2, 9) or "Y" not in axes or "X" not in axes or len(axes) != arr.ndim:
+        return arr
+    y, x = axes.index("Y"), axes.index("X")
+    if orientation in (3, 4, 7):  # flip rows
+        arr = np.flip(arr, y)
+    if orientation in (2, 3, 7):  # flip columns
+        arr = np.flip(arr, x)
+    if orientation in (5, 7):  # transpose (5: about the main diagonal; 7: with both flips, the other one)
+        arr = np.swapaxes(arr, y, x)
+    elif orientation == 6:  # rotate 90 degrees clockwise
+        arr = np.rot90(arr, -1, axes=(y, x))
+    elif orientation == 8:  # rotate 90 degrees counter-clockwise
+        arr = np.rot90(arr, 1, axes=(y, x))
+    return np.ascontiguousarray(arr)
 
 
 def _check_size(shape: tuple, max_pixels: int) -> None:
@@ -201,4 +225,4 @@ def channel_stats(images: Iterable[Optional[bytes]], channels: int,
 
 
 __all__ = ["MAX_CHANNELS", "WRONG_CHANNELS", "decode_channels", "render_rgb", "channel_stats", "read_array",
-           "to_hwc", "to_float", "is_npy", "is_tiff"]
+           "to_hwc", "to_float", "is_npy", "is_tiff", "upright"]

@@ -109,6 +109,42 @@ def test_exif_orientation_is_applied(photo):
     assert np.abs(np.asarray(img, np.float32) - expected).mean() < 5
 
 
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_tiff_orientation_is_applied_like_exif(photo, orientation):
+    """A camera's 8-bit RGB TIFF (tifffile reads every TIFF) comes out upright, pixel for pixel what Pillow's
+    exif_transpose makes of the same file; the N-channel reader agrees."""
+    from PIL import ImageOps
+
+    from dinopipe.data.channels import decode_channels
+
+    buf = io.BytesIO()
+    Image.fromarray(photo).save(buf, format="TIFF", tiffinfo={0x0112: orientation})
+    data = buf.getvalue()
+    want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+    img, reason = safe_decode(data)
+    assert reason is None
+    np.testing.assert_array_equal(np.asarray(img), want)
+    x, reason = decode_channels(data, 3)
+    assert reason is None
+    np.testing.assert_array_equal(np.rint(x.numpy().transpose(1, 2, 0) * 255).astype(np.uint8), want)
+    if orientation in (6, 8):
+        assert img.size == (photo.shape[0], photo.shape[1])  # portrait: 300 wide
+
+
+def test_tiff_orientation_turns_every_band_of_a_band_major_tiff(photo):
+    import tifffile
+
+    from dinopipe.data.channels import decode_channels
+
+    stack = np.stack([photo[..., c] for c in range(3)] + [photo.mean(-1).astype(np.uint8)])  # (4, H, W)
+    buf = io.BytesIO()
+    tifffile.imwrite(buf, stack, photometric="minisblack", extratags=[(0x0112, "H", 1, 8, True)])
+    x, reason = decode_channels(buf.getvalue(), 4)
+    assert reason is None and tuple(x.shape) == (4, photo.shape[1], photo.shape[0])
+    want = np.rot90(stack, 1, axes=(1, 2)).astype(np.float32) / 255  # 8: rotate 90 degrees counter-clockwise
+    np.testing.assert_array_equal(x.numpy(), want)
+
+
 def test_one_bit_and_grey_become_rgb():
     for mode in ("1", "L"):
         img, reason = safe_decode(png_bytes(Image.new(mode, (5, 4), 1 if mode == "1" else 77)))
