@@ -268,6 +268,9 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """Student only: free the gathered parameters after forward (re-gather in backward). Frozen models
     (teachers, EMAs) always reshard."""
+    sync_batchnorm: bool = True
+    """Trained models with BatchNorm (timm CNN students) use SyncBatchNorm over all ranks on CUDA (batch statistics
+    of the global batch). torch has no CPU kernel for it: on CPU (gloo) each rank normalises its own images."""
 
 
 def check_parallel_config(cfg: ParallelConfig) -> None:

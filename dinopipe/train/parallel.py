@@ -12,6 +12,7 @@ only ever sees FSDP2's sharded fp32 parameters, and ``ema_update_`` refuses anyt
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Iterable, Optional
@@ -45,21 +46,75 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 
+def _batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+
+@contextlib.contextmanager
+def _running_stats_frozen(bns: list[nn.modules.batchnorm._BatchNorm]):
+    """The recomputation of a checkpointed block must not update BatchNorm running statistics a second time:
+    momentum 0 keeps running_mean / running_var as they are (the same kernel runs, so the recompute saves the
+    same tensors as the forward did and the checkpoint's checks hold), and the step counter is put back."""
+    saved = [(bn.momentum, bn.num_batches_tracked.clone()) for bn in bns]
+    for bn in bns:
+        bn.momentum = 0.0
+    try:
+        yield
+    finally:
+        for bn, (momentum, count) in zip(bns, saved):
+            bn.momentum = momentum
+            bn.num_batches_tracked.copy_(count)
+
+
 def apply_activation_checkpointing(block: nn.Module) -> None:
     """Recompute the block in backward instead of storing its activations. Parameter names are unchanged
-    (no wrapper module), so checkpoints and exports do not care whether AC was on."""
+    (no wrapper module), so checkpoints and exports do not care whether AC was on. A block with BatchNorm
+    (a timm CNN student's stage) keeps its running statistics frozen while it is recomputed, so they are
+    updated once per forward, as without AC."""
     if getattr(block, "_dinopipe_ac", False):
         return
     inner = block.forward
+    bns = _batchnorms(block)
+    freeze = {"context_fn": lambda: (contextlib.nullcontext(), _running_stats_frozen(bns))} if bns else {}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        # Compiled, the recompute is part of the backward graph and buffer mutations are applied once, after
+        # the forward graph (and a context_fn there must be a dispatch mode): nothing to freeze.
+        kw = {} if torch.compiler.is_compiling() else freeze
+        return checkpoint(inner, *args, use_reentrant=False, **kw, **kwargs)
 
     block.forward = forward
     block._dinopipe_ac = True
+
+
+SYNC_BN_DEVICES = ("cuda", "hpu", "xpu")
+"""Where torch's SyncBatchNorm has kernels (torch 2.14.1 refuses CPU tensors: "expected input tensor to be on
+GPU or XPU or privateuseone")."""
+
+
+def sync_batchnorm_(modules: list[nn.Module], info: DistInfo) -> int:
+    """Several ranks on a device with SyncBatchNorm kernels: every BatchNorm of the trained modules becomes a
+    SyncBatchNorm over the default process group (same parameters and buffers, same state-dict keys, so
+    checkpoints, the EMA and exports are unchanged). Returns how many were converted (0 on CPU or one rank,
+    where each rank's BatchNorm normalises its own images)."""
+    if not info.distributed or info.device.type not in SYNC_BN_DEVICES:
+        return 0
+    n = 0
+    for m in modules:
+        bns = [b for b in m.modules() if isinstance(b, nn.modules.batchnorm._BatchNorm)
+               and not isinstance(b, nn.SyncBatchNorm)]
+        if not bns:
+            continue
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            raise TypeError("sync_batchnorm_ converts the BatchNorm layers inside a module, not a bare BatchNorm")
+        nn.SyncBatchNorm.convert_sync_batchnorm(m)  # children replaced in place; m itself is not a BatchNorm
+        n += len(bns)
+    if n:
+        log.info("%d BatchNorm layers -> SyncBatchNorm over %d ranks", n, info.world_size)
+    return n
 
 
 def compile_block(block: nn.Module, backend: str = "inductor") -> None:
@@ -116,6 +171,8 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
     check_parallel_config(cfg)
     configure_device_math(info.device)
     modules = list(modules)
+    if not frozen and cfg.sync_batchnorm:
+        sync_batchnorm_(modules, info)
     for m in modules:
         for blk in _blocks(m):
             if cfg.activation_checkpointing and not frozen:
@@ -144,5 +201,5 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
     return cfg.param_dtype
 
 
-__all__ = ["parallelize", "apply_activation_checkpointing", "apply_autocast", "compile_block",
+__all__ = ["parallelize", "sync_batchnorm_", "apply_activation_checkpointing", "apply_autocast", "compile_block",
            "configure_device_math", "DTYPES"]
