@@ -475,6 +475,10 @@ def main(argv=None) -> int:
                         "collective byte counter runs regardless)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = p.parse_args(argv)
+    from .distill import is_distill_config
+
+    if is_distill_config(args.config):  # students (ViT or timm:NAME) + teacher: parameters, state, FLOPs
+        return _main_distill(args)
     try:
         try:
             cfg = load_config(PretrainConfig, args.config, args.overrides)
@@ -501,6 +505,33 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({**dataclasses.asdict(t), "planner_over_trace": t.planner_ratio}, f, indent=1)
+    return 0
+
+
+def _main_distill(args) -> int:
+    import sys
+
+    from ..config import ConfigError, exit_on_config_error, load_config
+    from ..ssl.distill_config import DistillConfig
+    from ..train.distill import check_students
+    from .distill import format_distill_report, plan_distill
+
+    if args.trace:
+        print("error: --trace runs a pretraining step; a distillation config is planned on paper only", file=sys.stderr)
+        return 2
+    try:
+        try:
+            cfg = load_config(DistillConfig, args.config, args.overrides)
+        except TypeError as exc:
+            raise ConfigError(f"overrides {args.overrides}: {exc}") from None
+        check_students(cfg)  # unknown timm names and crops below a CNN's stride: exit 2, as `dinopipe distill`
+        r = plan_distill(cfg, args.gpus, args.gpu_mem_gb)
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+    except (ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_distill_report(r))
     return 0
 
 
