@@ -74,8 +74,8 @@ def apply_activation_checkpointing(block: nn.Module) -> None:
     if getattr(block, "_dinopipe_ac", False):
         return
     inner = block.forward
-    bns = _batchnorms(block)
-    freeze = {"context_fn": lambda: (contextlib.nullcontext(), _running_stats_frozen(bns))} if bns else {}
+    # found at run time: a later conversion (SyncBatchNorm) replaces the layers
+    freeze = {"context_fn": lambda: (contextlib.nullcontext(), _running_stats_frozen(_batchnorms(block)))}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
@@ -83,7 +83,7 @@ def apply_activation_checkpointing(block: nn.Module) -> None:
             return inner(*args, **kwargs)
         # Compiled, the recompute is part of the backward graph and buffer mutations are applied once, after
         # the forward graph (and a context_fn there must be a dispatch mode): nothing to freeze.
-        kw = {} if torch.compiler.is_compiling() else freeze
+        kw = {} if torch.compiler.is_compiling() or not _batchnorms(block) else freeze
         return checkpoint(inner, *args, use_reentrant=False, **kw, **kwargs)
 
     block.forward = forward

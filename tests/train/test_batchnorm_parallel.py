@@ -81,6 +81,17 @@ def test_sync_batchnorm_only_where_torch_has_kernels(photos):
     _assert_same_buffers(ref, sbn)
 
 
+def test_checkpointed_stages_stay_frozen_after_conversion(photos):
+    """AC found the layers at run time: SyncBatchNorm layers that replaced them after wrapping are frozen too."""
+    ref, both = _pair()
+    for blk in _blocks(both):
+        apply_activation_checkpointing(blk)
+    assert sync_batchnorm_([both], DistInfo(world_size=2, device=torch.device("cuda", 0), backend="nccl")) > 0
+    _steps(ref, photos)
+    _steps(both, photos)
+    _assert_same_buffers(ref, both)
+
+
 def test_parallelize_converts_trained_modules_only(monkeypatch):
     """The switch (parallel.sync_batchnorm) and the frozen models (EMA, teacher): never converted."""
     calls = []
