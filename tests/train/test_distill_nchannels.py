@@ -89,6 +89,7 @@ def test_rgb_teacher_without_expansion_is_refused(band_pool, stats, rgb_teacher)
         validate(_cfg(band_pool, stats, p2, "teacher_model.expand_patch_embed=mean"))
 
 
+@pytest.mark.slow
 def test_rgb_teacher_without_expansion_exits_2_before_any_work(tmp_path, band_pool, stats, rgb_teacher):
     out = tmp_path / "run"
     r = run_distill(out, band_pool, *_overrides(band_pool, stats, rgb_teacher[1]), check=False)
