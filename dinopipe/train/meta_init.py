@@ -1,0 +1,319 @@
+"""Record a task's construction on ``meta``, replay it tensor by tensor into each rank's shards.
+
+A multi-rank run builds its task on the ``meta`` device on every rank (rank 0 included) under
+:class:`InitRecorder`, a ``TorchDispatchMode`` that notes, for every storage the build creates, the ops that
+gave it its value: how it was created (a factory, a clone of another tracked tensor, a copy of a tensor read
+from a file) and every in-place op on it or on a view of it since its last full overwrite (``trunc_normal_`` is
+``uniform_, erfinv_, mul_, add_, clamp_``; ``load_state_dict`` is ``copy_`` from a memory-mapped file tensor).
+
+Random ops on ``meta`` draw nothing from the CPU generator, so for each one the recorder snapshots the default
+generator (``torch.get_rng_state()``, ~5 KB) and advances it exactly as the real op would, by running the same op
+on a CPU scratch tensor of that shape, stride and dtype (freed at once). After the build the generator is where a
+one-process build leaves it.
+
+After sharding (FSDP2 on ``meta``, ``to_empty``) :meth:`InitRecorder.materialize` replays each parameter's and
+buffer's chain on a full-size CPU temporary (restoring each random op's snapshot first), copies this rank's
+slice into its local shard and frees the temporary; a chain that is one ``copy_`` of a file tensor copies only
+the local slice (a rank touches 1/W of the file's pages). At the end the generator is put back where the build
+left it. What cannot be replayed exactly (a storage resized or ``set_``, an op with an explicit generator, a
+meta tensor built outside the recorder, a file tensor modified after it was copied) is reported by
+:meth:`InitRecorder.unreplayable` so the caller can fall back to building on one rank and broadcasting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_RANDOM = torch.Tag.nondeterministic_seeded
+# in-place ops that write every element without reading the old values: a chain restarts there
+_OVERWRITES = {"copy_", "fill_", "zero_", "uniform_", "normal_", "random_", "exponential_", "geometric_", "cauchy_",
+               "log_normal_", "bernoulli_"}
+_UNSUPPORTED = ("resize", "set_", "as_strided_")
+
+
+def _key(t: Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _geom(t: Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+@dataclass(frozen=True)
+class _Tracked:
+    """The value of a tracked storage after its first ``pos`` entries, seen through a view ``geom``."""
+    key: int
+    pos: int
+    geom: tuple
+
+
+@dataclass(frozen=True)
+class _Real:
+    """A real (CPU) tensor the build handed to an op, e.g. a memory-mapped file tensor; read at replay time."""
+    tensor: Tensor
+    version: int
+
+
+@dataclass
+class _Entry:
+    func: Any
+    args: Any  # pytree of args/kwargs, tensors replaced by _Tracked / _Real
+    kwargs: Any
+    create: bool  # the op created this storage (out_index: which output); else an in-place write
+    resets: bool  # a chain restarts here (creation or full overwrite)
+    rng: Optional[Tensor] = None
+    out_index: int = 0
+    geom: Optional[tuple] = None  # creation: the output's geometry (checked at replay)
+
+
+class _Storage:
+    __slots__ = ("entries", "bad", "dtype", "numel", "keep")
+
+    def __init__(self, t: Tensor) -> None:
+        self.entries: list[_Entry] = []
+        self.bad: Optional[str] = None
+        self.dtype = t.dtype
+        self.numel = t.untyped_storage().nbytes() // t.element_size()
+        self.keep = t  # the meta tensor keeps the storage (and its id) alive
+
+
+def _is_meta(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.device.type == "meta"
+
+
+def _written_args(func, args, kwargs) -> list[Tensor]:
+    """The tensors an aten op writes (schema alias_info.is_write), in-place self or out= included."""
+    out = []
+    schema = func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = kwargs.get(a.name) if (a.kwarg_only or i >= len(args)) else args[i]
+        for t in tree_flatten(v)[0]:
+            if isinstance(t, Tensor):
+                out.append(t)
+    return out
+
+
+class InitRecorder(TorchDispatchMode):
+    """Use as ``with torch.device("meta"), InitRecorder() as rec: task = build()``; then shard the task,
+    ``to_empty`` it and call ``rec.materialize(task)`` (after ``rec.bind(task)`` taken before sharding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, _Storage] = {}
+        self.random_ops = 0
+        self.names: dict[str, tuple[int, tuple]] = {}
+        self.rng_after_build: Optional[Tensor] = None
+
+    # -- recording ---------------------------------------------------------------------------------------
+
+    def __exit__(self, *exc):
+        self.rng_after_build = torch.get_rng_state()
+        return super().__exit__(*exc)
+
+    def _ref(self, t: Tensor, problems: list):
+        if not _is_meta(t):
+            return _Real(t, t._version)
+        st = self.storages.get(_key(t))
+        if st is None:
+            problems.append(f"{tuple(t.shape)} meta tensor built outside the recorder")
+            return None
+        if t.dtype != st.dtype:
+            problems.append(f"a {st.dtype} storage viewed as {t.dtype}")
+        return _Tracked(_key(t), len(st.entries), _geom(t))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = tree_flatten((args, kwargs))[0]
+        if not any(_is_meta(x) for x in flat) and kwargs.get("device") != torch.device("meta"):
+            return func(*args, **kwargs)  # real tensors only (a file being read): nothing to record
+        if any(_is_meta(x) for x in flat) and "device" in kwargs and kwargs["device"] is not None \
+                and torch.device(kwargs["device"]).type == "cpu":
+            kwargs = {**kwargs, "device": torch.device("meta")}  # module.to("cpu") of a meta module stays on meta
+        problems: list = []
+        rng = None
+        if _RANDOM in func.tags:
+            if kwargs.get("generator") is not None:
+                problems.append(f"{func} with an explicit generator")
+            rng = torch.get_rng_state()
+            self._advance(func, args, kwargs)
+        ref_args = tree_map(lambda x: self._ref(x, problems) if isinstance(x, Tensor) else x, args)
+        ref_kwargs = tree_map(lambda x: self._ref(x, problems) if isinstance(x, Tensor) else x, kwargs)
+        name = func.__name__.split(".")[0]
+        if any(u in name for u in _UNSUPPORTED):
+            problems.append(f"{name} on a meta tensor")
+        written = [t for t in _written_args(func, args, kwargs) if _is_meta(t)]
+        if len({_key(t) for t in written}) > 1:
+            problems.append(f"{name} writes several tensors")
+        for t in written:
+            st = self.storages.get(_key(t))
+            if st is None:
+                continue  # already reported by _ref
+            full = t.numel() == st.numel and t.is_contiguous() and t.storage_offset() == 0
+            st.entries.append(_Entry(func, ref_args, ref_kwargs, create=False, resets=full and name in _OVERWRITES,
+                                     rng=rng))
+            if problems and st.bad is None:
+                st.bad = problems[0]
+        out = func(*args, **kwargs)
+        outs = tree_flatten(out)[0]
+        for i, t in enumerate(outs):
+            if not _is_meta(t) or _key(t) in self.storages:
+                continue  # a view or the written input itself
+            st = self.storages[_key(t)] = _Storage(t)
+            st.entries.append(_Entry(func, ref_args, ref_kwargs, create=True, resets=True, rng=rng, out_index=i,
+                                     geom=_geom(t)))
+            if problems:
+                st.bad = problems[0]
+        if rng is not None:
+            self.random_ops += 1
+        return out
+
+    def _advance(self, func, args, kwargs) -> None:
+        """Run a random op on CPU scratch tensors of the same geometry: the generator moves as the real op's."""
+        def scratch(x):
+            if _is_meta(x):
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu").zero_()
+            return x
+        a = tree_map(scratch, args)
+        k = tree_map(scratch, kwargs)
+        if "device" in k:
+            k["device"] = torch.device("cpu")
+        func(*a, **k)
+        del a, k
+
+    # -- after the build ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _tensors(module: nn.Module):
+        seen = set()
+        for fqn, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+            if fqn not in seen:
+                seen.add(fqn)
+                yield fqn, t
+
+    def bind(self, module: nn.Module) -> None:
+        """Note which storage (and view of it) every parameter and buffer is; call before sharding."""
+        for fqn, t in self._tensors(module):
+            if t is not None:
+                self.names[fqn] = (_key(t), _geom(t)) if _is_meta(t) else (None, t)
+
+    def unreplayable(self) -> Optional[str]:
+        """Why the bound tensors cannot be replayed exactly (None: they can)."""
+        for fqn, (key, geom) in self.names.items():
+            if key is None:
+                return f"{fqn} is a real tensor, not built on meta"
+            why = self._check(key, len(self.storages[key].entries) if key in self.storages else 0, set())
+            if why:
+                return f"{fqn}: {why}"
+        return None
+
+    def _check(self, key: int, pos: int, seen: set) -> Optional[str]:
+        if (key, pos) in seen:
+            return None
+        seen.add((key, pos))
+        st = self.storages.get(key)
+        if st is None:
+            return "built outside the recorder"
+        if st.bad:
+            return st.bad
+        for e in st.entries[self._start(st, pos):pos]:
+            for r in tree_flatten((e.args, e.kwargs))[0]:
+                if isinstance(r, _Real) and r.tensor._version != r.version:
+                    return "a tensor it was copied from changed after the copy"
+                if isinstance(r, _Tracked) and r.key != key:
+                    why = self._check(r.key, r.pos, seen)
+                    if why:
+                        return why
+        return None
+
+    @staticmethod
+    def _start(st: _Storage, pos: int) -> int:
+        return max(i for i in range(pos) if st.entries[i].resets)
+
+    # -- replay ------------------------------------------------------------------------------------------
+
+    def value(self, key: int, pos: Optional[int] = None) -> Tensor:
+        """The storage's content after its first ``pos`` entries, as a CPU tensor over a fresh storage (views
+        of it by absolute ``as_strided``)."""
+        st = self.storages[key]
+        pos = len(st.entries) if pos is None else pos
+        start = self._start(st, pos)
+        buf: Optional[Tensor] = None
+        for i in range(start, pos):
+            e = st.entries[i]
+
+            def arg(r, i=i):
+                if isinstance(r, _Real):
+                    return r.tensor
+                if isinstance(r, _Tracked):
+                    base = buf if r.key == key and r.pos == i else self.value(r.key, r.pos)
+                    return base.as_strided(*r.geom)
+                return r
+
+            if buf is None and not e.create:
+                buf = torch.empty(st.numel, dtype=st.dtype)
+            a, k = tree_map(arg, e.args), tree_map(arg, e.kwargs)
+            if "device" in k:
+                k["device"] = torch.device("cpu")
+            if e.rng is not None:
+                torch.set_rng_state(e.rng)
+            out = e.func(*a, **k)
+            if e.create:
+                buf = tree_flatten(out)[0][e.out_index]
+                if _geom(buf) != e.geom:
+                    raise RuntimeError(f"replaying {e.func} gave {_geom(buf)}, recorded {e.geom}")
+            del a, k, out
+        return buf
+
+    def _copy_source(self, key: int, geom: tuple) -> Optional[Tensor]:
+        """The file tensor a storage is a plain copy of (its chain is one full ``copy_`` from a real tensor of
+        the same shape), else None."""
+        st = self.storages[key]
+        pos = len(st.entries)
+        e = st.entries[self._start(st, pos)]
+        if pos - self._start(st, pos) != 1 or e.create or e.func is not torch.ops.aten.copy_.default:
+            return None
+        src = e.args[1]
+        if isinstance(src, _Real) and tuple(src.tensor.shape) == geom[0] and geom[2] == 0:
+            return src.tensor
+        return None
+
+    @torch.no_grad()
+    def materialize(self, module: nn.Module) -> None:
+        """Fill every parameter and buffer of the sharded, ``to_empty``'d module with its replayed value (this
+        rank's shard of it); the CPU generator ends where the build left it."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        done = set()
+        try:
+            for fqn, t in self._tensors(module):
+                if t is None or id(t) in done:
+                    continue
+                done.add(id(t))
+                key, geom = self.names[fqn]
+                if isinstance(t, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+                    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+                    dst = t.to_local()
+                else:
+                    index, dst = (), t
+                src = self._copy_source(key, geom)
+                if src is None:
+                    full = self.value(key).as_strided(*geom)
+                    dst.copy_(full[index])
+                    del full
+                else:  # one copy_ of a file tensor: read only this rank's slice
+                    dst.copy_(src[index])
+        finally:
+            torch.set_rng_state(self.rng_after_build)
+
+
+__all__ = ["InitRecorder"]
