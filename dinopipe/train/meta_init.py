@@ -22,11 +22,14 @@ meta tensor built outside the recorder, a file tensor modified after it was copi
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext, _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -70,14 +73,18 @@ class _Entry:
     rng: Optional[Tensor] = None
     out_index: int = 0
     geom: Optional[tuple] = None  # creation: the output's geometry (checked at replay)
+    why: Optional[str] = None  # why this entry cannot be replayed (harmless if a later full overwrite follows)
 
 
 class _Storage:
-    __slots__ = ("entries", "bad", "dtype", "numel", "keep")
+    __slots__ = ("entries", "dtype", "numel", "keep", "implicit")
 
-    def __init__(self, t: Tensor) -> None:
+    def __init__(self, t: Tensor, implicit: bool) -> None:
         self.entries: list[_Entry] = []
-        self.bad: Optional[str] = None
+        # on meta only because the build is recorded (a one-process build makes it on the CPU); False for a tensor
+        # the build itself puts on meta (e.g. a head built under torch.device("meta") to check shapes): its
+        # random ops draw nothing in a one-process build either
+        self.implicit = implicit
         self.dtype = t.dtype
         self.numel = t.untyped_storage().nbytes() // t.element_size()
         self.keep = t  # the meta tensor keeps the storage (and its id) alive
@@ -101,9 +108,31 @@ def _written_args(func, args, kwargs) -> list[Tensor]:
     return out
 
 
+class _DefaultMeta(DeviceContext):
+    """``torch.device("meta")`` as the default device, telling the recorder which factory calls got ``meta``
+    from it (rather than from an explicit ``device="meta"`` or a nested ``torch.device("meta")``)."""
+
+    def __init__(self, rec: "InitRecorder") -> None:
+        super().__init__("meta")
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        implicit = func in _device_constructors() and kwargs.get("device") is None
+        if implicit:
+            kwargs["device"] = self.device
+        self.rec._implicit += implicit
+        self.rec._in_tf += 1  # this mode is off the stack while it handles a call
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.rec._implicit -= implicit
+            self.rec._in_tf -= 1
+
+
 class InitRecorder(TorchDispatchMode):
-    """Use as ``with torch.device("meta"), InitRecorder() as rec: task = build()``; then shard the task,
-    ``to_empty`` it and call ``rec.materialize(task)`` (after ``rec.bind(task)`` taken before sharding)."""
+    """Use as ``with rec.recording(): task = build()`` (meta is the default device, every op recorded); then
+    ``rec.bind(task)``, shard the task, ``to_empty`` it and call ``rec.materialize(task)``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -111,20 +140,41 @@ class InitRecorder(TorchDispatchMode):
         self.random_ops = 0
         self.names: dict[str, tuple[int, tuple]] = {}
         self.rng_after_build: Optional[Tensor] = None
+        # bytes of the full-size CPU temporaries alive at once: while recording (scratch tensors of random ops)
+        # and while replaying (a tensor + the ones it was cloned from); tests check it stays far below a model
+        self.peak_scratch_bytes = 0
+        self.peak_replay_bytes = 0
+        self._live = 0
+        self._implicit = 0
+        self._in_tf = 0
+        self._ctx: Optional[_DefaultMeta] = None
+
+    @contextlib.contextmanager
+    def recording(self):
+        self._ctx = _DefaultMeta(self)
+        with self._ctx, self:
+            yield self
+        self.rng_after_build = torch.get_rng_state()
 
     # -- recording ---------------------------------------------------------------------------------------
 
-    def __exit__(self, *exc):
-        self.rng_after_build = torch.get_rng_state()
-        return super().__exit__(*exc)
+    def _default_is_mine(self) -> bool:
+        """Whether the default device now is the recorder's meta, not a nested ``torch.device("meta")`` (which
+        goes on top of the recorder's). Approximate inside a call under a nested context; used only for tensors
+        made without a dispatched op (``torch.tensor(0)``)."""
+        contexts = [m for m in _get_current_function_mode_stack() if isinstance(m, DeviceContext)]
+        return self._in_tf > 0 or (bool(contexts) and contexts[-1] is self._ctx)
 
     def _ref(self, t: Tensor, problems: list):
         if not _is_meta(t):
             return _Real(t, t._version)
         st = self.storages.get(_key(t))
-        if st is None:
-            problems.append(f"{tuple(t.shape)} meta tensor built outside the recorder")
-            return None
+        if st is None:  # e.g. torch.tensor(0, device="meta") (BatchNorm's num_batches_tracked): data never dispatched
+            # torch.tensor(data) takes the default device without a torch function call: implicit when the
+            # default device is the recorder's (a nested torch.device("meta") replaces it while it is active)
+            st = self.storages[_key(t)] = _Storage(t, self._implicit > 0 or self._default_is_mine())
+            st.entries.append(_Entry(None, (), {}, create=True, resets=True,
+                                     why=f"a {tuple(t.shape)} meta tensor made without a recorded op"))
         if t.dtype != st.dtype:
             problems.append(f"a {st.dtype} storage viewed as {t.dtype}")
         return _Tracked(_key(t), len(st.entries), _geom(t))
@@ -138,51 +188,56 @@ class InitRecorder(TorchDispatchMode):
                 and torch.device(kwargs["device"]).type == "cpu":
             kwargs = {**kwargs, "device": torch.device("meta")}  # module.to("cpu") of a meta module stays on meta
         problems: list = []
-        rng = None
-        if _RANDOM in func.tags:
-            if kwargs.get("generator") is not None:
-                problems.append(f"{func} with an explicit generator")
-            rng = torch.get_rng_state()
-            self._advance(func, args, kwargs)
         ref_args = tree_map(lambda x: self._ref(x, problems) if isinstance(x, Tensor) else x, args)
         ref_kwargs = tree_map(lambda x: self._ref(x, problems) if isinstance(x, Tensor) else x, kwargs)
+        metas = [self.storages[_key(x)].implicit for x in flat if _is_meta(x)]
         name = func.__name__.split(".")[0]
         if any(u in name for u in _UNSUPPORTED):
             problems.append(f"{name} on a meta tensor")
         written = [t for t in _written_args(func, args, kwargs) if _is_meta(t)]
         if len({_key(t) for t in written}) > 1:
             problems.append(f"{name} writes several tensors")
+        implicit = self.storages[_key(written[0])].implicit if written else \
+            self._implicit > 0 or (bool(metas) and all(metas))
+        if implicit and not all(metas):
+            problems.append(f"{name} reads a tensor the build itself puts on meta")
+        rng = None
+        if _RANDOM in func.tags and implicit:  # on the CPU in a one-process build: draw as it would
+            if kwargs.get("generator") is not None:
+                problems.append(f"{func} with an explicit generator")
+            rng = torch.get_rng_state()
+            self._advance(func, args, kwargs)
         for t in written:
-            st = self.storages.get(_key(t))
-            if st is None:
-                continue  # already reported by _ref
+            st = self.storages[_key(t)]
             full = t.numel() == st.numel and t.is_contiguous() and t.storage_offset() == 0
             st.entries.append(_Entry(func, ref_args, ref_kwargs, create=False, resets=full and name in _OVERWRITES,
-                                     rng=rng))
-            if problems and st.bad is None:
-                st.bad = problems[0]
+                                     rng=rng, why=problems[0] if problems else None))
         out = func(*args, **kwargs)
         outs = tree_flatten(out)[0]
         for i, t in enumerate(outs):
             if not _is_meta(t) or _key(t) in self.storages:
                 continue  # a view or the written input itself
-            st = self.storages[_key(t)] = _Storage(t)
+            st = self.storages[_key(t)] = _Storage(t, implicit)
             st.entries.append(_Entry(func, ref_args, ref_kwargs, create=True, resets=True, rng=rng, out_index=i,
-                                     geom=_geom(t)))
-            if problems:
-                st.bad = problems[0]
+                                     geom=_geom(t), why=(problems[0] if problems else None) if implicit else
+                                     "the build itself puts it on meta"))
         if rng is not None:
             self.random_ops += 1
         return out
 
     def _advance(self, func, args, kwargs) -> None:
         """Run a random op on CPU scratch tensors of the same geometry: the generator moves as the real op's."""
+        made: list[int] = []
+
         def scratch(x):
             if _is_meta(x):
-                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu").zero_()
+                t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu").zero_()
+                made.append(t.untyped_storage().nbytes())
+                return t
             return x
         a = tree_map(scratch, args)
         k = tree_map(scratch, kwargs)
+        self.peak_scratch_bytes = max(self.peak_scratch_bytes, sum(made))
         if "device" in k:
             k["device"] = torch.device("cpu")
         func(*a, **k)
@@ -221,9 +276,9 @@ class InitRecorder(TorchDispatchMode):
         st = self.storages.get(key)
         if st is None:
             return "built outside the recorder"
-        if st.bad:
-            return st.bad
         for e in st.entries[self._start(st, pos):pos]:
+            if e.why:
+                return e.why
             for r in tree_flatten((e.args, e.kwargs))[0]:
                 if isinstance(r, _Real) and r.tensor._version != r.version:
                     return "a tensor it was copied from changed after the copy"
@@ -248,17 +303,22 @@ class InitRecorder(TorchDispatchMode):
         buf: Optional[Tensor] = None
         for i in range(start, pos):
             e = st.entries[i]
+            nested: list[int] = []
 
             def arg(r, i=i):
                 if isinstance(r, _Real):
                     return r.tensor
                 if isinstance(r, _Tracked):
-                    base = buf if r.key == key and r.pos == i else self.value(r.key, r.pos)
+                    if r.key == key and r.pos == i:
+                        return buf.as_strided(*r.geom)
+                    base = self.value(r.key, r.pos)
+                    nested.append(base.untyped_storage().nbytes())  # alive until this op has run
                     return base.as_strided(*r.geom)
                 return r
 
             if buf is None and not e.create:
                 buf = torch.empty(st.numel, dtype=st.dtype)
+                self._account(buf.untyped_storage().nbytes())
             a, k = tree_map(arg, e.args), tree_map(arg, e.kwargs)
             if "device" in k:
                 k["device"] = torch.device("cpu")
@@ -267,10 +327,16 @@ class InitRecorder(TorchDispatchMode):
             out = e.func(*a, **k)
             if e.create:
                 buf = tree_flatten(out)[0][e.out_index]
+                self._account(buf.untyped_storage().nbytes())
                 if _geom(buf) != e.geom:
                     raise RuntimeError(f"replaying {e.func} gave {_geom(buf)}, recorded {e.geom}")
             del a, k, out
+            self._live -= sum(nested)
         return buf
+
+    def _account(self, nbytes: int) -> None:
+        self._live += nbytes
+        self.peak_replay_bytes = max(self.peak_replay_bytes, self._live)
 
     def _copy_source(self, key: int, geom: tuple) -> Optional[Tensor]:
         """The file tensor a storage is a plain copy of (its chain is one full ``copy_`` from a real tensor of
@@ -307,8 +373,9 @@ class InitRecorder(TorchDispatchMode):
                     index, dst = (), t
                 src = self._copy_source(key, geom)
                 if src is None:
-                    full = self.value(key).as_strided(*geom)
-                    dst.copy_(full[index])
+                    full = self.value(key)
+                    dst.copy_(full.as_strided(*geom)[index])
+                    self._live -= full.untyped_storage().nbytes()
                     del full
                 else:  # one copy_ of a file tensor: read only this rank's slice
                     dst.copy_(src[index])

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import hub
-from ..config import ParallelConfig, save_config
+from ..config import ConfigError, ParallelConfig, save_config
 from ..export import save_backbone, save_heads
 from ..utils.norm import set_input_norm
 from ..models import build_vit
@@ -125,12 +125,14 @@ def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistI
     torch.manual_seed(cfg.train.seed)
     rec = InitRecorder()
     try:
-        with torch.device("meta"), rec, warnings.catch_warnings():
+        with rec.recording(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")  # recorded, not lost
             task = build_task(task_cls, cfg, reduce_fn)
         rec.bind(task)
         why = rec.unreplayable()
-    except Exception as exc:  # noqa: BLE001 - a build meta cannot record is built the earlier way
+    except (ConfigError, hub.CheckpointError):
+        raise  # the user's input: every rank builds, so every rank says so
+    except Exception as exc:  # noqa: BLE001 - e.g. an op without a meta kernel: built the earlier way
         task, why = None, f"{type(exc).__name__}: {exc}"
     import torch.distributed as dist
 
@@ -145,6 +147,8 @@ def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistI
     parallelize_task(task, info, pcfg)
     task.to_empty(device=info.device)
     rec.materialize(task)
+    task.init_report = {"path": "replay", "random_ops": rec.random_ops, "peak_scratch_bytes": rec.peak_scratch_bytes,
+                        "peak_replay_bytes": rec.peak_replay_bytes}
     task.all_gather_fn, task.rank = all_gather_fn(), info.rank  # DINOv3's distributed KoLeo
     return task
 
@@ -181,6 +185,7 @@ def build_rank0_broadcast(task_cls: type[TeacherStudentTask], cfg: Any, info: Di
     task.to_empty(device=info.device)
     set_model_state_dict(task, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
+    task.init_report = {"path": "rank0-broadcast"}
     task.all_gather_fn, task.rank = all_gather_fn(), info.rank  # DINOv3's distributed KoLeo
     return task
 
