@@ -40,6 +40,29 @@ _OVERWRITES = {"copy_", "fill_", "zero_", "uniform_", "normal_", "random_", "exp
 _UNSUPPORTED = ("resize", "set_", "as_strided_")
 
 
+_TRIM_BYTES = 1 << 20
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system (glibc ``malloc_trim``). Full-size temporaries come and go one
+    after another; glibc raises its mmap threshold after the first large free and then serves them from the
+    heap, whose freed pages it keeps: without this a rank's resident set grows by about a model while recording
+    or replaying, though no more than one tensor is alive at a time."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
 def _key(t: Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -242,6 +265,8 @@ class InitRecorder(TorchDispatchMode):
             k["device"] = torch.device("cpu")
         func(*a, **k)
         del a, k
+        if sum(made) >= _TRIM_BYTES:
+            _trim()
 
     # -- after the build ---------------------------------------------------------------------------------
 
@@ -376,7 +401,10 @@ class InitRecorder(TorchDispatchMode):
                     full = self.value(key)
                     dst.copy_(full.as_strided(*geom)[index])
                     self._live -= full.untyped_storage().nbytes()
+                    big = full.untyped_storage().nbytes() >= _TRIM_BYTES
                     del full
+                    if big:
+                        _trim()
                 else:  # one copy_ of a file tensor: read only this rank's slice
                     dst.copy_(src[index])
         finally:
