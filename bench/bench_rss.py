@@ -72,7 +72,7 @@ def probe(mode: str, model: str, weights: str, out: str) -> None:
         if info.distributed and task.init_report["path"] != "replay":
             raise RuntimeError(f"the replay path was not taken: {task.init_report}")
     student = sum(p.numel() for p in task.student.parameters())  # a DTensor's numel is the global one
-    rec = {"rank": info.rank, "world": info.world_size, "base": base, "peak": _status_kib("VmHWM"),
+    rec = {"rank": info.rank, "world": info.world_size, "base": base, "peak": _status_kib("VmHWM"), "rss_file_end": _status_kib("RssFile"),
            "student_fp32_bytes": 4 * student}
     Path(out, f"rank{info.rank}.json").write_text(json.dumps(rec))
     destroy()

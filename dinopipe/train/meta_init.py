@@ -63,6 +63,55 @@ def _trim() -> None:
 _malloc_trim = None
 
 
+def _file_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed private mappings (``/proc/self/maps``; [] elsewhere)."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[4] != "0" and parts[1].endswith("p"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    out.append((lo, hi))
+    except OSError:
+        pass
+    return out
+
+
+def _in_ranges(t: Tensor, ranges: list[tuple[int, int]]) -> bool:
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    return any(lo <= start and end <= hi for lo, hi in ranges)
+
+
+def _drop_pages(t: Tensor) -> None:
+    """Ask the kernel to reclaim the pages of a memory-mapped file tensor this process has read
+    (``MADV_PAGEOUT`` on the whole pages inside it, Linux >= 5.4): clean pages of the file mapping leave the
+    resident set and are re-read from the file if touched again; a page this process wrote (copy-on-write) is
+    anonymous and stays (no swap), so values never change. A no-op where the call is not available."""
+    global _madvise
+    if _madvise is None:
+        try:
+            import ctypes
+
+            _madvise = ctypes.CDLL(None, use_errno=True).madvise
+            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise or t.numel() == 0:
+        return
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo:
+        _madvise(lo, hi - lo, 21)  # MADV_PAGEOUT
+
+
+_madvise = None
+
+
 def _key(t: Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -363,18 +412,35 @@ class InitRecorder(TorchDispatchMode):
         self._live += nbytes
         self.peak_replay_bytes = max(self.peak_replay_bytes, self._live)
 
-    def _copy_source(self, key: int, geom: tuple) -> Optional[Tensor]:
-        """The file tensor a storage is a plain copy of (its chain is one full ``copy_`` from a real tensor of
-        the same shape), else None."""
+    def _copy_source(self, key: int, geom: tuple, pos: Optional[int] = None, depth: int = 0) -> Optional[Tensor]:
+        """The real tensor (a file's, memory-mapped) that the view ``geom`` of a storage equals after ``pos``
+        entries, when its chain is one full ``copy_`` from it, or a clone of such a storage (an EMA teacher
+        copied from a student loaded from a file), every storage on the way of one dtype; else None."""
         st = self.storages[key]
-        pos = len(st.entries)
-        e = st.entries[self._start(st, pos)]
-        if pos - self._start(st, pos) != 1 or e.create or e.func is not torch.ops.aten.copy_.default:
+        pos = len(st.entries) if pos is None else pos
+        start = self._start(st, pos)
+        if pos - start != 1 or depth > 16:
             return None
-        src = e.args[1]
-        if isinstance(src, _Real) and tuple(src.tensor.shape) == geom[0] and geom[2] == 0:
-            return src.tensor
-        return None
+        e = st.entries[start]
+        aten = torch.ops.aten
+        if e.create and e.func in (aten.clone.default, aten._to_copy.default) \
+                and set(e.kwargs) <= {"memory_format", "dtype", "device", "layout", "non_blocking"} \
+                and e.kwargs.get("dtype") in (None, st.dtype):
+            src, dst_geom = e.args[0], e.geom
+        elif not e.create and e.func is aten.copy_.default:
+            src, dst_geom = e.args[1], e.args[0].geom
+        else:
+            return None
+        if isinstance(src, _Real):
+            t = src.tensor
+        elif isinstance(src, _Tracked) and self.storages[src.key].dtype == st.dtype:
+            t = self._copy_source(src.key, src.geom, src.pos, depth + 1)
+        else:
+            return None
+        whole = (tuple(t.shape), tuple(torch.empty(t.shape, device="meta").stride()), 0) if t is not None else None
+        if t is None or t.numel() != st.numel or dst_geom != whole or geom != whole:
+            return None
+        return t
 
     @torch.no_grad()
     def materialize(self, module: nn.Module) -> None:
@@ -384,6 +450,7 @@ class InitRecorder(TorchDispatchMode):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         done = set()
+        files = _file_ranges()  # memory-mapped files (released weights): their pages are dropped once read
         try:
             for fqn, t in self._tensors(module):
                 if t is None or id(t) in done:
@@ -407,6 +474,8 @@ class InitRecorder(TorchDispatchMode):
                         _trim()
                 else:  # one copy_ of a file tensor: read only this rank's slice
                     dst.copy_(src[index])
+                    if src.is_contiguous() and _in_ranges(src, files):
+                        _drop_pages(src)
         finally:
             torch.set_rng_state(self.rng_after_build)
 

@@ -182,7 +182,7 @@ def _mmap_safetensors(path: Path) -> Optional[dict]:
     size = path.stat().st_size
     if size == 0:
         return None
-    data = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(str(path), False, size))
+    data = torch.empty(0, dtype=torch.uint8, device="cpu").set_(torch.UntypedStorage.from_file(str(path), False, size))
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
