@@ -72,7 +72,8 @@ def probe(mode: str, model: str, weights: str, out: str) -> None:
         if info.distributed and task.init_report["path"] != "replay":
             raise RuntimeError(f"the replay path was not taken: {task.init_report}")
     student = sum(p.numel() for p in task.student.parameters())  # a DTensor's numel is the global one
-    rec = {"rank": info.rank, "world": info.world_size, "base": base, "peak": _status_kib("VmHWM"), "rss_file_end": _status_kib("RssFile"),
+    rec = {"rank": info.rank, "world": info.world_size, "base": base, "peak": _status_kib("VmHWM"),
+           "rss_file_end": _status_kib("RssFile"),
            "student_fp32_bytes": 4 * student}
     Path(out, f"rank{info.rank}.json").write_text(json.dumps(rec))
     destroy()
@@ -121,10 +122,10 @@ def main() -> None:
                 print(f"  before W={world}: skipped (~{world * one_rank_before / GiB:.1f} GiB estimated on a shared "
                       f"machine > {args.skip_before_above_gib} GiB)")
                 continue
-            ranks = run(mode, world, args.model, str(weights))
-            results[f"{mode}_w{world}"] = ranks
             if mode == "rank0-broadcast" and world == 1:
                 continue  # one process: the same path as "after"
+            ranks = run(mode, world, args.model, str(weights))
+            results[f"{mode}_w{world}"] = ranks
             if mode == "before" and world == 1:
                 one_rank_before = ranks[0]["peak"]
             others = max((r["peak"] for r in ranks[1:]), default=None)
