@@ -23,6 +23,7 @@ meta tensor built outside the recorder, a file tensor modified after it was copi
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -224,7 +225,9 @@ class InitRecorder(TorchDispatchMode):
     @contextlib.contextmanager
     def recording(self):
         self._ctx = _DefaultMeta(self)
-        with self._ctx, self:
+        with self._ctx, self, warnings.catch_warnings():
+            # load_state_dict into a meta module: the copy_ is recorded (replayed later), not lost
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
             yield self
         self.rng_after_build = torch.get_rng_state()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional
@@ -125,8 +124,7 @@ def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistI
     torch.manual_seed(cfg.train.seed)
     rec = InitRecorder()
     try:
-        with rec.recording(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")  # recorded, not lost
+        with rec.recording():
             task = build_task(task_cls, cfg, reduce_fn)
         rec.bind(task)
         why = rec.unreplayable()
