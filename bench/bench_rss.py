@@ -10,12 +10,17 @@ rank builds the pretraining task (student from the file + DINO/iBOT heads + EMA 
 and reports its peak resident set (``VmHWM``) and its resident set after importing torch (the constant).
 
 - ``before``: the code before issue 20: every rank builds the whole task (reading the file itself), then shards.
-- ``after``: ``build_sharded_task``: rank 0 builds (deep copies share its tensors), the others build on ``meta``;
-  all shard, ``to_empty`` and receive the weights tensor by tensor.
+- ``rank0-broadcast``: ``build_rank0_broadcast`` (the first meta-build version, now the fallback): rank 0 builds
+  (deep copies share its tensors), the others build on ``meta``; all shard, ``to_empty`` and receive the
+  weights tensor by tensor.
+- ``after``: ``build_sharded_task``: every rank records the build on ``meta`` (``train/meta_init.py``), shards,
+  ``to_empty`` and replays each tensor's init into its shard (a tensor copied from the file: only its slice).
 
-Prints per configuration the peak RSS of rank 0 and of the largest other rank, and ratios
-``rss_after_over_before_wW_rankR``, plus ``rss_other_ranks_over_fp32_model_per_W_wW``: (peak - constant) of the
-largest rank > 0 over (fp32 student bytes / W); the goal is per-rank RSS <= fp32 model bytes / W + a constant.
+Prints per configuration the peak RSS of rank 0 and of the largest other rank, ratios
+``rss_after_over_before_wW_rankR``, and ``rss_rank0_over_fp32_model_per_W_wW`` /
+``rss_other_ranks_over_fp32_model_per_W_wW``: (peak - constant) over (fp32 student bytes / W); the task holds
+the student and its EMA teacher, so shards alone give 2.0. The goal is per-rank RSS <= fp32 model bytes / W +
+a constant, for every rank.
 A "before" run whose estimated total (W x one rank's W=1 peak) exceeds ``--skip-before-above-gib`` is skipped
 (the machine is shared) and said so.
 """
@@ -49,7 +54,7 @@ def probe(mode: str, model: str, weights: str, out: str) -> None:
     from dinopipe.ssl.config import PretrainConfig
     from dinopipe.ssl.task import SSLTask
     from dinopipe.train.dist import all_reduce_sum_fn, destroy, init_distributed
-    from dinopipe.train.run import build_sharded_task, build_task, parallelize_task
+    from dinopipe.train.run import build_rank0_broadcast, build_sharded_task, build_task, parallelize_task
 
     base = _status_kib("VmRSS")
     cfg = load_config(PretrainConfig, str(REPO / "configs/pretrain/quickstart.yaml"),
@@ -60,10 +65,15 @@ def probe(mode: str, model: str, weights: str, out: str) -> None:
         torch.manual_seed(cfg.train.seed)
         task = build_task(SSLTask, cfg, all_reduce_fn=all_reduce_sum_fn()).to(info.device)
         parallelize_task(task, info, cfg.parallel)
+    elif mode == "rank0-broadcast":
+        task = build_rank0_broadcast(SSLTask, cfg, info, cfg.parallel)
     else:
         task = build_sharded_task(SSLTask, cfg, info, cfg.parallel)
+        if info.distributed and task.init_report["path"] != "replay":
+            raise RuntimeError(f"the replay path was not taken: {task.init_report}")
     student = sum(p.numel() for p in task.student.parameters())  # a DTensor's numel is the global one
     rec = {"rank": info.rank, "world": info.world_size, "base": base, "peak": _status_kib("VmHWM"),
+           "rss_file_end": _status_kib("RssFile"),
            "student_fp32_bytes": 4 * student}
     Path(out, f"rank{info.rank}.json").write_text(json.dumps(rec))
     destroy()
@@ -97,7 +107,7 @@ def main() -> None:
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--weights", default=None, help="a released-layout .pth (written when missing)")
     p.add_argument("--skip-before-above-gib", type=float, default=14.0)
-    p.add_argument("--modes", default="before,after", help="which builds to measure")
+    p.add_argument("--modes", default="before,rank0-broadcast,after", help="which builds to measure")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     weights = Path(args.weights or Path(tempfile.gettempdir()) / f"bench_rss_{args.model}_dinov2.pth")
@@ -112,12 +122,14 @@ def main() -> None:
                 print(f"  before W={world}: skipped (~{world * one_rank_before / GiB:.1f} GiB estimated on a shared "
                       f"machine > {args.skip_before_above_gib} GiB)")
                 continue
+            if mode == "rank0-broadcast" and world == 1:
+                continue  # one process: the same path as "after"
             ranks = run(mode, world, args.model, str(weights))
             results[f"{mode}_w{world}"] = ranks
             if mode == "before" and world == 1:
                 one_rank_before = ranks[0]["peak"]
             others = max((r["peak"] for r in ranks[1:]), default=None)
-            print(f"  {mode:<6} W={world}: rank 0 peak {ranks[0]['peak'] / GiB:.2f} GiB"
+            print(f"  {mode:<15} W={world}: rank 0 peak {ranks[0]['peak'] / GiB:.2f} GiB"
                   + (f", largest other rank {others / GiB:.2f} GiB" if others else "")
                   + f", constant (after import) {ranks[0]['base'] / GiB:.2f} GiB, all ranks "
                   f"{sum(r['peak'] for r in ranks) / GiB:.2f} GiB")
@@ -127,17 +139,18 @@ def main() -> None:
     print(f"fp32 student (backbone + heads): {model_bytes / GiB:.2f} GiB")
     for key, ranks in results.items():
         mode, world = key.split("_w")
-        if mode != "after":
-            continue
+        tag = "" if mode == "after" else f"{mode}_"  # the unprefixed names are the current code's
         before = results.get(f"before_w{world}")
-        if before:
-            print(f"rss_after_over_before_w{world}_rank0: {ranks[0]['peak'] / before[0]['peak']:.3f}")
+        if before and mode != "before":
+            print(f"rss_{tag}after_over_before_w{world}_rank0: {ranks[0]['peak'] / before[0]['peak']:.3f}")
             if len(ranks) > 1:
-                print(f"rss_after_over_before_w{world}_other_ranks: "
+                print(f"rss_{tag}after_over_before_w{world}_other_ranks: "
                       f"{max(r['peak'] for r in ranks[1:]) / max(r['peak'] for r in before[1:]):.3f}")
+        print(f"rss_{tag}rank0_over_fp32_model_per_W_w{world}: "
+              f"{(ranks[0]['peak'] - ranks[0]['base']) / (model_bytes / int(world)):.3f}")
         if len(ranks) > 1:
             worst = max(ranks[1:], key=lambda r: r["peak"])
-            print(f"rss_other_ranks_over_fp32_model_per_W_w{world}: "
+            print(f"rss_{tag}other_ranks_over_fp32_model_per_W_w{world}: "
                   f"{(worst['peak'] - worst['base']) / (model_bytes / int(world)):.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

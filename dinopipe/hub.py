@@ -114,7 +114,8 @@ def load(
             return create_model(name, **overrides).to(device).eval()
         except ValueError as exc:  # an unknown timm:NAME
             raise CheckpointError(str(exc)) from None
-    sd, kwargs, file, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
+    with torch.device("cpu"):  # the file's tensors are real even while a caller builds on meta (train/meta_init.py)
+        sd, kwargs, file, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
     kwargs.update(arch or {})
     if num_heads:
         kwargs["num_heads"] = num_heads
@@ -185,7 +186,10 @@ def load_heads(path: str | Path) -> dict[str, dict[str, Tensor]]:
     path = Path(path)
     hf = _heads_file(path) if path.is_dir() else None
     if hf is None:
-        return _dcp_heads(path) if (path / ".metadata").is_file() else {}
+        if not (path / ".metadata").is_file():
+            return {}
+        with torch.device("cpu"):  # real tensors even under a meta default device (train/meta_init.py)
+            return _dcp_heads(path)
     sd, _ = read_safetensors(hf)
     heads = {}
     for name in ("dino_head", "ibot_head"):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import hub
-from ..config import ParallelConfig, save_config
+from ..config import ConfigError, ParallelConfig, save_config
 from ..export import save_backbone, save_heads
 from ..utils.norm import set_input_norm
 from ..models import build_vit
@@ -103,42 +103,87 @@ def _deepcopies_share_parameters():
 
 def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistInfo,
                        pcfg: Optional[ParallelConfig] = None) -> TeacherStudentTask:
-    """Build, shard and materialise the task so that no rank but 0 ever holds a full model.
+    """Build, shard and materialise the task so that no rank ever holds a full model.
 
-    One process: built on the device as before. Several: rank 0 builds the task on its CPU exactly as a
-    single process would (same seed, same RNG stream, released files read there, once per job), so the
-    initial weights are those of every earlier version; the others build it on ``meta`` (architectures of
-    files rank 0 read come over the process group; no file is opened). Every rank then shards the meta
-    task (``parallelize_task``), allocates only its own shards (``to_empty``) and receives the weights from
-    rank 0 tensor by tensor (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``: one
-    full tensor at a time in flight, each rank keeps its slice). Memory: ranks > 0 hold their shards + the
-    largest single tensor; rank 0 also holds each initial model once (copies share its tensors: EMA and
-    Gram teachers) on the host until the broadcast ends."""
-    torch.manual_seed(cfg.train.seed)  # same initial weights on every rank and every rerun
+    One process: built on the device as before. Several: every rank seeds as a single process would and
+    builds the task on ``meta`` under a recorder (``meta_init.InitRecorder``: the random ops advance the CPU
+    generator exactly as real ones, the files are read memory-mapped and only referenced), shards it
+    (``parallelize_task``), allocates its own shards (``to_empty``) and replays each parameter's and buffer's
+    init on one full-size CPU temporary at a time, keeping its slice (a tensor copied from a file reads only
+    the slice). The initial weights and the generator state afterwards are those of a one-process build.
+    Memory per rank: its shards + the largest tensor (+ the one it was cloned from). A build the recorder
+    cannot replay exactly falls back to :func:`build_rank0_broadcast`, saying why."""
     reduce_fn = all_reduce_sum_fn()
     if not info.distributed:
+        torch.manual_seed(cfg.train.seed)  # same initial weights on every rank and every rerun
         task = build_task(task_cls, cfg, all_reduce_fn=reduce_fn).to(info.device)
         parallelize_task(task, info, pcfg)
         return task
+    from .meta_init import InitRecorder
+
+    torch.manual_seed(cfg.train.seed)
+    rec = InitRecorder()
+    try:
+        with rec.recording():
+            task = build_task(task_cls, cfg, reduce_fn)
+        rec.bind(task)
+        why = rec.unreplayable()
+    except (ConfigError, hub.CheckpointError):
+        raise  # the user's input: every rank builds, so every rank says so
+    except Exception as exc:  # noqa: BLE001 - e.g. an op without a meta kernel: built the earlier way
+        task, why = None, f"{type(exc).__name__}: {exc}"
+    import torch.distributed as dist
+
+    reasons: list = [None] * info.world_size
+    dist.all_gather_object(reasons, why)  # every rank takes the same path
+    why = next((r for r in reasons if r), None)
+    if why:
+        if info.is_main:
+            log.info("task init not replayable shard by shard (%s): rank 0 builds it and broadcasts", why[:300])
+        del task, rec
+        return build_rank0_broadcast(task_cls, cfg, info, pcfg)
+    parallelize_task(task, info, pcfg)
+    task.to_empty(device=info.device)
+    rec.materialize(task)
+    task.init_report = {"path": "replay", "random_ops": rec.random_ops, "peak_scratch_bytes": rec.peak_scratch_bytes,
+                        "peak_replay_bytes": rec.peak_replay_bytes}
+    task.all_gather_fn, task.rank = all_gather_fn(), info.rank  # DINOv3's distributed KoLeo
+    return task
+
+
+def build_rank0_broadcast(task_cls: type[TeacherStudentTask], cfg: Any, info: DistInfo,
+                          pcfg: Optional[ParallelConfig] = None) -> TeacherStudentTask:
+    """The fallback (and the path before shard-by-shard replay): rank 0 builds the task on its CPU exactly as a
+    single process would (same seed, released files read there), the others build it on ``meta``
+    (architectures of files rank 0 read come over the process group; no file is opened). Every rank then
+    shards the meta task, allocates its shards (``to_empty``) and receives the weights from rank 0 tensor by
+    tensor (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``). Memory: ranks > 0 hold
+    their shards + the largest single tensor; rank 0 also holds each initial model once (copies share its
+    tensors: EMA and Gram teachers) until the broadcast ends."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from .dist import broadcast_object
 
+    torch.manual_seed(cfg.train.seed)
+    reduce_fn = all_reduce_sum_fn()
     record: list = []
     full: dict = {}
     if info.is_main:
         with _deepcopies_share_parameters():
             task = build_task(task_cls, cfg, reduce_fn, *_recording_readers(record))
         full = task.state_dict()  # real CPU tensors; the module itself goes to meta like every other rank's
+        rng = torch.get_rng_state()
         task = task.to("meta")
-    record = broadcast_object(record)
+    record, rng = broadcast_object((record, rng if info.is_main else None))
     if not info.is_main:
         with torch.device("meta"):
             task = build_task(task_cls, cfg, reduce_fn, *_replaying_readers(record))
+    torch.set_rng_state(rng)  # the generator continues where a one-process build leaves it, on every rank
     parallelize_task(task, info, pcfg)
     task.to_empty(device=info.device)
     set_model_state_dict(task, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
+    task.init_report = {"path": "rank0-broadcast"}
     task.all_gather_fn, task.rank = all_gather_fn(), info.rank  # DINOv3's distributed KoLeo
     return task
 
@@ -225,4 +270,5 @@ def run_training(cfg: Any, task_cls: type[TeacherStudentTask]) -> int:
     return train(cfg, LoopTask(task), optimizer, info, refs, read, task.data_patch_size)
 
 
-__all__ = ["run_training", "build_task", "build_sharded_task", "parallelize_task", "checkpoint_states", "export_task", "LoopTask"]
+__all__ = ["run_training", "build_task", "build_sharded_task", "build_rank0_broadcast", "parallelize_task",
+           "checkpoint_states", "export_task", "LoopTask"]

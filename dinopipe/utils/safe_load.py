@@ -152,12 +152,47 @@ def read_safetensors(path: str | Path) -> tuple[dict, dict[str, str]]:
     from safetensors.torch import load_file, safe_open
 
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:  # checks the header (names, dtypes, offsets in the file)
             meta = f.metadata() or {}
-        return load_file(str(path)), meta
+        mapped = _mmap_safetensors(Path(path))
+        return (mapped if mapped is not None else load_file(str(path))), meta
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({type(exc).__name__}: "
                               f"{str(exc)[:200]})") from None
+
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _mmap_safetensors(path: Path) -> Optional[dict]:
+    """The tensors of a (header-checked) ``.safetensors`` file as views of one private memory map of it: nothing
+    is read until used, so a process that copies a slice of each tensor (its shard) touches only those pages.
+    Writes stay in the process (copy-on-write). None when a tensor's dtype or alignment does not allow a view
+    (the caller then reads the file whole)."""
+    import json
+    import struct
+
+    import torch
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    size = path.stat().st_size
+    if size == 0:
+        return None
+    data = torch.empty(0, dtype=torch.uint8, device="cpu").set_(torch.UntypedStorage.from_file(str(path), False, size))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = getattr(torch, _ST_DTYPES.get(info["dtype"], ""), None)
+        begin, end = (8 + n + o for o in info["data_offsets"])
+        if not isinstance(dtype, torch.dtype) or begin % dtype.itemsize:
+            return None
+        out[name] = data[begin:end].view(dtype).view(info["shape"])
+    return out
 
 
 def read_safetensors_header(path: str | Path) -> dict[str, str]:

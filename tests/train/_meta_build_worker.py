@@ -1,10 +1,12 @@
-"""Builds tasks the way a multi-rank run does (``build_sharded_task``: meta on every rank, rank 0's weights
-broadcast into the shards), gathers every full state dict and (rank 0) saves them for the test to compare with
-the one-process build of the same seed.
+"""Builds tasks the way a multi-rank run does (``build_sharded_task``: recorded on meta on every rank, replayed
+into each rank's shards; or rank 0's weights broadcast), gathers every full state dict and (rank 0) saves them,
+and (every rank) its generator state, local bytes and init report, for the test to compare with the one-process
+build of the same seed.
 
-    torchrun --nproc_per_node=2 tests/train/_meta_build_worker.py OUT TEACHER_DIR
+    torchrun --nproc_per_node=2 tests/train/_meta_build_worker.py OUT teacher=DIR released=FILE released16=FILE
 """
 
+import logging
 import sys
 from pathlib import Path
 
@@ -16,19 +18,24 @@ from dinopipe.train.run import build_sharded_task  # noqa: E402
 from tests.train.test_meta_build import CASES, config  # noqa: E402
 
 
-def main(out: str, teacher: str) -> None:
+def main(out: str, *files: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     info = init_distributed("cpu")
+    paths = dict(f.split("=", 1) for f in files)
     for name in CASES:
-        cfg, task_cls = config(name, teacher)
+        cfg, task_cls = config(name, paths)
         task = build_sharded_task(task_cls, cfg, info, cfg.parallel)
-        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in task.parameters())
+        rng = torch.get_rng_state()
+        local = sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes()
+                    for t in [*task.parameters(), *task.buffers()])
+        torch.save({"rng": rng, "local_bytes": local, "report": task.init_report},
+                   Path(out) / f"{name}.rank{info.rank}.pt")
         sd = get_model_state_dict(task, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if info.is_main:
-            torch.save({"state": sd, "local_numel": local, "meta_left": [n for n, p in task.named_parameters()
-                                                                          if p.device.type == "meta"]},
+            torch.save({"state": sd, "meta_left": [n for n, p in task.named_parameters() if p.device.type == "meta"]},
                        Path(out) / f"{name}.pt")
     destroy()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])
