@@ -217,7 +217,7 @@ def planner_figures(cfg: Any, world_size: int, phase: Any, n_masked: int) -> dic
     state = {**state, "total": state["total"] + gram}
     attn = "math" if str(cfg.model.attn_backend) == "math" else "sdpa"
     act = step_memory(cfg, arch, heads, phase, phase.batch_size_per_gpu, c, attn, p.activation_checkpointing,
-                      n_masked=n_masked)["peak"]
+                      n_masked=n_masked, n_gpus=world_size)["peak"]
     return {"state": state["total"], "activations": act, "counted": counted_peak(state, act)}
 
 
