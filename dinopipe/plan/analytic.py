@@ -31,7 +31,7 @@ from ..config import phase_steps
 from ..models import DINOHead, create_model
 from ..models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
 from .report import format_report
-from .gram import (describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory,
+from .gram import (describe_gram, gram_active_flops, gram_on, gram_state_bytes, gram_step_flops, gram_step_memory,
                         largest_variant, phase_variants)
 
 GiB = 1024**3
@@ -288,6 +288,16 @@ def _groups(cfg, phase, b: int, arch: Arch) -> tuple[list[tuple[int, int]], list
     return groups, sizes
 
 
+def batch_bytes(cfg, phase, b: int, n_patches: int, m: float) -> int:
+    """The collated batch on the device for the whole step: fp32 global, local (and Gram) crops, the iBOT masks
+    (bool), mask indices (int64) and weights (fp32); one copy per micro-batch of ``train.accumulate``."""
+    crops = 2 * b * phase.global_crops_size ** 2 + cfg.crops.local_crops_number * b * phase.local_crops_size ** 2
+    if gram_on(cfg) and getattr(phase, "gram_crops_size", None):
+        crops += 2 * b * phase.gram_crops_size ** 2
+    acc = max(1, int(getattr(getattr(cfg, "train", None), "accumulate", 1) or 1))
+    return int(acc * (3 * crops * 4 + 2 * b * n_patches + m * 12))
+
+
 def _head_tokens(cfg, heads: list[HeadArch], groups, n_masked: float) -> list[tuple[HeadArch, float]]:
     """(head, tokens it sees in the student): DINO on every crop's CLS, iBOT on the masked patches."""
     cls = sum(b for b, _ in groups)
@@ -332,15 +342,18 @@ def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, a
     workspace = t * (2 * F + 3 * D) * c + attn_nn  # gradients alive inside one block's backward
     if checkpointing:
         workspace += max(block_saved_bytes(arch, groups, c, attn, r, stat_bytes) for r in set(arch.drop_rates))
-    student_peak = targets + backbone + head_saved + max(logits_grad, workspace)
+    inputs = batch_bytes(cfg, phase, b, n_patches, m)
+    teacher_total += inputs
+    student_peak = inputs + targets + backbone + head_saved + max(logits_grad, workspace)
     # Gram anchoring (gram.py; zeros without it): its kept tensors exist from the loss on; its teacher's forward
     # runs after the student's, with the student's activations, heads and targets alive and one Gram block gathered.
     gram = gram_step_memory(cfg, arch, phase, b, c, tokens, nograd_block_bytes)
     student_peak += gram["gram_kept"]
     gram_forward = gram["gram_forward_peak"] + (forward_gathered_bytes(arch, [], c, n_gpus) if gram["gram_forward_peak"] else 0)
-    gram_peak = targets + backbone + head_saved + gram_forward
+    gram_peak = inputs + targets + backbone + head_saved + gram_forward
     return {
         **gram,
+        "inputs": inputs,
         "backbone_activations": backbone,
         "head_activations": head_saved,
         "teacher_targets": targets,
