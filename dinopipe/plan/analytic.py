@@ -31,7 +31,7 @@ from ..config import phase_steps
 from ..models import DINOHead, create_model
 from ..models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
 from .report import format_report
-from .gram import (describe_gram, gram_active_flops, gram_state_bytes, gram_step_flops, gram_step_memory,
+from .gram import (describe_gram, gram_active_flops, gram_on, gram_state_bytes, gram_step_flops, gram_step_memory,
                         largest_variant, phase_variants)
 
 GiB = 1024**3
@@ -157,7 +157,8 @@ def state_memory(arch: Arch, heads: list[HeadArch], n_gpus: int, param_dtype: st
 def counted_peak(state: dict, act_peak: int) -> int:
     """Per-GPU peak of state + activations. The activation peak falls at the loss, where backward is about to
     start: no gradient exists yet (``zero_grad(set_to_none=True)``; FSDP2 writes each unit's sharded gradient
-    when its backward ends) and no unit is gathered (heads and blocks reshard after forward). Gradients and
+    when its backward ends) and no unit is gathered (heads and blocks reshard after forward; a peak inside a
+    no-grad teacher forward carries its gathered unit in ``act_peak``, :func:`step_memory`). Gradients and
     gathered units peak later, at the last blocks' backward and the optimizer step, when the activations are
     gone. Checked against the traced real step (``plan --trace``, tests/test_plan_trace.py)."""
     late = state["student_grads"] + state["unsharded_units"]
@@ -226,6 +227,31 @@ def rope_table_bytes(arch: Arch, groups: list[tuple[int, int]]) -> int:
     return sum(2 * (n - 1 - arch.num_register_tokens) * hd * 4 for _, n in groups)
 
 
+def nograd_block_bytes(arch: Arch, n_tokens: int, c: int) -> int:
+    """Most bytes alive inside one block of a no-grad forward (EMA / Gram teacher) over ``n_tokens`` tokens.
+
+    Attention: the block input, the norm's output, qkv, then the attention output and its contiguous copy, or for
+    RoPE the rotated q/k temporaries (q·cos, rotate_half, ·sin, their sum: ~6 D). MLP: the block input, the
+    residual after attention, the norm's output (the caller holds it during the call) and 2 x fc1 width (GELU in /
+    out; SwiGLU fc1 out + act + product). A DINOv3 forward also keeps its patch-embedding tokens for the whole
+    forward (``forward_features_list``'s ``prepared``). Checked per op against the traced 7B and ViT-L blocks
+    (docs/training-scale.md)."""
+    D, F = arch.dim, arch.fc1_out
+    kept = (1 + int(arch.rope)) * D
+    attention = kept + 4 * D + (6 * D if arch.rope else 2 * D)
+    mlp = kept + 2 * D + 2 * F
+    return n_tokens * max(attention, mlp) * c
+
+
+def forward_gathered_bytes(arch: Arch, heads: list[HeadArch], c: int, n_gpus: int) -> int:
+    """Bytes of gathered parameters during a forward under FSDP2 (0 on one GPU): the running unit's unsharded
+    parameters and its all-gather output, whose free FSDP2 defers in forward until the next unit's copy-out
+    (``FSDPParamGroup.wait_for_unshard``: "defer free to allow for overlap")."""
+    if n_gpus <= 1:
+        return 0
+    return 2 * c * max(arch.block_params + [h.params for h in heads])
+
+
 def backbone_saved_bytes(arch: Arch, groups: list[tuple[int, int]], sizes: list[int], c: int, attn: str,
                          checkpointing: bool, stat_bytes: int = 4) -> int:
     """Bytes kept over the whole student backbone forward (images, blocks, final norm).
@@ -262,6 +288,16 @@ def _groups(cfg, phase, b: int, arch: Arch) -> tuple[list[tuple[int, int]], list
     return groups, sizes
 
 
+def batch_bytes(cfg, phase, b: int, n_patches: int, m: float) -> int:
+    """The collated batch on the device for the whole step: fp32 global, local (and Gram) crops, the iBOT masks
+    (bool), mask indices (int64) and weights (fp32); one copy per micro-batch of ``train.accumulate``."""
+    crops = 2 * b * phase.global_crops_size ** 2 + cfg.crops.local_crops_number * b * phase.local_crops_size ** 2
+    if gram_on(cfg) and getattr(phase, "gram_crops_size", None):
+        crops += 2 * b * phase.gram_crops_size ** 2
+    acc = max(1, int(getattr(getattr(cfg, "train", None), "accumulate", 1) or 1))
+    return int(acc * (3 * crops * 4 + 2 * b * n_patches + m * 12))
+
+
 def _head_tokens(cfg, heads: list[HeadArch], groups, n_masked: float) -> list[tuple[HeadArch, float]]:
     """(head, tokens it sees in the student): DINO on every crop's CLS, iBOT on the masked patches."""
     cls = sum(b for b, _ in groups)
@@ -271,10 +307,11 @@ def _head_tokens(cfg, heads: list[HeadArch], groups, n_masked: float) -> list[tu
 
 
 def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, attn: str,
-                checkpointing: bool, n_masked: Optional[int] = None, stat_bytes: int = 4) -> dict:
+                checkpointing: bool, n_masked: Optional[int] = None, stat_bytes: int = 4, n_gpus: int = 1) -> dict:
     """Activation-side bytes of one step at per-GPU batch b (peak over teacher forward and student fwd/bwd).
 
-    iBOT buffers are sized for the most patches the masking can draw unless ``n_masked`` is given."""
+    iBOT buffers are sized for the most patches the masking can draw unless ``n_masked`` is given. ``n_gpus`` > 1:
+    the no-grad teacher forwards hold one gathered FSDP2 unit (:func:`forward_gathered_bytes`)."""
     groups, sizes = _groups(cfg, phase, b, arch)
     n_patches = (phase.global_crops_size // arch.patch_size) ** 2
     m = masked_patches(cfg, 2 * b, n_patches, upper=True) if n_masked is None else n_masked
@@ -290,8 +327,8 @@ def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, a
     tg = groups[0][0] * groups[0][1]
     attn_nn = sum(arch.num_heads * bb * n * n for bb, n in groups) * (4 + c) if attn == "math" else 0
     teacher_nn = arch.num_heads * groups[0][0] * groups[0][1] ** 2 * (8 + c) if attn == "math" else 0
-    # no_grad working set of one teacher block (residual, qkv, attention, MLP hidden) and its logits.
-    teacher_block = tg * (6 * D + 2 * F) * c + teacher_nn
+    # no_grad working set of one teacher block (with its gathered unit under FSDP2) and its logits.
+    teacher_block = nograd_block_bytes(arch, tg, c) + teacher_nn + forward_gathered_bytes(arch, heads, c, n_gpus)
     scores = (2 * b + m) * max(K)  # prototype scores of one micro-batch
     if acc == 1:
         teacher_total = teacher_block + scores * (c + 8) + targets
@@ -305,12 +342,18 @@ def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, a
     workspace = t * (2 * F + 3 * D) * c + attn_nn  # gradients alive inside one block's backward
     if checkpointing:
         workspace += max(block_saved_bytes(arch, groups, c, attn, r, stat_bytes) for r in set(arch.drop_rates))
-    student_peak = targets + backbone + head_saved + max(logits_grad, workspace)
-    gram = gram_step_memory(cfg, arch, phase, b, c, tokens)  # zeros without Gram anchoring (gram.py)
+    inputs = batch_bytes(cfg, phase, b, n_patches, m)
+    teacher_total += inputs
+    student_peak = inputs + targets + backbone + head_saved + max(logits_grad, workspace)
+    # Gram anchoring (gram.py; zeros without it): its kept tensors exist from the loss on; its teacher's forward
+    # runs after the student's, with the student's activations, heads and targets alive and one Gram block gathered.
+    gram = gram_step_memory(cfg, arch, phase, b, c, tokens, nograd_block_bytes)
     student_peak += gram["gram_kept"]
-    gram_peak = targets + backbone + head_saved + gram["gram_kept"] + gram["gram_forward_peak"]
+    gram_forward = gram["gram_forward_peak"] + (forward_gathered_bytes(arch, [], c, n_gpus) if gram["gram_forward_peak"] else 0)
+    gram_peak = inputs + targets + backbone + head_saved + gram_forward
     return {
         **gram,
+        "inputs": inputs,
         "backbone_activations": backbone,
         "head_activations": head_saved,
         "teacher_targets": targets,
@@ -396,7 +439,7 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
     configured = "math" if cfg.model.attn_backend == "math" else "fused"
 
     def need(b, phase, ac, attn):
-        act = step_memory(cfg, arch, heads, phase, b, c, attn, ac)["peak"]
+        act = step_memory(cfg, arch, heads, phase, b, c, attn, ac, n_gpus=gpus)["peak"]
         return counted_peak(state, act) * (1 + margin) + overhead_gb * GiB
 
     phases = []
@@ -408,7 +451,7 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
         mem = {}
         for attn_name, attn in (("fused", fused), ("math", "math")):
             for ac in (False, True):
-                sm = step_memory(cfg, arch, heads, phase, b, c, attn, ac)
+                sm = step_memory(cfg, arch, heads, phase, b, c, attn, ac, n_gpus=gpus)
                 key = f"{attn_name}_{'ac' if ac else 'noac'}"
                 mem[key] = {**sm, "per_image": (sm["backbone_activations"] + sm["head_activations"]) / b,
                             "total": need(b, phase, ac, attn),
@@ -535,5 +578,6 @@ def _main_distill(args) -> int:
     return 0
 
 
-__all__ = ["plan", "format_report", "describe", "backbone_arch", "block_saved_bytes", "crop_forward_flops",
+__all__ = ["plan", "format_report", "describe", "backbone_arch", "block_saved_bytes", "nograd_block_bytes",
+           "forward_gathered_bytes", "crop_forward_flops",
            "step_flops", "step_memory", "state_memory", "counted_peak", "largest_batch", "implied_mfu", "main"]

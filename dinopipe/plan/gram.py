@@ -40,16 +40,18 @@ def gram_state_bytes(cfg: Any, arch: Any, n_gpus: int, sharded_numel) -> int:
     return sum(sharded_numel(s, n_gpus) for s in arch.backbone_numels) * 4
 
 
-def gram_step_memory(cfg: Any, arch: Any, phase: Any, b: int, c: int, tokens) -> dict[str, int]:
+def gram_step_memory(cfg: Any, arch: Any, phase: Any, b: int, c: int, tokens, nograd_block) -> dict[str, int]:
     """Bytes the Gram loss adds to a step at per-GPU batch b: what stays alive into the backward (fp32 targets on
-    the student's grid, normalised student features, both Gram matrices and the loss's difference) and the
-    no-grad forward peak of the Gram teacher on its crops (one block's working set, as for the EMA teacher)."""
+    the student's grid, normalised student features, both Gram matrices and the loss's difference; none of it
+    exists yet during the Gram teacher's forward) and the no-grad forward peak of the Gram teacher on its crops (its
+    input images in the compute dtype and one block's working set, ``nograd_block(arch, tokens, c)``, as for the
+    EMA teacher)."""
     if not gram_on(cfg):
         return {"gram_kept": 0, "gram_forward_peak": 0}
     n_s = (phase.global_crops_size // arch.patch_size) ** 2
     n_t = tokens(arch, gram_size(phase))
     kept = 2 * b * n_s * arch.dim * 4 * 2 + 3 * 2 * b * n_s * n_s * 4
-    forward = 2 * b * n_t * (6 * arch.dim + 2 * arch.fc1_out) * c + 2 * b * 3 * gram_size(phase) ** 2 * c
+    forward = nograd_block(arch, 2 * b * n_t, c) + 2 * b * 3 * gram_size(phase) ** 2 * c
     return {"gram_kept": kept, "gram_forward_peak": forward}
 
 

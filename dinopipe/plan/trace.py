@@ -166,8 +166,8 @@ class TraceResult:
                 lines.append(f"    {k:<18} {v / GiB:8.2f} GiB")
         p = self.planner
         lines.append(f"  analytic planner: {p['counted'] / GiB:.2f} GiB counted (state {p['state'] / GiB:.2f}, step "
-                     f"{p['activations'] / GiB:.2f}; gradients and gathered units count after the activation peak); "
-                     f"planner / trace = {self.planner_ratio:.3f}")
+                     f"{p['activations'] / GiB:.2f}; gradients and the backward's gathered units count after the activation peak"
+                     f"); planner / trace = {self.planner_ratio:.3f}")
         lines.append("  collectives per step and rank (bytes moved through c10d):")
         for k in sorted(self.collective_bytes_per_step):
             lines.append(f"    {k:<15} {self.collective_bytes_per_step[k] / GiB:8.3f} GiB in "
@@ -217,7 +217,7 @@ def planner_figures(cfg: Any, world_size: int, phase: Any, n_masked: int) -> dic
     state = {**state, "total": state["total"] + gram}
     attn = "math" if str(cfg.model.attn_backend) == "math" else "sdpa"
     act = step_memory(cfg, arch, heads, phase, phase.batch_size_per_gpu, c, attn, p.activation_checkpointing,
-                      n_masked=n_masked)["peak"]
+                      n_masked=n_masked, n_gpus=world_size)["peak"]
     return {"state": state["total"], "activations": act, "counted": counted_peak(state, act)}
 
 
