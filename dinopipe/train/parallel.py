@@ -191,10 +191,13 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
 
     mesh = device_mesh(info)
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[cfg.reduce_dtype])
+    # Only the root casts its inputs: a block's activations are already in the compute dtype, and its other float
+    # inputs keep theirs (DINOv3's RoPE tables in ``model.rope_dtype``, which a cast to bf16 would override).
+    mp_block = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[cfg.reduce_dtype], cast_forward_inputs=False)
     reshard = True if frozen else cfg.reshard_after_forward
     for m in modules:
         for blk in _blocks(m):
-            fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(blk, mesh=mesh, mp_policy=mp_block, reshard_after_forward=reshard)
         fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     log.info("compute dtype %s (FSDP2 mixed precision over %d ranks, reduce %s, %s)", cfg.param_dtype,
              info.world_size, cfg.reduce_dtype, "frozen" if frozen else f"reshard_after_forward={reshard}")
