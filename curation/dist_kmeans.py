@@ -191,14 +191,14 @@ def settings(n: int, ids, levels, sample_sizes, steps, sampling, seed, niter=50,
 
 
 def curate_settings(n: int, ids, levels, n_resampling_steps=10, sample_size=10, seed=0,
-                    kmeans=None, **_) -> dict:
+                    kmeans=None, block: int = BLOCK, **_) -> dict:
     """:func:`settings` of the tree ``curate rebalance`` (mode=hierarchical) builds in-process
     for these rows (curation.rebalance.hierarchical_balanced with the config's rebalance.*)."""
     from .rebalance import capped_levels
 
     ks = capped_levels(levels, n)
     return settings(n, ids, ks, [int(sample_size)] * len(ks), n_resampling_steps, "closest", seed,
-                    **(kmeans or {}))
+                    block=block, **(kmeans or {}))
 
 
 def load_tree(out: str, expected: dict, key: str = "kmeans_dir") -> list[Level]:
@@ -232,13 +232,14 @@ def load_tree(out: str, expected: dict, key: str = "kmeans_dir") -> list[Level]:
 def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], steps: int = 10,
         sampling: str = "closest", seed: int = 0, init_centroids: str | None = None,
         block: int = BLOCK, rows_idx: np.ndarray | None = None, piece_bytes: int = PIECE_BYTES,
-        group: tuple | None = None, record: dict | None = None, **kw) -> dict:
+        group: tuple | None = None, record: dict | None = None, comm_device: str | None = None, **kw) -> dict:
     """The k-means tree of the embeddings in ``emb_dir`` (``rows_idx``: only these rows, in this order) into
     ``out``. ``piece_bytes``: fp32 centroids per piece (:class:`CentroidShards`). ``group``: (rank, world,
-    device) instead of the process group's. ``record``: the settings to write into kmeans.json (default:
+    device) instead of the process group's; ``comm_device``: where the collectives run, if not on that
+    device (a gloo group of local processes that compute on a GPU). ``record``: the settings to write into kmeans.json (default:
     :func:`settings` of these arguments)."""
     rank, world, device = group or process_group()
-    comm = Comm(device, world)
+    comm = Comm(comm_device or device, world)
     if sampling not in ("closest", "random"):
         raise ValueError(f"sampling={sampling!r}: choose 'closest' or 'random'")
     emb = open_embeddings(emb_dir)
