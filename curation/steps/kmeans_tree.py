@@ -18,16 +18,19 @@ import os
 import shutil
 
 import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..dist_kmeans import load_tree, run
+from .runner import run_step
+
+# (imported at the top, not in the task: a task process has torch loaded before its memory is measured)
 
 
 def tree_task(t: int, w: int, emb_dir: str, out: str, levels, sample_sizes, steps: int, seed: int, block: int,
               piece_bytes: int, record: dict, kmeans: dict) -> dict:
     """Rank ``t`` of ``w``: the rows ``out/rows.npy`` of the embeddings (memory-mapped: a task reads the
     positions of its own blocks), clustered into ``out``."""
-    import torch
-
-    from ..dist_kmeans import run
-
     rows_idx = np.load(os.path.join(out, "rows.npy"), mmap_mode="r")
     device = f"cuda:{t % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     kw = dict(levels=list(levels), sample_sizes=list(sample_sizes), steps=steps, sampling="closest", seed=seed,
@@ -35,8 +38,6 @@ def tree_task(t: int, w: int, emb_dir: str, out: str, levels, sample_sizes, step
     if w == 1:
         summary = run(emb_dir, out, group=(0, 1, device), **kw)
     else:
-        import torch.distributed as dist
-
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(out, "store"), w), rank=t, world_size=w)
@@ -52,9 +53,6 @@ def fit_tree(out: str, emb_dir: str, rows_idx: np.ndarray, record: dict, tasks: 
     """The k-means tree ``record`` (:func:`curation.dist_kmeans.curate_settings`) describes for ``rows_idx``,
     as ``tasks`` ranks -> (its levels, each task's runner report: wall time, peak memory; empty when a
     finished tree was reused)."""
-    from ..dist_kmeans import PIECE_BYTES, load_tree
-    from .runner import run_step
-
     try:
         return load_tree(out, record, "rebalance"), []
     except (FileNotFoundError, ValueError):
@@ -66,9 +64,15 @@ def fit_tree(out: str, emb_dir: str, rows_idx: np.ndarray, record: dict, tasks: 
     km = {k: record[k] for k in ("niter", "tol", "init", "init_sample", "n_init", "max_points_per_centroid")}
     res = run_step(tree_task, w, "local", processes=0 if w == 1 else None, emb_dir=emb_dir, out=out,
                    levels=record["levels"], sample_sizes=record["sample_sizes"], steps=record["steps"],
-                   seed=record["seed"], block=record["block"], piece_bytes=piece_bytes or PIECE_BYTES,
+                   seed=record["seed"], block=record["block"], piece_bytes=piece_bytes or _piece_bytes(),
                    record=record, kmeans=km)
     for f in ("store", "rows.npy"):
         if os.path.exists(os.path.join(out, f)):
             os.remove(os.path.join(out, f))
     return load_tree(out, record, "rebalance"), res
+
+
+def _piece_bytes() -> int:
+    from .. import dist_kmeans
+
+    return dist_kmeans.PIECE_BYTES  # read at call time (tests set it smaller)
