@@ -236,8 +236,8 @@ def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], step
     """The k-means tree of the embeddings in ``emb_dir`` (``rows_idx``: only these rows, in this order) into
     ``out``. ``piece_bytes``: fp32 centroids per piece (:class:`CentroidShards`). ``group``: (rank, world,
     device) instead of the process group's; ``comm_device``: where the collectives run, if not on that
-    device (a gloo group of local processes that compute on a GPU). ``record``: the settings to write into kmeans.json (default:
-    :func:`settings` of these arguments)."""
+    device (a gloo group of local processes that compute on a GPU). ``record``: the settings to write into
+    kmeans.json (default: :func:`settings` of these arguments)."""
     rank, world, device = group or process_group()
     comm = Comm(comm_device or device, world)
     if sampling not in ("closest", "random"):
