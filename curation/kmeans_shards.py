@@ -94,19 +94,13 @@ class Comm:
         counts = np.asarray(counts, np.int64)
         if self.world == 1:
             return arr, counts
-        # one dummy entry ahead of every chunk: gloo returns at once from an all-to-all with nothing to send
-        # or receive, leaving the others waiting for it
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        padded = np.insert(np.asarray(arr), starts, 0, axis=0)
         got = torch.empty(self.world, dtype=torch.int64, device=self.dev)
-        dist.all_to_all_single(got, self._t(counts + 1))
+        dist.all_to_all_single(got, self._t(counts))
         got = got.cpu().numpy()
         out = torch.empty((int(got.sum()), *arr.shape[1:]), dtype=torch.from_numpy(arr[:0]).dtype,
                           device=self.dev)
-        dist.all_to_all_single(out, self._t(padded), got.tolist(), (counts + 1).tolist())
-        keep = np.ones(int(got.sum()), bool)
-        keep[np.concatenate([[0], np.cumsum(got)[:-1]])] = False
-        return out.cpu().numpy()[keep], got - 1
+        dist.all_to_all_single(out, self._t(arr), got.tolist(), counts.tolist())
+        return out.cpu().numpy(), got
 
     def barrier(self) -> None:
         if self.world > 1:
