@@ -175,7 +175,8 @@ def test_one_rank_tree_equals_the_in_process_tree(tmp_path, data, init):
     assert not os.path.exists(os.path.join(out, ".resample"))  # the resampling parts are removed
 
 
-@pytest.mark.parametrize("sampling,init", [("closest", "random"), ("random", "auto")])
+@pytest.mark.parametrize("sampling,init", [("closest", "random"),
+                                           pytest.param("random", "auto", marks=pytest.mark.slow)])
 def test_every_level_sharded_bit_identical_on_1_2_3_ranks(tmp_path, data, sampling, init):
     """Three levels (40 / 16 / 4), each resampled once, pieces of 8 centroids at every level (level 1: 5
     pieces, level 2: 2): labels, distances, centroids and sizes of every level bit-identical for 1, 2 and 3
