@@ -205,3 +205,33 @@ def test_every_level_sharded_bit_identical_on_1_2_3_ranks(tmp_path, data, sampli
     held = [lv["centroid_bytes_per_rank"] for lv in summaries[3]["per_level"]]
     assert held[0] == 16 * d * 4 + 8 * d * 12 < 40 * d * 4 + 8 * d * 12  # 2 of 5 pieces, not all 40
     assert held[1] == 8 * d * 4 + 8 * d * 12  # level 2: one of its two pieces
+
+
+def test_curate_run_tree_reused_on_rerun_and_redone_when_unfinished(tmp_path, data):
+    """`curate run`'s tree (curation.steps.kmeans_tree.fit_tree): a rerun with the same rows and settings reuses
+    the finished tree; one killed before kmeans.json was written, or made for other settings, is redone."""
+    from curation.dist_kmeans import curate_settings
+    from curation.embeddings import open_embeddings
+    from curation.steps.kmeans_tree import fit_tree
+
+    x, _ = data
+    emb = str(tmp_path / "emb")
+    _write_embeddings(emb, x)
+    ids = open_embeddings(emb).ids
+    rows = np.arange(0, len(x), 2)
+    out = str(tmp_path / "tree")
+    record = curate_settings(len(rows), ids[rows], [40, 8], n_resampling_steps=1, sample_size=4)
+    first, ran = fit_tree(out, emb, rows, record)
+    assert len(ran) == 1 and len(first[0].labels) == len(rows)
+    again, ran = fit_tree(out, emb, rows, record)
+    assert ran == []  # reused
+    os.remove(os.path.join(out, "kmeans.json"))  # as a task killed before the end leaves it
+    redone, ran = fit_tree(out, emb, rows, record)
+    assert len(ran) == 1
+    for a, b, c in zip(first, again, redone):
+        np.testing.assert_array_equal(a.labels, b.labels)
+        np.testing.assert_array_equal(a.labels, c.labels)
+        np.testing.assert_array_equal(a.centroids, c.centroids)
+    other, ran = fit_tree(out, emb, rows, curate_settings(len(rows), ids[rows], [40, 8], n_resampling_steps=1,
+                                                          sample_size=4, seed=1))
+    assert len(ran) == 1 and not np.array_equal(other[0].centroids, first[0].centroids)
