@@ -1,11 +1,12 @@
-"""Per-rank memory of the distributed level-1 k-means with sharded centroids, at two k.
+"""Per-rank memory of the distributed hierarchical k-means (every level sharded), at two k.
 
-    python bench/bench_kmeans_shards.py --work /tmp/kms --n 32000 --dim 512 --ks 4000 16000 --nproc 1 2
+    python bench/bench_kmeans_shards.py --work /tmp/kms --n 32000 --dim 256 --ks 8000 32000 --nproc 1 3
 
 Writes N clustered fp16 rows, then runs `curate kmeans` (torchrun, gloo) for each k and world size with
-pieces of --piece-mb, and prints the centroid bytes each rank holds (its pieces + one received piece + one
-float64 sums piece: tracked exactly) and each rank's peak RSS (ru_maxrss: the interpreter, torch, faiss, its
-rows' blocks -- and on rank 0 the seeding sample, k x init_sample rows, and the levels above)."""
+pieces of --piece-mb and two levels, k and k / --upper (level 2 clusters level 1's k centroids, resampled
+once with 4 per cluster), and prints per level the centroid bytes each rank holds (its pieces + one received
+piece + one piece of sums: tracked exactly) and each rank's peak RSS (ru_maxrss: the interpreter, torch,
+faiss, its rows' blocks)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def main() -> int:
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     p.add_argument("--piece-mb", type=float, default=1.0)
     p.add_argument("--niter", type=int, default=2)
+    p.add_argument("--upper", type=int, default=4, help="level 2 has k / UPPER clusters")
     a = p.parse_args()
     emb = os.path.join(a.work, "emb")
     if not os.path.isdir(emb):
@@ -57,21 +59,25 @@ def main() -> int:
                                               f"--master-port={port}"]
             env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MASTER_PORT=str(port))
             cmd = [sys.executable, *launcher, "-m", "curation.cli", "kmeans", "--emb-dir", emb, "--out", out,
-                   "--levels", str(k), "10", "--sample-sizes", "1", "1", "--steps", "0", "--niter", str(a.niter),
+                   "--levels", str(k), str(k // a.upper), "--sample-sizes", "1", "4", "--steps", "1",
+                   "--niter", str(a.niter),
                    "--init", "random", "--piece-mb", str(a.piece_mb), "--max-points-per-centroid", "8"]
             r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
             if r.returncode:
                 print(r.stderr[-3000:], file=sys.stderr)
                 return 1
             with open(os.path.join(out, "kmeans.json")) as f:
-                l1 = json.load(f)["level1"]
-            rows.append((k, nproc, l1["pieces"], l1["centroid_bytes_per_rank"], l1["peak_rss_bytes"]))
+                summary = json.load(f)
+            for li, lv in enumerate(summary["per_level"], start=1):
+                rows.append((li, lv["k"], lv["rows"], nproc, lv["pieces"], lv["centroid_bytes_per_rank"],
+                             summary["level1"]["peak_rss_bytes"], summary["wall_s"]))
     print(f"N={a.n:,} D={a.dim} pieces of {a.piece_mb} MB, {a.niter} Lloyd iterations, gloo on CPU")
-    print("| k | ranks | pieces | k x D fp32 (MB) | centroid MB held per rank | peak RSS per rank (MB) |")
-    print("|---:|---:|---:|---:|---:|---|")
-    for k, w, pcs, held, rss in rows:
-        print(f"| {k:,} | {w} | {pcs} | {k * a.dim * 4 / 2**20:.1f} | {held / 2**20:.1f} | "
-              f"{' / '.join(f'{x / 2**20:.0f}' for x in rss)} |")
+    print("| level | k | rows | ranks | pieces | k x D fp32 (MB) | centroid MB held per rank | peak RSS per rank (MB) "
+          "| wall s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for li, k, n, w, pcs, held, rss, wall in rows:
+        print(f"| {li} | {k:,} | {n:,} | {w} | {pcs} | {k * a.dim * 4 / 2**20:.1f} | {held / 2**20:.1f} | "
+              f"{' / '.join(f'{x / 2**20:.0f}' for x in rss)} | {wall:.0f} |")
     return 0
 
 

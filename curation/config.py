@@ -138,14 +138,16 @@ TaskLauncher = choices("TaskLauncher", ("local", "inline"), __name__)
 @dataclass
 class TasksConfig:
     """W: how many tasks each sharded step after embedding runs as in `curate run` / `curate index`
-    (index add, kNN search, sampling; curation.steps.runner). Decisions do not depend on W."""
+    (index add, kNN search, the hierarchical k-means tree, sampling; curation.steps.runner). Decisions do not
+    depend on W."""
 
     count: Optional[int] = None
     """W. null: 1 below one block of rows (65,536, where the tasks would have nothing to split),
     else min(CPU cores, 8)."""
     launcher: TaskLauncher = "local"
     """local: W fresh processes on this machine, the cores shared out between them (each task's peak
-    memory is its own); inline: the W tasks one after another in this process (no process start).
+    memory is its own; the k-means tree's W processes form a gloo group); inline: the W tasks one after
+    another in this process (no process start; the k-means tree as one rank: the same tree).
     W = 1 always runs inline. Slurm arrays / torchrun: the per-step commands (`curate search` tasks,
     `curate kmeans`), not `curate run`."""
 

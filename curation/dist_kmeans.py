@@ -1,4 +1,5 @@
-"""Hierarchical k-means over many processes (torch.distributed: gloo on CPU, NCCL on GPUs).
+"""Hierarchical k-means over many processes (torch.distributed: gloo on CPU, NCCL on GPUs): every level
+sharded, rows and centroids.
 
     torchrun --nproc-per-node 8 -m curation.cli kmeans --emb-dir OUT/embeddings --out OUT/kmeans \\
         --levels 4000 400 40 10 --sample-sizes 1 10 5 3
@@ -7,32 +8,35 @@
 
 The process group comes from the one launcher training uses (``curate kmeans`` calls
 :func:`dinopipe.train.dist.init_distributed`: torchrun or an srun step, with its guard against a batch
-script that believes SLURM_NTASKS); this module only uses the group it is given.
+script that believes SLURM_NTASKS); ``curate run`` with ``tasks.count`` W > 1 starts W local processes
+through the step runner (curation/steps/kmeans_tree.py). This module only uses the group it is given.
 
 ``--curate``: the k-means of ``curate rebalance`` (mode=hierarchical) -- the rows kept after dedup +
 decontamination, the config's rebalance.* settings -- written to rebalance.kmeans_dir, where
 ``curate rebalance rebalance.kmeans_dir=...`` checks (:func:`load_tree`) and selects from it.
 
-Level 1 (the points) is distributed: every rank memory-maps the fp16 embedding shards and owns a
-contiguous range of the rows Lloyd iterates over, assigns them (torch matmul on its GPU when there
-is one, faiss on CPU) and all-reduces per-cluster counts and the objective, and the float64 per-cluster
-sums a chunk of centroids at a time (:data:`curation.kmeans.REDUCE_BYTES`, 256 MB: at 10M clusters x
-1024-d the whole k x D float64 array would be 82 GB per rank); rank 0 seeds
-(k-means++ on a sample it reads from the shared shards) and broadcasts the centroids. The levels
-above cluster level 1's centroids (a few MB) on rank 0 with :func:`hierarchical_kmeans`. Level 1's
-"closest" resampling steps gather each rank's s closest points per cluster to rank 0 only (the one
-rank that uses them), so rank 0 k-means the same points one process would. ``--out`` must be on a filesystem every rank sees.
+Every level is the same sharded k-means (:func:`level_kmeans`; pieces and collectives in
+curation/kmeans_shards.py). Level 1's rows are the embeddings, level l's are level l-1's centroids, which
+their owners wrote into ``centroids_level{l-1}.npy``: each rank reads its own blocks of rows (memory-mapped,
+as level 1 reads the embeddings) and owns k/W of the level's centroids in fixed pieces. Seeding: random rows
+(``init=auto`` above 20k clusters) are drawn from one seeded generator on every rank, and each piece's
+owner reads its own seed rows (nothing is sent); k-means++ (at most 20k clusters x ``init_sample`` rows, a
+bounded sample) runs on rank 0 and its pieces go to their owners. Resampling ("closest": the s rows of
+each cluster nearest its centroid; "random": the s with the smallest per-row hash key): each rank offers its
+own s best per cluster to the cluster's owner only (:meth:`Comm.exchange`), the owner keeps the global s
+and answers which were kept; the kept rows (a part file per rank, read as one array) are k-means'd by the
+same sharded k-means. Sizes are reduced a piece at a time to the owners, who write them.
 
-Same answer for any number of ranks, bit for bit (tested with 1 and 3 gloo processes): the row
-ranges are cut at multiples of ``BLOCK`` rows, so every block (hence every BLAS call) is the one a
-single process would make; the per-cluster sums are exact in float64 for fp16 embeddings (see
-:func:`curation.kmeans.lloyd`), so the all-reduce order cannot change a centroid; the objective
-(used only for the early stop) is summed in float64, where a different order moves it by ~1e-16
-relative -- it could flip the stop only if the relative change landed that close to ``tol``.
+Same answer for any number of ranks, bit for bit (tested with 1, 2 and 3 gloo processes): the row
+ranges are cut at multiples of ``block`` rows, so every block (hence every BLAS call) is the one a
+single process would make; the per-cluster sums are exact (float64 for the fp16 embeddings, int64
+fixed point for the fp32 centroids of the levels above), so the reduction order cannot change a centroid;
+the objective (used only for the early stop) is summed in float64, where a different order moves it by
+~1e-16 relative -- it could flip the stop only if the relative change landed that close to ``tol``.
 
 Outputs in ``--out``: ``level1_labels.npy`` / ``level1_dist.npy`` (int64 / fp32, one per row of the
-embeddings), ``centroids_level{l}.npy``, ``labels_level{l}.npy`` for l >= 2 (cluster of each
-centroid of level l-1), ``sizes_level{l}.npy`` and ``kmeans.json``.
+embeddings), ``centroids_level{l}.npy``, ``labels_level{l}.npy`` / ``dist_level{l}.npy`` for l >= 2
+(cluster of each centroid of level l-1), ``sizes_level{l}.npy`` and ``kmeans.json``.
 """
 
 from __future__ import annotations
@@ -41,275 +45,128 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 
 import numpy as np
-import torch
-import torch.distributed as dist
 from numpy.lib.format import open_memmap
 
 from .embeddings import open_embeddings
 from .index import Rows
-from .kmeans import (BLOCK, INITS, KMeansResult, Level, Nearest, _sample_positions, hierarchical_kmeans,
-                     kmeans, resample_positions, seed_centroids, work_positions)
+from .kmeans import (BLOCK, INITS, KMEANSPP_MAX_K, KMeansResult, Level, _sample_positions, resample_positions,
+                     seed_centroids, work_positions)
+from .kmeans_shards import (PIECE_BYTES, CentroidShards, Comm, PartsArray, Span, SubRows, assign_pieces,  # noqa: F401
+                            fixed_point_scale, lloyd_sharded, piece_counts, process_group, rank_range)
+from .steps.sampling import row_keys
+
+KMEANS_KEYS = ("niter", "tol", "init", "init_sample", "n_init", "max_points_per_centroid")
 
 
-def process_group() -> tuple[int, int, str]:
-    """(rank, world size, device) of the process group the launcher made (``curate kmeans``: training's
-    :func:`dinopipe.train.dist.init_distributed`, with its srun-step guard); one process without one."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1, "cuda:0" if torch.cuda.is_available() else "cpu"
-    cuda = dist.get_backend() == "nccl"
-    return dist.get_rank(), dist.get_world_size(), f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+def work_rows(n: int, k: int, seed: int, max_points_per_centroid: int):
+    """The rows Lloyd iterates over (:func:`curation.kmeans.work_positions`), as a :class:`Span` when it
+    is all of them."""
+    return Span(n) if k * max_points_per_centroid >= n else work_positions(n, k, seed, max_points_per_centroid)
 
 
-class Comm:
-    """The collectives k-means needs, on the process group's device (no-ops in one process)."""
-
-    def __init__(self, device: str, world: int = 1):
-        self.dev = device if device.startswith("cuda") else "cpu"
-        self.world = world
-
-    def allreduce(self, arr: np.ndarray) -> np.ndarray:
-        """Sum of ``arr`` over ranks (lloyd hands it one chunk of centroid sums at a time)."""
-        if self.world == 1:
-            return arr
-        t = torch.from_numpy(np.ascontiguousarray(arr)).to(self.dev)
-        dist.all_reduce(t)
-        return t.cpu().numpy()
-
-    def broadcast(self, fn):
-        """fn() evaluated on rank 0, its (k, D) fp32 array returned on every rank."""
-        if self.world == 1:
-            return fn()
-        obj = [fn() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(obj, src=0, device=torch.device(self.dev))
-        return obj[0]
-
-    def bcast_from(self, arr: np.ndarray | None, shape: tuple, src: int) -> np.ndarray:
-        """``arr`` of rank ``src`` (fp32, ``shape``) on every rank: one piece of centroids at a time."""
-        if self.world == 1:
-            return arr
-        t = (torch.from_numpy(np.ascontiguousarray(arr, np.float32)) if dist.get_rank() == src
-             else torch.empty(shape, dtype=torch.float32)).to(self.dev)
-        dist.broadcast(t, src=src)
-        return t.cpu().numpy()
-
-    def reduce_to(self, arr: np.ndarray, dst: int) -> np.ndarray | None:
-        """Sum of ``arr`` over ranks on rank ``dst`` only (None elsewhere): the sums of the centroids it owns."""
-        if self.world == 1:
-            return arr
-        t = torch.from_numpy(np.ascontiguousarray(arr)).to(self.dev)
-        dist.reduce(t, dst=dst)
-        return t.cpu().numpy() if dist.get_rank() == dst else None
-
-    def gather_to_root(self, obj):
-        """Every rank's ``obj`` on rank 0 only (a list there, None elsewhere)."""
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world if dist.get_rank() == 0 else None
-        dist.gather_object(obj, out, dst=0)
-        return out
+def seed_shards(shards: CentroidShards, rows, work, init: str, init_sample: int, rng: np.random.Generator,
+                comm: Comm, device: str) -> None:
+    """The initial centroids of :func:`curation.kmeans.fit` (same draws, same rows), sharded: random rows
+    are read by the owner of each piece; k-means++ (k <= KMEANSPP_MAX_K, or asked for) runs on rank 0 on
+    its sample of k x init_sample rows and sends each piece to its owner."""
+    if init not in INITS:
+        raise ValueError(f"kmeans init={init!r}: choose one of {INITS}")
+    k = len(shards)
+    sample = _sample_positions(len(work), k * init_sample, rng)
+    if init == "random" or (init == "auto" and k > KMEANSPP_MAX_K):
+        pos = np.sort(rng.choice(len(sample), size=min(k, len(sample)), replace=False))  # as seed_centroids
+        shards.fill(lambda a, b: rows.take(work[sample[pos[a:b]]]))
+    else:
+        shards.scatter(lambda: seed_centroids(rows.take(work[sample]), k, init, rng, device), comm)
 
 
-def rank_range(n: int, rank: int, world: int, block: int = BLOCK) -> tuple[int, int]:
-    """Rows [lo, hi) of ``n`` owned by ``rank``: whole blocks of ``block`` rows, split evenly."""
-    nblocks = -(-n // block)
-    lo, hi = nblocks * rank // world, nblocks * (rank + 1) // world
-    return min(lo * block, n), min(hi * block, n)
-
-
-PIECE_BYTES = 256 * 2**20
-"""fp32 centroids per piece: the unit a rank owns, sends and reduces (--piece-mb)."""
-
-
-class CentroidShards:
-    """Level-1 centroids sharded over the ranks: fixed pieces of ``piece`` centroids (a function of k, D
-    and ``piece_bytes`` only, not of the world size); rank r owns pieces [r*P/W, (r+1)*P/W) and their
-    float64 sums. A rank holds its k/W centroids, one piece it receives, and one piece of float64 sums:
-    at 10M x 1024 on 128 ranks ~0.3 GB + 2 x 256 MB instead of 41 GB of centroids on every rank."""
-
-    def __init__(self, k: int, d: int, rank: int, world: int, piece_bytes: int = PIECE_BYTES):
-        self.k, self.d, self.rank, self.world = k, d, rank, world
-        self.piece = max(1, min(k, piece_bytes // (4 * d)))
-        self.bounds = list(range(0, k, self.piece)) + [k]
-        n_pieces = len(self.bounds) - 1
-        self.owner = np.empty(n_pieces, np.int64)
-        for r in range(world):
-            self.owner[r * n_pieces // world:(r + 1) * n_pieces // world] = r
-        self.mine: dict[int, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        return self.k
-
-    @property
-    def pieces(self) -> range:
-        return range(len(self.owner))
-
-    def span(self, p: int) -> tuple[int, int]:
-        return self.bounds[p], self.bounds[p + 1]
-
-    def held_bytes(self) -> int:
-        """Centroid bytes this rank holds at most: its pieces + one received piece + one float64 sums piece."""
-        own = sum(v.nbytes for v in self.mine.values())
-        return own + self.piece * self.d * (4 + 8)
-
-    def scatter(self, full_of_root, comm: "Comm") -> None:
-        """Pieces of rank 0's (k, D) array (a callable evaluated there, or an array / memmap every rank
-        can read) to their owners."""
-        if not callable(full_of_root):  # e.g. --init-centroids: each owner reads its own slices
-            for p in self.pieces:
-                if self.owner[p] == self.rank:
-                    a, b = self.span(p)
-                    self.mine[p] = np.ascontiguousarray(full_of_root[a:b], np.float32).copy()
-            return
-        full = full_of_root() if self.rank == 0 else None
-        for p in self.pieces:
-            a, b = self.span(p)
-            got = comm.bcast_from(None if full is None else full[a:b], (b - a, self.d), 0)
-            if self.owner[p] == self.rank:
-                self.mine[p] = np.array(got, np.float32)
-
-    def gather(self, comm: "Comm") -> np.ndarray | None:
-        """The (k, D) centroids on rank 0 (None elsewhere). Small levels only (tests, the levels above)."""
-        out = np.empty((self.k, self.d), np.float32) if self.rank == 0 else None
-        for p in self.pieces:
-            a, b = self.span(p)
-            got = comm.bcast_from(self.mine.get(p), (b - a, self.d), int(self.owner[p]))
-            if out is not None:
-                out[a:b] = got
-        return out
-
-    def write(self, path: str) -> None:
-        """Each owner writes its pieces into the (k, D) .npy at ``path`` (made by rank 0; shared filesystem)."""
-        m = open_memmap(path, "r+")
-        for p, c in self.mine.items():
-            a, b = self.span(p)
-            m[a:b] = c
-        m.flush()
-        del m
-
-
-def assign_pieces(blocks, shards: CentroidShards, comm: Comm, device: str):
-    """Nearest centroid of every row ``blocks()`` yields: the pieces in order, each sent by its owner,
-    a running minimum (ties: the lower piece, i.e. the lower centroid, as one index would). The same
-    pieces and block shapes on any world size."""
-    labels, dists = [], []
-    for p in shards.pieces:
-        a, b = shards.span(p)
-        near = Nearest(comm.bcast_from(shards.mine.get(p), (b - a, shards.d), int(shards.owner[p])), device)
-        for i, x in enumerate(blocks()):
-            lab, d = near(x)
-            if p == 0:
-                labels.append(lab.astype(np.int64) + a)
-                dists.append(d)
-            else:
-                upd = d < dists[i]
-                labels[i][upd], dists[i][upd] = lab[upd] + a, d[upd]
-    return labels, dists
-
-
-def lloyd_sharded(blocks, shards: CentroidShards, comm: Comm, niter: int, tol: float = 1e-4,
-                  device: str = "cpu") -> KMeansResult:
-    """:func:`curation.kmeans.lloyd` with the centroids sharded (:class:`CentroidShards`): assignment by
-    pieces, then per piece the float64 sums and counts of this rank's rows reduced to the piece's owner
-    only, which updates its centroids. Exact float64 sums (fp16 rows), so the answer does not depend on
-    the world size; with one piece it is :func:`lloyd`'s."""
-    history: list[float] = []
-    it = 0
-    for it in range(1, niter + 1):
-        labels, dists = assign_pieces(blocks, shards, comm, device)
-        obj = float(comm.allreduce(np.array([sum(d.sum(dtype=np.float64) for d in dists)]))[0])
-        for p in shards.pieces:
-            a, b = shards.span(p)
-            sums = torch.zeros((b - a, shards.d), dtype=torch.float64)
-            cnt = np.zeros(b - a, np.int64)
-            for lab, x in zip(labels, blocks()):
-                sel = np.flatnonzero((lab >= a) & (lab < b))
-                if len(sel):
-                    sums.index_add_(0, torch.from_numpy(lab[sel] - a), torch.from_numpy(x[sel]).double())
-                    cnt += np.bincount(lab[sel] - a, minlength=b - a)
-            owner = int(shards.owner[p])
-            s, c = comm.reduce_to(sums.numpy(), owner), comm.reduce_to(cnt, owner)
-            if owner == shards.rank:
-                full = c > 0
-                shards.mine[p][full] = (s[full] / c[full, None]).astype(np.float32)
-        history.append(obj)
-        if len(history) > 1 and history[-2] - obj <= tol * abs(history[-2]):
-            break
-    return KMeansResult(None, history[-1] if history else float("nan"), it, history)
-
-
-def level1_kmeans(rows: Rows, k: int, comm: Comm, rank: int, world: int, device: str,
-                  niter: int = 50, seed: int = 0, max_points_per_centroid: int = 256,
-                  init_centroids=None, block: int = BLOCK, init: str = "auto", init_sample: int = 4,
-                  n_init: int = 1, tol: float = 1e-4, piece_bytes: int = PIECE_BYTES):
-    """Distributed level-1 k-means, centroids sharded -> (KMeansResult without centroids, the shards,
-    the positions Lloyd iterated over). Seeding: rank 0 seeds from a sample (as :func:`curation.kmeans.fit`)
-    and sends each piece to its owner."""
+def level_kmeans(rows, k: int, comm: Comm, device: str, seed: int = 0, niter: int = 50, tol: float = 1e-4,
+                 init: str = "auto", init_sample: int = 4, n_init: int = 1, max_points_per_centroid: int = 256,
+                 init_centroids=None, block: int = BLOCK, piece_bytes: int = PIECE_BYTES,
+                 scale: float | None = None) -> tuple[KMeansResult, CentroidShards]:
+    """One k-means of ``rows`` (Rows / SubRows every rank can read), rows and centroids sharded ->
+    (KMeansResult without centroids, the shards). :func:`curation.kmeans.kmeans_fit` of the same rows:
+    the same work rows, seeds and (one piece, fp16 rows) Lloyd."""
     n = len(rows)
     k = int(min(k, n))
-    work = work_positions(n, k, seed, max_points_per_centroid)
-    lo, hi = rank_range(len(work), rank, world, block)
-    mine = work[lo:hi]
+    work = work_rows(n, k, seed, max_points_per_centroid)
+    lo, hi = rank_range(len(work), comm.rank, comm.world, block)
 
     def blocks():
-        return (rows.take(mine[s:s + block]) for s in range(0, len(mine), block))
+        return (rows.take(work[s:min(s + block, hi)]) for s in range(lo, hi, block))
 
-    best, best_shards = None, None
+    best = None
     for r in range(max(1, n_init) if init_centroids is None else 1):
-        shards = CentroidShards(k, rows.dim, rank, world, piece_bytes)
+        shards = CentroidShards(k, rows.dim, comm.rank, comm.world, piece_bytes)
         if init_centroids is not None:
-            shards.scatter(init_centroids[:k], comm)
+            shards.fill(lambda a, b: init_centroids[a:b])
         else:
-            def seeds(r=r):
-                rr = np.random.default_rng([seed, r])
-                return seed_centroids(rows.take(work[_sample_positions(len(work), k * init_sample, rr)]), k,
-                                      init, rr, device)
-            shards.scatter(seeds, comm)
-        res = lloyd_sharded(blocks, shards, comm, niter, tol, device)
-        if best is None or res.objective < best.objective:
-            best, best_shards = res, shards
-    return best, best_shards, work
+            seed_shards(shards, rows, work, init, init_sample, np.random.default_rng([seed, r]), comm, device)
+        res = lloyd_sharded(blocks, shards, comm, niter, tol, device, scale)
+        if best is None or res.objective < best[0].objective:
+            best = (res, shards)
+    return best
 
 
-def assign_all(rows: Rows, shards: CentroidShards, comm: Comm, rank: int, world: int, device: str,
-               labels_out, dist_out, block: int = BLOCK) -> np.ndarray:
+def assign_level(rows, shards: CentroidShards, comm: Comm, device: str, labels_out, dist_out,
+                 block: int = BLOCK) -> None:
     """Assign this rank's rows (aligned blocks) into the shared output memmaps, the centroids a piece at
-    a time (:func:`assign_pieces`); local counts (int64 per cluster)."""
-    lo, hi = rank_range(len(rows), rank, world, block)
+    a time (:func:`assign_pieces`)."""
+    lo, hi = rank_range(len(rows), comm.rank, comm.world, block)
     spans = [(s, min(s + block, hi)) for s in range(lo, hi, block)]
     labels, dists = assign_pieces(lambda: (rows.take(np.arange(s, e)) for s, e in spans), shards, comm, device)
-    counts = np.zeros(len(shards), np.int64)
     for (s, e), lab, d in zip(spans, labels, dists):
         labels_out[s:e], dist_out[s:e] = lab, d
-        counts += np.bincount(lab, minlength=len(shards))
-    return counts
 
 
-def resample_level1(rows: Rows, labels, dists, shards: CentroidShards, s: int, comm: Comm,
-                    rank: int, world: int, seed: int, block: int = BLOCK, **kw) -> CentroidShards:
-    """One "closest" resampling step of level 1 (as :func:`hierarchical_kmeans` does it):
-    the s points closest to each centroid over all ranks -- each rank offers its own s closest
-    per cluster, rank 0 keeps the global s (ties: lower row first, as one process orders them),
-    k-means them from a fresh seeding and broadcasts the new centroids."""
-    lo, hi = rank_range(len(rows), rank, world, block)
-    k = len(shards)
-    lab, d = np.asarray(labels[lo:hi]), np.asarray(dists[lo:hi])
-    mine = resample_positions(lab, d, k, s, "closest", None)
-    offers = comm.gather_to_root((mine + lo, lab[mine], d[mine]))  # only rank 0 uses them
+def resample_select(labels, dists, shards: CentroidShards, s: int, comm: Comm, block: int, sampling: str,
+                    key_seed: int, folder: str, tag: str) -> PartsArray:
+    """One resampling step's rows: the s rows of each cluster closest to its centroid ("closest"; ties: the
+    lower row, as :func:`curation.kmeans.resample_positions` orders them) or with the smallest per-row hash
+    key ("random"), over all ranks. Each rank offers its own s best per cluster to the cluster's owner only;
+    the owner keeps the global s and answers each rank which of its offers were kept. Returns the kept
+    rows, sorted (a part file per rank, read as one array)."""
+    lo, hi = rank_range(len(labels), comm.rank, comm.world, block)
+    lab = np.asarray(labels[lo:hi], np.int64)
+    key = (np.asarray(dists[lo:hi], np.float64) if sampling == "closest"
+           else (row_keys(np.arange(lo, hi), key_seed) >> np.uint64(11)).astype(np.float64))
+    mine = resample_positions(lab, key, len(shards), s, "closest", None)  # this rank's s best per cluster
+    dest = shards.owner_of(lab[mine])
+    order = np.argsort(dest, kind="stable")
+    offers = np.stack([lab[mine], mine + lo, key[mine]], 1).astype(np.float64)[order]  # exact: < 2^53
+    got, per_src = comm.exchange(offers, np.bincount(dest, minlength=comm.world))
+    keep = np.zeros(len(got), np.int64)
+    if len(got):  # the owner: the s best of each of its clusters over every rank's offers
+        glab = got[:, 0].astype(np.int64)
+        o = np.lexsort((got[:, 1], got[:, 2], glab))
+        sl = glab[o]
+        keep[o[np.arange(len(o)) - np.searchsorted(sl, sl) < s]] = 1
+    back, _ = comm.exchange(keep, per_src)
+    path = os.path.join(folder, f"{tag}-{comm.rank:05d}.npy")
+    np.save(path, np.sort(offers[back.astype(bool), 1].astype(np.int64)))
+    comm.barrier()
+    return PartsArray([os.path.join(folder, f"{tag}-{r:05d}.npy") for r in range(comm.world)])
 
-    def reseed():
-        pos, lb, dd = (np.concatenate(a) for a in zip(*offers))
-        order = np.lexsort((pos, dd, lb))
-        starts = np.searchsorted(lb[order], np.arange(k))
-        keep = order[np.arange(len(order)) - starts[lb[order]] < s]
-        return kmeans(rows.take(np.sort(pos[keep])), k, seed=seed, **kw)
 
-    new = CentroidShards(k, shards.d, rank, world, shards.piece * 4 * shards.d)
-    new.scatter(reseed, comm)  # rank 0 k-means the k x s points; each rank keeps its pieces
-    return new
+def max_abs(rows, comm: Comm, block: int) -> float:
+    """Largest |value| of all rows (each rank reads its own blocks)."""
+    lo, hi = rank_range(len(rows), comm.rank, comm.world, block)
+    m = max((float(np.abs(rows.take(np.arange(s, min(s + block, hi)))).max()) for s in range(lo, hi, block)),
+            default=0.0)
+    return float(comm.allreduce(np.array([m]), "max")[0])
+
+
+def _shared(path: str, dtype, shape: tuple, comm: Comm):
+    """A .npy every rank writes its part of: made by rank 0, opened r+ by all (shared filesystem)."""
+    if comm.rank == 0:
+        open_memmap(path, "w+", dtype, shape).flush()
+    comm.barrier()
+    return open_memmap(path, "r+")
 
 
 def rows_digest(ids) -> str:
@@ -334,14 +191,14 @@ def settings(n: int, ids, levels, sample_sizes, steps, sampling, seed, niter=50,
 
 
 def curate_settings(n: int, ids, levels, n_resampling_steps=10, sample_size=10, seed=0,
-                    kmeans=None, **_) -> dict:
+                    kmeans=None, block: int = BLOCK, **_) -> dict:
     """:func:`settings` of the tree ``curate rebalance`` (mode=hierarchical) builds in-process
     for these rows (curation.rebalance.hierarchical_balanced with the config's rebalance.*)."""
     from .rebalance import capped_levels
 
     ks = capped_levels(levels, n)
     return settings(n, ids, ks, [int(sample_size)] * len(ks), n_resampling_steps, "closest", seed,
-                    **(kmeans or {}))
+                    block=block, **(kmeans or {}))
 
 
 def load_tree(out: str, expected: dict, key: str = "kmeans_dir") -> list[Level]:
@@ -374,100 +231,84 @@ def load_tree(out: str, expected: dict, key: str = "kmeans_dir") -> list[Level]:
 
 def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], steps: int = 10,
         sampling: str = "closest", seed: int = 0, init_centroids: str | None = None,
-        block: int = BLOCK, rows_idx: np.ndarray | None = None, piece_bytes: int = PIECE_BYTES, **kw) -> dict:
-    """``rows_idx``: cluster only these rows of the embeddings (positions, in this order).
-    ``piece_bytes``: fp32 centroids per piece of the sharded level 1 (:class:`CentroidShards`)."""
-    rank, world, device = process_group()
-    comm = Comm(device, world)
-    if sample_sizes[0] > 1 and sampling != "closest":
-        raise SystemExit("dist_kmeans: random resampling at level 1 is not distributed; use "
-                         "--sampling closest, or a first --sample-sizes value of 1")
+        block: int = BLOCK, rows_idx: np.ndarray | None = None, piece_bytes: int = PIECE_BYTES,
+        group: tuple | None = None, record: dict | None = None, comm_device: str | None = None, **kw) -> dict:
+    """The k-means tree of the embeddings in ``emb_dir`` (``rows_idx``: only these rows, in this order) into
+    ``out``. ``piece_bytes``: fp32 centroids per piece (:class:`CentroidShards`). ``group``: (rank, world,
+    device) instead of the process group's; ``comm_device``: where the collectives run, if not on that
+    device (a gloo group of local processes that compute on a GPU). ``record``: the settings to write into
+    kmeans.json (default: :func:`settings` of these arguments)."""
+    rank, world, device = group or process_group()
+    comm = Comm(comm_device or device, world)
+    if sampling not in ("closest", "random"):
+        raise ValueError(f"sampling={sampling!r}: choose 'closest' or 'random'")
     emb = open_embeddings(emb_dir)
     rows = Rows(emb, rows_idx)
     n = len(rows)
     t0 = time.perf_counter()
-    init = None if init_centroids is None else np.load(init_centroids, mmap_mode="r")
-    km = {key: v for key, v in kw.items() if key in ("niter", "tol", "init", "init_sample", "n_init",
-                                                     "max_points_per_centroid")}
-    res, shards, _ = level1_kmeans(rows, levels[0], comm, rank, world, device, seed=seed,
-                                   init_centroids=init, block=block, piece_bytes=piece_bytes, **km)
+    km = {key: v for key, v in kw.items() if key in KMEANS_KEYS}
+    tmp = os.path.join(out, ".resample")
     if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        open_memmap(os.path.join(out, "level1_labels.npy"), "w+", np.int64, (n,)).flush()
-        open_memmap(os.path.join(out, "level1_dist.npy"), "w+", np.float32, (n,)).flush()
-    _barrier()
-    labels = open_memmap(os.path.join(out, "level1_labels.npy"), "r+")
-    dists = open_memmap(os.path.join(out, "level1_dist.npy"), "r+")
-    counts = assign_all(rows, shards, comm, rank, world, device, labels, dists, block)
-    held = shards.held_bytes()
-    for step in range(steps if sample_sizes[0] > 1 else 0):
-        shards = resample_level1(rows, labels, dists, shards, sample_sizes[0], comm, rank, world,
-                                 seed=seed + 1000 + step, block=block, **kw)
-        counts = assign_all(rows, shards, comm, rank, world, device, labels, dists, block)
-        held = max(held, shards.held_bytes())
-    labels.flush(), dists.flush()
-    counts = comm.allreduce(counts)
-    cent_path = os.path.join(out, "centroids_level1.npy")
-    if rank == 0:  # level 1's centroids: each owner writes its pieces (no rank gathers them in memory)
-        open_memmap(cent_path, "w+", np.float32, (len(shards), shards.d)).flush()
-    _barrier()
-    shards.write(cent_path)
-    _barrier()
-    held = _max_over_ranks(held, comm)
-    summary = {"world_size": world, "device": device, "n": n, "levels": levels,
-               "level1": {"objective": res.objective, "iterations": res.n_iter,
-                          "centroid_piece": shards.piece, "pieces": len(shards.owner),
-                          "centroid_bytes_per_rank": held,
-                          "peak_rss_bytes": _all_ranks(_peak_rss(), comm)}}
+        os.makedirs(tmp, exist_ok=True)
+    comm.barrier()
+    weights, stats = None, []
+    for li, k in enumerate(levels):
+        name, n_l = li + 1, len(rows)
+        k = int(min(k, n_l))
+        # level 1: fp16 rows, exact float64 sums; above: fp32 centroids, int64 fixed point
+        opts = dict(km, block=block, piece_bytes=piece_bytes,
+                    scale=None if li == 0 else fixed_point_scale(n_l, max_abs(rows, comm, block)))
+        init = None if li or init_centroids is None else np.load(init_centroids, mmap_mode="r")
+        res, shards = level_kmeans(rows, k, comm, device, seed=seed + li, init_centroids=init, **opts)
+        stem = ("level1_labels", "level1_dist") if li == 0 else (f"labels_level{name}", f"dist_level{name}")
+        labels = _shared(os.path.join(out, stem[0] + ".npy"), np.int64, (n_l,), comm)
+        dists = _shared(os.path.join(out, stem[1] + ".npy"), np.float32, (n_l,), comm)
+        assign_level(rows, shards, comm, device, labels, dists, block)
+        held = shards.held_bytes()
+        s = sample_sizes[li]
+        for step in range(steps if s > 1 else 0):
+            rseed = seed + 1000 * (li + 1) + step  # hierarchical_kmeans's seed of this step
+            sub = resample_select(labels, dists, shards, s, comm, block, sampling, rseed, tmp, f"l{name}s{step}")
+            res, shards = level_kmeans(SubRows(rows, sub), k, comm, device, seed=rseed, **opts)
+            assign_level(rows, shards, comm, device, labels, dists, block)
+            held = max(held, shards.held_bytes())
+        lo, hi = rank_range(n_l, rank, world, block)
+        sizes = _shared(os.path.join(out, f"sizes_level{name}.npy"), np.int64, (len(shards),), comm)
+        piece_counts(np.asarray(labels[lo:hi]), None if weights is None else weights[lo:hi], shards, comm, sizes)
+        cent_path = os.path.join(out, f"centroids_level{name}.npy")
+        _shared(cent_path, np.float32, (len(shards), shards.d), comm)
+        shards.write(cent_path)  # each owner its pieces: no rank gathers the level's centroids
+        labels.flush(), dists.flush(), sizes.flush()
+        del labels, dists, sizes
+        comm.barrier()
+        stats.append({"k": len(shards), "rows": n_l, "objective": res.objective, "iterations": res.n_iter,
+                      "centroid_piece": shards.piece, "pieces": len(shards.owner),
+                      "centroid_bytes_per_rank": int(comm.allreduce(np.array([held], np.int64), "max")[0])})
+        rows = Rows(np.load(cent_path, mmap_mode="r"))  # the next level's rows, read a block at a time
+        weights = np.load(os.path.join(out, f"sizes_level{name}.npy"), mmap_mode="r")
+    peak = comm.allgather(_peak_rss()).tolist()
+    summary = {"world_size": world, "device": device, "n": n, "levels": [int(k) for k in levels],
+               "level1": dict(stats[0], peak_rss_bytes=peak), "per_level": stats,
+               "centroid_bytes_per_rank": max(s["centroid_bytes_per_rank"] for s in stats)}
     if rank == 0:
-        cent = np.load(cent_path, mmap_mode="r")  # read a piece at a time by the levels above
-        first = Level(cent, np.asarray(labels), np.asarray(dists), counts)
-        tree = hierarchical_kmeans(None, levels, n_resampling_steps=steps, sample_size=sample_sizes,
-                                   sampling=sampling, seed=seed, first_level=first, **kw)
-        for li, lvl in enumerate(tree, start=1):
-            if li > 1:  # level 1's were written by their owners above
-                np.save(os.path.join(out, f"centroids_level{li}.npy"), lvl.centroids)
-            np.save(os.path.join(out, f"sizes_level{li}.npy"), lvl.sizes)
-            if li > 1:
-                np.save(os.path.join(out, f"labels_level{li}.npy"), lvl.labels)
+        shutil.rmtree(tmp, ignore_errors=True)
         summary["wall_s"] = time.perf_counter() - t0
-        ids = emb.ids if rows_idx is None else emb.ids[rows_idx]
         summary["emb_dir"] = os.path.abspath(emb_dir)
-        summary["settings"] = settings(n, ids, levels, sample_sizes, steps, sampling, seed,
-                                       block=block, init_centroids=init_centroids, **{k: v for k, v in kw.items() if k in (
-                                           "niter", "tol", "init", "init_sample", "n_init",
-                                           "max_points_per_centroid")})
+        if record is None:
+            ids = emb.ids if rows_idx is None else emb.ids[rows_idx]
+            record = settings(n, ids, levels, sample_sizes, steps, sampling, seed, block=block,
+                              init_centroids=init_centroids, **km)
+        summary["settings"] = record
         with open(os.path.join(out, "kmeans.json"), "w") as f:
             json.dump(summary, f, indent=1)
-    _barrier()
+    comm.barrier()
     return summary
-
-
-def _max_over_ranks(x: int, comm: Comm) -> int:
-    if comm.world == 1:
-        return int(x)
-    t = torch.tensor([x], dtype=torch.int64).to(comm.dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def _all_ranks(x: int, comm: Comm) -> list[int]:
-    if comm.world == 1:
-        return [int(x)]
-    out = [torch.zeros(1, dtype=torch.int64).to(comm.dev) for _ in range(comm.world)]
-    dist.all_gather(out, torch.tensor([x], dtype=torch.int64).to(comm.dev))
-    return [int(t.item()) for t in out]
 
 
 def _peak_rss() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def curate_main(argv: list[str]) -> int:
@@ -524,7 +365,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-points-per-centroid", type=int, default=256)
     p.add_argument("--init-centroids", default=None, help=".npy (k, D) level-1 initialisation")
     p.add_argument("--piece-mb", type=float, default=PIECE_BYTES / 2**20,
-                   help="MB of fp32 level-1 centroids per piece: the unit each rank owns, receives and reduces "
+                   help="MB of fp32 centroids per piece (every level): the unit each rank owns, receives and reduces "
                         "(keep it fixed to compare runs at different world sizes)")
     p.add_argument("--block", type=int, default=BLOCK,
                    help="rows per assignment block; ranks own whole blocks (keep it fixed to "

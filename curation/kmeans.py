@@ -18,8 +18,8 @@ distributed over ranks"):
 * Lloyd iterations until the relative objective change falls below ``tol`` (or ``niter``).
 * centroid sums accumulate in float64 (exact for fp16 embeddings: see :func:`lloyd`).
 * ``n_init`` restarts keep the lowest objective.
-The assignment/update loop is shared with the distributed version (curation/dist_kmeans.py),
-which only adds an all-reduce of the per-cluster sums.
+The distributed version (curation/dist_kmeans.py, curation/kmeans_shards.py) makes the same draws and
+runs the same Lloyd with every level's rows and centroids sharded over ranks (one rank: this tree, bit for bit).
 """
 
 from __future__ import annotations

@@ -163,24 +163,32 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     """Rebalance the survivors on model embeddings (descriptors when no model was embedded).
 
     ``kmeans_dir``: mode=hierarchical takes its k-means tree from there (written by
-    ``python -m curation.dist_kmeans --curate``) after checking it was made for these rows and
-    settings, instead of clustering in this process. mode=sample retrieves through the sharded kNN
+    ``curate kmeans --curate``) after checking it was made for these rows and settings; without it the
+    tree is clustered here by the sharded k-means as ``tasks`` W ranks (curation.steps.kmeans_tree).
+    mode=sample retrieves through the sharded kNN
     (curation.knn_steps.sharded_retrieval: the chunks of `curate search` tasks, else searched here)."""
     r = rebalance or RebalanceConfig()
     mode, mode_kwargs = r.mode, rebalance_kwargs(r)
     space_dir, rows_idx, alive, status = rebalance_rows(out_dir)
     space = open_embeddings(space_dir)
     plan = task_plan(tasks or TasksConfig(), len(rows_idx))
-    if mode == "hierarchical":  # the random pick within clusters: three passes as W tasks
+    tree_tasks = []
+    if mode == "hierarchical":
+        from . import kmeans as _km
+        from .dist_kmeans import curate_settings, load_tree
+        from .steps.kmeans_tree import fit_tree
         from .steps.sampling import sharded_pick
 
+        # the random pick within clusters: three passes as W tasks
         mode_kwargs["picker"] = functools.partial(sharded_pick, folder=_p(out_dir, "steps", "sample"),
                                                   tasks=plan["tasks"], launcher=plan["launcher"])
-    if kmeans_dir and mode == "hierarchical":
-        from .dist_kmeans import curate_settings, load_tree
-
-        mode_kwargs["tree"] = load_tree(kmeans_dir, curate_settings(
-            len(rows_idx), space.ids[rows_idx], **mode_kwargs), "rebalance.kmeans_dir")
+        # the k-means tree: rows and centroids sharded over the W tasks (the same tree for any W)
+        record = curate_settings(len(rows_idx), space.ids[rows_idx], **mode_kwargs, block=_km.BLOCK)
+        if kmeans_dir:
+            mode_kwargs["tree"] = load_tree(kmeans_dir, record, "rebalance.kmeans_dir")
+        elif len(rows_idx):
+            mode_kwargs["tree"], tree_tasks = fit_tree(_p(out_dir, "steps", "kmeans"), space_dir, rows_idx, record,
+                                                       plan["tasks"], plan["launcher"])
     seeds, seed_ids = None, np.zeros(0, object)
     if seed_sources:
         seed_set = embed_seeds(out_dir, seed_sources, embedder, embed, progress)
@@ -203,6 +211,9 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     seed_sim[alive] = res.seed_sim
     _save_step(out_dir, "rebalance", status=status, cluster=cluster,
                nearest_seed=nearest_seed.astype(str), seed_sim=seed_sim)
+    if tree_tasks:  # what each k-means task took (curation.steps.runner): its own heap, not the orchestrator's
+        res.report["kmeans_tasks"] = [{"task": t["task"], "wall_s": t["wall_s"], "heap_bytes": t["peak_anon"] - t["start_anon"],
+                                       **t["result"]} for t in tree_tasks]
     res.report["selection"] = _selection_note(r, len(rows_idx), int(res.selected.sum()))
     write_json_atomic(_p(out_dir, "steps", "rebalance_report.json"), res.report)
     return res.report

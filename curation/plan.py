@@ -8,7 +8,7 @@ those with your own (--scan-rate etc.). Steps, as the sharded curation runs them
 per task) -> hash dedup (W tasks by band value) -> index train (one sample) -> index add (W tasks, one
 inverted-list file each) -> index merge (on disk) -> search (W tasks by query rows) -> verification (pairs
 on pixels) -> grouping (pair arrays, one process) -> decontamination (eval rows on the pool index) ->
-k-means levels (assignment of every row by W tasks, Lloyd on a sample) -> sampling (three sharded passes)
+k-means levels (every level's rows and centroids sharded over the ranks) -> sampling (three sharded passes)
 -> shard writing (W tasks). curate simulate and bench/bench_curation_scale.py check the growth of each
 step (time ~ N, memory per task ~ N/W) on this machine.
 """
@@ -38,6 +38,9 @@ WRITE_RATE = 2e8  # bytes/s per task reading + writing image bytes into shards: 
 EDGES_PER_IMAGE = 0.2  # verified copy pairs per image: ASSUMED (web pools: ~10-20% copies)
 IMAGE_BYTES = 1.1e5  # bytes per image in the shards: ASSUMED (LVD-like JPEGs)
 KMEANS_SAMPLE = 64  # Lloyd's sample: points per centroid (the simulation's; curation.kmeans default 256)
+KMEANS_PIECE = 256 * 2**20  # fp32 centroid bytes per piece (curation.kmeans_shards.PIECE_BYTES)
+KMEANS_BLOCK = 16384  # rows per assignment block (curation.kmeans.BLOCK)
+NET_RATE = 1e10  # bytes/s a rank sends / receives in a collective: ASSUMED (100 Gb/s InfiniBand)
 
 
 def parse_count(s: str) -> int:
@@ -132,20 +135,26 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     steps.append(Step("decontaminate", tasks, index_gib / max(g_per_task, 1) + 1, index_gib / g_per_task if g_per_task else 0,
                       eval_s / 3600, f"{n_eval:,} eval images on the pool index"))
     for li, kc in enumerate(levels or (), start=1):
-        pts = pool if li == 1 else levels[li - 2]
+        pts = pool if li == 1 else levels[li - 2]  # level l clusters level l-1's centroids
         kc = min(kc, pts)
-        lloyd_s = KMEANS_ITERS * 2.0 * min(pts, kc * KMEANS_SAMPLE) * kc * dim / (gemm * max(n_gpus, cpu_tasks))
-        assign_s = (1 + resampling) * 2.0 * pts * kc * dim / (gemm * max(n_gpus, cpu_tasks))
-        w = max(n_gpus, cpu_tasks) if li == 1 else 1
-        # level 1 (curation.dist_kmeans): each rank its k/W fp32 centroids + one received 256 MB piece + that
-        # piece's float64 sums (512 MB); the levels above: one process holding its centroids
+        w = max(n_gpus, cpu_tasks)  # every level sharded over the same ranks (curation/dist_kmeans.py)
+        lloyd_s = KMEANS_ITERS * 2.0 * min(pts, kc * KMEANS_SAMPLE) * kc * dim / (gemm * w)
+        assign_s = (1 + resampling) * 2.0 * pts * kc * dim / (gemm * w)
+        # collectives: every assignment pass receives all k x D fp32 centroids a piece at a time, every Lloyd
+        # iteration also reduces k x D sums (8 B) to their owners
+        comm_s = ((KMEANS_ITERS + 1 + resampling) * kc * dim * 4 + KMEANS_ITERS * kc * dim * 8) / NET_RATE if w > 1 else 0
+        # per rank: its k/W fp32 centroids + one received piece (fp32) + one piece of sums (8 B a value), a block
+        # of rows (fp32), and 40 B for each of its pts/W rows (labels + distances, Lloyd's labels, the sort of
+        # the size counts); the GPU: the piece, the block and their B x piece distance tile
+        piece = min(kc, KMEANS_PIECE // (4 * dim))
         cent = kc * dim * 4 / GiB / w
-        mem = cent + (0.75 if li == 1 else 0.25) + pts / w * 8 / GiB
-        steps.append(Step(f"k-means level {li} ({kc:,})", w, mem,
-                          cent + 0.25 if gpus_per_node else 0, (lloyd_s + assign_s) / 3600,
+        mem = cent + piece * dim * 12 / GiB + KMEANS_BLOCK * dim * 4 / GiB + pts / w * 40 / GiB + 0.25
+        gpu = (piece * dim * 4 + KMEANS_BLOCK * dim * 4 + KMEANS_BLOCK * piece * 4) / GiB if gpus_per_node else 0
+        steps.append(Step(f"k-means level {li} ({kc:,})", w, mem, gpu, (lloyd_s + assign_s + comm_s) / 3600,
                           f"{KMEANS_ITERS} Lloyd iterations on {KMEANS_SAMPLE}/centroid, {1 + resampling} assignment "
-                          f"passes; " + (f"centroids sharded over {w} ranks, 256 MB pieces" if li == 1
-                                         else "one process (rank 0), on the level below's centroids")))
+                          f"passes; rows ({pts:,}) and centroids sharded over {w} ranks in "
+                          f"{-(-kc // piece):,} pieces of {piece:,}; {comm_s / 3600:.2f} h of collectives at "
+                          f"{NET_RATE / 1e9:g} GB/s per rank (ASSUMED)"))
     steps.append(Step("sampling", cpu_tasks, pool / cpu_tasks * 16 / GiB + 0.1, 0, pool / (SAMPLE_RATE * cpu_tasks) / 3600,
                       "3 sharded passes, merges O(k x 256)"))
     kept = pool * keep_fraction

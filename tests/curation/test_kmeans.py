@@ -1,5 +1,6 @@
 """k-means: seeding determinism, the early stop, k-means++ beating random seeding on long tails,
-and the distributed version (1 vs 3 gloo processes under torchrun) giving the same clusters."""
+and the distributed version (1, 2 and 3 gloo processes under torchrun) giving the same clusters at every
+level, with no rank holding all of a level's centroids."""
 
 from __future__ import annotations
 
@@ -79,15 +80,14 @@ def _write_embeddings(path, x, shard=1000):
     _mark_task_done(path, 0, 1, {"n": len(x)})
 
 
-def _launch(nproc, emb, out, port, *extra):
+def _launch(nproc, emb, out, port, *extra, levels=("40", "8"), sample_sizes=("4", "4"), steps="2"):
     """torchrun with nproc ranks; one rank runs without a launcher (its defaults: world of 1)."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
                MASTER_PORT=str(port))
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                                       f"--master-port={port}"]
     cmd = [sys.executable, *launcher, "-m", "curation.cli", "kmeans", "--emb-dir", emb, "--out", out,
-           "--levels", "40", "8", "--sample-sizes", "4", "4", "--steps", "2", "--block", "256",
-           *extra]
+           "--levels", *levels, "--sample-sizes", *sample_sizes, "--steps", steps, "--block", "256", *extra]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(os.path.join(out, "kmeans.json")) as f:
@@ -147,3 +147,91 @@ def test_sharded_centroids_1_2_3_ranks_equal_the_one_process_kmeans(tmp_path, da
     held = {n: summaries[(n, True)]["level1"]["centroid_bytes_per_rank"] for n in (1, 2, 3)}
     assert held[1] == 40 * d * 4 + 8 * d * 12
     assert held[3] == 16 * d * 4 + 8 * d * 12  # the largest share: 2 of 5 pieces
+
+
+def _npys(out):
+    return {f: np.load(os.path.join(out, f)) for f in sorted(os.listdir(out)) if f.endswith(".npy")}
+
+
+@pytest.mark.parametrize("init", ["auto", "random"])
+def test_one_rank_tree_equals_the_in_process_tree(tmp_path, data, init):
+    """One rank, default blocks and pieces: every level (labels, centroids, sizes) bit-identical to
+    curation.kmeans.hierarchical_kmeans -- the upper levels too, though they now run the sharded Lloyd
+    with int64 fixed-point sums; init=random seeds are read by the piece owners, k-means++ on rank 0."""
+    from curation.dist_kmeans import run
+
+    x, _ = data
+    emb = str(tmp_path / "emb")
+    _write_embeddings(emb, x)
+    out = str(tmp_path / "out")
+    run(emb, out, [40, 16, 4], [4, 4, 2], steps=1, seed=0, init=init)
+    tree = hierarchical_kmeans(x, [40, 16, 4], n_resampling_steps=1, sample_size=[4, 4, 2], seed=0, init=init)
+    got = _npys(out)
+    for li, lvl in enumerate(tree, start=1):
+        lab = got["level1_labels.npy" if li == 1 else f"labels_level{li}.npy"]
+        np.testing.assert_array_equal(lab, lvl.labels, err_msg=f"level {li}")
+        np.testing.assert_array_equal(got[f"centroids_level{li}.npy"], lvl.centroids, err_msg=f"level {li}")
+        np.testing.assert_array_equal(got[f"sizes_level{li}.npy"], lvl.sizes, err_msg=f"level {li}")
+    assert not os.path.exists(os.path.join(out, ".resample"))  # the resampling parts are removed
+
+
+@pytest.mark.parametrize("sampling,init", [("closest", "random"),
+                                           pytest.param("random", "auto", marks=pytest.mark.slow)])
+def test_every_level_sharded_bit_identical_on_1_2_3_ranks(tmp_path, data, sampling, init):
+    """Three levels (40 / 16 / 4), each resampled once, pieces of 8 centroids at every level (level 1: 5
+    pieces, level 2: 2): labels, distances, centroids and sizes of every level bit-identical for 1, 2 and 3
+    gloo ranks; no rank holds more than its pieces + one received piece + one piece of sums."""
+    x, _ = data
+    emb = str(tmp_path / "emb")
+    _write_embeddings(emb, x)
+    d = x.shape[1]
+    piece_mb = str(8 * d * 4 / 2**20)
+    outs, summaries = {}, {}
+    for nproc, port in ((1, 29641 if init == "random" else 29645), (2, 29642 if init == "random" else 29646),
+                        (3, 29643 if init == "random" else 29647)):
+        out = str(tmp_path / f"w{nproc}")
+        summaries[nproc] = _launch(nproc, emb, out, port, "--piece-mb", piece_mb, "--init", init,
+                                   "--sampling", sampling, levels=("40", "16", "4"), sample_sizes=("4", "4", "2"),
+                                   steps="1")
+        outs[nproc] = _npys(out)
+    assert set(outs[1]) >= {"labels_level2.npy", "dist_level3.npy", "centroids_level3.npy", "sizes_level3.npy"}
+    for nproc in (2, 3):
+        assert set(outs[nproc]) == set(outs[1])
+        for f in outs[1]:
+            np.testing.assert_array_equal(outs[1][f], outs[nproc][f], err_msg=f"{nproc} ranks: {f}")
+    assert [lv["pieces"] for lv in summaries[3]["per_level"]] == [5, 2, 1]
+    assert outs[3]["sizes_level3.npy"].sum() == outs[3]["sizes_level2.npy"].sum() == len(x)
+    assert len(np.unique(outs[3]["labels_level2.npy"])) >= 12  # a real clustering of the 40 centroids
+    held = [lv["centroid_bytes_per_rank"] for lv in summaries[3]["per_level"]]
+    assert held[0] == 16 * d * 4 + 8 * d * 12 < 40 * d * 4 + 8 * d * 12  # 2 of 5 pieces, not all 40
+    assert held[1] == 8 * d * 4 + 8 * d * 12  # level 2: one of its two pieces
+
+
+def test_curate_run_tree_reused_on_rerun_and_redone_when_unfinished(tmp_path, data):
+    """`curate run`'s tree (curation.steps.kmeans_tree.fit_tree): a rerun with the same rows and settings reuses
+    the finished tree; one killed before kmeans.json was written, or made for other settings, is redone."""
+    from curation.dist_kmeans import curate_settings
+    from curation.embeddings import open_embeddings
+    from curation.steps.kmeans_tree import fit_tree
+
+    x, _ = data
+    emb = str(tmp_path / "emb")
+    _write_embeddings(emb, x)
+    ids = open_embeddings(emb).ids
+    rows = np.arange(0, len(x), 2)
+    out = str(tmp_path / "tree")
+    record = curate_settings(len(rows), ids[rows], [40, 8], n_resampling_steps=1, sample_size=4)
+    first, ran = fit_tree(out, emb, rows, record)
+    assert len(ran) == 1 and len(first[0].labels) == len(rows)
+    again, ran = fit_tree(out, emb, rows, record)
+    assert ran == []  # reused
+    os.remove(os.path.join(out, "kmeans.json"))  # as a task killed before the end leaves it
+    redone, ran = fit_tree(out, emb, rows, record)
+    assert len(ran) == 1
+    for a, b, c in zip(first, again, redone):
+        np.testing.assert_array_equal(a.labels, b.labels)
+        np.testing.assert_array_equal(a.labels, c.labels)
+        np.testing.assert_array_equal(a.centroids, c.centroids)
+    other, ran = fit_tree(out, emb, rows, curate_settings(len(rows), ids[rows], [40, 8], n_resampling_steps=1,
+                                                          sample_size=4, seed=1))
+    assert len(ran) == 1 and not np.array_equal(other[0].centroids, first[0].centroids)

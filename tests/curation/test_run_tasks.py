@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +47,11 @@ def _args(pool, out, *extra) -> list[str]:
 
 @pytest.mark.slow
 def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch):
+    from curation import dist_kmeans, kmeans
+
     monkeypatch.setattr(runner, "BLOCK", 16)  # sampling blocks: the 3 tasks each own rows
+    monkeypatch.setattr(kmeans, "BLOCK", 16)  # k-means blocks: the 3 ranks each own rows
+    monkeypatch.setattr(dist_kmeans, "PIECE_BYTES", 1)  # one centroid per piece: every rank owns some
     one, three = tmp_path / "one", tmp_path / "three"
     assert main(_args(big_pool, one, "tasks.count=1")) == 0
     assert main(_args(big_pool, three, "tasks.count=3", "tasks.launcher=local")) == 0
@@ -55,6 +61,14 @@ def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch):
         assert (out / "knn" / "pool" / "index.faiss.ivfdata").exists()
         assert not (out / "knn" / "pool" / "add").exists()  # parts merged, then removed
     assert len(os.listdir(three / "steps" / "sample")) == 1 + 3 * 3  # labels + 3 passes x 3 parts
+    # the k-means tree: 3 gloo ranks in local processes, the same files as one rank
+    report = json.loads((three / "steps" / "rebalance_report.json").read_text())
+    assert [t["task"] for t in report["kmeans_tasks"]] == [0, 1, 2]
+    km1, km3 = (json.loads((o / "steps" / "kmeans" / "kmeans.json").read_text()) for o in (one, three))
+    assert (km1["world_size"], km3["world_size"]) == (1, 3) and km3["level1"]["pieces"] == km3["levels"][0]
+    for f in sorted(os.listdir(one / "steps" / "kmeans")):
+        if f.endswith(".npy"):
+            np.testing.assert_array_equal(np.load(one / "steps" / "kmeans" / f), np.load(three / "steps" / "kmeans" / f))
     d1, d3 = (one / "decisions.tsv").read_text(), (three / "decisions.tsv").read_text()
     assert d1 == d3
     statuses = [line.split("\t")[2] for line in d1.splitlines()[1:]]
@@ -155,3 +169,67 @@ def test_eval_and_retrieval_searches_in_local_processes(big_pool, tmp_path):
         np.testing.assert_array_equal(got[1][key], got[2][key], err_msg=key)
     assert (got[1]["eval_sim"][sub] > 0.999).all()  # each eval row finds itself
     assert len(got[1]["ret_pos"]) == 3 * len(sub)
+
+
+MEASURE_TREE = r"""
+import json, sys
+import numpy as np
+from curation.dist_kmeans import curate_settings
+from curation.embeddings import open_embeddings
+from curation.steps.kmeans_tree import fit_tree
+emb_dir, out, w = sys.argv[1], sys.argv[2], int(sys.argv[3])
+emb = open_embeddings(emb_dir)
+rows = np.arange(len(emb))
+record = curate_settings(len(rows), emb.ids, [64, 8], n_resampling_steps=1, sample_size=4, block=2048,
+                         kmeans={"niter": 5, "init": "random"})
+_, res = fit_tree(out, emb_dir, rows, record, tasks=w, launcher="local", piece_bytes=16 * 48 * 4)
+print(json.dumps([{"heap": r["peak_anon"] - r["start_anon"], "hwm": r["peak_rss"] - r["start_rss"],
+                   "reset": r["hwm_reset"], "held": r["result"]["centroid_bytes_per_rank"]} for r in res]))
+"""
+
+
+def _patch_embeddings(path, photos, n):
+    """fp16 rows of real photos: L2-normalised 4x4 RGB patches (48-d) at every pixel offset, n of them."""
+    from curation.embeddings import _mark_task_done, save_shard, shard_stem
+
+    rows = []
+    for name in sorted(photos):
+        a = photos[name].astype(np.float32)
+        a = a if a.ndim == 3 else np.repeat(a[..., None], 3, 2)
+        p = np.lib.stride_tricks.sliding_window_view(a[..., :3], (4, 4, 3))[:, :, 0]
+        rows.append(p.reshape(-1, 48)[:: 7])
+    x = np.concatenate(rows)[:n]
+    assert len(x) == n
+    x = x - x.mean(1, keepdims=True) + 1e-3
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float16)
+    for i, s in enumerate(range(0, n, 8192)):
+        ids = [f"p{j:08d}" for j in range(s, min(s + 8192, n))]
+        save_shard(path, shard_stem(0, i), x[s:s + 8192], {"ids": ids, "sources": ["photos"] * len(ids),
+                                                           "hashes": ["0"] * len(ids), "unreadable": []})
+    _mark_task_done(path, 0, 1, {"n": n})
+
+
+@pytest.mark.slow
+def test_kmeans_tree_task_memory_follows_rows_per_task_not_n(photos, tmp_path):
+    """The tree of `curate run` at N and 4N rows of real-photo patches with W = 1 and W = 4 local ranks (the
+    same rows per task): the heap a task allocates within 1.5x (a task holding all N rows, or a level's k x D
+    centroids, would show ~4x), and each rank holds its centroid pieces only."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    got = {}
+    for n, w in ((16384, 1), (65536, 4)):
+        emb = str(tmp_path / f"emb{n}")
+        _patch_embeddings(emb, photos, n)
+        proc = subprocess.run([sys.executable, "-c", MEASURE_TREE, emb, str(tmp_path / f"km{n}"), str(w)], env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[n] = json.loads(proc.stdout.strip().splitlines()[-1])
+    small, big = got[16384], got[65536]
+    assert len(small) == 1 and len(big) == 4
+    heap_small, heap_big = small[0]["heap"], max(t["heap"] for t in big)
+    # measured: 2.0 MB at N, W=1 and 3.3-3.4 MB per task at 4N, W=4 (the gloo group's buffers); all 4N rows in
+    # fp32 would be 12.6 MB. (VmHWM also counts the pages of the memory-mapped rows each task touched, which
+    # the kernel shares and evicts: 10 MB vs 15-20 MB here.)
+    assert heap_big <= 1.5 * heap_small + 2**21 < 65536 * 48 * 4, (small, big)
+    # 64 centroids in 4 pieces of 16: its pieces + one received piece (fp32) + one piece of sums (8 B a value)
+    assert small[0]["held"] == (64 + 16 * 3) * 48 * 4
+    assert {t["held"] for t in big} == {(16 + 16 * 3) * 48 * 4}
