@@ -487,6 +487,8 @@ def validate_continue(cfg) -> None:
     _need(not m.pretrained_heads or bool(m.pretrained), "model.pretrained_heads",
           "heads are loaded to go with a pretrained backbone: set model.pretrained too")
     _need(m.pretrained_heads != "", "model.pretrained_heads", "give auto, a path or null")
+    _need(o.backbone_lr_mult == 1.0 or bool(m.pretrained), "optim.backbone_lr_mult",
+          "a slower backbone keeps what a release knows: set model.pretrained (from scratch use 1.0)")
 
 
 def check_dinov3_keys(model, where: str) -> None:
