@@ -262,3 +262,26 @@ def test_a_bad_backbone_lr_mult_exits_2_before_anything_is_written(release, tmp_
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "optim.backbone_lr_mult" in err, err
     assert not out.exists()
+
+
+def test_head_warmup_with_gram_anchoring_to_the_release(release, batch):
+    """dinov3_continue.yaml's combination: the Gram teacher is the release (first_step 0) while the head warm-up
+    keeps the student's backbone frozen: the release stays bit for bit, the Gram loss is computed (no gradient)."""
+    path, released = release
+    cfg = config("train.head_warmup_steps=2", "optim.backbone_warmup_steps=2", "optim.backbone_lr_mult=0.2",
+                 "optim.warmup_epochs=0", "gram.enabled=true", "gram.first_step=0", pretrained=path)
+    validate_pretrain(cfg)
+    task = task_for(cfg)
+    opt = task.build_optimizer(partial(build_param_groups, lr_decay_rate=0.9))
+    sched = build_schedules(cfg)
+    for step in range(4):
+        values = {k: float(v[step]) for k, v in sched.items()}
+        apply_optim_schedules(opt, values["lr"], values["wd"], values["last_layer_lr"], values["backbone_lr_scale"])
+        opt.zero_grad(set_to_none=True)
+        loss, logs = task(batch, values)
+        assert "gram_loss" in logs and torch.isfinite(logs["gram_loss"])
+        loss.backward()
+        opt.step()
+        task.after_step(values)
+        assert same(task.student["backbone"].state_dict(), released) == (step < 3), step  # the ramp starts at 0
+    assert same(task.gram.backbone.state_dict(), released)  # the anchor is the release throughout
