@@ -1,12 +1,13 @@
 """Continued-pretraining bench (issue 23): does the head warm-up keep what a release knows while it adapts to a
-new domain, where fresh heads at the same learning rate wreck it? Everything on CPU, offline, with seeds.
+new domain, where fresh heads at the same learning rate wreck it, and what keeps the rest? CPU, offline, seeds.
 
 The release: ``--release DIR`` (a run / export trained here, e.g. bench/bench_quality.py's 1,000-step teacher,
-the one docs/pretrain.md's table used: it saw the digits train split unlabelled, 1,000 of its 3,400 pool images,
-so there digits are a minority domain of the release rather than an unseen one), or by default a vit_test
-pretrained here by ``dinopipe pretrain`` (configs/pretrain/bench_quality.yaml) on crops of the sample photos only
-(``--release-steps``, default 600), which never saw digits. The new domain: scikit-learn's 8x8 digits upscaled to
-64 px; its unlabelled train split (1,000 images) alone is the continuation pool.
+the one docs/pretrain.md's table uses: crops of the 32 sample photos + the unlabelled digits train split), or by
+default a vit_test pretrained here by ``dinopipe pretrain`` (configs/pretrain/bench_quality.yaml) on crops of the
+sample photos only (``--release-steps``, default 600). The new domain (``--domain scans``, default): grey 'scans'
+the release never saw -- shaded relief of a real elevation model cut into 16 regions and the 4 quadrants of a real
+MRI slice, both shipped with matplotlib (:func:`shifted_sources`); 1,000 unlabelled views of them are the
+continuation pool. ``--domain digits``: the older bench's (scikit-learn's digits, in bench_quality's pool).
 
 Arms (each ``--steps`` steps from the release's backbone, configs/pretrain/vit_test_continue.yaml, the release's
 recipe; per seed s: the heads' init and the data order), at each learning rate of ``--lrs`` (base lr; the peak
@@ -16,17 +17,18 @@ is base x sqrt(32 / 1024)):
                   (the issue's calibration: 0.02 without warm-up took the quickstart teacher from 0.508 to 0.402).
   (b) ``warmup``  the same lr schedule, plus the head warm-up: ``train.head_warmup_steps`` steps of heads only
                   against the frozen release, then the backbone's lr ramped from 0 over ``optim.backbone_warmup_steps``.
+  (c) ``keep``    (b) with the backbone's lr a fraction of the heads' (``optim.backbone_lr_mult``, --backbone-lr-mult).
+  (d) ``replay``  (b) with ``--replay`` images of the release's own pool next to the new pool in data.paths.
 Measured: kNN top-1 (k = 20, T = 0.07, frozen L2-normalised CLS of the EMA teacher, 56 px) on the release's own
 eval set (``photos``: instance retrieval over the 32 photos, 640 queries, as bench/bench_quality.py) and on the
-new domain's (``digits``: 1000 gallery / 797 queries), at step 0 (the release) and at every ``--every`` steps
-(the DCP checkpoints, read with dinopipe.load). Printed: mean ± sd over seeds of each arm and point, and the change
-from the release (the same for every seed, so its sd is the arms').
-Goal (issue 23): (b) loses <= 0.01 on photos and gains on digits, where (a) is shown to lose.
+new domain's (``scans``: 20-region instance retrieval, 500 gallery / 400 queries), at step 0 (the release) and at
+every ``--every`` steps (the DCP checkpoints, read with dinopipe.load). Printed: mean ± sd over seeds of each arm
+and point, the change from the release per seed, and its mean ± SE.
+Goal (issue 23): (b)/(c)/(d) lose <= 0.01 on photos and gain on the new domain, where (a) is shown to lose.
 
-    nice python bench/bench_continue.py --release runs/bench_quality/teacher   # the docs' table: 2 lrs x 2 arms
-                                                                # x 2 seeds x 100 steps (~35 min at load 14-30)
-    nice python bench/bench_continue.py --seeds 3 --steps 150  # a photos-only release trained first, longer arms
-    python bench/bench_continue.py --eval-only                  # re-evaluate the runs an earlier call left
+    nice python bench/bench_continue.py --release runs/bench_quality/teacher --seeds 3 \
+        --arms fresh,warmup,keep,replay          # the docs' table: 2 lrs x 4 arms x 3 seeds x 100 steps
+    python bench/bench_continue.py --eval-only --release runs/bench_quality/teacher --arms ...  # re-evaluate
 """
 
 from __future__ import annotations
@@ -46,12 +48,64 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
+import numpy as np  # noqa: E402
+
 import common as C  # noqa: E402
 import bench_quality as Q  # noqa: E402  (eval sets, the stage runner, kNN evaluation)
 
 CONTINUE_CFG = REPO / "configs" / "pretrain" / "vit_test_continue.yaml"
 EPOCH_LENGTH = Q.EPOCH_LENGTH
-SETS = ("photos", "digits")
+SETS = ["photos", "scans"]  # the release's eval set, the new domain's (--domain digits: the older bench's)
+ARMS = ("fresh", "warmup", "keep", "replay")
+
+
+def shifted_sources() -> dict[str, np.ndarray]:
+    """The new domain's pictures, none of them in the release's pool (dinopipe.data.samples.real_photos: photos,
+    skimage's retina / cell / immunohistochemistry / hubble) nor in digits: shaded relief of a real elevation model
+    (matplotlib's Jacksboro fault DEM, 344 x 403, through matplotlib.colors.LightSource) cut into a 4 x 4 grid of
+    regions, and the four quadrants of a real MRI slice (matplotlib's s1045.ima, 256 x 256, 16 bit): 20 grey
+    'scans', shipped with matplotlib, offline. Class = region, as the photos' instance retrieval."""
+    import gzip
+
+    import matplotlib.cbook as cbook
+    from matplotlib.colors import LightSource
+
+    dem = np.load(cbook.get_sample_data("jacksboro_fault_dem.npz", asfileobj=False))["elevation"].astype(np.float64)
+    relief = LightSource(azdeg=315, altdeg=45).hillshade(dem, vert_exag=0.05, dx=30.0, dy=30.0)
+    relief = (np.clip(relief, 0, 1) * 255).astype(np.uint8)
+    with open(cbook.get_sample_data("s1045.ima.gz", asfileobj=False), "rb") as fh:
+        raw = gzip.decompress(fh.read()) if fh.peek(2)[:2] == b"\x1f\x8b" else fh.read()
+    mri = np.frombuffer(raw, np.uint16).reshape(256, 256).astype(np.float64)
+    mri = (255 * mri / np.percentile(mri, 99.5)).clip(0, 255).astype(np.uint8)
+    out = {}
+    h, w = relief.shape
+    for i in range(4):
+        for j in range(4):
+            out[f"relief_{i}{j}"] = relief[i * h // 4:(i + 1) * h // 4, j * w // 4:(j + 1) * w // 4]
+    for i in range(2):
+        for j in range(2):
+            out[f"mri_{i}{j}"] = mri[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+    return {k: np.ascontiguousarray(np.stack([v] * 3, axis=-1)) for k, v in out.items()}
+
+
+def build_shifted_set(root: Path, pool: Path, n_gallery: int, n_queries: int, n_pool: int, seed: int,
+                      size: int = 64) -> dict:
+    """Labelled gallery / queries of the 20 scans (Q._jittered_crop views, as the photos' eval set) and an
+    unlabelled continuation pool of other views of them (three separate random streams)."""
+    src = shifted_sources()
+    names = sorted(src)
+    for split, n, s in (("train", n_gallery, seed + 1), ("val", n_queries, seed + 2)):
+        rng = np.random.default_rng(s)
+        for name in names:
+            d = root / split / name
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                Q._jittered_crop(src[name], rng, size).save(d / f"{i:03d}.png")
+    pool.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed + 3)
+    for i in range(n_pool):
+        Q._jittered_crop(src[names[i % len(names)]], rng, size).save(pool / f"{i:05d}.png")
+    return {"classes": len(names), "train": n_gallery * len(names), "val": n_queries * len(names), "pool": n_pool}
 
 
 def release(args, work: Path) -> tuple[Path, float]:
@@ -76,15 +130,20 @@ def release(args, work: Path) -> tuple[Path, float]:
 
 
 def arm_overrides(arm: str, lr: float, args, first_lr: float) -> list[str]:
-    """(a) fresh heads on one schedule; (b) the same schedule with the head warm-up. The recipe lr keeps the
-    one-epoch lr warm-up; a higher lr runs without it (where fresh heads hurt most)."""
+    """(a) fresh heads on one schedule; (b) the same schedule with the head warm-up; (c) keep: (b) with the
+    backbone's lr a fraction of the heads' (optim.backbone_lr_mult); (d) replay: (b) on the new pool plus images of
+    the release's pool (data.paths takes both). The recipe lr keeps the one-epoch lr warm-up; a higher lr runs
+    without it (where fresh heads hurt most)."""
     out = [f"optim.base_lr={lr}", f"optim.warmup_epochs={1 if lr == first_lr else 0}", "model.pretrained_heads=null"]
     if arm == "fresh":
-        return out + ["train.head_warmup_steps=0", "optim.backbone_warmup_steps=0"]
-    return out + [f"train.head_warmup_steps={args.head_warmup}", f"optim.backbone_warmup_steps={args.backbone_warmup}"]
+        return out + ["train.head_warmup_steps=0", "optim.backbone_warmup_steps=0", "optim.backbone_lr_mult=1.0"]
+    out += [f"train.head_warmup_steps={args.head_warmup}", f"optim.backbone_warmup_steps={args.backbone_warmup}"]
+    return out + [f"optim.backbone_lr_mult={args.backbone_lr_mult if arm == 'keep' else 1.0}"]
 
 
-def run_arm(work: Path, rel: Path, pool: Path, arm: str, lr: float, seed: int, args, first_lr: float) -> float:
+def run_arm(work: Path, rel: Path, pool: list[Path], arm: str, lr: float, seed: int, args, first_lr: float) -> float:
+    if arm != "replay":
+        pool = pool[:1]
     run = work / f"{arm}_lr{lr:g}" / f"seed{seed}"
     if (run / "export").is_dir():
         return 0.0
@@ -92,7 +151,7 @@ def run_arm(work: Path, rel: Path, pool: Path, arm: str, lr: float, seed: int, a
         shutil.rmtree(run)
     run.parent.mkdir(parents=True, exist_ok=True)
     overrides = [f"train.epochs={args.steps // EPOCH_LENGTH}", f"train.epoch_length={EPOCH_LENGTH}",
-                 f"data.paths=[{pool}]", f"train.seed={seed}", f"model.pretrained={rel}",
+                 f"data.paths=[{','.join(map(str, pool))}]", f"train.seed={seed}", f"model.pretrained={rel}",
                  f"train.checkpoint_every={args.every}", "train.keep_last=100",
                  *arm_overrides(arm, lr, args, first_lr)]
     secs = Q.run_stage("pretrain", CONTINUE_CFG, run, overrides)
@@ -186,7 +245,7 @@ def report(accs: dict, arms: list[tuple[str, float]], seeds: list[int], points: 
                 cells.append(f"{mu:.3f} ± {sd:.3f} ({mu - rel[s]:+.3f})")
             rows.append((arm, f"{lr:g}", str(step), *cells))
     C.print_table(f"kNN top-1, k=20, mean ± sd over seeds {seeds} (change from the release: photos {rel['photos']:.3f}, "
-                  f"digits {rel['digits']:.3f})", rows, ("arm", "base lr", "step", *SETS))
+                  f"{SETS[1]} {rel[SETS[1]]:.3f})", rows, ("arm", "base lr", "step", *SETS))
     print()
     goals = []
     end = points[-1]
@@ -194,12 +253,16 @@ def report(accs: dict, arms: list[tuple[str, float]], seeds: list[int], points: 
         for s in SETS:
             d = [accs[(arm, lr)][seed][end][s] - rel[s] for seed in seeds]
             mu, sd = Q.mean_sd(d)
+            se = sd / len(d) ** 0.5
             lines[f"{arm}_lr{lr:g}_minus_release_{s}"] = mu
-            print(f"{arm}_lr{lr:g}_minus_release_{s}: {mu:+.3f} ± {sd:.3f} (per seed {' '.join(f'{x:+.3f}' for x in d)})")
+            lines[f"{arm}_lr{lr:g}_minus_release_{s}_se"] = se
+            lines[f"{arm}_lr{lr:g}_minus_release_{s}_per_seed"] = d
+            print(f"{arm}_lr{lr:g}_minus_release_{s}: {mu:+.3f} ± {se:.3f} SE (sd {sd:.3f}; per seed "
+                  f"{' '.join(f'{x:+.3f}' for x in d)})")
         keep = lines[f"{arm}_lr{lr:g}_minus_release_photos"]
-        gain = lines[f"{arm}_lr{lr:g}_minus_release_digits"]
-        if arm == "warmup":
-            goals.append((f"(b) warmup lr {lr:g}: photos >= -0.01 and digits > 0",
+        gain = lines[f"{arm}_lr{lr:g}_minus_release_{SETS[1]}"]
+        if arm != "fresh":
+            goals.append((f"({'-abcd'[ARMS.index(arm) + 1]}) {arm} lr {lr:g}: photos >= -0.01 and {SETS[1]} > 0",
                           f"{'met' if keep >= -0.01 and gain > 0 else 'NOT met'} ({keep:+.3f}, {gain:+.3f})"))
         else:
             goals.append((f"(a) fresh lr {lr:g}: photos lost", f"{'yes' if keep < -0.01 else 'no'} ({keep:+.3f})"))
@@ -220,6 +283,18 @@ def main(argv=None) -> int:
     p.add_argument("--lrs", default="0.005,0.02", help="base lrs; the first is the recipe's (with its lr warm-up)")
     p.add_argument("--head-warmup", type=int, default=30, help="(b): steps of heads only")
     p.add_argument("--backbone-warmup", type=int, default=30, help="(b): steps of the backbone's lr ramp")
+    p.add_argument("--backbone-lr-mult", type=float, default=0.2, help="(c) keep: (b) + optim.backbone_lr_mult")
+    p.add_argument("--arms", default=",".join(ARMS[:3]), help=f"of {','.join(ARMS)}")
+    p.add_argument("--domain", default="scans", choices=("scans", "digits"),
+                   help="the new domain: scans (shaded relief + MRI, unseen by the release) or digits (the older "
+                        "bench's: in bench_quality's teacher pool)")
+    p.add_argument("--gallery", type=int, default=25, help="scans: gallery views per region")
+    p.add_argument("--queries", type=int, default=20, help="scans: query views per region")
+    p.add_argument("--pool", type=int, default=1000, help="scans: unlabelled views in the continuation pool")
+    p.add_argument("--replay", type=int, default=1000, help="(d) replay: this many images of the release's pool "
+                                                            "(--replay-pool, a random sample) next to the new pool")
+    p.add_argument("--replay-pool", default=str(REPO / "runs" / "bench_quality" / "pool"))
+    p.add_argument("--step-cost", action="store_true", help="also time a warm-up step against a full one")
     p.add_argument("--seed", type=int, default=0, help="first seed; also the release's and the eval sets'")
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--keep-runs", action="store_true", help="keep everything an earlier call left and train only "
@@ -231,7 +306,8 @@ def main(argv=None) -> int:
     if args.steps % EPOCH_LENGTH or args.steps % args.every or args.seeds < 1:
         raise SystemExit(f"error: --steps must be a multiple of {EPOCH_LENGTH} and of --every; --seeds >= 1")
     lrs = [float(x) for x in args.lrs.split(",")]
-    arms = [(arm, lr) for lr in lrs for arm in ("fresh", "warmup")]
+    SETS[1] = args.domain
+    arms = [(arm, lr) for lr in lrs for arm in args.arms.split(",")]
     seeds = list(range(args.seed, args.seed + args.seeds))
     points = list(range(args.every, args.steps + 1, args.every))
     work = Path(args.workdir or REPO / "runs" / "bench_continue").resolve()
@@ -249,21 +325,36 @@ def main(argv=None) -> int:
         rel = Path(args.release).resolve() if args.release else work / "release"
     else:
         photos = Q.build_photo_set(work / "photos", 20, 20, seed=args.seed + 100)
-        digits = Q.build_digits_set(work / "digits", seed=args.seed)
-        pool = work / "digits_pool"
-        n = Q.add_unlabelled(work / "digits" / "train", pool)
-        print(f"photos eval: {photos}; digits eval: {digits}; continuation pool: {n} unlabelled digits", flush=True)
+        new = SETS[1]
+        pool = work / f"{new}_pool"
+        if new == "digits":
+            n = Q.build_digits_set(work / "digits", seed=args.seed)
+            n["pool"] = Q.add_unlabelled(work / "digits" / "train", pool)
+        else:
+            n = build_shifted_set(work / new, pool, args.gallery, args.queries, args.pool, seed=args.seed)
+        pools = [pool]
+        if "replay" in args.arms:  # images of the release's own pool mixed in (data.paths takes several sources)
+            replay = work / "replay"
+            src = sorted(Path(args.replay_pool).glob("*.jpg"))
+            if len(src) < args.replay:
+                raise SystemExit(f"error: --replay-pool {args.replay_pool} has {len(src)} images, fewer than --replay")
+            replay.mkdir(exist_ok=True)
+            for i in np.random.default_rng(args.seed).choice(len(src), args.replay, replace=False):
+                shutil.copyfile(src[i], replay / src[i].name)
+            pools.append(replay)
+        print(f"photos eval: {photos}; {new}: {n}; replay: {args.replay} images", flush=True)
         rel, times["release"] = release(args, work)
         first = lrs[0]
         for seed in seeds:
             for arm, lr in arms:
-                times[f"{arm}_lr{lr:g}"] = times.get(f"{arm}_lr{lr:g}", 0.0) + run_arm(work, rel, pool, arm, lr, seed,
+                times[f"{arm}_lr{lr:g}"] = times.get(f"{arm}_lr{lr:g}", 0.0) + run_arm(work, rel, pools, arm, lr, seed,
                                                                                      args, first)
     t0 = time.perf_counter()
     accs = evaluate_runs(work, rel, arms, seeds, points)
     times["eval"] = time.perf_counter() - t0
     lines = report(accs, arms, seeds, points, args)
-    lines["head_warmup_step_time_ratio"] = warmup_step_cost(rel, work / "digits_pool")
+    lines["head_warmup_step_time_ratio"] = (warmup_step_cost(rel, work / f"{SETS[1]}_pool")
+                                            if args.step_cost else float("nan"))
     print(f"head_warmup_step_time_ratio: {lines['head_warmup_step_time_ratio']:.2f} (compute of a warm-up step over a "
           f"full step, one batch, no data loading; load {os.getloadavg()[0]:.1f})")
     wall = time.perf_counter() - t_start

@@ -2,7 +2,7 @@
 
 A release ships a backbone without its DINO/iBOT heads. Fresh heads give random targets: at the recipe's lr the
 backbone then follows noise until the heads catch up, and what the release knew is lost (one user saw kNN fall
-from 80 % to 10 %). Two remedies, both opt-in (the default is DINOv2's: fresh heads, one lr schedule):
+from 80 % to 10 %). Three remedies, all opt-in (the default is DINOv2's: fresh heads, one lr schedule):
 
 - **head warm-up** (``train.head_warmup_steps``): for the first steps only the heads train, against the frozen
   released backbone (student backbone = teacher backbone, run without gradients, no EMA on it, so it stays
@@ -10,6 +10,8 @@ from 80 % to 10 %). Two remedies, both opt-in (the default is DINOv2's: fresh he
   ``optim.backbone_warmup_steps`` while the heads keep the schedule's lr. The ramps are two per-step arrays
   next to the lr (``backbone_frozen``, ``backbone_lr_scale``); param groups flagged ``is_backbone`` take the
   scale (``param_groups.apply_optim_schedules``).
+- **a slower backbone** (``optim.backbone_lr_mult``): the backbone's lr a fraction of the heads' for the whole
+  run (fine-tuning practice), on top of the layer-wise decay; it multiplies ``backbone_lr_scale``.
 - **loaded heads** (``model.pretrained_heads``): the heads a previous dinopipe run saved, so a second adaptation
   does not start cold; shapes are checked against the configured heads before the run (exit 2 naming the key).
 """
@@ -32,13 +34,14 @@ AUTO = "auto"
 
 def head_warmup_schedules(cfg: Any, total: int) -> dict[str, np.ndarray]:
     """``backbone_frozen`` (1 while only the heads train) and ``backbone_lr_scale`` (0 while frozen, then a
-    linear 0 -> 1 ramp over ``optim.backbone_warmup_steps``, then 1), or {} when neither is configured (the
-    schedules, and so metrics.jsonl, stay those of a plain run)."""
+    linear 0 -> 1 ramp over ``optim.backbone_warmup_steps``, then 1; all times ``optim.backbone_lr_mult``), or {}
+    when none is configured (the schedules, and so metrics.jsonl, stay those of a plain run)."""
     frozen = int(getattr(getattr(cfg, "train", None), "head_warmup_steps", 0) or 0)
     ramp = int(getattr(getattr(cfg, "optim", None), "backbone_warmup_steps", 0) or 0)
-    if not frozen and not ramp:
+    mult = float(getattr(getattr(cfg, "optim", None), "backbone_lr_mult", 1.0))
+    if not frozen and not ramp and mult == 1.0:
         return {}
-    scale = linear_warmup_cosine_decay(0.0, 1.0, 1.0, ramp, total, freeze=min(frozen, total))
+    scale = mult * linear_warmup_cosine_decay(0.0, 1.0, 1.0, ramp, total, freeze=min(frozen, total))
     flag = np.zeros(total, dtype=np.float64)
     flag[:frozen] = 1.0
     return {"backbone_frozen": flag, "backbone_lr_scale": scale}

@@ -144,6 +144,10 @@ class OptimConfig:
     backbone_warmup_steps: int = 0
     """Continued pretraining: after ``train.head_warmup_steps`` the backbone's lr ramps linearly from 0 to the
     schedule's over these steps, while the heads keep the schedule's lr (0: the backbone follows the schedule)."""
+    backbone_lr_mult: float = 1.0
+    """Continued pretraining: the backbone's lr relative to the heads' (on top of layerwise_decay and the ramp
+    above), in (0, 1]; fine-tuning recipes move a released backbone 5-10x slower than the new heads so it keeps
+    what it knows (docs/pretrain.md, "Continuing from a release"). 1.0: one lr for all (pretraining)."""
     lr_schedule: LrSchedule = LrSchedule.cosine
     """cosine (DINOv2: warm-up, then cosine to min_lr; later phases: their own cosine) | constant (DINOv3: warm-up,
     then the peak lr to the end, so training can be extended or stopped at any point; a later phase holds its own
@@ -459,11 +463,16 @@ def validate_continue(cfg) -> None:
     t, o = cfg.train, cfg.optim
     _need(t.head_warmup_steps >= 0, "train.head_warmup_steps", f"must be >= 0, got {t.head_warmup_steps}")
     _need(o.backbone_warmup_steps >= 0, "optim.backbone_warmup_steps", f"must be >= 0, got {o.backbone_warmup_steps}")
+    _need(0.0 < o.backbone_lr_mult <= 1.0, "optim.backbone_lr_mult",
+          f"must be in (0, 1] (the backbone's lr relative to the heads'; freeze it with train.head_warmup_steps), "
+          f"got {o.backbone_lr_mult}")
     students = getattr(cfg, "students", None)
     if students is not None:  # distillation: its teacher is frozen throughout and its students start fresh
         _need(t.head_warmup_steps == 0, "train.head_warmup_steps", "pretraining only (continued pretraining from "
               "model.pretrained); distillation has no backbone to keep")
         _need(o.backbone_warmup_steps == 0, "optim.backbone_warmup_steps", "pretraining only")
+        _need(o.backbone_lr_mult == 1.0, "optim.backbone_lr_mult", "pretraining only (a distilled student starts "
+              "fresh: nothing to keep)")
         for i, s in enumerate(students):
             _need(s.model.pretrained_heads is None, f"students.{i}.model.pretrained_heads",
                   "pretraining only (distillation's heads come from teacher_model.path and student_heads)")
@@ -478,6 +487,8 @@ def validate_continue(cfg) -> None:
     _need(not m.pretrained_heads or bool(m.pretrained), "model.pretrained_heads",
           "heads are loaded to go with a pretrained backbone: set model.pretrained too")
     _need(m.pretrained_heads != "", "model.pretrained_heads", "give auto, a path or null")
+    _need(o.backbone_lr_mult == 1.0 or bool(m.pretrained), "optim.backbone_lr_mult",
+          "a slower backbone keeps what a release knows: set model.pretrained (from scratch use 1.0)")
 
 
 def check_dinov3_keys(model, where: str) -> None:

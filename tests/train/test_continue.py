@@ -183,6 +183,10 @@ def test_pretrained_heads_path_without_heads_is_refused(release, tmp_path):
     (["model.pretrained=x", "train.head_warmup_steps=-1"], "train.head_warmup_steps"),
     (["optim.backbone_warmup_steps=-2"], "optim.backbone_warmup_steps"),
     (["model.pretrained_heads=auto"], "model.pretrained_heads"),  # heads without a backbone
+    (["model.pretrained=x", "optim.backbone_lr_mult=0"], "optim.backbone_lr_mult"),  # freezing is the warm-up's job
+    (["model.pretrained=x", "optim.backbone_lr_mult=-0.2"], "optim.backbone_lr_mult"),
+    (["model.pretrained=x", "optim.backbone_lr_mult=1.5"], "optim.backbone_lr_mult"),  # a backbone faster than heads
+    (["optim.backbone_lr_mult=0.2"], "optim.backbone_lr_mult"),  # no release: nothing to keep
 ])
 def test_config_validation_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -193,7 +197,91 @@ def test_config_validation_names_the_key(overrides, key):
 def test_distillation_refuses_the_continue_keys():
     base = ["data.paths=[x]", "teacher_model.path=x"]
     for extra, key in ((["train.head_warmup_steps=2"], "train.head_warmup_steps"),
-                       (["optim.backbone_warmup_steps=2"], "optim.backbone_warmup_steps")):
+                       (["optim.backbone_warmup_steps=2"], "optim.backbone_warmup_steps"),
+                       (["optim.backbone_lr_mult=0.5"], "optim.backbone_lr_mult")):
         cfg = load_config(DistillConfig, REPO / "configs/distill/quickstart.yaml", [*TINY_DISTILL, *base, *extra])
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             validate_distill(cfg)
+
+
+def test_backbone_lr_mult_scales_the_backbone_schedule_and_a_plain_run_is_unchanged():
+    mult = 0.2
+    alone = head_warmup_schedules(config("optim.backbone_lr_mult=0.2", pretrained="x"), 6)
+    np.testing.assert_allclose(alone["backbone_lr_scale"], [mult] * 6)
+    assert not alone["backbone_frozen"].any()
+    both = head_warmup_schedules(config("train.head_warmup_steps=3", "optim.backbone_warmup_steps=5",
+                                        "optim.backbone_lr_mult=0.2", pretrained="x"), 12)
+    ramp = head_warmup_schedules(config("train.head_warmup_steps=3", "optim.backbone_warmup_steps=5",
+                                        pretrained="x"), 12)
+    np.testing.assert_allclose(both["backbone_lr_scale"], mult * ramp["backbone_lr_scale"])
+    assert head_warmup_schedules(config("optim.backbone_lr_mult=1.0"), 6) == {}  # the default: schedules as before
+
+
+def test_backbone_lr_mult_reaches_the_backbone_groups_only(release):
+    path, _ = release
+    cfg = config("optim.backbone_lr_mult=0.25", "optim.warmup_epochs=0", pretrained=path)
+    validate_pretrain(cfg)
+    task = task_for(cfg)
+    opt = task.build_optimizer(partial(build_param_groups, lr_decay_rate=0.9))
+    sched = build_schedules(cfg)
+    values = {k: float(v[5]) for k, v in sched.items()}
+    apply_optim_schedules(opt, values["lr"], values["wd"], values["last_layer_lr"], values["backbone_lr_scale"])
+    backbone = {id(p) for p in task.student["backbone"].parameters()}
+    for g in opt.param_groups:
+        assert g["is_backbone"] == (id(g["params"][0]) in backbone)
+        base = values["last_layer_lr"] if g["is_last_layer"] else values["lr"]
+        assert g["lr"] == pytest.approx(base * g["lr_multiplier"] * (0.25 if g["is_backbone"] else 1.0))
+
+
+def test_a_slower_backbone_moves_less_from_the_release_while_the_heads_train_alike(release, batch):
+    """One AdamW step from the release with fresh heads: the heads' update does not depend on the backbone's lr,
+    and the backbone's displacement scales with backbone_lr_mult (Adam's first step is lr x sign-like)."""
+    path, released = release
+    moved, heads = {}, {}
+    for mult in (1.0, 0.2):
+        cfg = config(f"optim.backbone_lr_mult={mult}", "optim.warmup_epochs=0", "dino.koleo_loss_weight=0.1",
+                     pretrained=path)
+        task = task_for(cfg)
+        opt = task.build_optimizer(partial(build_param_groups, lr_decay_rate=0.9))
+        _step(task, opt, batch, {k: float(v[0]) for k, v in build_schedules(cfg).items()})
+        sd = task.student["backbone"].state_dict()
+        moved[mult] = torch.sqrt(sum(((sd[k] - released[k]).double() ** 2).sum() for k in released)).item()
+        heads[mult] = {k: v.clone() for k, v in task.student["dino_head"].state_dict().items()}
+    assert moved[1.0] > 0 and moved[0.2] == pytest.approx(0.2 * moved[1.0], rel=0.05)
+    assert same(heads[1.0], heads[0.2])
+
+
+def test_a_bad_backbone_lr_mult_exits_2_before_anything_is_written(release, tmp_path, photo_pool, capsys):
+    from dinopipe.train.pretrain import main
+    from tests.train.conftest import stage_cmd
+
+    path, _ = release
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        main(stage_cmd("pretrain", out, photo_pool, f"model.pretrained={path}", "optim.backbone_lr_mult=0")[3:])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "optim.backbone_lr_mult" in err, err
+    assert not out.exists()
+
+
+def test_head_warmup_with_gram_anchoring_to_the_release(release, batch):
+    """dinov3_continue.yaml's combination: the Gram teacher is the release (first_step 0) while the head warm-up
+    keeps the student's backbone frozen: the release stays bit for bit, the Gram loss is computed (no gradient)."""
+    path, released = release
+    cfg = config("train.head_warmup_steps=2", "optim.backbone_warmup_steps=2", "optim.backbone_lr_mult=0.2",
+                 "optim.warmup_epochs=0", "gram.enabled=true", "gram.first_step=0", pretrained=path)
+    validate_pretrain(cfg)
+    task = task_for(cfg)
+    opt = task.build_optimizer(partial(build_param_groups, lr_decay_rate=0.9))
+    sched = build_schedules(cfg)
+    for step in range(4):
+        values = {k: float(v[step]) for k, v in sched.items()}
+        apply_optim_schedules(opt, values["lr"], values["wd"], values["last_layer_lr"], values["backbone_lr_scale"])
+        opt.zero_grad(set_to_none=True)
+        loss, logs = task(batch, values)
+        assert "gram_loss" in logs and torch.isfinite(logs["gram_loss"])
+        loss.backward()
+        opt.step()
+        task.after_step(values)
+        assert same(task.student["backbone"].state_dict(), released) == (step < 3), step  # the ramp starts at 0
+    assert same(task.gram.backbone.state_dict(), released)  # the anchor is the release throughout
