@@ -227,6 +227,7 @@ NOT_CHECKED = {
     "dinopipe gpu-check ": "the GPU check itself: tests/test_gpu_check.py runs its CPU subset",
     "curate plan ": "the curation planner: tests/curation/test_curation_plan.py runs it",
     "slurm/submit_curation.sh ": "submits to Slurm: tests/curation/test_kmeans_slurm.py runs it",
+    "srun --ntasks 3 curate kmeans ": "under Slurm: tests/curation/test_kmeans.py runs `curation.cli kmeans` on 1-3 ranks",
 }
 
 
