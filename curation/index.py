@@ -134,8 +134,11 @@ def resolve_kind(kind: str, n: int, flat_max: int = FLAT_MAX_DEFAULT) -> str:
 
 LIST_SIZE = 1000
 """Target vectors per inverted list at scale (faiss's guideline for 10^7-10^9 vectors: a few thousand)."""
-HNSW_MIN_NLIST = 1000
-"""From this many lists on the coarse quantizer is HNSW (``quantizer='auto'``); below, flat (exact)."""
+HNSW_MIN_NLIST = 8192
+"""From this many lists on the coarse quantizer is HNSW (``quantizer='auto'``); below, flat (exact). Measured
+here (384-d, 2 cores, the simulation's clustered data; docs/curation-scale.md): one assignment costs
+23 / 124 / 315 us with the flat quantizer (BLAS) at 1k / 3k / 10k lists and 148 / 323 / 387 us with HNSW32 at
+efSearch 64 -- HNSW only pays off from ~10k lists, where its ~log(nlist) cost wins more with every list."""
 HNSW_M = 32
 HNSW_EF_SEARCH = 64
 """efSearch of the HNSW coarse quantizer (stored in the trained index, so every add task and every search
@@ -243,12 +246,28 @@ def train_cpu_index(rows: Rows, kind: str, nlist: int, train_size: int | None, s
 
 
 def _train_hnsw_quantizer(ivf, x: np.ndarray, d: int, nlist: int) -> None:
-    """faiss's own coarse k-means (IndexIVF::train_q1: the IVF's clustering parameters, spherical for inner
-    product) on an exact index, its centroids then added to the HNSW quantizer single-threaded."""
-    clus = faiss.Clustering(d, nlist, ivf.cp)
-    assign = ivf.clustering_index if ivf.clustering_index is not None else faiss.IndexFlatL2(d)
-    clus.train(x, assign)
-    cent = faiss.vector_float_to_array(clus.centroids).reshape(nlist, d)
+    """The coarse centroids, added to the HNSW quantizer single-threaded.
+
+    With a GPU: faiss's own coarse k-means (IndexIVF::train_q1's clustering parameters) on the GPU index.
+    On CPU: faiss's two-level k-means (``faiss.contrib.clustering.two_level_clustering``: sqrt(nlist) coarse
+    clusters, then each split into its share of the nlist), ~sample x 2 sqrt(nlist) x D per iteration
+    instead of sample x nlist x D -- the flat k-means is what made training grow as nlist^2 once nlist
+    follows N. Both spherical for inner product, seeded: the same centroids in every run."""
+    if ivf.clustering_index is not None:
+        clus = faiss.Clustering(d, nlist, ivf.cp)
+        clus.train(x, ivf.clustering_index)
+        cent = faiss.vector_float_to_array(clus.centroids).reshape(nlist, d)
+    else:
+        from faiss.contrib.clustering import two_level_clustering
+
+        nc1 = max(1, min(int(round(math.sqrt(nlist))), len(x) // 39))
+        try:
+            cent = two_level_clustering(x, nc1, nlist, clustering_niter=ivf.cp.niter, seed=ivf.cp.seed,
+                                        spherical=ivf.cp.spherical)[0]
+        except (RuntimeError, AssertionError):  # a coarse cluster with fewer points than its share of lists
+            clus = faiss.Clustering(d, nlist, ivf.cp)
+            clus.train(x, faiss.IndexFlatL2(d))
+            cent = faiss.vector_float_to_array(clus.centroids).reshape(nlist, d)
     q = faiss.downcast_index(ivf.quantizer)
     q.hnsw.efSearch = HNSW_EF_SEARCH
     threads = faiss.omp_get_max_threads()

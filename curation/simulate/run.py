@@ -53,7 +53,7 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
     """Run the chain in ``work`` (created; existing parts are reused: a rerun skips finished tasks).
 
     IVF: ``nlist`` lists (default :func:`curation.index.ivf_nlist`: max(sqrt(N), N / list_size)), HNSW coarse
-    quantizer from 1,000 lists on (``quantizer='auto'``). ``query_fraction`` < 1: only the rows whose per-row
+    quantizer from HNSW_MIN_NLIST = 8192 lists on (``quantizer='auto'``). ``query_fraction`` < 1: only the rows whose per-row
     key falls under it query the index (the whole pool is indexed); the search time is then measured on them
     and extrapolated to N (``steps.search.task_s_at_n``), and the copy recall counts the planted pairs with
     a queried end only."""
