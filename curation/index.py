@@ -132,8 +132,11 @@ def resolve_kind(kind: str, n: int, flat_max: int = FLAT_MAX_DEFAULT) -> str:
     return kind
 
 
-LIST_SIZE = 1000
-"""Target vectors per inverted list at scale (faiss's guideline for 10^7-10^9 vectors: a few thousand)."""
+LIST_SIZE = 4000
+"""Target vectors per inverted list at scale (faiss's guideline for 10^8-10^9 vectors: IVF262144-IVF1M, i.e. a
+few thousand per list); `curate simulate` uses 1000 (SIM_LIST_SIZE) so that its 1M-10M rows already have
+N / list_size lists. Training costs sample x nlist (x nlist: the sample is 64 per list) on a GPU, so a
+smaller list size at 1.2B (1.2M lists) would cost 16x more to train than this one (300k lists)."""
 HNSW_MIN_NLIST = 8192
 """From this many lists on the coarse quantizer is HNSW (``quantizer='auto'``); below, flat (exact). Measured
 here (384-d, 2 cores, the simulation's clustered data; docs/curation-scale.md): one assignment costs
@@ -148,7 +151,7 @@ QUANTIZERS = ("auto", "flat", "hnsw")
 
 def ivf_nlist(n: int, list_size: int = LIST_SIZE, sqrt_factor: float = 4.0) -> int:
     """The IVF sizing policy: ``max(sqrt_factor sqrt(N), N / list_size)`` lists (at most N / 39: faiss
-    wants >= 39 training points per list). Up to ``(list_size / sqrt_factor)^2`` rows (16M at the defaults)
+    wants >= 39 training points per list). Up to ``(sqrt_factor x list_size)^2`` rows (256M at the defaults)
     the sqrt rule gives the lists (each holds fewer than list_size), above it the list size is fixed, so the
     per-query scan (nprobe x list size) stops growing with N."""
     return max(1, min(max(int(sqrt_factor * math.sqrt(n)), n // max(1, list_size)), n // 39))

@@ -21,13 +21,14 @@ import time
 
 import numpy as np
 
-from ..index import HNSW_EF_SEARCH, HNSW_MIN_NLIST, LIST_SIZE, QUANTIZERS, ivf_nlist, resolve_quantizer
+from ..index import HNSW_EF_SEARCH, HNSW_MIN_NLIST, QUANTIZERS, ivf_nlist, resolve_quantizer
 from ..steps import sampling
 from ..steps.runner import parts, read_part, run_step
 from . import generate as gen
 from . import tasks as T
 
 TRAIN_MAX = 1 << 18
+SIM_LIST_SIZE = 1000  # vectors per IVF list: N / 1000 lists from 1M rows on (curate run: index.LIST_SIZE)
 STEP_ORDER = ("generate", "hash_pairs", "hash_group", "index_train", "index_add", "index_merge", "search",
               "group", "decontaminate", "kmeans_train", "kmeans_assign", "kmeans_upper", "sample")
 
@@ -48,7 +49,7 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
              overlap: int = 1000, copy_rate: float = 0.01, hash_rate: float = 0.01, max_distance: int = 4,
              nlist: int | None = None, nprobe: int = 4, k: int = 4, threshold: float = 0.9,
              levels=(1000, 100, 10), points_per_centroid: int = 64, niter: int = 10, target: float = 0.5,
-             seed: int = 0, processes: int | None = None, list_size: int = LIST_SIZE, quantizer: str = "auto",
+             seed: int = 0, processes: int | None = None, list_size: int = SIM_LIST_SIZE, quantizer: str = "auto",
              query_fraction: float = 1.0) -> dict:
     """Run the chain in ``work`` (created; existing parts are reused: a rerun skips finished tasks).
 
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval", type=int, default=10000, dest="n_eval")
     p.add_argument("--overlap", type=int, default=1000)
     p.add_argument("--nlist", type=int, default=None, help="IVF lists (default max(sqrt(N), N / --list-size))")
-    p.add_argument("--list-size", type=int, default=LIST_SIZE, help="target vectors per IVF list")
+    p.add_argument("--list-size", type=int, default=SIM_LIST_SIZE, help="target vectors per IVF list")
     p.add_argument("--quantizer", choices=QUANTIZERS, default="auto",
                    help=f"IVF coarse quantizer (auto: HNSW from {HNSW_MIN_NLIST} lists on, else flat)")
     p.add_argument("--nprobe", type=int, default=4)

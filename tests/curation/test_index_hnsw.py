@@ -36,8 +36,9 @@ def _recall(knn, x, k=5):
 
 
 def test_policy():
-    assert ivf_nlist(1_000_000) == 4000 and ivf_nlist(100_000_000) == 100_000  # 4 sqrt(N), then N / 1000
-    assert ivf_nlist(10_000_000, sqrt_factor=1.0) == 10_000
+    assert ivf_nlist(1_000_000) == 4000 and ivf_nlist(100_000_000) == 40_000  # 4 sqrt(N) up to 256M rows,
+    assert ivf_nlist(1_000_000_000) == 250_000  # then N / 4000
+    assert ivf_nlist(10_000_000, 1000, sqrt_factor=1.0) == 10_000  # the simulation's policy
     assert ivf_nlist(1000) == 1000 // 39  # >= 39 training points per list
     assert resolve_quantizer("auto", ix.HNSW_MIN_NLIST - 1) == "flat"
     assert resolve_quantizer("auto", ix.HNSW_MIN_NLIST) == "hnsw"
