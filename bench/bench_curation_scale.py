@@ -69,7 +69,8 @@ def main(argv=None) -> int:
                 continue
             work = os.path.join(a.work, f"n{n}-w{w}")
             t0 = time.perf_counter()
-            res = simulate(work, n, a.dim, w, query_fraction=fractions.get(n, fractions.get(None, 1.0)))
+            res = simulate(work, n, a.dim, w, query_fraction=fractions.get(n, fractions.get(None, 1.0)),
+                           progress=(a.json or os.path.join(a.work, "bench")) + f".n{n}-w{w}.progress.jsonl")
             res["total_s"] = time.perf_counter() - t0
             print(render(res), flush=True)
             results.append(res)

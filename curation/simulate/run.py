@@ -33,7 +33,7 @@ STEP_ORDER = ("generate", "hash_pairs", "hash_group", "index_train", "index_add"
               "group", "decontaminate", "kmeans_train", "kmeans_assign", "kmeans_upper", "sample")
 
 
-def _timed(table: dict, name: str, fn, num_tasks: int, **kw):
+def _timed(table: dict, name: str, fn, num_tasks: int, progress: str | None = None, **kw):
     t0 = time.perf_counter()
     res = run_step(fn, num_tasks, **kw)
     row = table.setdefault(name, {"wall_s": 0.0, "task_s": 0.0, "tasks": num_tasks, "peak_anon_mb": 0.0,
@@ -42,6 +42,11 @@ def _timed(table: dict, name: str, fn, num_tasks: int, **kw):
     row["task_s"] += max(r["wall_s"] for r in res)  # the slowest task's own time (no process start / imports)
     row["peak_anon_mb"] = max(row["peak_anon_mb"], max(r["peak_anon"] for r in res) / 2**20)
     row["peak_rss_mb"] = max(row["peak_rss_mb"], max(r["peak_rss"] for r in res) / 2**20)
+    if progress:  # one JSON line per finished step: a run stopped half-way still says what it measured
+        with open(progress, "a") as f:
+            f.write(json.dumps({"step": name, "time": time.strftime("%H:%M:%S"), **row,
+                                "tasks_s": [round(r["wall_s"], 2) for r in res],
+                                "tasks_anon_mb": [round(r["peak_anon"] / 2**20, 1) for r in res]}) + "\n")
     return res
 
 
@@ -50,17 +55,17 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
              nlist: int | None = None, nprobe: int = 4, k: int = 4, threshold: float = 0.9,
              levels=(1000, 100, 10), points_per_centroid: int = 64, niter: int = 10, target: float = 0.5,
              seed: int = 0, processes: int | None = None, list_size: int = SIM_LIST_SIZE, quantizer: str = "auto",
-             query_fraction: float = 1.0) -> dict:
+             query_fraction: float = 1.0, progress: str | None = None) -> dict:
     """Run the chain in ``work`` (created; existing parts are reused: a rerun skips finished tasks).
 
     IVF: ``nlist`` lists (default :func:`curation.index.ivf_nlist`: max(sqrt(N), N / list_size)), HNSW coarse
     quantizer from HNSW_MIN_NLIST = 8192 lists on (``quantizer='auto'``). ``query_fraction`` < 1: only the rows whose per-row
     key falls under it query the index (the whole pool is indexed); the search time is then measured on them
     and extrapolated to N (``steps.search.task_s_at_n``), and the copy recall counts the planted pairs with
-    a queried end only."""
+    a queried end only. ``progress``: append one JSON line per finished step to this file."""
     W = tasks
     table: dict = {}
-    kw = {"processes": processes}
+    kw = {"processes": processes, "progress": progress}
     gen.create_arrays(work, n, dim)
     _timed(table, "generate", gen.generate_task, W, folder=work, n=n, dim=dim, n_clusters=n_clusters, seed=seed,
            copy_rate=copy_rate, hash_rate=hash_rate, max_distance=max_distance, **kw)
@@ -195,6 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--levels", type=int, nargs="+", default=[1000, 100, 10])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--progress", default=None, help="append one JSON line per finished step here")
     p.add_argument("--clean", action="store_true", help="delete --work afterwards")
     a = p.parse_args(argv)
     if a.n < 2 or a.tasks < 1 or a.dim < 8 or not 0.0 < a.query_fraction <= 1.0 or a.list_size < 1:
@@ -203,7 +209,8 @@ def main(argv=None) -> int:
         return 2
     res = simulate(a.work, a.n, a.dim, a.tasks, a.clusters, min(a.n_eval, a.n), min(a.overlap, a.n_eval, a.n),
                    nlist=a.nlist, nprobe=a.nprobe, levels=tuple(a.levels), seed=a.seed, processes=a.processes,
-                   list_size=a.list_size, quantizer=a.quantizer, query_fraction=a.query_fraction)
+                   list_size=a.list_size, quantizer=a.quantizer, query_fraction=a.query_fraction,
+                   progress=a.progress)
     print(render(res))
     if a.json:
         with open(a.json, "w") as f:
