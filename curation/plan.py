@@ -107,7 +107,9 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
              else "flat coarse quantizer")
     steps.append(Step("index train", 1, sample * dim * 4 / GiB + 1, nlist * dim * 4 / GiB + 1 if gpus_per_node else 0,
                       train_s / 3600, f"nlist {nlist:,} (~{pool / nlist:,.0f} per list) on {sample:,} vectors; {qdesc}"))
-    steps.append(Step("index add", add_tasks, index_gib / add_tasks + nlist * dim * 4 / GiB + 0.5, 0, add_s / 3600,
+    # a task holds its codes, the trained index's centroids and (HNSW) the graph's 2M level-0 links per list
+    coarse_gib = (nlist * dim * 4 + (nlist * 2 * HNSW_M * 4 if quantizer == "hnsw" else 0)) / GiB
+    steps.append(Step("index add", add_tasks, index_gib / add_tasks + coarse_gib + 0.5, 0, add_s / 3600,
                       f"{code} B/vector codes: index {index_gib:,.1f} GiB in {add_tasks} files"))
     steps.append(Step("index merge", 1, 1.0, 0, 2 * index_gib * GiB / 5e8 / 3600,
                       "faiss merge_ondisk: memory-mapped in and out (0.5 GB/s ASSUMED)"))
