@@ -167,6 +167,11 @@ def canonical_pairs(rank: np.ndarray, a, b, sim, threshold: float):
     return key // len(rank), key % len(rank), s
 
 
+ROUNDS_MAX = 64
+"""Vectorised rounds of :func:`star_groups` before the few images still undecided (long chains of copies
+whose order forces one decision per round) are finished one by one."""
+
+
 def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Group root (in rank space) of every rank: star clustering of the verified-copy graph.
 
@@ -175,26 +180,57 @@ def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     claim nothing. So a group is a star around its kept image (no chains), and the image most
     others are copies of is kept, which gathers a copy, its original and the original's other
     copies in one group. Depends only on the set of edges.
+
+    Computed without a loop over images: the kept images are the greedy maximal independent set in that
+    visiting order (an image is kept iff none of its neighbours visited before it is kept), found in rounds
+    over the sorted edge arrays -- each round keeps every undecided image whose earlier neighbours are all
+    decided (none of them kept), then removes the undecided neighbours of the new kept images; the first
+    undecided image in the order is always decided, and on copy graphs a handful of rounds decide all.
+    After :data:`ROUNDS_MAX` rounds the rest (a chain) is finished in order, as the greedy visit would. A
+    removed image's root is its kept neighbour visited first (the one that claimed it).
     """
     root = np.arange(n, dtype=np.int64)
     if not len(lo):
         return root
-    src, dst = np.concatenate([lo, hi]), np.concatenate([hi, lo])
-    srt = np.lexsort((dst, src))
-    src, dst = src[srt], dst[srt]
-    starts = np.searchsorted(src, np.arange(n + 1))
-    degree = np.diff(starts)
+    src = np.concatenate([lo, hi]).astype(np.int64)
+    dst = np.concatenate([hi, lo]).astype(np.int64)
+    degree = np.bincount(src, minlength=n)
     nodes = np.flatnonzero(degree)
-    nodes = nodes[np.lexsort((nodes, -degree[nodes]))]
-    claimed = np.zeros(n, bool)
-    for r in nodes:
-        if claimed[r]:
-            continue
-        claimed[r] = True
-        nb = dst[starts[r]:starts[r + 1]]
-        nb = nb[~claimed[nb]]
-        claimed[nb] = True
-        root[nb] = r
+    nodes = nodes[np.lexsort((nodes, -degree[nodes]))]  # the visiting order
+    prio = np.full(n, len(nodes), np.int64)
+    prio[nodes] = np.arange(len(nodes))
+    state = np.zeros(n, np.int8)  # 0 undecided, 1 kept, 2 claimed
+    es, ed = src, dst  # edges whose two ends are undecided
+    for _ in range(ROUNDS_MAX):
+        blocked = np.zeros(n, bool)
+        blocked[es[prio[ed] < prio[es]]] = True  # an earlier neighbour still undecided
+        new = nodes[(state[nodes] == 0) & ~blocked[nodes]]
+        state[new] = 1
+        hit = state[es] == 1
+        state[ed[hit & (state[ed] == 0)]] = 2
+        live = (state[es] == 0) & (state[ed] == 0)
+        es, ed = es[live], ed[live]
+        if not (state[nodes] == 0).any():
+            break
+    rest = nodes[state[nodes] == 0]
+    if len(rest):  # a long chain: the greedy visit over what is left (the decided part is already exact)
+        srt = np.lexsort((ed, es))
+        es, ed = es[srt], ed[srt]
+        starts = np.searchsorted(es, np.arange(n + 1))
+        for r in rest:
+            if state[r]:
+                continue
+            state[r] = 1
+            nb = ed[starts[r]:starts[r + 1]]
+            state[nb[state[nb] == 0]] = 2
+    # every claimed image: its kept neighbour visited first
+    m = (state[src] == 2) & (state[dst] == 1)
+    c, k = src[m], dst[m]
+    srt = np.lexsort((prio[k], c))
+    c, k = c[srt], k[srt]
+    first = np.ones(len(c), bool)
+    first[1:] = c[1:] != c[:-1]
+    root[c[first]] = k[first]
     return root
 
 

@@ -1,7 +1,12 @@
 """faiss kNN search over L2-normalised embeddings (cosine = inner product).
 
 Index choice by pool size, as in DINOv2's curation: exact ``IndexFlatIP`` for small pools, an
-inverted file (IVF, ``nlist ~ 4 sqrt(N)``, ``nprobe`` lists visited per query) for large ones.
+inverted file (IVF, ``nprobe`` lists visited per query) for large ones. IVF sizing (:func:`ivf_nlist`):
+``nlist = max(4 sqrt(N), N / LIST_SIZE)`` -- a list never holds more than ~LIST_SIZE vectors, so a query
+scans at most ``nprobe x LIST_SIZE`` codes whatever N -- and from ``HNSW_MIN_NLIST`` lists on the coarse
+quantizer is an ``IndexHNSWFlat`` over the centroids (faiss's ``IVF{nlist}_HNSW32,...``): assigning a
+vector (add) or a query (search) costs ~efSearch x log(nlist) distance evaluations instead of nlist. Below
+that the flat quantizer stays (exact, and nlist evaluations are cheap).
 With faiss-gpu and visible GPUs the index is sharded over all of them; otherwise faiss-cpu runs.
 A trained index can be saved and read back memory-mapped (save_index / load_index): the
 sharded kNN of curation.knn_shards trains it once and lets every array task search its slice.
@@ -127,12 +132,46 @@ def resolve_kind(kind: str, n: int, flat_max: int = FLAT_MAX_DEFAULT) -> str:
     return kind
 
 
+LIST_SIZE = 4000
+"""Target vectors per inverted list at scale (faiss's guideline for 10^8-10^9 vectors: IVF262144-IVF1M, i.e. a
+few thousand per list); `curate simulate` uses 1000 (SIM_LIST_SIZE) so that its 1M-10M rows already have
+N / list_size lists. Training costs sample x nlist (x nlist: the sample is 64 per list) on a GPU, so a
+smaller list size at 1.2B (1.2M lists) would cost 16x more to train than this one (300k lists)."""
+HNSW_MIN_NLIST = 8192
+"""From this many lists on the coarse quantizer is HNSW (``quantizer='auto'``); below, flat (exact). Measured
+here (384-d, 2 cores, the simulation's clustered data; docs/curation-scale.md): one assignment costs
+23 / 124 / 315 us with the flat quantizer (BLAS) at 1k / 3k / 10k lists and 148 / 323 / 387 us with HNSW32 at
+efSearch 64 -- HNSW only pays off from ~10k lists, where its ~log(nlist) cost wins more with every list."""
+HNSW_M = 32
+HNSW_EF_SEARCH = 64
+"""efSearch of the HNSW coarse quantizer (stored in the trained index, so every add task and every search
+uses the same); raised to nprobe when nprobe is larger."""
+QUANTIZERS = ("auto", "flat", "hnsw")
+
+
+def ivf_nlist(n: int, list_size: int = LIST_SIZE, sqrt_factor: float = 4.0) -> int:
+    """The IVF sizing policy: ``max(sqrt_factor sqrt(N), N / list_size)`` lists (at most N / 39: faiss
+    wants >= 39 training points per list). Up to ``(sqrt_factor x list_size)^2`` rows (256M at the defaults)
+    the sqrt rule gives the lists (each holds fewer than list_size), above it the list size is fixed, so the
+    per-query scan (nprobe x list size) stops growing with N."""
+    return max(1, min(max(int(sqrt_factor * math.sqrt(n)), n // max(1, list_size)), n // 39))
+
+
 def default_nlist(n: int) -> int:
-    return max(1, min(int(4 * math.sqrt(n)), n // 39))
+    return ivf_nlist(n)
 
 
-def factory_string(kind: str, d: int, nlist: int, pq_m: int = 0) -> str:
-    """The faiss index_factory description of ``kind`` (the CPU layout that is trained and saved)."""
+def resolve_quantizer(quantizer: str, nlist: int) -> str:
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"IVF quantizer {quantizer!r}: choose one of {', '.join(QUANTIZERS)}")
+    if quantizer == "auto":
+        return "hnsw" if nlist >= HNSW_MIN_NLIST else "flat"
+    return quantizer
+
+
+def factory_string(kind: str, d: int, nlist: int, pq_m: int = 0, quantizer: str = "flat") -> str:
+    """The faiss index_factory description of ``kind`` (the CPU layout that is trained and saved);
+    ``quantizer``: 'flat' or 'hnsw' (``IVF{nlist}_HNSW32``: the coarse quantizer an HNSW graph)."""
     if kind == "flat":
         return "Flat"
     codes = {"ivf": "SQfp16", "ivf_sq8": "SQ8"}.get(kind)
@@ -141,13 +180,14 @@ def factory_string(kind: str, d: int, nlist: int, pq_m: int = 0) -> str:
         if d % m:
             raise ValueError(f"ivf_pq: pq_m={m} must divide the dimension {d}")
         codes = f"PQ{m}"
-    return f"IVF{nlist},{codes}"
+    q = f"_HNSW{HNSW_M}" if resolve_quantizer(quantizer, nlist) == "hnsw" else ""
+    return f"IVF{nlist}{q},{codes}"
 
 
 def build_index(data, kind: str = "auto", nlist: int | None = None, nprobe: int = 16,
                 flat_max: int = FLAT_MAX_DEFAULT, use_gpu: bool | str = "auto",
                 batch_size: int = 65536, train_size: int | None = None, seed: int = 0,
-                pq_m: int = 0) -> KnnIndex:
+                pq_m: int = 0, quantizer: str = "auto") -> KnnIndex:
     """Build an inner-product index over ``data`` (array, memmap, EmbeddingSet or :class:`Rows`).
 
     ``kind``: see :data:`KINDS` ('auto': flat up to ``flat_max`` vectors, else ivf).
@@ -160,7 +200,7 @@ def build_index(data, kind: str = "auto", nlist: int | None = None, nprobe: int 
         index = sharded_flat(d, ngpu) if ngpu else faiss.IndexFlatIP(d)
         knn = KnnIndex(index, kind, 0, nprobe, ngpu > 0)
     else:
-        cpu = train_cpu_index(rows, kind, nlist or default_nlist(n), train_size, seed, pq_m, ngpu)
+        cpu = train_cpu_index(rows, kind, nlist or default_nlist(n), train_size, seed, pq_m, ngpu, quantizer)
         index = _to_gpus(cpu, ngpu) if ngpu else cpu
         set_nprobe(index, nprobe, ngpu > 0)
         knn = KnnIndex(index, kind, 0, nprobe, ngpu > 0)
@@ -178,10 +218,17 @@ def gpus_for(use_gpu: bool | str) -> int:
 
 
 def train_cpu_index(rows: Rows, kind: str, nlist: int, train_size: int | None, seed: int,
-                    pq_m: int = 0, ngpu: int = 0):
-    """An empty, trained CPU IVF index (k-means on a fixed random sample, on a GPU when there is one)."""
+                    pq_m: int = 0, ngpu: int = 0, quantizer: str = "auto"):
+    """An empty, trained CPU IVF index (k-means on a fixed random sample, on a GPU when there is one).
+
+    With an HNSW coarse quantizer the k-means runs on an exact (flat, or GPU) index, as for the flat
+    quantizer, and its centroids are then inserted into the HNSW graph by ONE thread: faiss inserts with
+    OpenMP threads racing for the graph's links, which would make the graph, hence every assignment,
+    depend on the scheduling. One thread, a fixed insertion order and HNSW's fixed level seed give the same
+    graph in every run; the add tasks and the searches all read this one trained index."""
     d = rows.dim
-    index = faiss.index_factory(d, factory_string(kind, d, nlist, pq_m), faiss.METRIC_INNER_PRODUCT)
+    quantizer = resolve_quantizer(quantizer, nlist)
+    index = faiss.index_factory(d, factory_string(kind, d, nlist, pq_m, quantizer), faiss.METRIC_INNER_PRODUCT)
     ivf = faiss.downcast_index(faiss.extract_index_ivf(index))  # the IndexIVFPQ, not its base
     ivf.cp.seed = seed
     if hasattr(ivf, "do_polysemous_training"):
@@ -194,9 +241,44 @@ def train_cpu_index(rows: Rows, kind: str, nlist: int, train_size: int | None, s
     if ngpu:  # only the coarse k-means runs on the GPU; the trained index comes back to CPU
         ivf.clustering_index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0,
                                                       faiss.IndexFlatIP(d))
-    index.train(x)
+    if quantizer == "hnsw":
+        _train_hnsw_quantizer(ivf, x, d, nlist)
+    index.train(x)  # the quantizer is ready (ntotal == nlist): faiss trains only the codes here
     ivf.clustering_index = None  # the GPU k-means index is not part of the saved layout
     return index
+
+
+def _train_hnsw_quantizer(ivf, x: np.ndarray, d: int, nlist: int) -> None:
+    """The coarse centroids, added to the HNSW quantizer single-threaded.
+
+    With a GPU: faiss's own coarse k-means (IndexIVF::train_q1's clustering parameters) on the GPU index.
+    On CPU: faiss's two-level k-means (``faiss.contrib.clustering.two_level_clustering``: sqrt(nlist) coarse
+    clusters, then each split into its share of the nlist), ~sample x 2 sqrt(nlist) x D per iteration
+    instead of sample x nlist x D -- the flat k-means is what made training grow as nlist^2 once nlist
+    follows N. Both spherical for inner product, seeded: the same centroids in every run."""
+    if ivf.clustering_index is not None:
+        clus = faiss.Clustering(d, nlist, ivf.cp)
+        clus.train(x, ivf.clustering_index)
+        cent = faiss.vector_float_to_array(clus.centroids).reshape(nlist, d)
+    else:
+        from faiss.contrib.clustering import two_level_clustering
+
+        nc1 = max(1, min(int(round(math.sqrt(nlist))), len(x) // 39))
+        try:
+            cent = two_level_clustering(x, nc1, nlist, clustering_niter=ivf.cp.niter, seed=ivf.cp.seed,
+                                        spherical=ivf.cp.spherical)[0]
+        except (RuntimeError, AssertionError):  # a coarse cluster with fewer points than its share of lists
+            clus = faiss.Clustering(d, nlist, ivf.cp)
+            clus.train(x, faiss.IndexFlatL2(d))
+            cent = faiss.vector_float_to_array(clus.centroids).reshape(nlist, d)
+    q = faiss.downcast_index(ivf.quantizer)
+    q.hnsw.efSearch = HNSW_EF_SEARCH
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        q.add(np.ascontiguousarray(cent, np.float32))
+    finally:
+        faiss.omp_set_num_threads(threads)
 
 
 def sharded_flat(d: int, n_shards: int, make_shard=None):
@@ -235,7 +317,11 @@ def set_nprobe(index, nprobe: int, on_gpu: bool) -> None:
     if on_gpu:
         faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", nprobe)
     else:
-        faiss.extract_index_ivf(index).nprobe = nprobe
+        ivf = faiss.extract_index_ivf(index)
+        ivf.nprobe = nprobe
+        q = faiss.downcast_index(ivf.quantizer)
+        if isinstance(q, faiss.IndexHNSW):  # the graph must return nprobe good lists
+            q.hnsw.efSearch = max(q.hnsw.efSearch, nprobe)
 
 
 def save_index(knn: KnnIndex, path: str) -> None:
@@ -303,11 +389,13 @@ def _drop_self(sims, idx, pos, k):
 
 
 def train_ondisk(rows: Rows, path: str, kind: str = "ivf_sq8", nlist: int | None = None,
-                 train_size: int | None = None, seed: int = 0, pq_m: int = 0) -> None:
-    """Train an empty IVF on a fixed random sample of ``rows`` and write it to ``path`` (once)."""
+                 train_size: int | None = None, seed: int = 0, pq_m: int = 0, quantizer: str = "auto") -> None:
+    """Train an empty IVF on a fixed random sample of ``rows`` and write it to ``path`` (once). Every add
+    task reads this file, so all of them hold the same coarse quantizer (an HNSW graph included)."""
     if os.path.exists(path):
         return
-    index = train_cpu_index(rows, kind, nlist or default_nlist(len(rows)), train_size, seed, pq_m)
+    index = train_cpu_index(rows, kind, nlist or default_nlist(len(rows)), train_size, seed, pq_m,
+                            quantizer=quantizer)
     with atomic_path(path) as tmp:
         faiss.write_index(index, tmp)
 

@@ -70,17 +70,23 @@ def exact_cosine(rows_a: Rows, a: np.ndarray, rows_b: Rows, b: np.ndarray,
 
 
 def candidate_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, threshold: float,
-                    batch_size: int = BATCH_DEFAULT, margin: float = MARGIN_EXACT
-                    ) -> Iterator[dict]:
+                    batch_size: int = BATCH_DEFAULT, margin: float = MARGIN_EXACT,
+                    positions: np.ndarray | None = None) -> Iterator[dict]:
     """Copy-candidate pairs of query rows [start, stop) against the index over the same ``rows``.
 
     Yields per batch ``{"a", "b", "sim", "nn_sim", "nn_idx"}``: directed pairs (query a, one of its k
     nearest other rows b) whose exact cosine is > ``threshold`` (row positions; sims float64), and
     each query's nearest other row by the index (for reports). Batches start at ``start``.
+    ``positions``: query only these rows (ascending; e.g. a fraction of [start, stop)), in batches of
+    ``batch_size`` of them.
     """
     kk = min(k + 1, index.ntotal)  # +1: the query itself comes back too
-    for s in range(start, stop, batch_size):
-        pos = np.arange(s, min(s + batch_size, stop), dtype=np.int64)
+    starts = range(start, stop, batch_size) if positions is None else range(0, len(positions), batch_size)
+    for s in starts:
+        if positions is None:
+            pos = np.arange(s, min(s + batch_size, stop), dtype=np.int64)
+        else:
+            pos = np.asarray(positions[s:s + batch_size], np.int64)
         sims, idx = index.search(rows.take(pos), kk)
         sims, idx = _drop_self(sims, idx, pos, k)
         if idx.shape[1] == 0:
@@ -232,7 +238,8 @@ class KnnJob:
         os.makedirs(self.dir)
         knn = build_index(rows, kind=kind, nlist=params.get("nlist"), nprobe=params.get("nprobe", 16),
                           use_gpu=use_gpu, train_size=params.get("train_size"),
-                          seed=params.get("seed", 0), pq_m=params.get("pq_m", 0))
+                          seed=params.get("seed", 0), pq_m=params.get("pq_m", 0),
+                          quantizer=params.get("quantizer", "auto"))
         save_index(knn, self.index_path)
         meta = {"params": _jsonable(params), "kind": knn.kind, "n": len(rows), "dim": rows.dim,
                 "index_bytes": os.path.getsize(self.index_path)}
@@ -259,7 +266,7 @@ class KnnJob:
             shutil.rmtree(self.chunks_dir)
         trained = os.path.join(self.dir, "trained.index")
         train_ondisk(rows, trained, kind, params.get("nlist") or default_nlist(len(rows)), params.get("train_size"),
-                     params.get("seed", 0), params.get("pq_m", 0))
+                     params.get("seed", 0), params.get("pq_m", 0), params.get("quantizer", "auto"))
         names = [os.path.join(self.dir, "add", f"part-{t:05d}-of-{w:05d}.index") for t in range(w)]
         os.makedirs(os.path.join(self.dir, "add"), exist_ok=True)
         inline = plan["launcher"] == "inline" or w == 1

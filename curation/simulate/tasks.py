@@ -60,8 +60,9 @@ def hash_group(t, w, folder, parts_of):
 
 
 # ------------------------------------------------------------------------------------------ index
-def index_train(t, w, folder, nlist, train_size, seed=0):
-    train_ondisk(_rows(folder), _p(folder, "trained.index"), "ivf_sq8", nlist, train_size, seed)
+def index_train(t, w, folder, nlist, train_size, seed=0, quantizer="auto"):
+    train_ondisk(_rows(folder), _p(folder, "trained.index"), "ivf_sq8", nlist, train_size, seed,
+                 quantizer=quantizer)
     return {}
 
 
@@ -79,20 +80,48 @@ def index_merge(t, w, folder, parts_of):
 
 
 # ----------------------------------------------------------------------------------------- search
-def search(t, w, folder, k, threshold, nprobe):
-    """Copy candidates of this task's query rows: kNN on the merged index, rescored exactly (float64)."""
+QUERY_SALT = 0x51
+"""Seed of the per-row key that picks the queried rows (:func:`queried`): not the sampling's seed."""
+
+
+def queried(lo: int, hi: int, fraction: float) -> np.ndarray:
+    """The rows of [lo, hi) that query the index: all of them at fraction 1, else every row whose
+    splitmix64 key (of the row alone) falls under ``fraction`` of 2^64 -- the same rows whatever W."""
+    pos = np.arange(lo, hi, dtype=np.int64)
+    return pos if fraction >= 1.0 else pos[is_queried(pos, fraction)]
+
+
+def is_queried(rows: np.ndarray, fraction: float) -> np.ndarray:
+    """Whether each row queries the index at this query fraction (a function of the row only)."""
+    if fraction >= 1.0:
+        return np.ones(len(rows), bool)
+    return sampling.row_keys(np.asarray(rows, np.int64), QUERY_SALT) < np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
+
+
+def search(t, w, folder, k, threshold, nprobe, query_fraction=1.0):
+    """Copy candidates of this task's query rows (all, or the ``query_fraction`` picked by :func:`queried`;
+    the whole pool is indexed): kNN on the merged index, rescored exactly (float64)."""
     out = _part(folder, "search", t, w)
     if part_done(out):
-        return {}
+        return {"queries": int(read_part(out)["queries"])}
     index, rows = load_ondisk(_p(folder, "merged.index"), "ivf_sq8", nprobe), _rows(folder)
     got = {"a": [], "b": [], "sim": []}
-    for lo, hi in task_blocks(len(rows), t, w):
-        for r in candidate_pairs(index, rows, lo, hi, k, threshold, batch_size=8192):
+    if query_fraction >= 1.0:
+        batches = [(lo, hi, None) for lo, hi in task_blocks(len(rows), t, w)]
+    else:  # the picked rows of all this task's blocks, searched in full batches
+        lo, hi = task_rows(len(rows), t, w)
+        pos = np.concatenate([queried(a, b, query_fraction) for a, b in task_blocks(len(rows), t, w)] or
+                             [np.zeros(0, np.int64)])
+        batches = [(lo, hi, pos)]
+    queries = 0
+    for lo, hi, pos in batches:
+        queries += hi - lo if pos is None else len(pos)
+        for r in candidate_pairs(index, rows, lo, hi, k, threshold, batch_size=8192, positions=pos):
             for key in got:
                 got[key].append(r[key])
     empty = {"a": np.zeros(0, np.int64), "b": np.zeros(0, np.int64), "sim": np.zeros(0)}
-    write_part(out, **{key: np.concatenate(v) if v else empty[key] for key, v in got.items()})
-    return {}
+    write_part(out, queries=np.int64(queries), **{key: np.concatenate(v) if v else empty[key] for key, v in got.items()})
+    return {"queries": queries}
 
 
 def group(t, w, folder, parts_of):

@@ -8,7 +8,8 @@ part exists (:func:`part_done`) returns at once, so a killed task is simply star
 :func:`run_step` launches ``W`` tasks of a step
 
 * ``launcher="local"``: a process pool on this machine (one fresh process per task, so each task's peak
-  memory is its own and is reported back);
+  memory is its own and is reported back; the cores and the visible GPUs shared out between the tasks:
+  CUDA_VISIBLE_DEVICES round-robin, :func:`task_gpus`);
 * ``launcher="slurm"``: this process is one Slurm array task (SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT);
 * ``launcher="dist"``: this process is one torch.distributed rank of the group the entry point made
   (``curate`` under torchrun / srun calls training's :func:`dinopipe.train.dist.init_distributed`, which has
@@ -146,7 +147,33 @@ class PeakMemory:
         self.peak_rss = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict) -> dict:
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (ids or UUIDs, as given), else
+    torch.cuda.device_count()'s 0..G-1; [] without GPUs (or without torch)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        import torch
+    except ImportError:
+        return []
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def task_gpus(gpus: list[str], task_index: int, num_tasks: int) -> list[str]:
+    """Task ``task_index``'s share of ``gpus``, round-robin: with G >= W GPUs, every W-th one starting at its
+    index (each task G/W of them, none shared); with fewer GPUs than tasks, GPU ``task_index % G`` (tasks
+    share)."""
+    if not gpus:
+        return []
+    if len(gpus) >= num_tasks:
+        return gpus[task_index::num_tasks]
+    return [gpus[task_index % len(gpus)]]
+
+
+def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict, gpus: list[str] | None = None) -> dict:
+    if gpus:  # a fresh task process, CUDA not yet initialised: it sees only its share
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(task_gpus(gpus, task_index, num_tasks))
     t0 = time.perf_counter()
     with PeakMemory() as mem:
         out = fn(task_index, num_tasks, **kw) or {}
@@ -189,9 +216,11 @@ def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: i
         old = os.environ.get("OMP_NUM_THREADS")
         # the cores shared out between the tasks running at once (faiss / BLAS would each take them all)
         os.environ["OMP_NUM_THREADS"] = os.environ.get("CURATE_TASK_THREADS") or str(max(1, (os.cpu_count() or 1) // procs))
+        # and the GPUs: each task its share of this process's visible GPUs (none: nothing changes)
+        gpus = visible_gpus() if num_tasks > 1 else []
         try:
             with ctx.Pool(procs, maxtasksperchild=1) as pool:
-                jobs = [pool.apply_async(_measured, (fn, t, num_tasks, kw)) for t in range(num_tasks)]
+                jobs = [pool.apply_async(_measured, (fn, t, num_tasks, kw, gpus)) for t in range(num_tasks)]
                 return [j.get() for j in jobs]
         finally:
             if old is None:
