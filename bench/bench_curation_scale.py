@@ -99,6 +99,12 @@ def summary(results: list[dict]) -> str:
                        "; times extrapolated to N where < 1]"
             lines.append(f"slope W={w} {step}: {slope(ns, ts):.2f}  ({' / '.join(f'{t:.1f}s' for t in ts)} at "
                          f"{' / '.join(f'{n:,}' for n in ns)}){note}")
+            for half, what in (("assign_task_s", "coarse assignment"), ("encode_task_s", "encode + append")):
+                if all(half in r["steps"][step] for r in runs):
+                    hs = [r["steps"][step][half] for r in runs]
+                    nl = " / ".join(f"{r['index']['nlist']:,} {r['index']['quantizer']}" for r in runs)
+                    lines.append(f"slope W={w} {step} ({what}): {slope(ns, hs):.2f}  "
+                                 f"({' / '.join(f'{t:.1f}s' for t in hs)}; lists {nl})")
     big = max((r["n"] for r in results), default=0)
     one = next((r for r in results if r["n"] == big and r["tasks"] == 1), None)
     for r in results:

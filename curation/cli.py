@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 from dinopipe.config import ConfigError, exit_on_config_error, load_config
 from dinopipe.logs import setup_logging
 
-from .config import CurationConfig, validate
-from .pipeline import SHARDED, STEPS, StepError, build_embedder_for, needs_embedder, run_steps, steps_of
+# .config and .pipeline import torch (~300 MB): imported where used, so that the task processes that
+# `curate simulate` / `curate run` spawn (which import this module as their __main__) do not carry it
 
 
 def _echo(step: str, result) -> None:
@@ -66,6 +66,8 @@ def check_inputs(paths: Sequence[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .pipeline import SHARDED, STEPS
+
     p = argparse.ArgumentParser(prog="curate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("run",) + STEPS + SHARDED + ("plan",),
@@ -88,6 +90,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return simulate_main(argv[1:])
     if argv[:1] == ["kmeans"]:
         return _kmeans(argv[1:])
+    from .config import CurationConfig, validate
+    from .pipeline import StepError, build_embedder_for, needs_embedder, run_steps, steps_of
+
     args = build_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(CurationConfig, args.config, args.overrides)

@@ -123,7 +123,7 @@ class KnnConfig:
     batch_size: int = 8192
     """Queries per faiss search call."""
     nlist: Optional[int] = None
-    """IVF lists; null: max(4 sqrt(N), N / 4000), HNSW coarse quantizer from 8192 lists (curation.index.ivf_nlist)."""
+    """IVF lists; null: max(4 sqrt(N), N / 4000), HNSW coarse quantizer from 40,000 lists (curation.index.ivf_nlist)."""
     pq_m: int = 0
     """dedup.index=ivf_pq: bytes per vector (must divide the dimension); 0: dim/16."""
     train_size: Optional[int] = None

@@ -32,7 +32,7 @@ from .unionfind import UnionFind, id_ranks
 DEFAULT_MAX_DISTANCE = 4
 MAX_RUN = 256
 """Distinct hashes of one key above which a bucket is compared in chunks rather than by offsets."""
-BLOCK = 1 << 20
+BLOCK = 1 << 18  # rows scanned at a time: ~10 MB of temporaries per task whatever N
 
 
 @dataclass

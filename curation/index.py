@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Iterator
 
 from ._faiss import faiss
@@ -137,11 +138,13 @@ LIST_SIZE = 4000
 few thousand per list); `curate simulate` uses 1000 (SIM_LIST_SIZE) so that its 1M-10M rows already have
 N / list_size lists. Training costs sample x nlist (x nlist: the sample is 64 per list) on a GPU, so a
 smaller list size at 1.2B (1.2M lists) would cost 16x more to train than this one (300k lists)."""
-HNSW_MIN_NLIST = 8192
+HNSW_MIN_NLIST = 40_000
 """From this many lists on the coarse quantizer is HNSW (``quantizer='auto'``); below, flat (exact). Measured
-here (384-d, 2 cores, the simulation's clustered data; docs/curation-scale.md): one assignment costs
-23 / 124 / 315 us with the flat quantizer (BLAS) at 1k / 3k / 10k lists and 148 / 323 / 387 us with HNSW32 at
-efSearch 64 -- HNSW only pays off from ~10k lists, where its ~log(nlist) cost wins more with every list."""
+here on a quiet machine (384-d, one core, the simulation's clustered data, 5-10k vectors assigned in one call;
+docs/curation-scale.md): one assignment costs 17 / 18 / 63 / 119 / 224 / 436 / 908 us with the flat quantizer
+(BLAS) at 1k / 3k / 10k / 20k / 40k / 80k / 160k lists and 46 / 134 / 172 / 199 / 230 / 267 / 294 us with HNSW32
+at efSearch 64 -- HNSW pays off from ~40k lists, where its ~log(nlist) cost wins more with every list. On a
+GPU the flat quantizer's GEMM is cheaper still (faiss-gpu keeps it)."""
 HNSW_M = 32
 HNSW_EF_SEARCH = 64
 """efSearch of the HNSW coarse quantizer (stored in the trained index, so every add task and every search
@@ -400,18 +403,37 @@ def train_ondisk(rows: Rows, path: str, kind: str = "ivf_sq8", nlist: int | None
         faiss.write_index(index, tmp)
 
 
-def add_part(trained_path: str, rows: Rows, lo: int, hi: int, path: str, block: int = 65536) -> int:
+def add_part(trained_path: str, rows: Rows, lo: int, hi: int, path: str, block: int = 65536,
+             timings: dict | None = None) -> int:
     """Add rows [lo, hi) (ids = row positions) to a copy of the trained index; write it to ``path``.
-    Rerun-safe: an existing part is kept."""
+    Rerun-safe: an existing part is kept. The two halves of an IVF add run as separate calls (faiss's
+    ``quantizer.assign`` then ``add_core`` with the precomputed lists, the pattern of its distributed
+    benchmarks), so ``timings`` (if given) gets ``assign_s`` -- the coarse quantizer, whose cost per
+    vector grows with nlist (IVF cost model, docs/curation-scale.md) -- and ``encode_s`` (encoding and
+    appending: constant per vector)."""
     if os.path.exists(path):
         return 0
     index = faiss.read_index(trained_path)
+    ivf = index if isinstance(index, faiss.IndexIVF) else None  # a wrapped IVF (pre-transform): faiss's add
+    t_assign = t_encode = 0.0
     for s in range(lo, hi, block):
         e = min(s + block, hi)
-        index.add_with_ids(np.ascontiguousarray(rows.take(np.arange(s, e)), np.float32),
-                           np.arange(s, e, dtype=np.int64))
+        x = np.ascontiguousarray(rows.take(np.arange(s, e)), np.float32)
+        ids = np.arange(s, e, dtype=np.int64)
+        if ivf is None:
+            t0 = time.perf_counter()
+            index.add_with_ids(x, ids)
+            t_encode += time.perf_counter() - t0
+            continue
+        t0 = time.perf_counter()
+        lists = ivf.quantizer.assign(x, 1).reshape(-1).astype(np.int64)
+        t1 = time.perf_counter()
+        ivf.add_core(len(x), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists))
+        t_assign, t_encode = t_assign + t1 - t0, t_encode + time.perf_counter() - t1
     with atomic_path(path) as tmp:
         faiss.write_index(index, tmp)
+    if timings is not None:
+        timings.update(assign_s=t_assign, encode_s=t_encode)
     return hi - lo
 
 

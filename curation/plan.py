@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--node-mem", type=float, default=480, help="host GiB per node")
     p.add_argument("--k", type=int, default=64)
     p.add_argument("--nprobe", type=int, default=16)
-    p.add_argument("--nlist", type=int, default=None, help="default max(4 sqrt(pool), pool / 1000); HNSW quantizer from 8192")
+    p.add_argument("--nlist", type=int, default=None, help="default max(4 sqrt(pool), pool / 1000); HNSW quantizer from 40,000")
     p.add_argument("--eval", type=parse_count, default=1_000_000, help="eval images to decontaminate against")
     p.add_argument("--scan-rate", type=float, default=None, help="dim-ops/s per GPU (or per CPU task)")
     p.add_argument("--embed-rate", type=float, default=None, help="images/s per embedding task")

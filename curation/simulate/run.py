@@ -52,14 +52,14 @@ def _timed(table: dict, name: str, fn, num_tasks: int, progress: str | None = No
 
 def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int = 1000, n_eval: int = 10000,
              overlap: int = 1000, copy_rate: float = 0.01, hash_rate: float = 0.01, max_distance: int = 4,
-             nlist: int | None = None, nprobe: int = 4, k: int = 4, threshold: float = 0.9,
+             nlist: int | None = None, nprobe: int = 8, k: int = 4, threshold: float = 0.9,
              levels=(1000, 100, 10), points_per_centroid: int = 64, niter: int = 10, target: float = 0.5,
              seed: int = 0, processes: int | None = None, list_size: int = SIM_LIST_SIZE, quantizer: str = "auto",
              query_fraction: float = 1.0, progress: str | None = None) -> dict:
     """Run the chain in ``work`` (created; existing parts are reused: a rerun skips finished tasks).
 
     IVF: ``nlist`` lists (default :func:`curation.index.ivf_nlist`: max(sqrt(N), N / list_size)), HNSW coarse
-    quantizer from HNSW_MIN_NLIST = 8192 lists on (``quantizer='auto'``). ``query_fraction`` < 1: only the rows whose per-row
+    quantizer from HNSW_MIN_NLIST = 40,000 lists on (``quantizer='auto'``). ``query_fraction`` < 1: only the rows whose per-row
     key falls under it query the index (the whole pool is indexed); the search time is then measured on them
     and extrapolated to N (``steps.search.task_s_at_n``), and the copy recall counts the planted pairs with
     a queried end only. ``progress``: append one JSON line per finished step to this file."""
@@ -78,7 +78,11 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
     # grows as nlist ~ N instead of nlist^2)
     _timed(table, "index_train", T.index_train, 1, folder=work, nlist=nl, train_size=min(32 * nl, TRAIN_MAX), seed=seed,
            quantizer=qz, **kw)
-    _timed(table, "index_add", T.index_add, W, folder=work, **kw)
+    res = _timed(table, "index_add", T.index_add, W, folder=work, **kw)
+    # its two halves, in the slowest task: the coarse assignment (cost per vector grows with nlist: the IVF
+    # cost model) and encoding + appending (constant per vector)
+    table["index_add"].update(assign_task_s=max(r["result"]["assign_s"] for r in res),
+                              encode_task_s=max(r["result"]["encode_s"] for r in res))
     _timed(table, "index_merge", T.index_merge, 1, folder=work, parts_of=W, **kw)
     res = _timed(table, "search", T.search, W, folder=work, k=k, threshold=threshold, nprobe=nprobe,
                  query_fraction=query_fraction, **kw)
@@ -164,6 +168,10 @@ def render(res: dict) -> str:
         lines.append(f"index: IVF{ix['nlist']} ({ix['quantizer']} coarse quantizer"
                      + (f", efSearch {ix['hnsw_ef_search']}" if ix.get("hnsw_ef_search") else "")
                      + f"), SQ8, nprobe {ix['nprobe']}, ~{ix['list_size']:.0f} vectors per list")
+    ad = res["steps"].get("index_add", {})
+    if "assign_task_s" in ad:
+        lines.append(f"index add, slowest task: coarse assignment {ad['assign_task_s']:.1f} s (grows with nlist), "
+                     f"encode + append {ad['encode_task_s']:.1f} s")
     if res.get("query_fraction", 1.0) < 1.0:
         lines.append(f"search: MEASURED on {res['queries']:,} of {res['n']:,} query rows (query fraction "
                      f"{res['query_fraction']:g}, rows picked by a per-row hash key; the whole pool is indexed); "
@@ -193,7 +201,7 @@ def main(argv=None) -> int:
     p.add_argument("--list-size", type=int, default=SIM_LIST_SIZE, help="target vectors per IVF list")
     p.add_argument("--quantizer", choices=QUANTIZERS, default="auto",
                    help=f"IVF coarse quantizer (auto: HNSW from {HNSW_MIN_NLIST} lists on, else flat)")
-    p.add_argument("--nprobe", type=int, default=4)
+    p.add_argument("--nprobe", type=int, default=8)
     p.add_argument("--query-fraction", type=float, default=1.0,
                    help="search only this fraction of the rows (picked by a per-row hash key; the whole pool "
                         "is indexed); the search time is extrapolated to N")
