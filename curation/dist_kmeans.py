@@ -79,7 +79,7 @@ def seed_shards(shards: CentroidShards, rows, work, init: str, init_sample: int,
     k = len(shards)
     sample = _sample_positions(len(work), k * init_sample, rng)
     if init == "random" or (init == "auto" and k > KMEANSPP_MAX_K):
-        pos = np.sort(rng.choice(len(sample), size=min(k, len(sample)), replace=False))  # as seed_centroids
+        pos = _sample_positions(len(sample), min(k, len(sample)), rng)  # as seed_centroids
         shards.fill(lambda a, b: rows.take(work[sample[pos[a:b]]]))
     else:
         shards.scatter(lambda: seed_centroids(rows.take(work[sample]), k, init, rng, device), comm)
@@ -169,9 +169,20 @@ def _shared(path: str, dtype, shape: tuple, comm: Comm):
     return open_memmap(path, "r+")
 
 
+DIGEST_CHUNK = 1 << 22
+
+
 def rows_digest(ids) -> str:
-    """Fingerprint of the rows clustered, in order: sha256 of their image ids."""
+    """Fingerprint of the rows clustered, in order: sha256 of their int64 input ids (little-endian bytes,
+    hashed a chunk of 4M ids at a time: ~2 s per 10^8 rows, no per-id Python); ids that are not integers
+    (strings) are hashed one per line."""
     h = hashlib.sha256()
+    arr = np.asarray(ids) if not isinstance(ids, np.ndarray) else ids
+    if arr.dtype.kind in "iu":
+        h.update(b"int64le\n")
+        for s in range(0, len(arr), DIGEST_CHUNK):
+            h.update(np.ascontiguousarray(arr[s:s + DIGEST_CHUNK], dtype="<i8").tobytes())
+        return h.hexdigest()
     for i in ids:
         h.update(str(i).encode() + b"\n")
     return h.hexdigest()

@@ -186,14 +186,33 @@ def seed_centroids(x: np.ndarray, k: int, init: str, rng: np.random.Generator,
     if init not in INITS:
         raise ValueError(f"kmeans init={init!r}: choose one of {INITS}")
     if init == "random" or (init == "auto" and k > KMEANSPP_MAX_K):
-        pos = np.sort(rng.choice(len(x), size=min(k, len(x)), replace=False))
+        pos = _sample_positions(len(x), min(k, len(x)), rng)
     else:
         pos = kmeans_plusplus(x, k, rng, device=device)
     return np.ascontiguousarray(x[pos], dtype=np.float32)
 
 
 def _sample_positions(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
-    return np.sort(rng.choice(n, size=size, replace=False)) if size < n else np.arange(n)
+    """``size`` distinct positions of ``range(n)``, uniformly at random, sorted, in O(size) memory.
+
+    numpy's ``choice(n, size, replace=False)`` permutes an ``arange(n)`` once size > n / 50 (9.6 GB at
+    1.2B rows for DINOv3's 10M-cluster seeding sample): instead, draw with replacement until ``size``
+    distinct values are there, then keep a uniform ``size`` of them (uniform given the distinct set, by
+    symmetry). Above n / 2 the complement is drawn the same way."""
+    if size >= n:
+        return np.arange(n)
+    if size > n // 2:
+        drop = _sample_positions(n, n - size, rng)
+        keep = np.ones(n, bool)
+        keep[drop] = False
+        return np.flatnonzero(keep)
+    got = np.zeros(0, np.int64)
+    while len(got) < size:
+        extra = int((size - len(got)) * 1.1) + 16
+        got = np.unique(np.concatenate([got, rng.integers(0, n, size=extra, dtype=np.int64)]))
+    if len(got) > size:
+        got = np.sort(got[rng.permutation(len(got))[:size]])
+    return got
 
 
 def kmeans_fit(data, k: int, niter: int = 50, seed: int = 0, max_points_per_centroid: int = 256,

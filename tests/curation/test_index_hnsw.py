@@ -42,7 +42,8 @@ def test_policy():
     assert ivf_nlist(1000) == 1000 // 39  # >= 39 training points per list
     assert resolve_quantizer("auto", ix.HNSW_MIN_NLIST - 1) == "flat"
     assert resolve_quantizer("auto", ix.HNSW_MIN_NLIST) == "hnsw"
-    assert ix.factory_string("ivf_sq8", 64, 9000, quantizer="auto") == "IVF9000_HNSW32,SQ8"
+    assert ix.factory_string("ivf_sq8", 64, 50_000, quantizer="auto") == "IVF50000_HNSW32,SQ8"
+    assert ix.factory_string("ivf_sq8", 64, 9000, quantizer="auto") == "IVF9000,SQ8"  # flat is cheaper there
     assert ix.factory_string("ivf", 64, 100, quantizer="auto") == "IVF100,SQfp16"
     with pytest.raises(ValueError, match="quantizer"):
         resolve_quantizer("ivf", 10)
