@@ -30,11 +30,12 @@ GPUS = {"v100": (32, 1.5e11, 2.5e13, 400), "a100": (80, 4e11, 1e14, 1200),
 CPU_SCAN = 2.3e9  # dim-ops/s per core: faiss IVF SQfp16 scan, measured here (200k x 384, nprobe 16)
 CPU_GEMM = 7e10  # FLOP/s per core: faiss flat search, measured here
 KMEANS_ITERS = 20
-# rows/s per task, measured by `curate simulate` here (docs/curation-scale.md: 120k rows, W=1, one task on
-# 2 cores shared by ~8 engineers at load ~15: conservative; an idle core is several times faster)
-HASH_RATE = 1e4  # hash dedup: (t+1)^2 = 25 sorted keys per row (120k rows: 12.5 s)
-GROUP_RATE = 6e5  # grouping: union-find over pair arrays, per row of the pool (120k rows: 0.2 s)
-SAMPLE_RATE = 3e5  # sampling: three passes over labels + hash keys (120k rows: 0.4 s)
+# rows/s per task, measured by `curate simulate` here (bench/bench_curation_scale.py, N = 10M x 384, W = 1: one
+# task with this machine's 2 cores, nothing else running; docs/curation-scale.md "Measured growth")
+HASH_RATE = 7e4  # hash dedup: (t+1)^2 = 25 sorted keys per row (10M rows: 141 s)
+GROUP_RATE = 1.5e7  # grouping: union-find over pair arrays, per row of the pool (10M rows, 0.02 pairs per row: 0.6 s)
+HASH_SCAN_RATE = 2.5e7  # rows/s a hash task scans per band to find the rows it owns (20M hashes, 1/160 owned: 0.72 s)
+SAMPLE_RATE = 4e6  # sampling: three passes over labels + hash keys (10M rows: 2.3 s)
 VERIFY_RATE = 400.0  # pairs/s per core on pixels: ASSUMED from 2-3 ms/pair (issue 19; bench_verify measures it)
 WRITE_RATE = 2e8  # bytes/s per task reading + writing image bytes into shards: ASSUMED
 EDGES_PER_IMAGE = 0.2  # verified copy pairs per image: ASSUMED (web pools: ~10-20% copies)
@@ -96,7 +97,8 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     train_s = KMEANS_ITERS * 2.0 * sample * per_point * dim / node_gemm
     add_tasks = max(workers, 1)
     # one coarse assignment: flat, nlist inner products (GEMM); HNSW, ~2 efSearch log2(nlist) distance
-    # evaluations (measured here: 300-390 us at 10k lists x 384-d, efSearch 64, vs the model's 285 us)
+    # evaluations (measured here on one quiet core, 384-d, efSearch 64: 230 / 267 / 294 us at 40k / 80k / 160k
+    # lists, the model's 327 / 344 / 361 us; docs/curation-scale.md "IVF sizing")
     hnsw_evals = 2.0 * HNSW_EF_SEARCH * math.log2(max(nlist, 2))
     cpu_scan = CPU_SCAN * cpus_per_task
 
@@ -142,9 +144,11 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
                       search_s / 3600, where + fits))
     cpu_tasks = max(workers, 1)
     cores = cpu_tasks * cpus_per_task
-    # hash dedup: task t owns band values % W == t; 25 keys x 16 B per owned row
-    steps.insert(1, Step("hash dedup", cpu_tasks, pool / cpu_tasks * 48 / GiB + 0.1, 0,
-                         pool / (HASH_RATE * cpu_tasks) / 3600, "partitioned by band value; exact up to t bits"))
+    # hash dedup: task t owns band values % W == t; 25 keys x 16 B per owned row; every task streams all N
+    # hashes once per band (t + 1 = 5) to find its own rows
+    hash_s = pool / (HASH_RATE * cpu_tasks) + 5 * pool / HASH_SCAN_RATE
+    steps.insert(1, Step("hash dedup", cpu_tasks, pool / cpu_tasks * 48 / GiB + 0.1, 0, hash_s / 3600,
+                         "partitioned by band value; exact up to t bits; each task scans all N hashes 5x"))
     # verification: candidate pairs on pixels, partitioned by kept image, thumbnails decoded once per task
     pairs = pool * pairs_per_image
     steps.append(Step("verification", cpu_tasks, 2.0, 0, pairs / (VERIFY_RATE * cores) / 3600,

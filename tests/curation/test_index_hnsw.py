@@ -93,3 +93,26 @@ def test_ondisk_hnsw_index_w1_w3_equals_one_process(digits, tmp_path):
     for key in got[1]:
         np.testing.assert_array_equal(got[1][key], got[3][key])
     assert len(got[1]["a"]) >= len(digits[1])  # the planted copies at least
+
+
+@pytest.mark.parametrize("quantizer", ["flat", "hnsw"])
+def test_add_in_two_timed_halves_equals_faiss_add(digits, tmp_path, quantizer):
+    """add_part assigns the lists (quantizer.assign) and adds with them (add_core) as two timed calls:
+    every list holds the same ids and codes as faiss's own add_with_ids of the same rows."""
+    rows = Rows(digits[0])
+    trained = str(tmp_path / "trained.index")
+    ix.train_ondisk(rows, trained, "ivf_sq8", 24, None, 0, quantizer=quantizer)
+    times: dict = {}
+    assert ix.add_part(trained, rows, 100, len(rows), str(tmp_path / "part.index"), block=500, timings=times) \
+        == len(rows) - 100
+    assert set(times) == {"assign_s", "encode_s"} and times["assign_s"] > 0 and times["encode_s"] > 0
+    ref = ix.faiss.read_index(trained)
+    ref.add_with_ids(np.ascontiguousarray(rows.take(np.arange(100, len(rows)))), np.arange(100, len(rows)))
+    got = ix.faiss.read_index(str(tmp_path / "part.index"))
+    a, b = ix.faiss.extract_index_ivf(got).invlists, ix.faiss.extract_index_ivf(ref).invlists
+    rev = ix.faiss.rev_swig_ptr
+    for li in range(24):
+        n = a.list_size(li)
+        assert n == b.list_size(li)
+        np.testing.assert_array_equal(rev(a.get_ids(li), n), rev(b.get_ids(li), n))
+        np.testing.assert_array_equal(rev(a.get_codes(li), n * a.code_size), rev(b.get_codes(li), n * b.code_size))

@@ -235,3 +235,41 @@ def test_curate_run_tree_reused_on_rerun_and_redone_when_unfinished(tmp_path, da
     other, ran = fit_tree(out, emb, rows, curate_settings(len(rows), ids[rows], [40, 8], n_resampling_steps=1,
                                                           sample_size=4, seed=1))
     assert len(ran) == 1 and not np.array_equal(other[0].centroids, first[0].centroids)
+
+
+def test_seeding_positions_need_memory_of_the_sample_not_of_the_pool():
+    """DINOv3's level 1 seeds 10M clusters from a sample of 4 rows per cluster: 40M of 1.2B rows, more
+    than numpy's choice can draw without an arange of all rows (9.6 GB). The draw is O(sample)."""
+    import tracemalloc
+
+    from curation.kmeans import _sample_positions
+
+    rng = np.random.default_rng(0)
+    for n, size in ((10, 3), (100, 60), (1000, 999), (50_000, 2_000), (7, 0), (5, 5)):
+        p = _sample_positions(n, size, rng)
+        assert len(p) == size and (np.diff(p) > 0).all() and (size == 0 or (p[0] >= 0 and p[-1] < n))
+    counts = np.zeros(20)
+    for _ in range(4000):  # every position equally likely (each drawn 1000 times on average)
+        counts[_sample_positions(20, 5, rng)] += 1
+    assert counts.min() > 850 and counts.max() < 1150, counts
+    tracemalloc.start()
+    p = _sample_positions(10**9, 200_000, rng)  # 1/5000 of the rows: an arange would be 8 GB
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(np.unique(p)) == 200_000 and peak < 40 * 2**20, peak
+
+
+def test_rows_digest_hashes_int64_ids_in_chunks(monkeypatch):
+    """The fingerprint of the clustered rows in kmeans.json: no per-id Python at 10^9 rows, the same
+    whatever the chunk size, different when the order or one id changes."""
+    from curation import dist_kmeans
+
+    ids = np.arange(0, 30_000, 3, dtype=np.int64)
+    d = dist_kmeans.rows_digest(ids)
+    assert dist_kmeans.rows_digest(ids.tolist()) == d
+    monkeypatch.setattr(dist_kmeans, "DIGEST_CHUNK", 777)
+    assert dist_kmeans.rows_digest(ids) == d
+    assert dist_kmeans.rows_digest(ids[::-1]) != d
+    other = ids.copy()
+    other[5000] += 1
+    assert dist_kmeans.rows_digest(other) != d
