@@ -36,7 +36,8 @@ HASH_RATE = 7e4  # hash dedup: (t+1)^2 = 25 sorted keys per row (10M rows: 141 s
 GROUP_RATE = 1.5e7  # grouping: union-find over pair arrays, per row of the pool (10M rows, 0.02 pairs per row: 0.6 s)
 HASH_SCAN_RATE = 2.5e7  # rows/s a hash task scans per band to find the rows it owns (20M hashes, 1/160 owned: 0.72 s)
 SAMPLE_RATE = 4e6  # sampling: three passes over labels + hash keys (10M rows: 2.3 s)
-VERIFY_RATE = 400.0  # pairs/s per core on pixels: ASSUMED from 2-3 ms/pair (issue 19; bench_verify measures it)
+VERIFY_RATE = 590.0  # pairs/s per core on pixels, JPEG decoding included: measured here (bench/bench_verify.py,
+# 1,000 candidate pairs of 574 retina + micrograph tiles, k = 8, 1 thread, quiet machine: 588 pairs/s)
 WRITE_RATE = 2e8  # bytes/s per task reading + writing image bytes into shards: ASSUMED
 EDGES_PER_IMAGE = 0.2  # verified copy pairs per image: ASSUMED (web pools: ~10-20% copies)
 IMAGE_BYTES = 1.1e5  # bytes per image in the shards: ASSUMED (LVD-like JPEGs)
@@ -152,7 +153,7 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     # verification: candidate pairs on pixels, partitioned by kept image, thumbnails decoded once per task
     pairs = pool * pairs_per_image
     steps.append(Step("verification", cpu_tasks, 2.0, 0, pairs / (VERIFY_RATE * cores) / 3600,
-                      f"{pairs_per_image:g} candidate pairs per image; rate ASSUMED"))
+                      f"{pairs_per_image:g} candidate pairs per image; {VERIFY_RATE:g} pairs/s per core (bench_verify)"))
     edges = pool * EDGES_PER_IMAGE
     steps.append(Step("grouping", 1, pool * 8 * 2 / GiB + edges * 16 / GiB, 0, pool / GROUP_RATE / 3600,
                       f"one process: union-find (int64 per row) over {EDGES_PER_IMAGE:g} verified pairs per "
