@@ -10,10 +10,11 @@ whether the decisions are identical for W=1 and W=4, and the planted recall. Goa
 <= 1.15 for every step but the kNN search, peak per task at W=4 <= 0.3 x W=1, identical decisions,
 recall >= 0.98. Printed, never asserted.
 
-IVF (curation.index.ivf_nlist): nlist = max(sqrt(N), N / 1000) lists, an HNSW coarse quantizer from 8,192
-lists on (flat below): per query ~ efSearch x log(nlist) (the graph) + nprobe x list_size (the codes) distance
-evaluations, so add and search cost ~N log N asymptotically (the old sqrt(N) lists with a flat quantizer:
-N^1.5); below 8,192 lists the flat quantizer's nlist evaluations (BLAS) are the cheaper ones.
+IVF (curation.index.ivf_nlist): nlist = max(sqrt(N), N / 1000) lists, an HNSW coarse quantizer from 40,000
+lists on (flat below, where its one GEMM is the cheaper): per query q(nlist) (the coarse quantizer: nlist inner
+products flat, ~efSearch x log(nlist) HNSW) + nprobe x list_size (the codes) distance evaluations; per added
+vector q(nlist) + one encoding. The add's two halves are timed apart (coarse assignment, encode + append) and
+get their own slopes.
 
 ``--query-fraction N=F ...`` (or one F for all sizes): at that N only a fraction F of the rows query the
 index (a per-row hash key; the whole pool is indexed); the search's time is measured on them and
