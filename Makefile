@@ -14,7 +14,7 @@ FLOOR_TESTS := tests/train/test_fsdp_matrix.py tests/train/test_mixed_precision.
 	tests/train/test_checkpoint_manager.py tests/test_hub.py tests/test_hub_dinov3.py tests/test_export_hf.py \
 	tests/test_export_onnx.py tests/test_export_roundtrip.py
 
-.PHONY: venv venv-floor test test-floor test-fast bench quickstart gpu-check clean
+.PHONY: venv venv-floor test test-floor test-fast bench quickstart gpu-check gpu-bench official-src gpu-bench-wheels clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,20 @@ quickstart: venv
 # GPU_CHECK_ARGS=--cpu runs the CPU smoke subset.
 gpu-check:
 	OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) -m dinopipe.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
+
+# dinopipe's training step vs the official DINOv2 step on one GPU (bench/gpu_bench.py; JSON in gpu-bench/).
+# No venv, as gpu-check: make gpu-bench PY=python3. Needs `make official-src` (the official source, never
+# vendored, into .official/dinov2) and, where omegaconf/fvcore are missing, `make gpu-bench-wheels` (.whl/),
+# both carried to an offline GPU machine; GPU_BENCH_ARGS=--cpu runs the CPU smoke.
+OFFICIAL_SRC ?= https://github.com/facebookresearch/dinov2
+gpu-bench:
+	OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) bench/gpu_bench.py --out gpu-bench $(GPU_BENCH_ARGS)
+
+official-src:
+	bench/fetch_official.sh $(OFFICIAL_SRC) .official/dinov2
+
+gpu-bench-wheels:
+	PYTHON=$(PY) bench/gpu_bench_wheels.sh .whl
 
 bench: venv
 	$(BIN)/python bench/run_all.py

@@ -100,7 +100,9 @@ def bf16_gemm_tflops(dev: torch.device, n: int = 8192, iters: int = 20) -> float
     return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
 
 
-def _task_config(small: bool, compile_: bool):
+def _task_config(small: bool, compile_: bool, model: str = "vit_s14", batch: int = 64):
+    """The recipe's defaults at W = 1 for ``model`` at ``batch`` per GPU, bf16 (small: vit_test, tiny heads)
+    (also ``bench/gpu_bench.py``'s dinopipe side)."""
     from .config import load_config
     from .ssl.config import PretrainConfig
 
@@ -110,8 +112,9 @@ def _task_config(small: bool, compile_: bool):
                 "ibot.head.bottleneck_dim=32", "crops.local_crops_number=2",
                 "phases=[{name: base, fraction: 1.0, global_crops_size: 56, local_crops_size: 28, batch_size_per_gpu: 4}]"]
     else:
-        over = ["model.name=vit_s14", "model.img_size=224", "crops.local_crops_number=8",
-                "phases=[{name: base, fraction: 1.0, global_crops_size: 224, local_crops_size: 98, batch_size_per_gpu: 64}]"]
+        over = [f"model.name={model}", "model.img_size=224", "crops.local_crops_number=8",
+                "phases=[{name: base, fraction: 1.0, global_crops_size: 224, local_crops_size: 98, "
+                f"batch_size_per_gpu: {batch}}}]"]
     return load_config(PretrainConfig, None, over + ["data.paths=[unused]", "parallel.param_dtype=bf16",
                                                       f"parallel.compile={str(compile_).lower()}"])
 
