@@ -14,8 +14,12 @@ the recipe's 2x224 + 8x98 crops, bf16, W = 1 (a 1-rank NCCL group, as ``gpu-chec
 
 Reported per side: images/s (median step of the second half of the steps, each step synchronised), the first
 step's seconds (compilation), peak ``max_memory_allocated``, MFU = dinopipe.plan's FLOPs per step (the same
-model and crops for both) / step time / a bf16 GEMM measured in this run. Prints ``name: ratio`` lines
-(dinopipe / official images/s) and writes ``OUT/gpu_bench.json`` after every case.
+model and crops for both) / step time / a bf16 GEMM measured in this run. Both batches are resident on the
+device before timing (the step alone). Prints ``name: ratio`` lines (dinopipe / official images/s) and writes
+``OUT/gpu_bench.json`` after every case.
+
+Then (``--no-e2e`` skips it) the first case end to end (bench/gpu_bench_e2e.py): JPEG tar shards of real photos
+-> dinopipe's training loader with the machine's cores -> the same step; its images/s over the bare step's.
 
 ``--cpu``: the smoke (vit_test, b=4, tiny heads, gloo, no compile, 2 steps) through every code path.
 """
@@ -62,6 +66,12 @@ def _cleanup(dev: torch.device) -> None:
     torch._dynamo.reset()  # each case compiles afresh: no recompile limit carried across models
 
 
+def _on_device(batch: dict, dev: torch.device) -> dict:
+    """The batch resident on the device before timing, for both sides (their ``.cuda()`` / ``.to()`` in the
+    step are then no-ops): the step alone; the input path is the end-to-end case's and bench_input's."""
+    return {k: v.to(dev) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def _time_steps(step, dev: torch.device, n: int, deadline: float) -> dict:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -82,8 +92,8 @@ def _time_steps(step, dev: torch.device, n: int, deadline: float) -> dict:
     return res
 
 
-def run_dinopipe(dcfg, info, dev, n, deadline) -> dict:
-    from dinopipe.plan.trace import _step, synthetic_batch
+def build_dinopipe(dcfg, info) -> tuple:
+    """(task, optimizer, schedule values) as the trainer builds them (train/run.py)."""
     from dinopipe.ssl.param_groups import build_param_groups
     from dinopipe.ssl.task import SSLTask
     from dinopipe.train.builders import build_schedules
@@ -94,11 +104,23 @@ def run_dinopipe(dcfg, info, dev, n, deadline) -> dict:
     opt = task.build_optimizer(partial(build_param_groups, lr_decay_rate=o.layerwise_decay,
                                        patch_embed_lr_mult=o.patch_embed_lr_mult, decay_tokens=o.decay_tokens),
                                betas=(o.adamw_beta1, o.adamw_beta2))
-    batch = synthetic_batch(dcfg, dcfg.phases[0], task.data_patch_size)
     sched = build_schedules(dcfg, 1)
     it = min(len(v) for v in sched.values()) // 10
-    values = {k: float(v[it]) for k, v in sched.items()}
-    res = _time_steps(lambda: _step(task, opt, [batch], values, o.clip_grad), dev, n, deadline)
+    return task, opt, {k: float(v[it]) for k, v in sched.items()}
+
+
+def dinopipe_step(task, opt, batch, values, clip: float) -> None:
+    from dinopipe.plan.trace import _step
+
+    _step(task, opt, [batch], values, clip)
+
+
+def run_dinopipe(dcfg, info, dev, n, deadline) -> dict:
+    from dinopipe.plan.trace import synthetic_batch
+
+    task, opt, values = build_dinopipe(dcfg, info)
+    batch = _on_device(synthetic_batch(dcfg, dcfg.phases[0], task.data_patch_size), dev)
+    res = _time_steps(lambda: dinopipe_step(task, opt, batch, values, dcfg.optim.clip_grad), dev, n, deadline)
     res.update(compile=bool(dcfg.parallel.compile), param_dtype=str(dcfg.parallel.param_dtype))
     return res
 
@@ -111,7 +133,7 @@ def run_official(train_mod, dcfg, model, b, dev, n, deadline, precision, cpu) ->
         for k in ("dino", "ibot"):
             cfg[k].head_n_prototypes, cfg[k].head_hidden_dim, cfg[k].head_bottleneck_dim = 128, 64, 32
     dtype = torch.bfloat16 if precision == "bf16" else torch.half
-    batch = off.official_batch(cfg, b, dtype)
+    batch = _on_device(off.official_batch(cfg, b, dtype), dev)
     with off.cpu_step_shims(cpu):
         st = off.OfficialStep(train_mod, cfg, dev, batch)
         res = _time_steps(st.step, dev, n, deadline)
@@ -132,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--official-src", default=str(REPO / ".official" / "dinov2"))
     ap.add_argument("--official-precision", choices=["bf16", "recipe"], default="bf16")
     ap.add_argument("--skip-official", action="store_true")
+    ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end case (JPEG shards -> loader -> step)")
+    ap.add_argument("--e2e-workers", type=int, default=None, help="data workers (default: cores - 1; --cpu 1)")
     ap.add_argument("--no-fp16-extra", action="store_true",
                     help="skip the last row: the first case's official step in the recipe's fp16 + grad scaler")
     args = ap.parse_args(argv)
@@ -195,7 +219,7 @@ def main(argv=None) -> int:
                 r["mfu_vs_measured_gemm"] = r["achieved_tflops"] / report["gemm_bf16_tflops"]
             case[side] = r
             log(f"{name} {side}: {r['images_per_s']:.1f} images/s, step {r['step_s'] * 1e3:.1f} ms, "
-                f"first step {r['first_step_s']:.1f} s, MFU {r.get('mfu_vs_measured_gemm', float('nan')):.3f}, "
+                f"first step {r.get('first_step_s', float('nan')):.1f} s, MFU {r.get('mfu_vs_measured_gemm', float('nan')):.3f}, "
                 f"peak {r.get('peak_memory_gib', float('nan')):.2f} GiB")
         except Exception as exc:
             case[side] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
@@ -209,6 +233,36 @@ def main(argv=None) -> int:
         d, o = case.get("dinopipe", {}), case.get(other, {})
         if "images_per_s" in d and "images_per_s" in o:
             report["ratios"][key] = d["images_per_s"] / o["images_per_s"]
+
+    def run_e2e_case(model_b) -> None:
+        import tempfile
+
+        import gpu_bench_e2e as e2e
+
+        model, b = model_b
+        name = f"{model}_b{b}"
+        case = report["cases"].setdefault(name, {"model": model, "batch": b})
+        workers = args.e2e_workers if args.e2e_workers is not None else (1 if cpu else max(1, e2e.cores() - 1))
+        dcfg = _task_config(cpu, compile_=not cpu, model=model, batch=b)
+        arch, heads = planner.describe(dcfg)
+        flops = planner.step_flops(dcfg, arch, heads, dcfg.phases[0], b)["model"]
+        modes = ["cpu", "gpu"] if hasattr(dcfg.data, "augment_on") else ["cpu"]
+        if len(modes) == 1:
+            case["e2e_gpu_augmentation"] = "not measured: this build has no data.augment_on (issue 29, part 2)"
+        for mode in modes:
+            dcfg = _task_config(cpu, compile_=not cpu, model=model, batch=b)
+            if hasattr(dcfg.data, "augment_on"):
+                dcfg.data.augment_on = mode
+            side = f"dinopipe_e2e_jpeg_{mode}_aug"
+            with tempfile.TemporaryDirectory(prefix="gpu_bench_e2e_") as tmp:
+                run_side(name, case, side, lambda: e2e.run_e2e(
+                    dcfg, info, dev, lambda c: build_dinopipe(c, info),
+                    lambda t, o, batch, v: dinopipe_step(t, o, batch, v, dcfg.optim.clip_grad),
+                    Path(tmp), workers, n, end, lambda: _sync(dev)), b, flops)
+            e, d = case.get(side, {}), case.get("dinopipe", {})
+            if "images_per_s" in e and "images_per_s" in d:
+                report["ratios"][f"{name}_e2e_{mode}_aug_over_bare_step"] = e["images_per_s"] / d["images_per_s"]
+        save()
 
     try:
         for i, (model, b) in enumerate(cases + cases[:1]):
@@ -232,6 +286,8 @@ def main(argv=None) -> int:
                                                                       args.official_precision, cpu), b, flops)
             ratio(name, case, name, "official")
             save()
+        if not args.no_e2e:
+            run_e2e_case(cases[0])
     finally:
         if created:
             dist.destroy_process_group()
@@ -242,8 +298,9 @@ def main(argv=None) -> int:
         else:
             log(f"{name}: n/a ({', '.join(s for s in ('dinopipe', 'official') if 'images_per_s' not in case.get(s, {}))}"
                 " not measured)")
-        if f"{name}_vs_official_fp16_recipe" in report["ratios"]:
-            log(f"{name}_vs_official_fp16_recipe: {report['ratios'][name + '_vs_official_fp16_recipe']:.2f}")
+        for extra in ("_vs_official_fp16_recipe", "_e2e_cpu_aug_over_bare_step", "_e2e_gpu_aug_over_bare_step"):
+            if name + extra in report["ratios"]:
+                log(f"{name}{extra}: {report['ratios'][name + extra]:.2f}")
     save()
     log(f"wrote {out / 'gpu_bench.json'} in {time.monotonic() - t_start:.0f} s")
     ok = all("images_per_s" in c.get("dinopipe", {}) or "skipped" in c.get("dinopipe", {})
