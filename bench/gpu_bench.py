@@ -301,6 +301,12 @@ def main(argv=None) -> int:
         for extra in ("_vs_official_fp16_recipe", "_e2e_cpu_aug_over_bare_step", "_e2e_gpu_aug_over_bare_step"):
             if name + extra in report["ratios"]:
                 log(f"{name}{extra}: {report['ratios'][name + extra]:.2f}")
+        e = case.get("dinopipe_e2e_jpeg_cpu_aug", {})
+        if "loader_only_images_per_s" in e:
+            log(f"{name} loader alone: {e['loader_only_images_per_s']:.0f} images/s with {e['workers']} workers "
+                f"({e['loader_only_images_per_s_per_core']:.1f} per core)"
+                + (f", {e['loader_only_4_workers_images_per_s']:.0f} with 4" if "loader_only_4_workers_images_per_s" in e
+                   else ""))
     save()
     log(f"wrote {out / 'gpu_bench.json'} in {time.monotonic() - t_start:.0f} s")
     ok = all("images_per_s" in c.get("dinopipe", {}) or "skipped" in c.get("dinopipe", {})
