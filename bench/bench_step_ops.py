@@ -13,6 +13,9 @@ from the real collator. Steps 0-1 warm up; the later ones are counted and the me
 - ``aten_ops``: every ``aten::`` op the profiler records in the step (composite ops and what they call);
   ``leaf_aten_ops``: those without an ``aten::`` op under them, i.e. the kernels a GPU would launch (an upper
   bound: the fused optimizer's and the compiled blocks' kernels each count once).
+- ``kernel_ops``: leaf ops less those that only make metadata or memory (views, empty, ``to`` as a no-op): what a GPU
+  would launch, a multi-tensor op (``_foreach_*``, ``_fused_*``: a per-tensor loop on CPU) counted once; per part of
+  the step (forward+backward, reduce, clip, optimizer, ema).
 - ``host_reads``: reads of tensor values by the host (``.item() .tolist() float() int() bool() .numpy()`` on a
   tensor, and ``aten::_local_scalar_dense``/``nonzero`` reached from C++), AdamW's host step counters excluded:
   on CUDA each one waits for the GPU.
@@ -110,6 +113,74 @@ class Counting:
             setattr(torch.Tensor, name, fn)
 
 
+PARTS = ("forward+backward", "reduce", "clip", "optimizer", "ema")
+# Ops that only make a tensor's metadata or memory (no kernel on a GPU): left out of ``kernel_ops``.
+NO_KERNEL = {f"aten::{n}" for n in (
+    "view", "as_strided", "view_as", "reshape", "_reshape_alias", "transpose", "t", "permute", "alias", "detach",
+    "expand", "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "unbind", "narrow",
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_", "lift_fresh", "flatten",
+    "unflatten", "_unsafe_view", "resolve_conj", "resolve_neg", "set_", "to", "contiguous", "detach_", "is_pinned",
+    "_has_compatible_shallow_copy_type", "result_type", "is_nonzero", "item", "_local_scalar_dense", "size",
+    "stride", "numel", "dim", "record_stream", "_to_copy_nocopy")}
+
+
+def _part(e) -> str:
+    p = e.cpu_parent
+    while p is not None:
+        if p.name.startswith("part:"):
+            return p.name[5:]
+        p = p.cpu_parent
+    return "other"
+
+
+def mark_parts(trainer, opt, task) -> None:
+    """record_function ranges around the parts of the step, so each op is counted under its part."""
+    from torch.profiler import record_function
+
+    def wrap(obj, attr, label):
+        fn = getattr(obj, attr)
+
+        def inner(*a, **k):
+            with record_function("part:" + label):
+                return fn(*a, **k)
+        setattr(obj, attr, inner)
+
+    wrap(trainer, "_forward_backward", "forward+backward")
+    wrap(trainer, "_reduce", "reduce")
+    wrap(trainer, "_clip", "clip")
+    wrap(opt, "step", "optimizer")
+    wrap(trainer.task, "after_step", "ema")
+
+
+def patch_host_tensor(counter: Counter) -> None:
+    """``dinopipe.utils.device.host_tensor`` (after issue 29) copies asynchronously from pinned memory on CUDA:
+    its one ``lift_fresh`` is no sync. Count its calls to take them out."""
+    import dinopipe.train.loop as loop_mod
+    import dinopipe.train.metrics as metrics_mod
+
+    for mod in (loop_mod, metrics_mod):
+        fn = getattr(mod, "host_tensor", None)
+        if fn is not None and not getattr(fn, "_counted", False):
+            def inner(*a, _fn=fn, **k):
+                counter["host_tensor"] += 1
+                return _fn(*a, **k)
+            inner._counted = True
+            setattr(mod, "host_tensor", inner)
+
+
+def _multi(e) -> bool:
+    return e.name.startswith(("aten::_foreach_", "aten::_fused_"))
+
+
+def _under_multi(e) -> bool:
+    p = e.cpu_parent
+    while p is not None:
+        if _multi(p):
+            return True
+        p = p.cpu_parent
+    return False
+
+
 def count_events(prof) -> dict:
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     leaf = [e for e in events if not any(c.name.startswith("aten::") for c in e.cpu_children)]
@@ -125,7 +196,13 @@ def count_events(prof) -> dict:
             in_opt = in_opt or p.name.startswith("Optimizer.")
             p = p.cpu_parent
         lifts += not in_opt
-    return {"aten_ops": len(events), "leaf_aten_ops": len(leaf), "local_scalar_dense": names["aten::_local_scalar_dense"],
+    # A multi-tensor op (``_foreach_*``, ``_fused_*``) is one launch per chunk of tensors on CUDA; on CPU it runs
+    # a per-tensor loop: count it once, not what it runs.
+    multi = [e for e in events if _multi(e) and not _under_multi(e)]
+    kernels = [e for e in leaf if e.name not in NO_KERNEL and not _under_multi(e)] + multi
+    by_part = Counter(_part(e) for e in kernels)
+    return {"aten_ops": len(events), "leaf_aten_ops": len(leaf), "kernel_ops": len(kernels),
+            "kernels_by_part": dict(by_part), "top_kernels": Counter(e.name for e in kernels).most_common(10), "local_scalar_dense": names["aten::_local_scalar_dense"],
             "nonzero": names["aten::nonzero"], "tensors_from_python": lifts, "top": names.most_common(12)}
 
 
@@ -149,12 +226,16 @@ def run(args) -> dict:
             trainer = Trainer(LoopTask(task), opt, sched, [phase], tmp, info,
                               LoopConfig(progress=False, clip_grad=3.0), pool_size=10**6, step_hooks=[])
             trainer._preempt = False
+            mark_parts(trainer, opt, task)
+            async_copies = Counter()
+            patch_host_tensor(async_copies)
             it = iter(lambda: b, None)
             report = DataReport.from_reduced([0.0] * REPORT_SIZE)
             rows, times = [], []
             with Counting(opt) as counting:
                 for step in range(n):
                     counting.active, counting.n = True, Counter()
+                    async_copies.clear()
                     t = time.perf_counter()
                     with profile(activities=[ProfilerActivity.CPU]) as prof:
                         logs, _, _, report, _ = trainer._train_step([b], report, it, step, 1)
@@ -165,12 +246,15 @@ def run(args) -> dict:
                         row["python_reads"] = dict(counting.n)
                         py = sum(counting.n.values())
                         row["host_reads"] = py + row["nonzero"]
+                        row["async_host_copies"] = async_copies["host_tensor"]
+                        row["tensors_from_python"] -= row["async_host_copies"]
                         row["host_syncs"] = row["host_reads"] + row["tensors_from_python"]
                         rows.append(row)
-        keys = ("aten_ops", "leaf_aten_ops", "host_reads", "tensors_from_python", "host_syncs")
+        keys = ("aten_ops", "leaf_aten_ops", "kernel_ops", "host_reads", "tensors_from_python", "async_host_copies", "host_syncs")
         out = {k: statistics.median(r[k] for r in rows) for k in keys}
         out.update(model=args.model, batch=args.batch, compile=args.compile, dtype=args.dtype,
                    python_reads=rows[-1]["python_reads"], top_ops=rows[-1]["top"], loss=logs["loss"],
+                   kernels_by_part=rows[-1]["kernels_by_part"], top_kernels=rows[-1]["top_kernels"],
                    step_s=statistics.median(times[2:]),
                    optimizer=[type(o).__name__ + ("(fused)" if o.defaults.get("fused") else "(foreach)"
                                                   if o.defaults.get("foreach") else "(for-loop)")
@@ -182,9 +266,13 @@ def run(args) -> dict:
 
 
 def _parallelize(task, info, cfg, args):
+    import inspect
+
     from dinopipe.train import parallel
 
-    saved = parallel.compile_block
+    if "compile_backend" in inspect.signature(parallelize_task).parameters:
+        return parallelize_task(task, info, cfg.parallel, compile_backend=args.compile)
+    saved = parallel.compile_block  # before issue 29: blocks only, backend fixed
     parallel.compile_block = lambda blk, backend="inductor": saved(blk, args.compile)
     try:
         return parallelize_task(task, info, cfg.parallel)
@@ -208,10 +296,12 @@ def main() -> None:
     args = p.parse_args()
     res = run(args)
     print(f"{res['model']} b={res['batch']} {res['dtype']} compile={res['compile']} optimizer={res['optimizer']}")
-    for k in ("aten_ops", "leaf_aten_ops", "host_reads", "tensors_from_python", "host_syncs", "step_s"):
+    for k in ("aten_ops", "leaf_aten_ops", "kernel_ops", "host_reads", "tensors_from_python", "async_host_copies", "host_syncs",
+              "step_s"):
         print(f"{k}: {res[k]}")
+    print("kernel_ops by part: " + ", ".join(f"{p} {res['kernels_by_part'].get(p, 0)}" for p in PARTS + ("other",)))
+    print(f"top_kernels: {res['top_kernels']}")
     print(f"python_reads: {res['python_reads']}")
-    print(f"top_ops: {res['top_ops']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, default=str)

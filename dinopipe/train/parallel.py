@@ -174,11 +174,14 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
     if not frozen and cfg.sync_batchnorm:
         sync_batchnorm_(modules, info)
     for m in modules:
-        for blk in _blocks(m):
+        blocks = _blocks(m)
+        for blk in blocks:
             if cfg.activation_checkpointing and not frozen:
                 apply_activation_checkpointing(blk)
             if cfg.compile:
                 compile_block(blk, compile_backend)
+        if cfg.compile and not blocks:  # a head: one unit, compiled whole (its FSDP2 hooks stay eager around it)
+            compile_block(m, compile_backend)
     compute = DTYPES[cfg.param_dtype]
     if not info.distributed:
         if compute != torch.float32:
