@@ -202,7 +202,8 @@ def count_events(prof) -> dict:
     kernels = [e for e in leaf if e.name not in NO_KERNEL and not _under_multi(e)] + multi
     by_part = Counter(_part(e) for e in kernels)
     return {"aten_ops": len(events), "leaf_aten_ops": len(leaf), "kernel_ops": len(kernels),
-            "kernels_by_part": dict(by_part), "top_kernels": Counter(e.name for e in kernels).most_common(10), "local_scalar_dense": names["aten::_local_scalar_dense"],
+            "kernels_by_part": dict(by_part), "top_kernels": Counter(e.name for e in kernels).most_common(10),
+            "local_scalar_dense": names["aten::_local_scalar_dense"],
             "nonzero": names["aten::nonzero"], "tensors_from_python": lifts, "top": names.most_common(12)}
 
 
