@@ -260,7 +260,10 @@ class ParallelConfig:
     """Compute dtype of parameters and activations (bf16 / fp32), at any world size: FSDP2's mixed-precision
     policy with several processes, autocast in one. fp16 is refused (it would need a gradient scaler)."""
     reduce_dtype: str = "fp32"
-    """dtype of gradient reduce-scatter (fp32 / bf16)."""
+    """dtype of the gradient reduce-scatter (fp32 / bf16): of every part, unless head_reduce_dtype sets the heads'."""
+    head_reduce_dtype: Optional[str] = None
+    """dtype of the DINO / iBOT heads' gradient reduce-scatter (null: reduce_dtype). DINOv2 reduces the backbone
+    in 16 bits and the heads in fp32 (reduce_dtype=bf16, head_reduce_dtype=fp32): ~0.51 of all-fp32 traffic."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of keeping them (less memory, one more forward per block)."""
     compile: bool = False
@@ -283,6 +286,15 @@ def check_parallel_config(cfg: ParallelConfig) -> None:
         raise ConfigError(f"parallel.param_dtype: expected one of {list(COMPUTE_DTYPES)}, got '{cfg.param_dtype}'")
     if cfg.reduce_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"parallel.reduce_dtype: expected one of {list(COMPUTE_DTYPES)}, got '{cfg.reduce_dtype}'")
+    head = getattr(cfg, "head_reduce_dtype", None)
+    if head is not None and head not in COMPUTE_DTYPES:
+        raise ConfigError(f"parallel.head_reduce_dtype: expected one of {list(COMPUTE_DTYPES)} or null, got '{head}'")
+
+
+def reduce_dtypes(cfg: ParallelConfig) -> tuple[str, str]:
+    """(backbone, heads) gradient reduce dtypes of a parallel config."""
+    head = getattr(cfg, "head_reduce_dtype", None)
+    return cfg.reduce_dtype, head if head is not None else cfg.reduce_dtype
 
 
 def dataclass_fields(schema: Any) -> list[str]:
@@ -396,6 +408,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "check_parallel_config",
+    "reduce_dtypes",
     "config_reference",
     "format_reference",
     "load_config",

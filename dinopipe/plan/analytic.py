@@ -27,7 +27,7 @@ import torch
 from timm.layers import GluMlp, LayerScale, Mlp
 from torch import nn
 
-from ..config import phase_steps
+from ..config import phase_steps, reduce_dtypes
 from ..models import DINOHead, create_model
 from ..models.block import EFFICIENT_DROP_PATH_MIN_RATE, subset_size
 from .report import format_report
@@ -132,10 +132,12 @@ def sharded_numel(shape: tuple[int, ...], n: int) -> int:
     return math.ceil(shape[0] / n) * math.prod(shape[1:])
 
 
-def state_memory(arch: Arch, heads: list[HeadArch], n_gpus: int, param_dtype: str, reduce_dtype: str) -> dict:
+def state_memory(arch: Arch, heads: list[HeadArch], n_gpus: int, param_dtype: str, reduce_dtype: str,
+                 head_reduce_dtype: Optional[str] = None) -> dict:
     """Per-GPU bytes of model state. Sharded state stays fp32 (FSDP2 keeps the original dtype and all-gathers
     ``param_dtype`` copies per unit); one unit (a block or a head) is unsharded at a time plus one prefetched,
-    and in backward its unsharded gradient (+ a ``reduce_dtype`` copy for the reduce-scatter)."""
+    and in backward its unsharded gradient (+ a ``reduce_dtype`` copy for the reduce-scatter; a head's in
+    ``head_reduce_dtype``, None: the same)."""
     shapes = arch.backbone_numels + [s for h in heads for s in h.shapes]
     local = sum(sharded_numel(s, n_gpus) for s in shapes)
     params = local * 4
@@ -147,9 +149,15 @@ def state_memory(arch: Arch, heads: list[HeadArch], n_gpus: int, param_dtype: st
         "unsharded_units": 0,
     }
     if n_gpus > 1:
-        cp, cr = DTYPE_BYTES[param_dtype], DTYPE_BYTES[reduce_dtype]
-        unit = max(arch.block_params + [arch.root_params] + [h.params for h in heads])
-        out["unsharded_units"] = unit * (3 * cp + (cr if cr != cp else 0))
+        cp = DTYPE_BYTES[param_dtype]
+
+        def need(n: int, reduce: str) -> int:
+            cr = DTYPE_BYTES[reduce]
+            return n * (3 * cp + (cr if cr != cp else 0))
+
+        head_reduce = head_reduce_dtype or reduce_dtype
+        out["unsharded_units"] = max([need(n, reduce_dtype) for n in arch.block_params + [arch.root_params]]
+                                     + [need(h.params, head_reduce) for h in heads])
     out["total"] = sum(out.values())
     return out
 
@@ -431,7 +439,7 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
     # compute dtype: FSDP2's MixedPrecisionPolicy with several GPUs, autocast with one (train/parallel.py);
     # under autocast norms and softmax stay fp32, so one GPU's bf16 figure is a slight underestimate
     c = DTYPE_BYTES[p.param_dtype]
-    state = state_memory(arch, heads, gpus, p.param_dtype, p.reduce_dtype)
+    state = state_memory(arch, heads, gpus, p.param_dtype, *reduce_dtypes(p))
     if gram_state_bytes(cfg, arch, gpus, sharded_numel):  # the frozen Gram teacher: a third backbone copy
         g = gram_state_bytes(cfg, arch, gpus, sharded_numel)
         state = {**state, "gram_teacher_params": g, "total": state["total"] + g}
@@ -475,6 +483,10 @@ def plan(cfg, gpus: int, gpu_mem_gb: float, gpu_tflops: Optional[float] = None, 
            "params": param_counts(arch, heads), "state": state, "phases": phases,
            "total_steps": sum(ph["steps"] for ph in phases), "gram": describe_gram(cfg),
            "total_flops": sum(ph["steps"] * ph["flops"]["model"] * gpus for ph in phases)}
+    if gpus > 1:
+        from .comm import plan_comm
+
+        out.update(comm=plan_comm(cfg, arch, heads, gpus), reduce_dtypes=list(reduce_dtypes(p)))
     if gpu_tflops:
         out["gpu_hours"] = sum(ph["gpu_hours"] for ph in phases)
         out["hours"] = sum(ph["hours"] for ph in phases)
@@ -547,7 +559,8 @@ def main(argv=None) -> int:
         print(t.report())
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({**dataclasses.asdict(t), "planner_over_trace": t.planner_ratio}, f, indent=1)
+                json.dump({**dataclasses.asdict(t), "planner_over_trace": t.planner_ratio,
+                           "comm_over_fp32": t.comm_ratio}, f, indent=1)
     return 0
 
 

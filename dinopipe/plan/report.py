@@ -27,6 +27,11 @@ def format_report(r: dict) -> str:
         f"  + {r['margin']:.0%} fragmentation margin on everything, + {r['overhead_gb']:g} GiB CUDA context/NCCL",
         "",
     ]
+    if r.get("comm"):
+        c = r["comm"]
+        lines[-1:-1] = [f"communication per step and rank (FSDP2): all-gather {_gb(c['all_gather'])} GiB "
+                        f"({r['compute_dtype']}) + reduce-scatter {_gb(c['reduce_scatter'])} GiB (backbone "
+                        f"{r['reduce_dtypes'][0]}, heads {r['reduce_dtypes'][1]}) = {c['ratio']:.3f} of all-fp32"]
     if r.get("gram"):
         lines[-1:-1] = [r["gram"]]
     for ph in r["phases"]:

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..config import phase_steps
+from ..config import phase_steps, reduce_dtypes
 from .analytic import DTYPE_BYTES, describe, state_memory, step_memory
 from .gram import gram_state_bytes, largest_variant
 
@@ -53,14 +53,16 @@ class CollectiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes: dict[str, int] = defaultdict(int)
+        self.fp32_bytes: dict[str, int] = defaultdict(int)
+        """The same collectives with every floating-point tensor in fp32 (the reference of the ratio)."""
         self.calls: dict[str, int] = defaultdict(int)
 
     @staticmethod
-    def _nbytes(x: Any) -> int:
+    def _nbytes(x: Any, fp32: bool = False) -> int:
         if isinstance(x, torch.Tensor):
-            return x.numel() * x.element_size()
+            return x.numel() * (4 if fp32 and x.dtype.is_floating_point else x.element_size())
         if isinstance(x, (list, tuple)):
-            return sum(CollectiveBytes._nbytes(t) for t in x)
+            return sum(CollectiveBytes._nbytes(t, fp32) for t in x)
         return 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -71,8 +73,9 @@ class CollectiveBytes(TorchDispatchMode):
             kind = ("all_gather" if "gather" in name else "reduce_scatter" if "scatter" in name
                     else "all_reduce" if "reduce" in name else name.split(".")[0])
             # gathers: the first argument is the (pre-allocated) output; reduce-scatters: (output, input, ...)
-            size = self._nbytes(args[1] if kind == "reduce_scatter" and "base" in name else args[0]) if args else 0
-            self.bytes[kind] += size
+            which = (args[1] if kind == "reduce_scatter" and "base" in name else args[0]) if args else None
+            self.bytes[kind] += self._nbytes(which)
+            self.fp32_bytes[kind] += self._nbytes(which, fp32=True)
             self.calls[kind] += 1
         return out
 
@@ -150,10 +153,18 @@ class TraceResult:
     seconds: float
     accumulate: int = 1
     """Micro-batches per optimizer step (``train.accumulate``); ``batch_per_rank`` is one micro-batch."""
+    collective_fp32_bytes_per_step: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The same collectives had every floating-point tensor been fp32."""
 
     @property
     def planner_ratio(self) -> float:
         return self.planner["counted"] / self.peak_bytes
+
+    @property
+    def comm_ratio(self) -> float:
+        """Bytes through the collectives over the same step's bytes with every collective in fp32."""
+        fp32 = sum(self.collective_fp32_bytes_per_step.values())
+        return sum(self.collective_bytes_per_step.values()) / fp32 if fp32 else 1.0
 
     def report(self) -> str:
         lines = [f"traced {self.steps} real step(s) of {self.config}, phase {self.phase}, W={self.world_size}, "
@@ -172,6 +183,8 @@ class TraceResult:
         for k in sorted(self.collective_bytes_per_step):
             lines.append(f"    {k:<15} {self.collective_bytes_per_step[k] / GiB:8.3f} GiB in "
                          f"{self.collective_calls_per_step[k]} calls")
+        if self.collective_fp32_bytes_per_step:
+            lines.append(f"    = {self.comm_ratio:.3f} of the same collectives in fp32")
         return "\n".join(lines)
 
 
@@ -210,7 +223,7 @@ def planner_figures(cfg: Any, world_size: int, phase: Any, n_masked: int) -> dic
     arch, heads = describe(cfg)
     p = cfg.parallel
     c = DTYPE_BYTES[p.param_dtype]
-    state = state_memory(arch, heads, world_size, p.param_dtype, p.reduce_dtype)
+    state = state_memory(arch, heads, world_size, p.param_dtype, *reduce_dtypes(p))
     from .analytic import counted_peak, sharded_numel
 
     gram = gram_state_bytes(cfg, arch, world_size, sharded_numel)
@@ -281,14 +294,17 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             tracker.track_inputs((micro,))
             comm, counter = (CommDebugMode() if comm_debug else contextlib.nullcontext()), CollectiveBytes()
             per_step: list[dict[str, int]] = []
+            per_step32: list[dict[str, int]] = []
             calls: list[dict[str, int]] = []
             with _own_fake_mode_for_sharding_propagation(), tracker, comm, counter:
                 for k in range(steps):
                     before, before_calls = dict(counter.bytes), dict(counter.calls)
+                    before32 = dict(counter.fp32_bytes)
                     s = min(first + k, len(sched["lr"]) - 1)
                     values = {name: float(arr[s]) for name, arr in sched.items()}
                     _step(task, optimizer, micro, values, cfg.optim.clip_grad)
                     per_step.append({kk: v - before.get(kk, 0) for kk, v in counter.bytes.items()})
+                    per_step32.append({kk: v - before32.get(kk, 0) for kk, v in counter.fp32_bytes.items()})
                     calls.append({kk: v - before_calls.get(kk, 0) for kk, v in counter.calls.items()})
                     tracker.reset_mod_stats()
             peak = tracker.get_tracker_snapshot("peak")
@@ -300,7 +316,7 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             collective_bytes_per_step=per_step[-1], collective_calls_per_step=calls[-1],
             comm_counts={str(k): int(v) for k, v in comm.get_comm_counts().items()} if comm_debug else {},
             planner=planner_figures(cfg, world_size, ph, n_masked), seconds=time.perf_counter() - t0,
-            accumulate=k_acc)
+            accumulate=k_acc, collective_fp32_bytes_per_step=per_step32[-1])
         return result
     finally:
         tdist._INFO = saved_info

@@ -83,6 +83,13 @@ def koleo_per_global_crop(g_cls: Tensor, distributed: bool = False, gather=None,
 # -- optimizers -------------------------------------------------------------------------------------------
 
 
+def adamw_impl(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation for parameters on ``device``: the fused kernel on CUDA (one launch per dtype and
+    device for every parameter of a group, step counters on the device: no host work per parameter), the
+    multi-tensor ``foreach`` one elsewhere (torch's default on CPU is the per-parameter for-loop)."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
 class MultiOptimizer:
     """One optimizer per trained group behind the interface the loop uses (param_groups, zero_grad, step)."""
 
@@ -197,13 +204,15 @@ class TeacherStudentTask(nn.Module):
 
     def build_optimizer(self, param_groups_fn: Callable[[nn.Module], list[dict]],
                         betas: tuple[float, float] = (0.9, 0.999)) -> MultiOptimizer:
-        """AdamW per trained group (students must not share moments), each group's lr scaled by ``lr_scales``."""
+        """AdamW per trained group (students must not share moments), each group's lr scaled by ``lr_scales``;
+        fused on CUDA, foreach elsewhere (:func:`adamw_impl`)."""
         scales = self.lr_scales()
         for name, group in self.trained_groups().items():
             groups = param_groups_fn(group)
             for g in groups:
                 g["lr_multiplier"] *= scales.get(name, 1.0)
-            self.optimizers[name] = torch.optim.AdamW(groups, betas=betas)
+            device = next(group.parameters()).device
+            self.optimizers[name] = torch.optim.AdamW(groups, betas=betas, **adamw_impl(device))
         return MultiOptimizer(self.optimizers)
 
     # -- loop interface -----------------------------------------------------------------------------------
@@ -243,5 +252,5 @@ class TeacherStudentTask(nn.Module):
             ema_update_(ema, group, values["momentum"])
 
 
-__all__ = ["TeacherStudentTask", "ExportSpec", "MultiOptimizer", "build_head", "head_config", "n_prototypes",
+__all__ = ["TeacherStudentTask", "ExportSpec", "MultiOptimizer", "adamw_impl", "build_head", "head_config", "n_prototypes",
            "koleo_per_global_crop", "LoadBackbone", "LoadHeads"]

@@ -59,7 +59,8 @@ def sinkhorn_knopp(
     q = torch.exp(teacher_logits.float() / teacher_temp).t()  # (K, B): the paper's notation
     k = q.shape[0]
     # One reduction gives both the total mass and the global number of samples.
-    stats = all_reduce_sum(torch.stack([q.sum(), q.new_tensor(float(q.shape[1]))]), all_reduce_fn)
+    # (new_full: a fill on the device; new_tensor would copy Python data from the host, a sync on CUDA)
+    stats = all_reduce_sum(torch.stack([q.sum(), q.new_full((), float(q.shape[1]))]), all_reduce_fn)
     # No host sync on the count: with zero samples everywhere every division below acts on an empty q.
     sum_q, b_global = stats[0], stats[1]
     tiny = torch.finfo(q.dtype).tiny
@@ -95,7 +96,7 @@ class EMACenter(nn.Module):
     @torch.no_grad()
     def update(self, teacher_logits: Tensor, all_reduce_fn: Optional[AllReduceFn] = None) -> None:
         x = teacher_logits.float()
-        count = x.new_tensor([float(x.shape[0])])
+        count = x.new_full((1,), float(x.shape[0]))  # a fill on the device, not a host-to-device copy
         stats = all_reduce_sum(torch.cat([x.sum(dim=0), count]), all_reduce_fn)  # one reduction
         total = stats[-1]
         batch_center = (stats[:-1] / total.clamp_min(1.0)).unsqueeze(0)

@@ -62,12 +62,12 @@ def _ema_pairs(target: nn.Module, source: nn.Module) -> tuple[list[torch.Tensor]
 
 @torch.no_grad()
 def ema_update_(target: nn.Module, source: nn.Module, momentum: float) -> None:
-    """target = m * target + (1 - m) * source, parameter by parameter on the local shards (both modules are
-    sharded identically by parallelize(), so shard i of one pairs with shard i of the other)."""
+    """target = m * target + (1 - m) * source on the local shards (both modules are sharded identically by
+    parallelize(), so shard i of one pairs with shard i of the other), as one multi-tensor lerp over every
+    shard: target += (1 - m) * (source - target), one kernel per chunk of tensors instead of one per parameter."""
     t, s = _ema_pairs(target, source)
     if t:
-        torch._foreach_mul_(t, momentum)
-        torch._foreach_add_(t, s, alpha=1.0 - momentum)
+        torch._foreach_lerp_(t, s, 1.0 - momentum)
     _ema_norm_stats_(target, source, momentum)
 
 

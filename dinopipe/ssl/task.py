@@ -208,14 +208,13 @@ class SSLTask(TeacherStudentTask):
         patches = outs[0]["x_norm_patchtokens"].flatten(0, 1)[batch["mask_indices"]]  # (M, D)
         cls_logits, patch_logits = self._heads(self.student, torch.cat([g_cls, l_cls]), patches)
         n_g = g_cls.shape[0]
-
-        dino = self.dino_loss(cls_logits[:n_g], teacher_cls, cls_logits[n_g:] if len(outs) > 1 else None,
-                              local_weight=values.get("dino_local_weight", 1.0))
-        ibot = self.ibot_loss(patch_logits, teacher_patch, n_images=n_g, masks_weight=batch["masks_weight"])
+        loss, dino, ibot, koleo = self.loss_terms(cls_logits, teacher_cls, patch_logits, teacher_patch,
+                                                  batch["masks_weight"], g_cls, len(outs) > 1,
+                                                  values.get("dino_local_weight", 1.0))
         d = cfg.dino
-        koleo = koleo_per_global_crop(g_cls, d.koleo_distributed, self.all_gather_fn, self.rank, d.koleo_group_size,
-                                      d.koleo_topk)
-        loss = cfg.dino.loss_weight * dino + cfg.ibot.loss_weight * ibot + cfg.dino.koleo_loss_weight * koleo
+        if d.koleo_distributed:  # a collective inside: outside the compiled loss
+            koleo = koleo_per_global_crop(g_cls, True, self.all_gather_fn, self.rank, d.koleo_group_size, d.koleo_topk)
+            loss = loss + d.koleo_loss_weight * koleo
         logs = {"dino_loss": dino.detach(), "ibot_loss": ibot.detach(), "koleo_loss": koleo.detach(),
                 "n_masked": int(batch["mask_indices"].numel()), "n_images": int(batch.get("n_images", n_g // 2))}
         gram = self._gram_loss(batch, outs[0]["x_norm_patchtokens"], values)
@@ -223,6 +222,23 @@ class SSLTask(TeacherStudentTask):
             loss = loss + values["gram_weight"] * gram
             logs["gram_loss"] = gram.detach()
         return loss, logs
+
+    compiled_methods = ("loss_terms",)
+    """Methods the train layer compiles with the blocks when ``parallel.compile`` is on (fullgraph: no graph break)."""
+
+    def loss_terms(self, cls_logits: Tensor, teacher_cls: Tensor, patch_logits: Tensor, teacher_patch: Tensor,
+                   masks_weight: Tensor, g_cls: Tensor, has_local: bool, local_weight: float
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The student's losses from its head outputs: (weighted sum, DINO, iBOT, KoLeo). Tensors in, tensors out
+        and no collective (DINOv3's distributed KoLeo is added by the caller), so it compiles as one graph."""
+        n_g = g_cls.shape[0]
+        dino = self.dino_loss(cls_logits[:n_g], teacher_cls, cls_logits[n_g:] if has_local else None,
+                              local_weight=local_weight)
+        ibot = self.ibot_loss(patch_logits, teacher_patch, n_images=n_g, masks_weight=masks_weight)
+        d = self.cfg.dino
+        koleo = g_cls.new_zeros((), dtype=torch.float32) if d.koleo_distributed else koleo_per_global_crop(g_cls)
+        loss = d.loss_weight * dino + self.cfg.ibot.loss_weight * ibot + d.koleo_loss_weight * koleo
+        return loss, dino, ibot, koleo
 
     def _gram_loss(self, batch: dict, student_patches: Tensor, values: dict) -> Optional[Tensor]:
         """Gram anchoring of the student's global-crop patch tokens (2B, N, D); None while it is off."""
@@ -248,9 +264,11 @@ def init_adamw_state_(opt: torch.optim.Optimizer) -> None:
     state in the checkpoints written meanwhile, and resuming from one would fail on the missing keys (or, with
     torch's zero-gradient initialisation, start its moments from a fake step)."""
     for group in opt.param_groups:
+        on_device = group.get("fused") or group.get("capturable")  # their step counters live with the params
         for p in group["params"]:
             if not opt.state.get(p):
-                opt.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                opt.state[p] = {"step": step,
                                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 

@@ -58,8 +58,14 @@ def local_grad_sq(params: list[nn.Parameter]) -> torch.Tensor:
     grads, copies = _local_grads(params)
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=get_info().device)
-    norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads)])
-    return (norms.square() / torch.tensor(copies, dtype=torch.float64, device=norms.device)).sum()
+    norms = torch._foreach_norm(grads)
+    # Grouped by replica count (one group under FSDP2): a Python divisor per group, no tensor of divisors
+    # copied from the host each step (a blocking copy on CUDA), one cast per group rather than per gradient.
+    total = None
+    for c in sorted(set(copies)):
+        sq = torch.stack([n for n, k in zip(norms, copies) if k == c]).to(torch.float64).square().sum() / c
+        total = sq if total is None else total + sq
+    return total
 
 
 def scale_grads_(params: list[nn.Parameter], coef: float) -> None:

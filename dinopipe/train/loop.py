@@ -33,6 +33,7 @@ from tqdm import tqdm
 from ..data.loader import DataPosition
 from ..data.sources import stable_hash
 from ..ssl.param_groups import apply_optim_schedules
+from ..utils.device import host_tensor
 from .checkpoint import CheckpointManager, ValueState
 from .clip import clip_groups_, local_grad_sq
 from .dist import DistInfo, all_reduce_max_scalar
@@ -328,9 +329,10 @@ class Trainer:
         reduction), the loss and the declared metrics. A non-finite loss or norm makes the sums non-finite on
         every rank, so all ranks stop together before the optimizer touches anything. A skipped step (no loss)
         sends the flags and the report only."""
-        f64 = dict(dtype=torch.float64, device=self.info.device)
         undeclared = self.metric_set.undeclared(logs, ignore=("corrupt/",))
-        head = torch.tensor([1.0 if self._preempt else 0.0, 1.0 if undeclared else 0.0] + local_report(nxt), **f64)
+        # host numbers reach the device asynchronously (pinned on CUDA): the .tolist() below stays the one sync
+        head = host_tensor([1.0 if self._preempt else 0.0, 1.0 if undeclared else 0.0] + local_report(nxt),
+                           self.info.device)
         parts = [head]
         if loss is not None:
             parts += [torch.stack([local_grad_sq(g) for g in self._clip_groups]),

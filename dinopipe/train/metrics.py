@@ -21,6 +21,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from ..utils.device import host_tensor
+
 
 def _plain(v: Any) -> Any:
     if hasattr(v, "item"):
@@ -88,6 +90,7 @@ class MetricSet:
     def __init__(self, keys: Iterable[str]) -> None:
         self.keys = tuple(sorted(set(keys)))
         self._index = {k: i for i, k in enumerate(self.keys)}
+        self._dev_index: dict = {}
 
     def __len__(self) -> int:
         return 2 * len(self.keys)
@@ -98,27 +101,29 @@ class MetricSet:
                       if _numeric(v) and k not in self._index and not k.startswith(tuple(ignore)))
 
     def slots(self, logs: dict[str, Any], device: torch.device) -> torch.Tensor:
-        """(2 * n_keys,) float64 on ``device``: values (device tensors stay there: no host sync) and flags."""
-        f64 = dict(dtype=torch.float64, device=device)
-        out = torch.zeros(len(self), **f64)
+        """(2 * n_keys,) float64 on ``device``: values (device tensors stay there) and flags, with no host sync:
+        the host numbers go over in one asynchronous copy, the device values are placed by an index made once."""
         if not self.keys:
-            return out
-        host, dev_idx, dev_vals = [], [], []
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        host = [0.0] * len(self)
+        dev_idx, dev_vals = [], []
         for k in self.keys:
             v = logs.get(k)
             if v is None or not _numeric(v):
                 continue
             i = self._index[k]
-            host.append(2 * i + 1)  # present
+            host[2 * i + 1] = 1.0  # present
             if torch.is_tensor(v):
                 dev_idx.append(2 * i)
-                dev_vals.append(v.detach().to(torch.float64).reshape(()))
+                dev_vals.append(v.detach().reshape(()))
             else:
-                out[2 * i] = float(v)
-        if host:
-            out[host] = 1.0
+                host[2 * i] = float(v)
+        out = host_tensor(host, device)
         if dev_idx:
-            out[dev_idx] = torch.stack(dev_vals).to(device)
+            key = (tuple(dev_idx), str(device))
+            if key not in self._dev_index:  # the same keys every step: made once (one copy), then reused
+                self._dev_index[key] = torch.tensor(dev_idx, dtype=torch.long, device=device)
+            out = out.index_copy(0, self._dev_index[key], torch.stack(dev_vals).to(device, torch.float64))
         return out
 
     def means(self, reduced: Sequence[float]) -> dict[str, float]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ParallelConfig, check_parallel_config
+from ..config import ParallelConfig, check_parallel_config, reduce_dtypes
 from .dist import DistInfo
 
 log = logging.getLogger(__name__)
@@ -174,11 +174,14 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
     if not frozen and cfg.sync_batchnorm:
         sync_batchnorm_(modules, info)
     for m in modules:
-        for blk in _blocks(m):
+        blocks = _blocks(m)
+        for blk in blocks:
             if cfg.activation_checkpointing and not frozen:
                 apply_activation_checkpointing(blk)
             if cfg.compile:
                 compile_block(blk, compile_backend)
+        if cfg.compile and not blocks:  # a head: one unit, compiled whole (its FSDP2 hooks stay eager around it)
+            compile_block(m, compile_backend)
     compute = DTYPES[cfg.param_dtype]
     if not info.distributed:
         if compute != torch.float32:
@@ -190,17 +193,23 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = device_mesh(info)
-    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[cfg.reduce_dtype])
-    # Only the root casts its inputs: a block's activations are already in the compute dtype, and its other float
-    # inputs keep theirs (DINOv3's RoPE tables in ``model.rope_dtype``, which a cast to bf16 would override).
-    mp_block = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[cfg.reduce_dtype], cast_forward_inputs=False)
+    backbone_reduce, head_reduce = reduce_dtypes(cfg)
     reshard = True if frozen else cfg.reshard_after_forward
     for m in modules:
-        for blk in _blocks(m):
+        blocks = _blocks(m)
+        # Per part, as DINOv2's config: a backbone's gradients (the bulk of the bytes) in ``reduce_dtype``, a
+        # head's (no wrap units) in ``head_reduce_dtype``. The sharded gradients stay fp32 either way.
+        reduce = DTYPES[backbone_reduce if blocks else head_reduce]
+        # Only the root casts its inputs: a block's activations are already in the compute dtype, and its other
+        # float inputs keep theirs (DINOv3's RoPE tables in ``model.rope_dtype``, which a cast would override).
+        mp_block = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce, cast_forward_inputs=False)
+        for blk in blocks:
             fully_shard(blk, mesh=mesh, mp_policy=mp_block, reshard_after_forward=reshard)
-        fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    log.info("compute dtype %s (FSDP2 mixed precision over %d ranks, reduce %s, %s)", cfg.param_dtype,
-             info.world_size, cfg.reduce_dtype, "frozen" if frozen else f"reshard_after_forward={reshard}")
+        fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce),
+                    reshard_after_forward=reshard)
+    log.info("compute dtype %s (FSDP2 mixed precision over %d ranks, reduce backbones %s / heads %s, %s)",
+             cfg.param_dtype, info.world_size, backbone_reduce, head_reduce,
+             "frozen" if frozen else f"reshard_after_forward={reshard}")
     return cfg.param_dtype
 
 

@@ -188,12 +188,27 @@ def build_rank0_broadcast(task_cls: type[TeacherStudentTask], cfg: Any, info: Di
     return task
 
 
-def parallelize_task(task: TeacherStudentTask, info: DistInfo, pcfg: Optional[ParallelConfig] = None) -> str:
+def compile_methods(task: TeacherStudentTask, backend: str = "inductor") -> None:
+    """Compile the task's ``compiled_methods`` (its losses) as the blocks are: fullgraph (a graph break is an
+    error), dynamic shapes (the masked-patch count changes every step)."""
+    for name in getattr(task, "compiled_methods", ()):
+        fn = getattr(task, name)
+        if not getattr(fn, "_dinopipe_compiled", False):
+            compiled = torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
+            compiled._dinopipe_compiled = True
+            setattr(task, name, compiled)
+
+
+def parallelize_task(task: TeacherStudentTask, info: DistInfo, pcfg: Optional[ParallelConfig] = None,
+                     compile_backend: str = "inductor") -> str:
     """Shard trained and frozen modules alike (so EMA copies pair local shards with their students one to
-    one); frozen ones (no backward) always reshard after forward. Returns the compute dtype in effect."""
+    one); frozen ones (no backward) always reshard after forward; with ``compile`` the blocks, the heads and
+    the task's losses are compiled. Returns the compute dtype in effect."""
     trained, frozen = task.shard_groups()
-    task.compute_dtype = parallelize(trained, info, pcfg)
-    parallelize(frozen, info, pcfg, frozen=True)
+    task.compute_dtype = parallelize(trained, info, pcfg, compile_backend=compile_backend)
+    parallelize(frozen, info, pcfg, frozen=True, compile_backend=compile_backend)
+    if pcfg is not None and pcfg.compile:
+        compile_methods(task, compile_backend)
     if info.distributed:
         from torch.distributed.fsdp import register_fsdp_forward_method
 
@@ -271,4 +286,4 @@ def run_training(cfg: Any, task_cls: type[TeacherStudentTask]) -> int:
 
 
 __all__ = ["run_training", "build_task", "build_sharded_task", "build_rank0_broadcast", "parallelize_task",
-           "checkpoint_states", "export_task", "LoopTask"]
+           "compile_methods", "checkpoint_states", "export_task", "LoopTask"]

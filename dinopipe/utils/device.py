@@ -27,4 +27,14 @@ def pick_device(spec: str | torch.device = "auto", key: str = "device") -> torch
         raise ConfigError(f"{key}: '{spec}' is not a device (auto | cpu | cuda | cuda:N)") from exc
 
 
-__all__ = ["pick_device"]
+def host_tensor(values: list[float], device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Python numbers as a tensor on ``device`` without waiting for it: on CUDA through pinned memory with an
+    asynchronous copy (``torch.tensor(values, device=cuda)`` copies from pageable memory and blocks the host
+    until the GPU has caught up, one host sync per call; the pinned block is not reused before the copy ends)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+__all__ = ["pick_device", "host_tensor"]
