@@ -244,7 +244,7 @@ class InitRecorder(TorchDispatchMode):
 
     def _ref(self, t: Tensor, problems: list):
         if not _is_meta(t):
-            return _Real(t, t._version)
+            return _Real(t, compat.tensor_version(t))
         st = self.storages.get(_key(t))
         if st is None:  # e.g. torch.tensor(0, device="meta") (BatchNorm's num_batches_tracked): data never dispatched
             # torch.tensor(data) takes the default device without a torch function call: implicit when the
@@ -359,7 +359,7 @@ class InitRecorder(TorchDispatchMode):
             if e.why:
                 return e.why
             for r in tree_flatten((e.args, e.kwargs))[0]:
-                if isinstance(r, _Real) and r.tensor._version != r.version:
+                if isinstance(r, _Real) and compat.tensor_version(r.tensor) != r.version:
                     return "a tensor it was copied from changed after the copy"
                 if isinstance(r, _Tracked) and r.key != key:
                     why = self._check(r.key, r.pos, seen)

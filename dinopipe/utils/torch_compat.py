@@ -76,6 +76,14 @@ def storage_key(t: torch.Tensor) -> int:
     return key
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (autograd's), bumped by every in-place op on it or a view."""
+    try:
+        return t._version
+    except AttributeError as e:
+        raise _missing("Tensor._version", "noticing a file tensor modified after it was read", e) from e
+
+
 def tree_flatten(tree: Any):
     """``(leaves, spec)`` of nested lists, tuples and dicts (torch's Python pytree: no optree dependency)."""
     return _attr("torch.utils._pytree", "tree_flatten", "walking an op's arguments")(tree)
@@ -178,6 +186,22 @@ def fsdp_mem_tracker(root: nn.Module, optimizer: Any, roots: nn.Module | None = 
     return tracker
 
 
+# -- torch.compile (gpu-check) -------------------------------------------------------------------------------
+
+def dynamo_counters() -> Any:
+    """torch.compile's event counters (``counters["graph_break"]``: the graph breaks since the last clear)."""
+    return _attr("torch._dynamo.utils", "counters", "gpu-check's graph-break count")
+
+
+def inductor_fallback_random(on: bool = True) -> None:
+    """Make inductor draw random numbers with eager's generator (``fallback_random``), so a compiled block's
+    dropout / drop-path subsets equal eager's and the two can be compared."""
+    config = importlib.import_module("torch._inductor.config")
+    if not hasattr(config, "fallback_random"):
+        raise _missing("torch._inductor.config.fallback_random", "gpu-check's compiled-vs-eager comparison")
+    config.fallback_random = on
+
+
 # -- distributed checkpoint ------------------------------------------------------------------------------------
 
 def dcp_set_element(root: dict, path: Any, value: Any) -> None:
@@ -215,6 +239,6 @@ def deepcopies_share_parameters() -> Iterator[None]:
 
 
 __all__ = ["TorchCompatError", "SUPPORTED", "torch_dispatch_mode_cls", "device_context_cls", "device_constructors",
-           "function_mode_stack", "storage_key", "tree_flatten", "tree_map", "local_shape_and_global_offset",
+           "function_mode_stack", "storage_key", "tensor_version", "tree_flatten", "tree_map", "local_shape_and_global_offset",
            "fake_store", "fake_tensor_mode", "own_fake_mode_for_sharding_propagation", "fsdp_mem_tracker",
-           "dcp_set_element", "deepcopies_share_parameters"]
+           "dynamo_counters", "inductor_fallback_random", "dcp_set_element", "deepcopies_share_parameters"]

@@ -166,3 +166,25 @@ def test_a_missing_internal_is_named_with_the_torch_version(monkeypatch):
         assert f"torch {torch.__version__} has no torch.utils._device._device_constructors" in str(err.value)
     finally:
         compat._attr.cache_clear()
+
+
+def test_tensor_version_counts_in_place_writes_through_views():
+    t = torch.zeros(4)
+    v = compat.tensor_version(t)
+    t[1:].add_(1)
+    assert compat.tensor_version(t) == v + 1
+
+
+def test_compile_counters_and_inductor_random_setting():
+    import importlib
+
+    counters = compat.dynamo_counters()
+    counters.clear()
+    assert sum(counters["graph_break"].values()) == 0
+    config = importlib.import_module("torch._inductor.config")
+    before = config.fallback_random
+    try:
+        compat.inductor_fallback_random(True)
+        assert config.fallback_random is True
+    finally:
+        config.fallback_random = before
