@@ -109,12 +109,12 @@ def check_attention(dev: torch.device, small: bool) -> dict:
 def check_block(dev: torch.device, small: bool) -> dict:
     import copy
 
-    from torch._dynamo.utils import counters
-
     from .models.block import Block
     from .train.parallel import apply_activation_checkpointing, compile_block
+    from .utils.torch_compat import dynamo_counters, inductor_fallback_random
 
-    torch._dynamo.reset()
+    counters = dynamo_counters()
+    torch.compiler.reset()
     counters.clear()
     torch.manual_seed(0)
     dim, heads = (64, 2) if small else (384, 6)
@@ -127,9 +127,7 @@ def check_block(dev: torch.device, small: bool) -> dict:
     if backend:
         # Inductor draws random numbers with its own generator: the drop-path subsets (randperm) would differ from
         # eager's and the gradients with them (grad_rel 1.13 on an H100). Eager's RNG makes the two comparable.
-        import torch._inductor.config as inductor_config
-
-        inductor_config.fallback_random = True
+        inductor_fallback_random(True)
         compile_block(comp, backend)
     # steady batch, ragged last batch, then the high-resolution phase (224 -> 518 px at patch 14: 257 -> 1370)
     sizes = [(4, 17, 5), (3, 17, 5), (2, 37, 5)] if small else [(32, 257, 50), (29, 257, 50), (8, 1370, 50)]

@@ -19,6 +19,7 @@ GROUPS: dict[str, str] = {
     "dinopipe.utils": "util",  # one home per small helper (atomic writes, normalisation, device picking)
     "dinopipe.logs": "util",  # package loggers
     "dinopipe.ssl.config": "config",
+    "dinopipe.ssl.config_checks": "config",  # the pretraining config's validators (split from ssl/config.py)
     "dinopipe.ssl.distill_config": "config",
     # 1
     "dinopipe.models": "models",

@@ -153,11 +153,11 @@ def test_preempted_pretrain_resumes_from_its_checkpoint(slurm, pool, chain, tmp_
     """Preempted twice while running with 2 data workers: USR1 to every process of the job step, workers
     included (what --signal=USR1@lead sends before the time limit; the batch script requeues the job
     itself), then `scontrol requeue` (SIGTERM to the whole job; Slurm requeues). The job waits at steps 3 and
-    9 for the signal (test hook DINOPIPE_TEST_SIGNAL=wait:N), so each lands at a known step. Each time the
+    9 for the signal (debug hook DINOPIPE_DEBUG_HOOKS=signal=wait:N), so each lands at a known step. Each time the
     step in flight finishes, a checkpoint is saved, every step before it is kept and none is run twice."""
     run = tmp_path / "requeue"
     steps = 40  # 10 epochs x 4 steps; checkpoints only at the end and when preempted
-    site = [f"--env={ENV_SETUP} DINOPIPE_TEST_SIGNAL=wait:3,wait:9", *SITE[1:]]
+    site = [f"--env={ENV_SETUP} DINOPIPE_DEBUG_HOOKS=signal=wait:3,wait:9", *SITE[1:]]
     rc = cli.main(["slurm", "submit", "--config", CONFIG, *site, f"output_dir={run}", "stages=[pretrain]",
                    *TINY_PRETRAIN, "pretrain:train.epochs=10", "pretrain:train.checkpoint_every=1000",
                    "pretrain:data.num_workers=2", f"pretrain:data.paths=[{pool}]"])

@@ -30,11 +30,12 @@ from typing import Callable
 
 import numpy as np
 
+from dinopipe.utils import debug_hooks
 from dinopipe.utils.io import atomic_path
 
-BLOCK = int(os.environ.get("CURATE_BLOCK", 65536))
-"""Rows per block: the unit a task owns, reads and (usually) writes (CURATE_BLOCK: smaller blocks, so a
-small test pool still splits over several tasks; set it before the tasks start)."""
+BLOCK = int(debug_hooks.get("curate_block") or 65536)
+"""Rows per block: the unit a task owns, reads and (usually) writes (the debug hook ``curate_block``,
+dinopipe/utils/debug_hooks.py: smaller blocks, so a small test pool still splits over several tasks)."""
 LAUNCHERS = ("local", "slurm", "dist")
 
 

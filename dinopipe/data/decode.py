@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from .channels import ArrayTooLarge, is_npy, is_tiff, read_array, render_rgb
+from .arrays import ArrayTooLarge, is_npy, is_tiff, read_array, render_rgb
 
 # Stable reason strings (they appear in manifest.json; keep them short and unchanged).
 EMPTY = "empty"  # zero bytes

@@ -31,9 +31,9 @@ from functools import partial
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import phase_steps, reduce_dtypes
+from ..utils import torch_compat as compat
 from .analytic import DTYPE_BYTES, describe, state_memory, step_memory
 from .gram import gram_state_bytes, largest_variant
 
@@ -46,7 +46,7 @@ _COLLECTIVES = ("allgather", "all_gather", "reduce_scatter", "allreduce", "all_r
                 "all_to_all")
 
 
-class CollectiveBytes(TorchDispatchMode):
+class CollectiveBytes(compat.torch_dispatch_mode_cls()):
     """Bytes per collective kind that pass through the dispatcher (c10d and functional collectives): the output
     of gathers, the input of reduce-scatters, the tensor of all-reduces; per rank, per call."""
 
@@ -78,61 +78,6 @@ class CollectiveBytes(TorchDispatchMode):
             self.fp32_bytes[kind] += self._nbytes(which, fp32=True)
             self.calls[kind] += 1
         return out
-
-
-def _tracker_cls():
-    """FSDPMemTracker that tolerates FSDP units entered through registered forward methods (the task calls
-    ``forward_features_list``, which FSDP2 hooks directly, not through the module hooks the tracker wraps) and
-    roots called once per micro-batch (``train.accumulate``)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
-
-    class Tracker(FSDPMemTracker):
-        def _ensure(self, mod) -> None:
-            if mod not in self.memory_tracking:
-                self.memory_tracking[mod] = _FSDPModMemStats(type(mod).__name__)
-
-        def _fsdp_state_pre_forward(self, fsdp_mod, orig):
-            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
-
-            def again(*a, **k):
-                # A root called again in forward: the next micro-batch of train.accumulate, not a new iteration
-                # (the tracker refuses that); its per-module stats start over, the global peak is kept.
-                if not self._mod_tracker.is_bw and fsdp_mod in self.memory_tracking:
-                    parents = self._mod_tracker.parents - {self._mod_tracker.get_known_fqn(fsdp_mod)}
-                    if len(parents) == 1 and "Global" in parents:
-                        del self.memory_tracking[fsdp_mod]
-                return inner(*a, **k)
-
-            return again
-
-        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
-            inner = super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
-            return lambda *a, **k: (self._ensure(fsdp_mod), inner(*a, **k))[1]
-
-        def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-            inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
-            return lambda *a, **k: (self._ensure(fsdp_mod), inner(*a, **k))[1]
-
-    return Tracker
-
-
-@contextlib.contextmanager
-def _own_fake_mode_for_sharding_propagation():
-    """DTensor's sharding propagation runs each op once on *global-shape* fake tensors to learn the output's
-    metadata, in ``detect_fake_mode() or FakeTensorMode()``: in a real run a private fake mode, which the memory
-    tracker skips (it counts only ops under the fake mode active at its entry); under the trace's fake mode it
-    finds that one, so the tracker counted those full-size shadows as real memory. The foreach AdamW ops take
-    every parameter at once, so the trace carried ~4 x (student numel) bytes more than any rank allocates (the
-    batch-independent term measured at W=256; a real 2-rank gloo run shows it absent, docs/training-scale.md).
-    Here the propagation gets a private fake mode, as in a real run."""
-    from torch.distributed.tensor import _sharding_prop
-
-    saved = _sharding_prop.detect_fake_mode
-    _sharding_prop.detect_fake_mode = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        _sharding_prop.detect_fake_mode = saved
 
 
 @dataclasses.dataclass
@@ -239,9 +184,7 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
     """Run ``steps`` real training steps of the PretrainConfig ``cfg`` as rank 0 of ``world_size`` ranks.
     ``comm_debug``: also attach torch's ``CommDebugMode`` (op counts; the byte counter runs regardless)."""
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor.debug import CommDebugMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..ssl.param_groups import build_param_groups
     from ..ssl.task import SSLTask
@@ -261,10 +204,10 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
     cfg.parallel.compile = False
     index, ph = _phase(cfg, phase)
     ph = largest_variant(ph)  # a high-res adaptation phase: the largest size triple it draws
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    saved_info = tdist._INFO
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=world_size)
     info = DistInfo(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="fake")
-    tdist._INFO = info
+    scope = contextlib.ExitStack()
+    scope.enter_context(tdist.use_info(info))  # the train layer's view of the (fake) process group, put back after
     try:
         device_mesh(info)  # outside the fake mode (building a mesh reads tensor values)
         torch.manual_seed(seed)
@@ -279,7 +222,7 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
         if getattr(cfg, "gram", None) is not None and cfg.gram.enabled:
             first = max(first, min(cfg.gram.first_step, bounds[-1][1] - steps))
         sched = build_schedules(cfg, world_size)
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
         with fake:
             parallelize_task(task, info, cfg.parallel)
             task.to_empty(device="cpu")
@@ -289,14 +232,14 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
                                              betas=(o.adamw_beta1, o.adamw_beta2))
             first_opt = next(iter(task.optimizers.values()))
             roots = [m for m in task.modules() if hasattr(m, "unshard")]
-            tracker = _tracker_cls()(roots[0], first_opt)
-            tracker._root_mod = task  # every FSDP root of the task (student, heads, teacher, Gram teacher)
+            # every FSDP root of the task (student, heads, teacher, Gram teacher)
+            tracker = compat.fsdp_mem_tracker(roots[0], first_opt, roots=task)
             tracker.track_inputs((micro,))
             comm, counter = (CommDebugMode() if comm_debug else contextlib.nullcontext()), CollectiveBytes()
             per_step: list[dict[str, int]] = []
             per_step32: list[dict[str, int]] = []
             calls: list[dict[str, int]] = []
-            with _own_fake_mode_for_sharding_propagation(), tracker, comm, counter:
+            with compat.own_fake_mode_for_sharding_propagation(), tracker, comm, counter:
                 for k in range(steps):
                     before, before_calls = dict(counter.bytes), dict(counter.calls)
                     before32 = dict(counter.fp32_bytes)
@@ -319,7 +262,7 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             accumulate=k_acc, collective_fp32_bytes_per_step=per_step32[-1])
         return result
     finally:
-        tdist._INFO = saved_info
+        scope.close()
         from ..train import parallel as tpar
 
         tpar._MESHES.clear()

@@ -12,7 +12,6 @@ as one dict of named states.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -28,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..utils import safe_dcp
+from ..utils import debug_hooks, safe_dcp
 from ..utils.io import atomic_write
 from .dist import barrier, broadcast_object, get_info
 from .signals import maybe_test_signal
@@ -86,7 +85,7 @@ class CheckpointManager:
         return f"step_{step:08d}"
 
     def latest(self) -> Optional[Path]:
-        if os.environ.get("DINOPIPE_TEST_STALE_LATEST") == str(get_info().rank):
+        if debug_hooks.get("stale_latest") == str(get_info().rank):
             return None  # test hook: this rank's view of a shared filesystem has not seen ``latest`` yet
         pointer = self.dir / "latest"
         if not pointer.is_file():

@@ -8,12 +8,13 @@ when a GPU is visible, CPU + gloo otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import subprocess
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,18 @@ def get_info() -> DistInfo:
     return _INFO or DistInfo()
 
 
+@contextlib.contextmanager
+def use_info(info: DistInfo) -> Iterator[DistInfo]:
+    """``get_info()`` answers ``info`` inside the block (a process group this process made itself, e.g. the
+    fake one of ``plan --trace``), and what it answered before after it, exception or not."""
+    global _INFO
+    saved, _INFO = _INFO, info
+    try:
+        yield info
+    finally:
+        _INFO = saved
+
+
 def all_reduce_sum_fn() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """In-place sum across ranks, or None in a single process (model and loss code take it as an argument)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -170,5 +183,5 @@ def destroy(clean: bool = True) -> None:
     _INFO = None
 
 
-__all__ = ["LaunchError", "DistInfo", "init_distributed", "get_info", "all_reduce_sum_fn", "barrier", "broadcast_object",
-           "all_reduce_max_scalar", "destroy"]
+__all__ = ["LaunchError", "DistInfo", "init_distributed", "get_info", "use_info", "all_reduce_sum_fn", "barrier",
+           "broadcast_object", "all_reduce_max_scalar", "destroy"]

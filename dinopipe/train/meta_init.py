@@ -29,10 +29,12 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._device import DeviceContext, _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from ..utils import torch_compat as compat
+from ..utils.torch_compat import tree_flatten, tree_map
+
+DeviceContext = compat.device_context_cls()
+TorchDispatchMode = compat.torch_dispatch_mode_cls()
 
 _RANDOM = torch.Tag.nondeterministic_seeded
 # in-place ops that write every element without reading the old values: a chain restarts there
@@ -114,7 +116,7 @@ _madvise = None
 
 
 def _key(t: Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return compat.storage_key(t)
 
 
 def _geom(t: Tensor) -> tuple:
@@ -191,7 +193,7 @@ class _DefaultMeta(DeviceContext):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        implicit = func in _device_constructors() and kwargs.get("device") is None
+        implicit = func in compat.device_constructors() and kwargs.get("device") is None
         if implicit:
             kwargs["device"] = self.device
         self.rec._implicit += implicit
@@ -237,12 +239,12 @@ class InitRecorder(TorchDispatchMode):
         """Whether the default device now is the recorder's meta, not a nested ``torch.device("meta")`` (which
         goes on top of the recorder's). Approximate inside a call under a nested context; used only for tensors
         made without a dispatched op (``torch.tensor(0)``)."""
-        contexts = [m for m in _get_current_function_mode_stack() if isinstance(m, DeviceContext)]
+        contexts = [m for m in compat.function_mode_stack() if isinstance(m, DeviceContext)]
         return self._in_tf > 0 or (bool(contexts) and contexts[-1] is self._ctx)
 
     def _ref(self, t: Tensor, problems: list):
         if not _is_meta(t):
-            return _Real(t, t._version)
+            return _Real(t, compat.tensor_version(t))
         st = self.storages.get(_key(t))
         if st is None:  # e.g. torch.tensor(0, device="meta") (BatchNorm's num_batches_tracked): data never dispatched
             # torch.tensor(data) takes the default device without a torch function call: implicit when the
@@ -357,7 +359,7 @@ class InitRecorder(TorchDispatchMode):
             if e.why:
                 return e.why
             for r in tree_flatten((e.args, e.kwargs))[0]:
-                if isinstance(r, _Real) and r.tensor._version != r.version:
+                if isinstance(r, _Real) and compat.tensor_version(r.tensor) != r.version:
                     return "a tensor it was copied from changed after the copy"
                 if isinstance(r, _Tracked) and r.key != key:
                     why = self._check(r.key, r.pos, seen)
@@ -450,7 +452,6 @@ class InitRecorder(TorchDispatchMode):
         """Fill every parameter and buffer of the sharded, ``to_empty``'d module with its replayed value (this
         rank's shard of it); the CPU generator ends where the build left it."""
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         done = set()
         files = _file_ranges()  # memory-mapped files (released weights): their pages are dropped once read
@@ -461,7 +462,7 @@ class InitRecorder(TorchDispatchMode):
                 done.add(id(t))
                 key, geom = self.names[fqn]
                 if isinstance(t, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+                    shape, offset = compat.local_shape_and_global_offset(t)
                     index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
                     dst = t.to_local()
                 else:

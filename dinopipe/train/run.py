@@ -8,19 +8,18 @@ state wrapping, gathering full state dicts and writing exports. The loop (``loop
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from .. import hub
 from ..config import ConfigError, ParallelConfig, save_config
 from ..export import save_backbone, save_heads
 from ..utils.norm import set_input_norm
+from ..utils.torch_compat import deepcopies_share_parameters
 from ..models import build_vit
 from ..ssl.base import TeacherStudentTask
 from ..ssl.param_groups import build_param_groups
@@ -78,27 +77,6 @@ def _replaying_readers(record: list):
         return {n: {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in sd.items()} for n, sd in shapes.items()}
 
     return load_backbone, load_heads
-
-
-@contextlib.contextmanager
-def _deepcopies_share_parameters():
-    """While rank 0 builds its task, ``copy.deepcopy`` of a module gives new Parameter objects over the SAME
-    tensors (the EMA teacher, the Gram teacher and the students' EMAs are deep copies made in the task's
-    ``__init__``, before anything trains): rank 0 then holds each initial model once, not two or three times.
-    The values are those of a real copy (nothing is modified in place during construction; the test compares
-    with a one-process build), and the module goes to ``meta`` right after its state dict is taken."""
-    original = nn.Parameter.__deepcopy__
-
-    def share(self, memo):
-        if id(self) not in memo:
-            memo[id(self)] = nn.Parameter(self.data, self.requires_grad)
-        return memo[id(self)]
-
-    nn.Parameter.__deepcopy__ = share
-    try:
-        yield
-    finally:
-        nn.Parameter.__deepcopy__ = original
 
 
 def build_sharded_task(task_cls: type[TeacherStudentTask], cfg: Any, info: DistInfo,
@@ -169,7 +147,7 @@ def build_rank0_broadcast(task_cls: type[TeacherStudentTask], cfg: Any, info: Di
     record: list = []
     full: dict = {}
     if info.is_main:
-        with _deepcopies_share_parameters():
+        with deepcopies_share_parameters():
             task = build_task(task_cls, cfg, reduce_fn, *_recording_readers(record))
         full = task.state_dict()  # real CPU tensors; the module itself goes to meta like every other rank's
         rng = torch.get_rng_state()

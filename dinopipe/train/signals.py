@@ -11,11 +11,12 @@ process) or when the main process dies (torch's watchdog). A worker forked befor
 ran would still die, so workers are forked with the signals blocked (``signals_blocked``) and take them
 only once their handling is in place: no window is left.
 
-``maybe_test_signal`` is a test-only hook (the loop installs it through ``test_hooks_from_env`` only when the
-variable is set; a real run's step has no hook): ``DINOPIPE_TEST_SIGNAL="step:N[:SIG][@RANK]"`` or
-``"save:N[:SIG][@RANK]"`` makes the process signal its own process group (itself and its data workers,
-as Slurm would) in the middle of step N or during the checkpoint save of step N; ``"wait:N"`` holds step
-N until a signal comes from outside. Tests use it to hit an exact point instead of polling.
+``maybe_test_signal`` is a test-only hook (the loop installs it through ``test_hooks_from_env`` only when a
+test asked for it; a real run's step has no hook). The debug hook ``signal`` (``DINOPIPE_DEBUG_HOOKS=
+"signal=step:N[:SIG][@RANK]"`` or ``"signal=save:N[:SIG][@RANK]"``, dinopipe/utils/debug_hooks.py) makes the
+process signal its own process group (itself and its data workers, as Slurm would) in the middle of step N or
+during the checkpoint save of step N; ``"signal=wait:N"`` holds step N until a signal comes from outside.
+Tests use it to hit an exact point instead of polling.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import threading
 import time
 from typing import Iterator, Optional
 
+from ..utils import debug_hooks
+
 EXIT_PREEMPTED = 124  # what the loop exits with after a preemption save; the sbatch script requeues on it
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-TEST_SIGNAL_ENV = "DINOPIPE_TEST_SIGNAL"
 
 
 class PreemptionFlag:
@@ -91,16 +93,16 @@ def _parse_test_signal(spec: str) -> tuple[str, int, int, Optional[int]]:
     where_step, _, rank = spec.partition("@")
     parts = where_step.split(":")
     if len(parts) not in (2, 3) or parts[0] not in ("step", "save", "wait"):
-        raise ValueError(f"{TEST_SIGNAL_ENV}={spec!r}: expected 'step|save|wait:N[:SIG][@RANK]'")
+        raise ValueError(f"{debug_hooks.ENV} signal={spec!r}: expected 'step|save|wait:N[:SIG][@RANK]'")
     sig = getattr(signal, "SIG" + parts[2].upper().removeprefix("SIG")) if len(parts) == 3 else signal.SIGTERM
     return parts[0], int(parts[1]), int(sig), int(rank) if rank else None
 
 
 def maybe_test_signal(where: str, step: int, rank: int, flag: Optional[PreemptionFlag] = None) -> None:
-    """Test hook (see the module docstring); a no-op unless DINOPIPE_TEST_SIGNAL is set. Several specs may be
-    given, comma-separated. ``wait:N`` holds step N until a preemption signal comes from outside (a real
+    """Test hook (see the module docstring); a no-op unless the debug hook ``signal`` is set. Several specs may
+    be given, comma-separated. ``wait:N`` holds step N until a preemption signal comes from outside (a real
     Slurm test sends it with scancel/scontrol), so the signal lands at an exact step without a race."""
-    spec = os.environ.get(TEST_SIGNAL_ENV)
+    spec = debug_hooks.get("signal")
     if not spec:
         return
     for one in spec.split(","):
@@ -114,7 +116,7 @@ def maybe_test_signal(where: str, step: int, rank: int, flag: Optional[Preemptio
                 time.sleep(0.05)
         elif at == where:
             if os.getpgid(0) != os.getpid():  # never signal whoever started us (pytest, a shell) by mistake
-                raise RuntimeError(f"{TEST_SIGNAL_ENV} needs the process to lead its own process group")
+                raise RuntimeError(f"{debug_hooks.ENV} signal=... needs the process to lead its own process group")
             # Sent by another process, as slurmstepd does: a worker treats a SIGTERM from its own parent as
             # "shut down quietly", so signalling the group from here would not test what Slurm does.
             others = _group_members(os.getpgid(0))
@@ -128,9 +130,9 @@ def maybe_test_signal(where: str, step: int, rank: int, flag: Optional[Preemptio
 
 
 def test_hooks_from_env() -> list:
-    """The loop's per-step hooks a test asked for through DINOPIPE_TEST_SIGNAL ([] in a real run), each called as
-    ``hook(step, rank, preemption_flag)`` after the step's backward."""
-    if not os.environ.get(TEST_SIGNAL_ENV):
+    """The loop's per-step hooks a test asked for through the debug hook ``signal`` ([] in a real run), each
+    called as ``hook(step, rank, preemption_flag)`` after the step's backward."""
+    if not debug_hooks.get("signal"):
         return []
     return [lambda step, rank, flag: maybe_test_signal("step", step, rank, flag)]
 
@@ -165,4 +167,4 @@ def _wait_delivered(pids, sig: int, limit_s: float = 30.0) -> None:
 
 
 __all__ = ["PreemptionFlag", "EXIT_PREEMPTED", "worker_ignore_signals", "signals_blocked", "maybe_test_signal",
-           "TEST_SIGNAL_ENV", "test_hooks_from_env"]
+           "test_hooks_from_env"]

@@ -18,12 +18,12 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from .safe_load import CheckpointError, read_dcp_metadata, torch_load
+from .torch_compat import dcp_set_element
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -52,7 +52,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         obj = _bytes_value(value, f"{self.where} (entry {fqn})")
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            dcp_set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
 

@@ -16,6 +16,7 @@ from curation.hashdedup import brute_force_pairs, group_pairs, hash_dedup, merge
 from curation.kmeans import lloyd
 from curation.simulate.run import simulate
 from curation.steps import runner
+from dinopipe.utils import debug_hooks
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=32, processes=0)
@@ -128,7 +129,7 @@ def test_per_task_memory_follows_rows_per_task_not_n(tmp_path):
     """The same rows per task at N and 4N (W=1 vs W=4): the heap a task allocates (peak minus the
     interpreter's) within 1.5x (it would be ~4x if a task held all N rows). Each task runs in a fresh
     process; memory, not time, is compared."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CURATE_BLOCK="8192", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **debug_hooks.env(curate_block=8192))
     got = {}
     for n, w in ((32768, 1), (131072, 4)):
         proc = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / f"n{n}"), str(n), str(w)], env=env,

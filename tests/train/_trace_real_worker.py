@@ -8,13 +8,14 @@ from functools import partial
 import torch
 
 from dinopipe.config import load_config
-from dinopipe.plan.trace import _phase, _step, _tracker_cls, synthetic_batch
+from dinopipe.plan.trace import _phase, _step, synthetic_batch
 from dinopipe.ssl.config import PretrainConfig
 from dinopipe.ssl.param_groups import build_param_groups
 from dinopipe.ssl.task import SSLTask
 from dinopipe.train.builders import build_schedules
 from dinopipe.train.dist import all_reduce_sum_fn, destroy, init_distributed
 from dinopipe.train.run import build_task, parallelize_task
+from dinopipe.utils.torch_compat import fsdp_mem_tracker
 
 
 def main(out: str, overrides: list[str]) -> None:
@@ -29,8 +30,8 @@ def main(out: str, overrides: list[str]) -> None:
     optimizer = task.build_optimizer(partial(build_param_groups, lr_decay_rate=o.layerwise_decay,
                                              patch_embed_lr_mult=o.patch_embed_lr_mult), betas=(o.adamw_beta1, o.adamw_beta2))
     values = {k: float(v[0]) for k, v in build_schedules(cfg, info.world_size).items()}
-    tracker = _tracker_cls()([m for m in task.modules() if hasattr(m, "unshard")][0], next(iter(task.optimizers.values())))
-    tracker._root_mod = task
+    tracker = fsdp_mem_tracker([m for m in task.modules() if hasattr(m, "unshard")][0],
+                               next(iter(task.optimizers.values())), roots=task)
     tracker.track_inputs((micro,))
     with tracker:
         for _ in range(2):

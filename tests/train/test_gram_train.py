@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dinopipe
+from dinopipe.utils import debug_hooks
 from tests.train.conftest import launch_ranks, losses, metrics, pretrain_cmd, run_pretrain
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def test_two_fsdp2_ranks_sigkilled_and_resumed_match_one_process(tmp_path, photo
     uninterrupted run did. Every step's loss and Gram loss equal the single-process run's."""
     run = tmp_path / "killed"
     cmd = pretrain_cmd(run, photo_pool, *SAME, PHASES.format(b=2))
-    res = launch_ranks(cmd, 2, {"DINOPIPE_TEST_SIGNAL": "step:6:KILL"})
+    res = launch_ranks(cmd, 2, debug_hooks.env(signal="step:6:KILL"))
     assert [r[0] for r in res] == [-signal.SIGKILL] * 2, "".join(r[2] for r in res)[-3000:]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     res = launch_ranks(cmd, 2)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dinopipe.utils import debug_hooks
 from tests.train.conftest import env, launch_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -39,7 +40,7 @@ def test_preempted_with_persistent_workers_across_a_phase_switch_resumes_exactly
     assert [r[0] for r in ref] == [0, 0], ref
     run = tmp_path / "run"
     # Step 4 is the first of phase 2: its loader's persistent workers were just forked.
-    first = mini(run, "train", *opts, extra_env={"DINOPIPE_TEST_SIGNAL": "step:4:TERM"})
+    first = mini(run, "train", *opts, extra_env=debug_hooks.env(signal="step:4:TERM"))
     assert [r[0] for r in first] == [124, 124], first
     assert all("0 of its 2 other processes died" in r[1] for r in first), first  # the workers live on
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000005"

@@ -2,7 +2,7 @@
 included, in the middle of a step or during a checkpoint save, on one process and on 2 gloo ranks. Every
 rank saves and exits 124, and the reruns end with exactly the uninterrupted run's metrics.
 
-The signals come from the test hook DINOPIPE_TEST_SIGNAL (dinopipe/train/signals.py): the process signals
+The signals come from the debug hook ``signal`` (dinopipe/utils/debug_hooks.py, dinopipe/train/signals.py): the process signals
 its own process group at an exact point, as ``scancel --signal`` would, so nothing here polls or races.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import dinopipe
+from dinopipe.utils import debug_hooks
 from tests.train.conftest import env, launch_ranks, losses, metrics, pretrain_cmd
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def group_alive(pgid: int) -> list[int]:
 
 def run_one(run, pool, spec=None):
     """One process, leading its own process group (as an srun task does); returns (exit code, stdout)."""
-    e = dict(env(), **({"DINOPIPE_TEST_SIGNAL": spec} if spec else {}))
+    e = dict(env(), **(debug_hooks.env(signal=spec) if spec else {}))
     p = subprocess.Popen(pretrain_cmd(run, pool, *ONE), env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
     out, err = p.communicate(timeout=600)
@@ -111,15 +112,15 @@ def test_two_ranks_preempted_and_resumed_from_rank_0s_checkpoint(tmp_path, photo
     assert codes == [0, 0], out[-3000:]
     run = tmp_path / "run"
     # Every rank's group gets SIGTERM mid-step 2.
-    codes, out = go(run, DINOPIPE_TEST_SIGNAL="step:2:TERM")
+    codes, out = go(run, **debug_hooks.env(signal="step:2:TERM"))
     assert codes == [124, 124] and latest(run) == "step_00000003" and workers_survived(out, 2), out[-3000:]
     # Only rank 1's group gets SIGUSR1, during the save of step 4; meanwhile rank 1 cannot see `latest` (a
     # stale view of a shared filesystem): it must still resume from rank 0's choice, step 3, not start fresh.
-    codes, out = go(run, DINOPIPE_TEST_SIGNAL="save:4:USR1@1", DINOPIPE_TEST_STALE_LATEST="1")
+    codes, out = go(run, **debug_hooks.env(signal="save:4:USR1@1", stale_latest=1))
     assert codes == [124, 124] and "resuming from checkpoint at step 3" in out, out[-3000:]
     assert workers_survived(out, 1), out[-3000:]
     assert latest(run) == "step_00000004"
-    codes, out = go(run, DINOPIPE_TEST_STALE_LATEST="1")
+    codes, out = go(run, **debug_hooks.env(stale_latest=1))
     assert codes == [0, 0] and "resuming from checkpoint at step 4" in out, out[-3000:]
     assert_same_trajectory(ref, run, 8)
 
