@@ -63,11 +63,14 @@ def _ema_pairs(target: nn.Module, source: nn.Module) -> tuple[list[torch.Tensor]
 @torch.no_grad()
 def ema_update_(target: nn.Module, source: nn.Module, momentum: float) -> None:
     """target = m * target + (1 - m) * source on the local shards (both modules are sharded identically by
-    parallelize(), so shard i of one pairs with shard i of the other), as one multi-tensor lerp over every
-    shard: target += (1 - m) * (source - target), one kernel per chunk of tensors instead of one per parameter."""
+    parallelize(), so shard i of one pairs with shard i of the other): two multi-tensor ops over every shard
+    (one kernel per chunk of tensors, not one per parameter), DINOv2's own arithmetic. A single
+    ``_foreach_lerp_`` would save one launch per step but rounds differently: the teacher then leaves the
+    official step's run-to-run noise (tests/ssl/test_official_step.py)."""
     t, s = _ema_pairs(target, source)
     if t:
-        torch._foreach_lerp_(t, s, 1.0 - momentum)
+        torch._foreach_mul_(t, momentum)
+        torch._foreach_add_(t, s, alpha=1.0 - momentum)
     _ema_norm_stats_(target, source, momentum)
 
 

@@ -41,6 +41,7 @@ DINOPIPE_ONLY = {
     "train.output_dir": "run directory", "train.checkpoint_every": "checkpoint cadence",
     "train.keep_last": "checkpoints kept", "parallel.param_dtype": "FSDP2 mixed precision (DINOv2: fp16/bf16 FSDP1)",
     "parallel.reduce_dtype": "FSDP2 gradient reduction dtype", "parallel.activation_checkpointing": "memory",
+    "parallel.head_reduce_dtype": "FSDP2 gradient reduction dtype of the heads (DINOv2: fp32)",
     "parallel.compile": "speed", "model.img_size": "position-embedding grid (the official code uses the global crop size)",
     "phases.0.name": "a label", "phases.0.fraction": "the single 224 px stage",
     "phases.1.name": "a label", "phases.1.fraction": "DINOv3: the Gram stage's share (gram.first_step)",
