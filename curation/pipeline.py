@@ -53,7 +53,8 @@ def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
     ``transform``) is given. Resumable. ``dedup.model``: a copy-detection model (TorchScript or
     ``dinopipe.load``) in place of the descriptor (see :mod:`curation.copymodel`)."""
     e, dd = embed or EmbedConfig(), dedup or DedupConfig()
-    fn, tf = copy_embedder(out_dir, sources, descriptor, dd.model, dd.image_size, e.device, e.precision)
+    fn, tf = copy_embedder(out_dir, sources, descriptor, dd.model, dd.image_size, e.device, e.precision,
+                           dd.trust_code)
     targets = {"descriptor": EmbedTarget(fn, _p(out_dir, "embeddings", "descriptor"), tf, "phash")}
     if embedder is not None:  # the same decoded image feeds both (one read + decode per image)
         targets["model"] = EmbedTarget(embedder, _p(out_dir, "embeddings", "model"), _transform(embedder))

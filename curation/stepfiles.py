@@ -55,20 +55,20 @@ def get_descriptor(out_dir: str, sources=None, config: DescriptorConfig | None =
 
 def copy_embedder(out_dir: str, sources=None, config: DescriptorConfig | None = None,
                   model: str | None = None, image_size: int = 224, device: str = "auto",
-                  precision: str = "auto"):
+                  precision: str = "auto", trust_code: bool = False):
     """``(embed_fn, transform)`` of the copy space: the copy model recorded in ``out_dir`` (or
     given as ``model``), else the descriptor. Eval and seed images must be embedded alike."""
     from .copymodel import build_copy_embedder, load_record, save_record
 
     rec = load_record(out_dir)
     if model is not None:
-        save_record(out_dir, model, image_size)
-    elif rec is not None and rec["model"]:
-        model, image_size = rec["model"], rec["image_size"]
+        save_record(out_dir, model, image_size, trust_code)
+    elif rec is not None and rec["model"]:  # the user's opt-in for this model, recorded with it
+        model, image_size, trust_code = rec["model"], rec["image_size"], bool(rec.get("trust_code", False))
     if model is None:
         desc = get_descriptor(out_dir, sources, config)
         return desc, desc.transform()
-    emb = build_copy_embedder(model, image_size, device, precision)
+    emb = build_copy_embedder(model, image_size, device, precision, trust_code)
     return emb, emb.transform
 
 
