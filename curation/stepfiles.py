@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from dinopipe.config import ConfigError
 from dinopipe.utils.io import atomic_path
 
 from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
@@ -82,12 +83,12 @@ def rebalance_rows(out_dir: str):
     space_dir = model_dir if os.path.isdir(model_dir) else _p(out_dir, "embeddings", "descriptor")
     space = open_embeddings(space_dir)
     if space.digest != desc_set.digest:
-        raise ValueError(f"{space_dir} and the copy descriptors list different inputs: embed both in one "
+        raise ConfigError(f"{space_dir} and the copy descriptors list different inputs: embed both in one "
                          f"`curate embed` run (use a fresh output folder)")
     alive = np.flatnonzero(status == KEPT)
     rows_idx = np.searchsorted(space.ids, desc_set.ids[alive])  # both sorted by input id: one pass, no dict
     if len(alive) and (rows_idx.max() >= len(space) or (space.ids[rows_idx] != desc_set.ids[alive]).any()):
-        raise ValueError(f"{space_dir} lacks rows the copy descriptors have: rerun `curate embed`")
+        raise ConfigError(f"{space_dir} lacks rows the copy descriptors have: rerun `curate embed`")
     return space_dir, rows_idx.astype(np.int64), alive, status
 
 
