@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from dinopipe.config import ConfigError, exit_on_config_error, load_config
+from dinopipe.config import ConfigError, exit_on_config_error, load_config, report_bug
 from dinopipe.logs import setup_logging
 
 # .config and .pipeline import torch (~300 MB): imported where used, so that the task processes that
@@ -39,12 +39,23 @@ def _echo(step: str, result) -> None:
             print(f"{step}: {result['selection']}")
 
 
-def _print_manifest(out: str) -> None:
+def _print_manifest(out: str) -> dict:
     with open(os.path.join(out, "manifest.json")) as f:
         c = json.load(f)["counts"]
     parts = " + ".join(f"{c[s]} {s}" for s in c if s != "input")
     print(f"curated {out}: {c['input']} input = {parts}")
     print(f"shards: {os.path.join(out, 'shards')}")
+    return c
+
+
+def _all_unreadable(counts: dict, paths: Sequence[str], out: str) -> bool:
+    """Every input failed to decode (wrong files, a broken mount): say so and exit 2 rather than 0 with 0 kept;
+    the manifest (which lists each reason) stays written."""
+    if not counts.get("input") or counts.get("unreadable", 0) < counts["input"]:
+        return False
+    print(f"curate: error: input.paths: none of the {counts['input']} files in {', '.join(map(str, paths))} could "
+          f"be read as an image (the reasons are in {os.path.join(out, 'manifest.json')})", file=sys.stderr)
+    return True
 
 
 def _holds_an_image(folder: str) -> bool:
@@ -110,9 +121,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StepError as exc:  # e.g. a step not run yet, an input that cannot be read: the user's to fix
         print(exc, file=sys.stderr)
         return 2
+    except Exception:  # anything else is a bug: exit 1, never 2
+        return report_bug(f"curate {args.command}")
     out = cfg.output.dir
     if "write" in steps or (args.command == "report" and os.path.exists(os.path.join(out, "manifest.json"))):
-        _print_manifest(out)
+        if _all_unreadable(_print_manifest(out), cfg.input.paths, out):
+            return 2
     return 0
 
 

@@ -107,6 +107,9 @@ class DedupConfig:
     sscd_disc_mixup.torchscript.pt) or anything dinopipe.load reads. null: the descriptor."""
     image_size: int = 224
     """dedup.model input side (the whole image is resized to it, no crop)."""
+    trust_code: bool = False
+    """Allow a TorchScript dedup.model: loading one runs the code it contains, so it is refused unless you
+    set this (only for a file from someone you trust, e.g. SSCD's release)."""
 
 
 @dataclass
@@ -292,6 +295,19 @@ def _validate_dedup(d: DedupConfig) -> None:
     _need(d.model is None or os.path.exists(d.model), "dedup.model",
           f"'{d.model}' does not exist (a TorchScript copy model such as SSCD's "
           f".torchscript.pt, or a checkpoint dinopipe.load reads)")
+    _need(d.model is None or d.trust_code or not is_torchscript(d.model), "dedup.trust_code",
+          f"dedup.model '{d.model}' is a TorchScript program: loading it runs the code it contains. Set "
+          f"dedup.trust_code=true only if you trust whoever made the file")
+
+
+def is_torchscript(path: str) -> bool:
+    """TorchScript archives are zip files holding ``*/code/`` (plain state dicts do not)."""
+    import zipfile
+
+    if not os.path.isfile(path) or not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any("/code/" in name for name in z.namelist())
 
 
 def _validate_knn(cfg: CurationConfig) -> None:

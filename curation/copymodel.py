@@ -18,7 +18,9 @@ import torch
 from torchvision import transforms as T
 
 from dinopipe.config import ConfigError
+from dinopipe.utils.safe_load import UntrustedCodeError, require_trust
 
+from .config import is_torchscript
 from .embedder import ModelEmbedder, build_embedder
 
 RECORD = "copy_model.json"  # in the output folder: later steps embed eval/seed images alike
@@ -29,23 +31,18 @@ def copy_transform(image_size: int):
                       T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
 
 
-def _is_torchscript(path: str) -> bool:
-    """TorchScript archives are zip files holding ``*/code/`` (plain state dicts do not)."""
-    import zipfile
-
-    if not os.path.isfile(path) or not zipfile.is_zipfile(path):
-        return False
-    with zipfile.ZipFile(path) as z:
-        return any("/code/" in name for name in z.namelist())
-
-
 def build_copy_embedder(path: str, image_size: int = 224, device: str = "auto",
-                        precision: str = "auto") -> ModelEmbedder:
-    """An ``embed_fn`` (with ``.transform``) from a TorchScript file or a ``dinopipe.load`` path."""
+                        precision: str = "auto", trust_code: bool = False) -> ModelEmbedder:
+    """An ``embed_fn`` (with ``.transform``) from a TorchScript file (runs its code: needs ``trust_code``,
+    the config's ``dedup.trust_code``) or a ``dinopipe.load`` path."""
     if not os.path.exists(path):
         raise ConfigError(f"dedup.model: '{path}' does not exist (a TorchScript copy-detection "
                           f"model such as SSCD's .torchscript.pt, or a dinopipe.load checkpoint)")
-    if _is_torchscript(path):
+    if is_torchscript(path):
+        try:
+            require_trust(path, "a TorchScript copy model (dedup.model)", trust_code, "dedup.trust_code=true")
+        except UntrustedCodeError as exc:
+            raise ConfigError(f"dedup.trust_code: {exc}") from None
         try:
             with warnings.catch_warnings():  # "jit is deprecated": SSCD is released as TorchScript
                 warnings.simplefilter("ignore", FutureWarning)
@@ -62,17 +59,18 @@ def build_copy_embedder(path: str, image_size: int = 224, device: str = "auto",
     return emb
 
 
-def save_record(out_dir: str, path: str | None, image_size: int) -> None:
-    """Remember which copy model embedded the pool (None: the descriptor); refuse a switch."""
+def save_record(out_dir: str, path: str | None, image_size: int, trust_code: bool = False) -> None:
+    """Remember which copy model embedded the pool (None: the descriptor) and whether the user trusted its
+    code (later steps embed eval / seed images with it); refuse a switch of model."""
     rec_path = os.path.join(out_dir, RECORD)
     new = {"model": os.path.abspath(path) if path else None, "image_size": image_size}
     old = load_record(out_dir)
-    if old is not None and old != new:
+    if old is not None and {k: old.get(k) for k in new} != new:
         raise ConfigError(f"dedup.model: {out_dir} was embedded with {old}, not {new}; use a new "
                           f"output.dir (or delete embeddings/ to re-embed)")
     os.makedirs(out_dir, exist_ok=True)
     with open(rec_path, "w") as f:
-        json.dump(new, f)
+        json.dump({**new, "trust_code": True} if trust_code else new, f)
 
 
 def load_record(out_dir: str) -> dict | None:

@@ -385,6 +385,12 @@ def main(argv=None) -> int:
     ss = a.sample_sizes or ([1] + [10, 5, 3] + [3] * len(a.levels))[: len(a.levels)]
     if len(ss) != len(a.levels):
         p.error(f"--sample-sizes has {len(ss)} values for {len(a.levels)} --levels")
+    try:  # the user's folder, checked on every rank before any collective: exit 2, one message (rank 0)
+        open_embeddings(a.emb_dir)
+    except FileNotFoundError as exc:
+        if process_group()[0] == 0:
+            print(f"curate kmeans: error: --emb-dir: {exc}", file=sys.stderr)
+        return 2
     summary = run(a.emb_dir, a.out, a.levels, ss, steps=a.steps, sampling=a.sampling, seed=a.seed,
                   init_centroids=a.init_centroids, niter=a.niter, tol=a.tol, init=a.init,
                   init_sample=a.init_sample, n_init=a.n_init, block=a.block,

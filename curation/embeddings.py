@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from dinopipe.config import InputError
 from dinopipe.data.channels import decode_channels
 from dinopipe.data.decode import DEFAULT_MAX_PIXELS, safe_decode
 from dinopipe.data.sources import ImageRef, MultiSource, as_multi, check_split
@@ -183,13 +184,13 @@ def _check_tasks_done(emb_dir: str) -> None:
         raise FileNotFoundError(f"{emb_dir}: no task has finished embedding yet")
     totals = {int(re.search(r"-of-(\d+)", p).group(1)) for p in done}
     if len(totals) > 1:
-        raise ValueError(f"{emb_dir} holds runs split into {sorted(totals)} tasks; use a fresh "
+        raise InputError(f"{emb_dir} holds runs split into {sorted(totals)} tasks; use a fresh "
                          f"folder when changing num_tasks")
     total = totals.pop()
     have = {int(re.search(r"task-(\d+)-of", p).group(1)) for p in done}
     missing = sorted(set(range(total)) - have)
     if missing:
-        raise RuntimeError(
+        raise InputError(
             f"{emb_dir}: embedding tasks {missing} of {total} have not finished; rerun them "
             f"(completed shards are skipped) before deduplicating"
         )
@@ -386,7 +387,7 @@ def _shard_complete(out_dir, stem, refs, shard, shard_size) -> bool:
     expected = {r.id for r in refs[shard * shard_size:(shard + 1) * shard_size]}
     stored = set(meta["ids"]) | {u[0] for u in meta["unreadable"]}
     if stored != expected:
-        raise RuntimeError(
+        raise InputError(
             f"{meta_path} was written for a different input listing (images added, removed or "
             f"a different shard_size/num_tasks). Use a fresh output folder for a changed pool."
         )

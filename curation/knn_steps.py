@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 
+from dinopipe.config import ConfigError
+
 from .config import DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig, knn_kwargs, task_plan
 from .dedup import DedupResult, copy_dedup_from_pairs, resolve_threshold
 from .embeddings import EmbeddingSet, embed_pool, open_embeddings
@@ -125,7 +127,7 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
     """(max cosine, eval position) of every pool row in ``alive``: exact float64 rescoring of the
     eval index's nearest candidates, from the saved chunks (searched here when missing)."""
     if ev.dim != pool.dim:
-        raise ValueError(f"pool embeddings have {pool.dim} dims but eval embeddings {ev.dim}: "
+        raise ConfigError(f"pool embeddings have {pool.dim} dims but eval embeddings {ev.dim}: "
                          "embed both with the same model / descriptor")
     job = KnnJob(out_dir, "eval")
     params = {**eval_params(ev, knn), "pool_rows": _digest(alive)}

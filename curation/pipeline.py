@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dinopipe.config import save_config
+from dinopipe.config import ConfigError, save_config
 from dinopipe.data.sources import as_multi
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
@@ -53,7 +53,8 @@ def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
     ``transform``) is given. Resumable. ``dedup.model``: a copy-detection model (TorchScript or
     ``dinopipe.load``) in place of the descriptor (see :mod:`curation.copymodel`)."""
     e, dd = embed or EmbedConfig(), dedup or DedupConfig()
-    fn, tf = copy_embedder(out_dir, sources, descriptor, dd.model, dd.image_size, e.device, e.precision)
+    fn, tf = copy_embedder(out_dir, sources, descriptor, dd.model, dd.image_size, e.device, e.precision,
+                           dd.trust_code)
     targets = {"descriptor": EmbedTarget(fn, _p(out_dir, "embeddings", "descriptor"), tf, "phash")}
     if embedder is not None:  # the same decoded image feeds both (one read + decode per image)
         targets["model"] = EmbedTarget(embedder, _p(out_dir, "embeddings", "model"), _transform(embedder))
@@ -148,7 +149,7 @@ def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, em
     use_model = os.path.isdir(_p(out_dir, "embeddings", "model"))
     seed_dir = _p(out_dir, "embeddings", "seeds")
     if use_model and embedder is None:
-        raise ValueError("seed images must be embedded with the same model as the pool: "
+        raise ConfigError("seed images must be embedded with the same model as the pool: "
                          "pass the embedder (embed.model) the pool was embedded with")
     fn, tf = (embedder, _transform(embedder)) if use_model else copy_embedder(out_dir)
     embed_pool(seed_sources, fn, seed_dir, batch_size=e.batch_size, num_workers=e.num_workers,
@@ -308,7 +309,9 @@ _SUMMARIZED = ("dedup", "decontaminate", "rebalance")  # steps/<step>.json, gath
 
 
 class StepError(RuntimeError):
-    """A step that cannot run (e.g. the one before it has not run yet); names the step."""
+    """A step that cannot run because of the user's input (the one before it has not run yet, a file it needs is
+    missing, outputs of another run mixed in): a :class:`ConfigError` or ``FileNotFoundError`` from the step,
+    named with the step (exit 2). Anything else a step raises is a bug and propagates (exit 1, please report)."""
 
     def __init__(self, step: str, exc: Exception) -> None:
         super().__init__(f"curate {step}: error: {exc}")
@@ -328,7 +331,7 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     for step in steps:
         try:
             result = run_step(step, cfg, embedder)
-        except (FileNotFoundError, RuntimeError, ValueError) as exc:
+        except (FileNotFoundError, ConfigError) as exc:  # not RuntimeError / ValueError: faiss, torch, ours
             raise StepError(step, exc) from exc
         if step == "embed" and embedder is not None:
             embedder.release()  # the index steps may want the GPU memory for faiss-gpu

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from dinopipe.config import ConfigError
 from dinopipe.utils.io import atomic_path
 
 from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
@@ -55,20 +56,20 @@ def get_descriptor(out_dir: str, sources=None, config: DescriptorConfig | None =
 
 def copy_embedder(out_dir: str, sources=None, config: DescriptorConfig | None = None,
                   model: str | None = None, image_size: int = 224, device: str = "auto",
-                  precision: str = "auto"):
+                  precision: str = "auto", trust_code: bool = False):
     """``(embed_fn, transform)`` of the copy space: the copy model recorded in ``out_dir`` (or
     given as ``model``), else the descriptor. Eval and seed images must be embedded alike."""
     from .copymodel import build_copy_embedder, load_record, save_record
 
     rec = load_record(out_dir)
     if model is not None:
-        save_record(out_dir, model, image_size)
-    elif rec is not None and rec["model"]:
-        model, image_size = rec["model"], rec["image_size"]
+        save_record(out_dir, model, image_size, trust_code)
+    elif rec is not None and rec["model"]:  # the user's opt-in for this model, recorded with it
+        model, image_size, trust_code = rec["model"], rec["image_size"], bool(rec.get("trust_code", False))
     if model is None:
         desc = get_descriptor(out_dir, sources, config)
         return desc, desc.transform()
-    emb = build_copy_embedder(model, image_size, device, precision)
+    emb = build_copy_embedder(model, image_size, device, precision, trust_code)
     return emb, emb.transform
 
 
@@ -82,12 +83,12 @@ def rebalance_rows(out_dir: str):
     space_dir = model_dir if os.path.isdir(model_dir) else _p(out_dir, "embeddings", "descriptor")
     space = open_embeddings(space_dir)
     if space.digest != desc_set.digest:
-        raise ValueError(f"{space_dir} and the copy descriptors list different inputs: embed both in one "
+        raise ConfigError(f"{space_dir} and the copy descriptors list different inputs: embed both in one "
                          f"`curate embed` run (use a fresh output folder)")
     alive = np.flatnonzero(status == KEPT)
     rows_idx = np.searchsorted(space.ids, desc_set.ids[alive])  # both sorted by input id: one pass, no dict
     if len(alive) and (rows_idx.max() >= len(space) or (space.ids[rows_idx] != desc_set.ids[alive]).any()):
-        raise ValueError(f"{space_dir} lacks rows the copy descriptors have: rerun `curate embed`")
+        raise ConfigError(f"{space_dir} lacks rows the copy descriptors have: rerun `curate embed`")
     return space_dir, rows_idx.astype(np.int64), alive, status
 
 

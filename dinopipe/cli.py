@@ -222,7 +222,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] in STAGES:
         return _stage(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception:  # the commands return 2 for the user's mistakes; anything escaping is a bug (exit 1)
+        from .config import report_bug
+
+        return report_bug(f"dinopipe {argv[0] if argv else ''}".strip())
 
 
 if __name__ == "__main__":

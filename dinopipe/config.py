@@ -29,6 +29,12 @@ class ConfigError(ValueError):
     """A configuration mistake a person has to fix; the message names the key and its origin."""
 
 
+class InputError(ConfigError, RuntimeError):
+    """A mistake in the user's input found while working (a step run before the one it needs, a changed pool in
+    an old output folder, a launch with the wrong task count): exit 2 like a :class:`ConfigError`, and a
+    ``RuntimeError`` too for callers that caught those before it existed."""
+
+
 def _describe(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
     msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -106,6 +112,20 @@ def save_config(cfg: Any, run_dir: str | Path, name: str = "config.yaml", header
 def exit_on_config_error(exc: ConfigError) -> NoReturn:
     print(f"config error: {exc}", file=sys.stderr)
     raise SystemExit(EXIT_CONFIG_ERROR)
+
+
+EXIT_BUG = 1
+
+
+def report_bug(command: str) -> int:
+    """In an ``except Exception`` of a command line: the traceback into the log (stderr), one line saying it is
+    a bug to report, and :data:`EXIT_BUG` (docs/exit-codes.md: 2 is only for the user's mistakes)."""
+    import traceback
+
+    traceback.print_exc()
+    print(f"{command}: internal error (not a mistake in your input): please report it with the command, the "
+          f"config and the traceback above", file=sys.stderr)
+    return EXIT_BUG
 
 
 class Choice(str, enum.Enum):

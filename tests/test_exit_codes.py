@@ -94,3 +94,107 @@ def test_every_commands_typical_mistakes_exit_2(tmp_path, capsys, argv, says):
     assert rc == 2 and says in err, (rc, err)
     # nothing written (a curation step run too early leaves only its resolved config.yaml)
     assert not out.exists() or {p.name for p in out.iterdir()} <= {"config.yaml"}
+
+
+# -- issue 31: 2 only for the user's mistakes, each naming what is wrong; anything else 1, "please report" --------
+
+def test_curate_run_on_a_folder_of_unreadable_files_exits_2_with_the_manifest_written(tmp_path, capsys):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i in range(3):
+        (photos / f"{i}.jpg").write_bytes(b"not a jpeg " * (i + 1))
+    out = tmp_path / "out"
+    rc = code(["curate", "run", "--config", "configs/curation/quickstart.yaml", f"input.paths=[{photos}]",
+               f"output.dir={out}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(photos) in err and "could be read" in err, err
+    assert (out / "manifest.json").exists()  # it lists why each file was refused
+
+
+@pytest.mark.parametrize("raised, rc, says", [
+    ("ConfigError", 2, "curate embed: error: embed.model: wrong"),  # the user's: one line naming the key
+    ("RuntimeError", 1, "please report"),  # faiss / torch / our own internals: a bug, with its traceback
+    ("ValueError", 1, "please report"),
+])
+def test_curate_step_errors_are_the_users_only_when_they_say_so(tmp_path, capsys, monkeypatch, raised, rc, says):
+    import curation.pipeline
+    from dinopipe.config import ConfigError
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "a.jpg").write_bytes(b"x")
+    exc = {"ConfigError": ConfigError, "RuntimeError": RuntimeError, "ValueError": ValueError}[raised]
+
+    def fail(step, *a, **k):
+        raise exc("embed.model: wrong" if raised == "ConfigError" else "faiss: internal assertion")
+
+    monkeypatch.setattr(curation.pipeline, "run_step", fail)
+    got = code(["curate", "embed", "--config", "configs/curation/quickstart.yaml", f"input.paths=[{photos}]",
+                f"output.dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert got == rc and says in err, err
+    assert ("Traceback" in err) == (rc == 1)
+
+
+def test_plan_trace_with_an_unknown_phase_exits_2_naming_it(capsys):
+    rc = code(["plan", "--config", "configs/pretrain/quickstart.yaml", "--gpus", "1", "--gpu-mem-gb", "80",
+               "--trace", "--phase", "typo"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--phase" in err and "typo" in err and "Traceback" not in err, err
+
+
+def test_curate_kmeans_on_a_wrong_emb_dir_exits_2_without_a_traceback(tmp_path, capsys):
+    from curation.cli import main as curate_main
+
+    rc = curate_main(["kmeans", "--emb-dir", str(tmp_path / "wrong"), "--out", str(tmp_path / "km")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--emb-dir" in err and str(tmp_path / "wrong") in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_eval_linear_with_too_few_images_per_class_exits_2_naming_holdout(tmp_path, capsys):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.new("RGB", (28, 28), (100, 60 if c == "a" else 10, 30)).save(tmp_path / split / c / "0.png")
+    rc = code(["eval", "linear", "--model", "vit_test", "--train", str(tmp_path / "train"), "--val",
+               str(tmp_path / "val"), "--device", "cpu", "--workers", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--holdout" in err and "Traceback" not in err, err
+
+
+def test_continuing_a_named_architecture_from_bare_weights_takes_its_head_count(tmp_path):
+    """model.name=vit_test model.pretrained=<a state dict of it>: the file records no head count and 64 is no
+    released width, but the config names the architecture, so its head count is used (a width the name does
+    not have still refuses)."""
+    import torch
+
+    from dinopipe import hub
+    from dinopipe.config import ConfigError, ModelConfig
+    from dinopipe.models import create_model
+    from dinopipe.ssl.config import PretrainConfig
+    from dinopipe.train.checks import check_pretrained
+
+    sd = create_model("vit_test").state_dict()
+    torch.save(sd, tmp_path / "w.pth")
+    cfg = PretrainConfig(model=ModelConfig(name="vit_test", pretrained=str(tmp_path / "w.pth")))
+    check_pretrained(cfg)
+    assert cfg.model.num_heads == 2
+    model = hub.load(str(tmp_path / "w.pth"), num_heads=cfg.model.num_heads)
+    assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items() if k in sd)
+    with pytest.raises(ConfigError, match="head count"):
+        check_pretrained(PretrainConfig(model=ModelConfig(name="vit_small", pretrained=str(tmp_path / "w.pth"))))
+
+
+def test_a_bug_in_a_dinopipe_command_exits_1_asking_for_a_report(capsys, monkeypatch):
+    import dinopipe.cli
+
+    def broken(args):
+        raise KeyError("an internal table lookup")
+
+    monkeypatch.setattr(dinopipe.cli, "_cmd_config", broken)
+    rc = code(["config", "--kind", "model"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "please report" in err and "Traceback" in err and "KeyError" in err, err

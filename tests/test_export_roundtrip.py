@@ -82,7 +82,7 @@ def test_graph_exports_run_like_the_model(tmp_path, kind):
     ref = _features(model, x)
     want = (ref["x_norm_clstoken"], ref["x_norm_regtokens"], ref["x_norm_patchtokens"])
     size = x.shape[-1]
-    for run in (program_runner(export_program(model, tmp_path / "m.pt2", size)),
+    for run in (program_runner(export_program(model, tmp_path / "m.pt2", size), trust_code=True),
                 onnx_runner(export_onnx(model, tmp_path / "m.onnx", size))):
         for got, ref_t in zip(run(x), want):
             assert (torch.as_tensor(got) - ref_t).abs().max().item() <= TOL

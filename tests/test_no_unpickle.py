@@ -114,6 +114,33 @@ def test_cli_export_refuses_with_exit_2(kind, evil_dcp, evil_pth, evil_run, tmp_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("kind", ["dcp", "pth"])
+def test_curation_embed_model_refuses(kind, evil_dcp, evil_pth):
+    from dinopipe.config import ConfigError
+
+    from curation.embedder import build_embedder
+
+    path = {"dcp": evil_dcp, "pth": evil_pth}[kind]
+    with pytest.raises(ConfigError, match="embed.model") as err:
+        build_embedder(str(path), 28, device="cpu")
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["dcp", "pth"])
+def test_cli_eval_refuses_with_exit_2(kind, evil_dcp, evil_pth, tmp_path, capsys):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (28, 28), (60 * i, 100, 30)).save(tmp_path / split / c / f"{i}.png")
+    path = {"dcp": evil_dcp, "pth": evil_pth}[kind]
+    rc = cli_main(["eval", "knn", "--model", str(path), "--train", str(tmp_path / "train"), "--val",
+                   str(tmp_path / "val"), "--device", "cpu"])
+    assert rc == 2 and str(path) in capsys.readouterr().err
+
+
 def test_bytes_entry_payload_is_refused(tmp_path, marker):
     """A non-tensor entry of a .distcp file (DCP stores them with torch.save; its own reader would
     torch.load them with weights_only=False) is read with weights_only=True."""

@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from dinopipe.config import InputError
 from dinopipe.utils import debug_hooks
 from dinopipe.utils.io import atomic_path
 
@@ -188,14 +189,14 @@ def env_task(launcher: str) -> tuple[int, int]:
     if launcher == "slurm":
         env = os.environ
         if "SLURM_ARRAY_TASK_ID" not in env:
-            raise RuntimeError("launcher=slurm: SLURM_ARRAY_TASK_ID is not set (submit with sbatch --array)")
+            raise InputError("launcher=slurm: SLURM_ARRAY_TASK_ID is not set (submit with sbatch --array)")
         t = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
         return t, int(env.get("SLURM_ARRAY_TASK_COUNT", "1"))
     if launcher == "dist":  # the group is made by the entry point (curation/cli.py: training's init_distributed)
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("launcher=dist: no process group; start through `curate` under torchrun or srun, "
+            raise InputError("launcher=dist: no process group; start through `curate` under torchrun or srun, "
                                "which sets it up as training does (dinopipe.train.dist.init_distributed)")
         return dist.get_rank(), dist.get_world_size()
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
@@ -230,5 +231,5 @@ def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: i
                 os.environ["OMP_NUM_THREADS"] = old
     t, w = env_task(launcher)
     if w != num_tasks:
-        raise RuntimeError(f"{launcher}: this job has {w} tasks, the step was asked for {num_tasks}")
+        raise InputError(f"{launcher}: this job has {w} tasks, the step was asked for {num_tasks}")
     return [_measured(fn, t, w, kw)]

@@ -131,6 +131,10 @@ def run(args: argparse.Namespace) -> dict:
 
     train = open_labelled(args.train)  # data problems surface before the model is loaded
     val = open_labelled(args.val, classes=train.classes)
+    if args.task == "linear":  # too few images per class for the held-out split: before any feature
+        from .linear import holdout_split
+
+        holdout_split(torch.as_tensor(train.labels), args.holdout)
     device = pick_device(args.device, key="--device")
     model = load(args.model, device=device, num_heads=args.num_heads)
     t0 = time.time()
@@ -172,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except CheckpointError as exc:
         print(f"error: cannot load --model: {exc}", file=sys.stderr)
-        return 1
+        return 2  # a checkpoint dinopipe cannot read: the user's file (docs/exit-codes.md)
     print(f"{args.task}: {out['train']['images']} train / {out['val']['images']} val images, "
           f"{out['train']['classes']} classes, feature {out['feature']} at {out['img_size']} px")
     {"knn": _print_knn, "linear": _print_linear, "seg": _print_seg}[args.task](out[args.task])

@@ -19,13 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .data import LabelError
+
 DEFAULT_LRS = {"sgd": (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0), "adamw": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)}
 
 
 def holdout_split(labels: Tensor, fraction: float, seed: int = 0) -> tuple[Tensor, Tensor]:
     """(fit indices, held-out indices): ``fraction`` of every class held out, each class keeps >= 1 to fit."""
     if not 0 < fraction < 1:
-        raise ValueError(f"holdout fraction must be in (0, 1), got {fraction}")
+        raise LabelError(f"--holdout: the held-out fraction must be in (0, 1), got {fraction}")
     g = torch.Generator().manual_seed(seed)
     fit, held = [], []
     for c in labels.unique():
@@ -35,9 +37,10 @@ def holdout_split(labels: Tensor, fraction: float, seed: int = 0) -> tuple[Tenso
         held.append(idx[:n_held])
         fit.append(idx[n_held:])
     fit_idx, held_idx = torch.cat(fit).sort().values, torch.cat(held).sort().values
-    if len(held_idx) == 0:
-        raise ValueError(f"{len(labels)} training samples are too few for a held-out split of {fraction}; "
-                         f"use more data or a larger --holdout")
+    if len(held_idx) == 0:  # the user's data: a LabelError, so `dinopipe eval linear` exits 2 naming it
+        raise LabelError(f"--holdout: {len(labels)} training samples are too few for a held-out split of "
+                         f"{fraction} (a class needs >= 2 images, one of them held out); use more data or a "
+                         f"larger --holdout")
     return fit_idx, held_idx
 
 

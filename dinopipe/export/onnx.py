@@ -10,7 +10,8 @@ dynamic batch, height and width (H and W multiples of the patch size), and retur
 
 Both record what the input must be normalised with (``in_chans``, per-channel ``mean`` and ``std``, JSON strings):
 the ONNX model's ``metadata_props`` (onnxruntime: ``get_modelmeta().custom_metadata_map``) and the .pt2
-archive's extra file ``dinopipe.json``; :func:`graph_metadata` reads either back.
+archive's extra file ``dinopipe.json``; :func:`graph_metadata` reads either back (the ``.pt2``'s as a zip member,
+without loading the program: running a ``.pt2`` runs code, so :func:`program_runner` needs ``trust_code=True``).
 
 Masks are not an input (they only matter in training). One graph serves every resolution, so the
 position information is computed *in the graph* from the input size:
@@ -44,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ..utils.norm import in_channels, input_norm
+from ..utils.safe_load import CheckpointError, read_archive_file, require_trust
 
 OUTPUT_NAMES = ("cls_token", "register_tokens", "patch_tokens")
 INPUT_NAME = "pixel_values"
@@ -61,10 +63,14 @@ def input_metadata(model: nn.Module) -> dict[str, str]:
 def graph_metadata(path: str | Path) -> dict:
     """``{'in_chans': int, 'mean': [...], 'std': [...]}`` recorded in an exported .onnx or .pt2 ({} if none)."""
     path = Path(path)
-    if path.suffix == ".pt2":
-        extra = {PT2_META: ""}
-        torch.export.load(str(path), extra_files=extra)
-        raw = json.loads(extra[PT2_META]) if extra[PT2_META] else {}
+    if path.suffix == ".pt2":  # the archive's extra file, read as a zip member: the program is never loaded
+        data = read_archive_file(path, PT2_META)
+        try:
+            raw = json.loads(data) if data else {}
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: its {PT2_META} is not JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: its {PT2_META} is not a JSON object")
     else:
         import onnx
 
@@ -223,7 +229,10 @@ def onnx_runner(path: str | Path) -> Any:
     return lambda x: sess.run(list(OUTPUT_NAMES), {INPUT_NAME: x.numpy()})
 
 
-def program_runner(path: str | Path) -> Any:
+def program_runner(path: str | Path, trust_code: bool = False) -> Any:
+    """``x -> outputs`` through the saved program ``path``. Loading a ``.pt2`` runs code (``torch.export.load``
+    falls back to unpickling when its weights-only load fails), so it needs ``trust_code=True``."""
+    require_trust(path, "a torch.export program (.pt2)", trust_code, "trust_code=True (--trust-code)")
     mod = torch.export.load(str(path)).module()
     return lambda x: mod(x)
 

@@ -541,6 +541,9 @@ def main(argv=None) -> int:
             raise ConfigError(f"overrides {args.overrides}: {exc}") from None
         if abs(sum(ph.fraction for ph in cfg.phases) - 1.0) > 1e-6:
             raise ConfigError("phases: fractions must sum to 1")
+        names = [ph.name for ph in cfg.phases]
+        if args.phase is not None and args.phase not in names:  # before the planner or the trace runs
+            raise ConfigError(f"--phase: no phase '{args.phase}' in {args.config} (phases: {', '.join(names)})")
         r = plan(cfg, args.gpus, args.gpu_mem_gb, args.gpu_tflops, args.mfu, args.margin, args.overhead_gb)
     except ConfigError as exc:
         exit_on_config_error(exc)

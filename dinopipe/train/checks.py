@@ -31,11 +31,35 @@ def check_pretrained(cfg: PretrainConfig) -> None:
     if not m.pretrained:
         return
     try:
-        arch = check_backbone_file(m.pretrained, num_heads=m.num_heads)
+        try:
+            arch = check_backbone_file(m.pretrained, num_heads=m.num_heads)
+        except CheckpointError:
+            heads = None if m.num_heads else _named_heads(m)
+            if heads is None:
+                raise
+            arch = check_backbone_file(m.pretrained, num_heads=heads)
+            m.num_heads = heads  # the task builds the backbone from the file with it (and config.yaml says so)
     except (CheckpointError, OSError) as exc:
         raise ConfigError(f"model.pretrained: {exc}") from None
     if arch.get("patch_size"):
         check_crops_tile(cfg, int(arch["patch_size"]), f"the backbone in {m.pretrained}")
+
+
+def _named_heads(m) -> "int | None":
+    """The head count of the architecture ``model.name`` names (with its embed_dim override), for a pretrained
+    file that does not record its own (a bare state dict of a non-released width, e.g. ``model.name=vit_test``),
+    when the file's width is that architecture's; None otherwise (the file's own error stands)."""
+    if m.name not in list_models():
+        return None
+    named = {**model_defaults(m.name), **m.create_kwargs()}
+    heads = named.get("num_heads")
+    if not heads:
+        return None
+    try:
+        arch = check_backbone_file(m.pretrained, num_heads=heads)
+    except (CheckpointError, OSError):
+        return None
+    return int(heads) if int(arch.get("embed_dim", -1)) == int(named["embed_dim"]) else None
 
 
 def check_crops_tile(cfg: PretrainConfig, patch: int, model: str) -> None:

@@ -13,6 +13,13 @@ one). Every file dinopipe reads from a user-given path therefore goes through on
 
 A refusal raises :class:`UnsafeCheckpointError` (a ``ValueError``, so command-line entries exit 2) naming the
 file and the object it wanted.
+
+Two formats a user may hand over *are* code: a ``torch.export`` archive (``.pt2``: ``torch.export.load`` falls
+back to ``torch.load(weights_only=False)`` when its weights-only load fails) and a TorchScript file
+(``torch.jit.load`` runs its code). :func:`read_archive_file` reads a named file out of such a zip archive (the
+``.pt2``'s ``extra/`` metadata) without loading the archive; running one is refused by :func:`require_trust`
+unless the user opted in (``trust_code: true`` / ``--trust-code``), with an :class:`UntrustedCodeError` naming
+the switch and the file.
 """
 
 from __future__ import annotations
@@ -48,6 +55,46 @@ class UnsafeCheckpointError(CheckpointError):
     """A file that would need arbitrary objects to be built (code to run) to be read; refused."""
 
 
+class UntrustedCodeError(UnsafeCheckpointError):
+    """A file that is a program (TorchScript, ``torch.export``), run without the user's explicit opt-in."""
+
+
+def require_trust(path: str | Path, what: str, trusted: bool, switch: str) -> None:
+    """Refuse to run the program ``path`` (``what``: what it is) unless ``trusted``; the message names the
+    ``switch`` that opts in (a config key or a flag) and the file."""
+    if not trusted:
+        raise UntrustedCodeError(
+            f"{path}: refusing to load {what}: loading it runs code the file contains (and can fall back to "
+            f"unpickling). Set {switch} only if you trust whoever made this file")
+
+
+MAX_ARCHIVE_ENTRY = 1 << 20
+"""Bytes of a metadata file read out of a user's zip archive (a dinopipe.json is ~200 B)."""
+
+
+def read_archive_file(path: str | Path, name: str, limit: int = MAX_ARCHIVE_ENTRY) -> Optional[bytes]:
+    """The bytes of the member ``*/extra/<name>`` (or ``extra/<name>``) of the zip archive ``path`` (a ``.pt2``),
+    None when it has none; nothing else of the archive is read or loaded. A member larger than ``limit`` or an
+    archive zipfile cannot read is a :class:`CheckpointError` naming the file."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            hits = [i for i in z.infolist() if i.filename == f"extra/{name}" or i.filename.endswith(f"/extra/{name}")]
+            if not hits:
+                return None
+            if hits[0].file_size > limit:
+                raise CheckpointError(f"{path}: its {hits[0].filename} claims {hits[0].file_size} bytes (more than "
+                                      f"{limit}); not metadata dinopipe wrote")
+            with z.open(hits[0]) as f:
+                data = f.read(limit + 1)
+            if len(data) > limit:
+                raise CheckpointError(f"{path}: its {hits[0].filename} holds more than {limit} bytes")
+            return data
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
+        raise CheckpointError(f"{path}: not a readable .pt2 archive ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
 def _torch_value(name: str) -> Any:
     """``torch.<name>`` when it is a plain value a checkpoint may record (a dtype, layout, memory format, Size)."""
     import torch
@@ -58,16 +105,38 @@ def _torch_value(name: str) -> Any:
     return None
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler whose ``find_class`` admits only :data:`ALLOWED_GLOBALS` and torch's plain values."""
+MAX_UNPICKLED_BYTES = 64 << 20
+"""Bytes one restricted unpickle may build with ``bytes(n)`` / ``bytearray(n)`` in all (DCP metadata builds
+none; without a cap, ``bytes(10**12)`` in a forged ``.metadata`` would allocate a terabyte)."""
 
-    def __init__(self, file: IO[bytes], where: str | Path) -> None:
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler whose ``find_class`` admits only :data:`ALLOWED_GLOBALS` and torch's plain values;
+    ``bytes`` and ``bytearray`` build at most :data:`MAX_UNPICKLED_BYTES` in all."""
+
+    def __init__(self, file: IO[bytes], where: str | Path, max_bytes: int = MAX_UNPICKLED_BYTES) -> None:
         super().__init__(file)
         self.where = where
+        self.bytes_left = max_bytes
+
+    def _capped(self, kind: type) -> Any:
+        def build(*args: Any) -> Any:
+            n = args[0] if args and isinstance(args[0], int) else (len(args[0]) if args and hasattr(args[0], "__len__")
+                                                                   else 0)
+            if n > self.bytes_left:
+                raise UnsafeCheckpointError(
+                    f"{self.where}: refusing a pickle that builds a {kind.__name__} of {n} bytes (more than the "
+                    f"{MAX_UNPICKLED_BYTES} a checkpoint's metadata may build in all)")
+            self.bytes_left -= max(n, 0)
+            return kind(*args)
+
+        return build
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and _torch_value(name) is not None:
             return _torch_value(name)
+        if module == "builtins" and name in ("bytes", "bytearray"):
+            return self._capped(bytes if name == "bytes" else bytearray)
         if name in ALLOWED_GLOBALS.get(module, ()):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(
@@ -209,6 +278,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, str]:
                               f"{str(exc)[:200]})") from None
 
 
-__all__ = ["ALLOWED_GLOBALS", "CheckpointError", "UnsafeCheckpointError", "RestrictedUnpickler", "restricted_loads",
+__all__ = ["ALLOWED_GLOBALS", "CheckpointError", "UnsafeCheckpointError", "UntrustedCodeError", "require_trust",
+           "read_archive_file", "RestrictedUnpickler", "restricted_loads",
            "read_dcp_metadata", "torch_load", "read_safetensors",
            "read_safetensors_header"]

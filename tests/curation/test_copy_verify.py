@@ -176,7 +176,7 @@ def test_torchscript_copy_model_replaces_the_descriptor(pool_dir, tmp_path):
     root, _ = pool_dir
     out = tmp_path / "out"
     step_embed([str(root)], str(out), EmbedConfig(batch_size=16, num_workers=0),
-               dedup=DedupConfig(model=str(path), image_size=64), progress=False)
+               dedup=DedupConfig(model=str(path), image_size=64, trust_code=True), progress=False)
     emb = open_embeddings(str(out / "embeddings" / "descriptor"))
     assert emb.dim == 32
     rows = emb.rows(np.arange(len(emb)))

@@ -212,8 +212,8 @@ def _patch_embeddings(path, photos, n):
 @pytest.mark.slow
 def test_kmeans_tree_task_memory_follows_rows_per_task_not_n(photos, tmp_path):
     """The tree of `curate run` at N and 4N rows of real-photo patches with W = 1 and W = 4 local ranks (the
-    same rows per task): the heap a task allocates within 1.5x (a task holding all N rows, or a level's k x D
-    centroids, would show ~4x), and each rank holds its centroid pieces only."""
+    same rows per task): the heap a task allocates grows by less than the extra rows would take (a task
+    holding all rows would grow by more), and each rank holds its centroid pieces only."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     got = {}
     for n, w in ((16384, 1), (65536, 4)):
@@ -226,10 +226,14 @@ def test_kmeans_tree_task_memory_follows_rows_per_task_not_n(photos, tmp_path):
     small, big = got[16384], got[65536]
     assert len(small) == 1 and len(big) == 4
     heap_small, heap_big = small[0]["heap"], max(t["heap"] for t in big)
-    # measured: 2.0 MB at N, W=1 and 3.3-3.4 MB per task at 4N, W=4 (the gloo group's buffers); all 4N rows in
-    # fp32 would be 12.6 MB. (VmHWM also counts the pages of the memory-mapped rows each task touched, which
-    # the kernel shares and evicts: 10 MB vs 15-20 MB here.)
-    assert heap_big <= 1.5 * heap_small + 2**21 < 65536 * 48 * 4, (small, big)
+    # The growth from N to 4N, against what holding the extra 3N rows would cost even in their fp16 (4.7 MB;
+    # fp32: 9.4 MB): a ratio of the small case's figure would depend on the allocator's small-case heap, which
+    # varies by machine (measured at N, W=1 / 4N, W=4 per task: 2.0 / 3.3-3.4 MB where the test was written,
+    # 0.99 / 3.69 MB and 1.6 / 3.2-3.6 MB on two AMD EPYC machines: growth 1.4-2.7 MB, the gloo group's buffers).
+    # A task holding all 4N rows would grow by >= 4.7 MB plus those buffers. (VmHWM also counts the pages of the
+    # memory-mapped rows each task touched, which the kernel shares and evicts: 10 MB vs 15-20 MB here.)
+    extra_rows_fp16 = (65536 - 16384) * 48 * 2
+    assert heap_big - heap_small < extra_rows_fp16, (small, big)
     # 64 centroids in 4 pieces of 16: its pieces + one received piece (fp32) + one piece of sums (8 B a value)
     assert small[0]["held"] == (64 + 16 * 3) * 48 * 4
     assert {t["held"] for t in big} == {(16 + 16 * 3) * 48 * 4}

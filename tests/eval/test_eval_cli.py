@@ -115,7 +115,7 @@ def test_bad_inputs_exit_nonzero_with_clear_errors(dataset, tmp_path, capsys):
     assert rc == 2 and "class sub-folders" in err
     rc, _, err = _run(["eval", "knn", "--model", str(tmp_path / "missing"), "--train", str(dataset / "train"),
                        "--val", str(dataset / "val")], capsys)
-    assert rc == 1 and "--model" in err
+    assert rc == 2 and "--model" in err  # a model path that does not exist: the user's mistake
 
 
 def test_labelled_sources(dataset, tmp_path):

@@ -120,7 +120,7 @@ def test_onnx_and_torch_export_match_at_two_sizes(name, photos, tmp_path):
 
     m = _trained(name, photos)
     program = trace(m)
-    runners = {"pt2": program_runner(export_program(m, tmp_path / "m.pt2", program=program)),
+    runners = {"pt2": program_runner(export_program(m, tmp_path / "m.pt2", program=program), trust_code=True),
                "onnx": onnx_runner(export_onnx(m, tmp_path / "m.onnx", program=program))}
     big = torch.nn.functional.interpolate(photos[:3], size=96, mode="bilinear", align_corners=False)
     for fmt, run in runners.items():
