@@ -232,7 +232,7 @@ def onnx_runner(path: str | Path) -> Any:
 def program_runner(path: str | Path, trust_code: bool = False) -> Any:
     """``x -> outputs`` through the saved program ``path``. Loading a ``.pt2`` runs code (``torch.export.load``
     falls back to unpickling when its weights-only load fails), so it needs ``trust_code=True``."""
-    require_trust(path, "a torch.export program (.pt2)", trust_code, "trust_code=True (--trust-code)")
+    require_trust(path, "a torch.export program (.pt2)", trust_code, "program_runner(..., trust_code=True)")
     mod = torch.export.load(str(path)).module()
     return lambda x: mod(x)
 
