@@ -25,6 +25,8 @@ from torchvision.transforms import v2
 
 from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD
 from ..utils.masks import mask_token_weights
+from . import crop_params
+from .fast_crops import full_size, normalize_uint8, render
 from .masking import MaskingGenerator, masks_upperbound, sample_masks
 
 
@@ -70,6 +72,11 @@ class MultiCropAugmentation:
 
     ``__call__(image, seed=...)`` is reproducible: the torch RNG is forked and seeded for that call only
     (torchvision's v2 transforms draw from torch's global generator). Without a seed the global stream is used.
+
+    RGB images take the fast path (``fast=True``, :mod:`.fast_crops`): the same draws from the same seed
+    (:mod:`.crop_params`), rendered from one (possibly reduced-scale, ``draft_request``) decode with uint8
+    kernels; ``uint8_output=True`` returns uint8 crops for :func:`.fast_crops.normalize_batch` to normalise on
+    the device (the training loader's path). ``fast=False`` keeps the torchvision v2 pipelines (the reference).
     """
 
     def __init__(
@@ -91,6 +98,8 @@ class MultiCropAugmentation:
         horizontal_flip: bool = True,
         channels: int = 3,
         float_input: bool = False,
+        fast: bool = True,
+        uint8_output: bool = False,
     ) -> None:
         if float_input is False and channels != 3:
             raise ValueError(f"{channels}-channel images come as float (C, H, W) tensors: pass float_input=True")
@@ -134,6 +143,15 @@ class MultiCropAugmentation:
             + normalize
         )
         self.local = v2.Compose(geometric(local_size, local_scale) + colour + [_blur(local_blur_p)] + normalize)
+        self.recipe = crop_params.dinov2_recipe(
+            global_size, local_size, n_local, global_scale, local_scale, (global1_blur_p, global2_blur_p, local_blur_p),
+            solarize_p, horizontal_flip, color_jitter_p, grayscale_p)
+        # Subclasses with their own crops (GramCropAugmentation) keep the v2 pipelines.
+        self.fast = fast and channels == 3 and not float_input and type(self)._crops is MultiCropAugmentation._crops
+        self.uint8_output = uint8_output and self.fast
+        self.draft = True  # reduced-scale JPEG decoding when every crop allows it (bench/bench_input.py toggles it)
+        self.mean, self.std = tuple(mean), tuple(std)
+        self._rows_cache: Optional[tuple[tuple[int, int, int], np.ndarray]] = None
 
     def __repr__(self) -> str:
         return (f"MultiCropAugmentation(global_size={self.global_size}, local_size={self.local_size}, "
@@ -157,7 +175,33 @@ class MultiCropAugmentation:
     def _plain(t: Tensor) -> Tensor:
         return t.as_subclass(Tensor)  # tv_tensors.Image -> plain tensor (cheaper to collate and pin)
 
+    def params(self, seed: int, height: int, width: int) -> np.ndarray:
+        """The sample's draws (crop_params rows) on a full-size ``height`` x ``width`` image."""
+        key = (int(seed), int(height), int(width))
+        if self._rows_cache is None or self._rows_cache[0] != key:
+            self._rows_cache = (key, crop_params.draw(self.recipe, seed, height, width))
+        return self._rows_cache[1]
+
+    def draft_request(self, size: tuple[int, int], seed: int) -> Optional[tuple[int, int]]:
+        """The size (w, h) to ask Pillow's JPEG ``draft`` for, for a full-size (w, h) image; None: full size."""
+        if not (self.fast and self.draft):
+            return None
+        w, h = size
+        s = crop_params.draft_scale(self.recipe, self.params(seed, h, w))
+        return (w // s, h // s) if s > 1 else None
+
+    def _fast_crops(self, image: Any, seed: int) -> dict[str, list[Tensor]]:
+        if hasattr(image, "mode") and image.mode != "RGB":
+            image = image.convert("RGB")
+        full = full_size(image)
+        crops = render(image, self.params(seed, *full), self.recipe.sizes, full)
+        if not self.uint8_output:
+            crops = [normalize_uint8(c, self.mean, self.std) for c in crops]
+        return {"global_crops": crops[:2], "local_crops": crops[2:]}
+
     def __call__(self, image: Any, seed: Optional[int] = None) -> dict[str, list[Tensor]]:
+        if self.fast:
+            return self._fast_crops(image, int(torch.randint(2**62, (1,))) if seed is None else seed)
         if seed is None:
             return self._crops(image)
         with torch.random.fork_rng(devices=[]):
