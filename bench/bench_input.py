@@ -36,7 +36,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..data.channels import decode_channels
 
+from ..data.device_stage import DeviceStage
 from ..data.loader import DataPosition, build_train_loader
 from ..data.multires import GramCropAugmentation, GramCropCollator, build_multisize_loader
 from ..data.transforms import MultiCropAugmentation
@@ -33,7 +34,8 @@ def size_triples(cfg: Any, ph: Any) -> list[tuple[int, int, Optional[int], float
 
 
 def _augmentation(cfg: Any, global_size: int, local_size: int, gram_size: Optional[int]) -> Callable:
-    kw = dict(global_size=global_size, local_size=local_size, n_local=cfg.crops.local_crops_number,
+    # uint8 crops leave the workers; DeviceStage normalises them on the training device
+    kw = dict(uint8_output=True, global_size=global_size, local_size=local_size, n_local=cfg.crops.local_crops_number,
               global_scale=tuple(cfg.crops.global_crops_scale), local_scale=tuple(cfg.crops.local_crops_scale),
               blur=str(getattr(cfg.crops, "blur", "released")), horizontal_flip=getattr(cfg.crops, "horizontal_flip", True),
               **channel_kwargs(cfg.data))
@@ -69,10 +71,13 @@ def phase_loader(cfg: Any, ph: Any, info: DistInfo, refs, read, patch_size: int
 
     def loader(pos: DataPosition):
         if len(augs) == 1:
-            return build_train_loader(refs, read, augs[0], collator, ph.batch_size_per_gpu, info.rank,
-                                      info.world_size, cfg.train.seed, pos, **common)
-        return build_multisize_loader(refs, read, augs, [t[3] for t in triples], collator, ph.batch_size_per_gpu,
-                                      info.rank, info.world_size, cfg.train.seed, pos, **common)
+            batches = build_train_loader(refs, read, augs[0], collator, ph.batch_size_per_gpu, info.rank,
+                                         info.world_size, cfg.train.seed, pos, **common)
+        else:
+            batches = build_multisize_loader(refs, read, augs, [t[3] for t in triples], collator,
+                                             ph.batch_size_per_gpu, info.rank, info.world_size, cfg.train.seed, pos,
+                                             **common)
+        return DeviceStage(batches, info.device, augs[0].mean, augs[0].std)
 
     return loader
 
