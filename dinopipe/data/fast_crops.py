@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
@@ -67,10 +68,17 @@ def render(image: Any, rows: np.ndarray, sizes: Sequence[int], full: tuple[int, 
     x = image_tensor(image)
     h, w = x.shape[-2:]
     sy, sx = h / full[0], w / full[1]
+    subpixel = (sy != 1.0 or sx != 1.0) and isinstance(image, Image.Image)
     out = []
     for row, size in zip(rows, sizes):
-        t, l, ch, cw = _box(row, sy, sx, h, w)
-        c = TF.resized_crop(x, t, l, ch, cw, [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True)
+        if subpixel:  # a reduced decode: the full-size box falls between pixels; Pillow resamples a float box
+            t, l, ch, cw = (float(v) for v in row[P.TOP:P.WIDTH + 1])
+            box = (l * sx, t * sy, (l + cw) * sx, (t + ch) * sy)
+            c = image_tensor(image.resize((size, size), Image.BICUBIC, box=box))
+        else:
+            t, l, ch, cw = _box(row, sy, sx, h, w)
+            c = TF.resized_crop(x, t, l, ch, cw, [size, size], interpolation=InterpolationMode.BICUBIC,
+                                antialias=True)
         if row[P.FLIP]:
             c = c.flip(-1)
         if row[P.JITTER] or row[P.GREY] or row[P.BLUR] or row[P.SOLARIZE]:
