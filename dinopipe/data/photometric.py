@@ -30,17 +30,19 @@ def grey_plane(x: Tensor) -> Tensor:
     return (r * _GREY[0] + g * _GREY[1] + b * _GREY[2]).floor_().unsqueeze(-3)
 
 
+# The operations below may work in place on ``x`` (callers hand over crops they own).
 def brightness(x: Tensor, f: Factor) -> Tensor:
-    return (x * f).clamp_(0, 255).floor_()
+    return x.mul_(f).clamp_(0, 255).floor_()
 
 
 def contrast(x: Tensor, f: Factor) -> Tensor:
     mean = grey_plane(x).mean(dim=(-3, -2, -1), keepdim=True)
-    return (x * f + mean * (1 - f)).clamp_(0, 255).floor_()
+    return x.mul_(f).add_(mean * (1 - f)).clamp_(0, 255).floor_()
 
 
 def saturation(x: Tensor, f: Factor) -> Tensor:
-    return (x * f + grey_plane(x) * (1 - f)).clamp_(0, 255).floor_()
+    g = grey_plane(x).mul_(1 - f)
+    return x.mul_(f).add_(g).clamp_(0, 255).floor_()
 
 
 _CHANNEL_OFFSET = torch.tensor([5.0, 3.0, 1.0]).view(3, 1, 1)
@@ -60,7 +62,8 @@ def hue(x: Tensor, f: Factor) -> Tensor:
     # sector position 6 h in [-1, 5): channel values are integers, so a zero chroma is the only c < 1
     h6 = (mr * (g - b) + mg * (b - r) + mb * (r - g)) / c.clamp_min(1.0) + 2.0 * mg + 4.0 * mb
     # torchvision: h = fmod(h6 / 6 + 1, 1), then (h + f) mod 1, then 6 h: the same angle as (h6 + 6 f) mod 6
-    k = torch.remainder(_CHANNEL_OFFSET.to(x.device) + (h6.unsqueeze(-3) + f * 6.0), 6.0)
+    k = _CHANNEL_OFFSET.to(x.device) + (h6.unsqueeze(-3) + f * 6.0)
+    k = k.sub_(k.div(6.0).floor_().mul_(6.0))  # mod 6 (torch.remainder is several times slower on CPU)
     w = torch.minimum(k, 4.0 - k).clamp_(0, 1)
     out = v.unsqueeze(-3) - c.unsqueeze(-3) * w
     return out.mul_(255.999 / 255.0).floor_()  # float -> uint8 as torchvision's to_dtype does
