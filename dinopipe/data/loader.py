@@ -155,6 +155,12 @@ class ImagePoolDataset(Dataset):
         index, epoch = key
         # Per-sample seed: the same augmentation whichever worker (or how many) decodes it.
         seed = stable_hash(f"{self.seed}/{epoch}/{index}") % (2**63)
+        if getattr(self.transform, "takes_bytes", False):  # the GPU path: bytes and drawn parameters only
+            sample, reason = self.transform.from_bytes(self.read(self.refs[index]), seed)
+            if sample is None:
+                return ("__corrupt__", reason)
+            sample["key"] = (epoch, index)
+            return sample
         draft = getattr(self.transform, "draft_request", None)
         if draft is not None and self.decode is safe_decode:  # the crops, drawn first, pick a reduced decode
             img, reason = safe_decode(self.read(self.refs[index]), draft=partial(draft, seed=seed))

@@ -264,32 +264,35 @@ class MultiCropCollator:
             )
         return self._generators[grid]
 
-    def __call__(self, samples: Sequence[Any], rng: Optional[np.random.Generator] = None) -> dict[str, Any]:
-        if not samples:
-            raise ValueError("cannot collate an empty batch")
-        dicts = [s[0] if isinstance(s, (tuple, list)) else s for s in samples]
-        n_g, n_l = len(dicts[0]["global_crops"]), len(dicts[0]["local_crops"])
-        cast = (lambda t: t.to(self.dtype)) if self.dtype is not None else (lambda t: t)
-        global_crops = cast(torch.stack([d["global_crops"][i] for i in range(n_g) for d in dicts]))
-        local_crops = cast(torch.stack([d["local_crops"][i] for i in range(n_l) for d in dicts])) if n_l else None
-
-        h, w = global_crops.shape[-2:]
+    def masks(self, n_images: int, h: int, w: int, rng: Optional[np.random.Generator] = None) -> dict[str, Any]:
+        """The iBOT masks of ``n_images`` global crops of h x w pixels (and their indices, weights, counts)."""
         if h % self.patch_size or w % self.patch_size:
             raise ValueError(f"global crops {h}x{w} are not a multiple of the patch size {self.patch_size}")
         gen = self.mask_generator((h // self.patch_size, w // self.patch_size))
-        n_images = global_crops.shape[0]
         masks = sample_masks(gen, n_images, self.mask_ratio_min_max, self.mask_probability,
                              rng=self._default_rng() if rng is None else rng)
         mask_indices = masks.flatten().nonzero().flatten()
-        out: dict[str, Any] = {
-            "global_crops": global_crops,
-            "local_crops": local_crops,
+        return {
             "masks": masks,
             "mask_indices": mask_indices,
             "masks_weight": mask_token_weights(masks),
             "n_masked_patches": torch.tensor([mask_indices.numel()], dtype=torch.long),
             "upperbound": masks_upperbound(n_images, gen.num_patches, self.mask_ratio_min_max, self.mask_probability),
         }
+
+    def __call__(self, samples: Sequence[Any], rng: Optional[np.random.Generator] = None) -> dict[str, Any]:
+        if not samples:
+            raise ValueError("cannot collate an empty batch")
+        dicts = [s[0] if isinstance(s, (tuple, list)) else s for s in samples]
+        n_g, n_l = len(dicts[0]["global_crops"]), len(dicts[0]["local_crops"])
+        # uint8 crops stay uint8 (normalised on the device: fast_crops.normalize_batch)
+        cast = (lambda t: t.to(self.dtype) if t.is_floating_point() else t) if self.dtype is not None else (lambda t: t)
+        global_crops = cast(torch.stack([d["global_crops"][i] for i in range(n_g) for d in dicts]))
+        local_crops = cast(torch.stack([d["local_crops"][i] for i in range(n_l) for d in dicts])) if n_l else None
+
+        h, w = global_crops.shape[-2:]
+        out: dict[str, Any] = {"global_crops": global_crops, "local_crops": local_crops}
+        out.update(self.masks(global_crops.shape[0], h, w, rng))
         for key in dicts[0]:
             if key not in ("global_crops", "local_crops") and key not in out:
                 out[key] = [d.get(key) for d in dicts]
