@@ -14,6 +14,8 @@ JPEGs (quality 90) into two webdataset tar shards. Each path runs in this proces
   ``collate_data_and_cast`` (fp16 crops, as its training casts them) with its ``MaskingGenerator``. The source
   is never vendored: ``--dinov2`` names a checkout, else ``git archive`` extracts it from the mirror
   (``--mirror``) into a temporary folder. Absent both: "official: not available".
+* ``gpu path, host side``: what the workers do with ``data.augment_on=gpu`` (bytes, header, draws, masks);
+  the device's decode and crops are timed by ``make gpu-bench``.
 * ``--ideas``: the per-idea variants of the dinopipe path (the v2 reference, draft on / off, float / uint8
   output) and single-op timings (blur, hue) on a 224 px crop.
 
@@ -97,6 +99,20 @@ def dinopipe_batches(shards: list[str], cache: str, batch: int, **aug_kwargs) ->
     aug.draft = draft
     loader = build_train_loader(pool, pool.read, aug, MultiCropCollator(14, (0.1, 0.5), 0.5), batch, 0, 1, 0,
                                 DataPosition(), num_workers=0)
+    for b in loader:
+        yield b["n_images"]
+
+
+def gpu_host_batches(shards: list[str], cache: str, batch: int) -> Iterator[int]:
+    """The GPU path's host side (data.augment_on=gpu): read bytes, parse the JPEG header, draw the crops'
+    parameters, collate bytes + parameters + masks. Decoding and cropping happen on the device (not timed)."""
+    from dinopipe.data.gpu_augment import EncodedCollator, EncodedCrops
+
+    pool = open_pool([os.path.join(os.path.dirname(shards[0]), "*.tar")], cache_dir=cache)
+    aug = MultiCropAugmentation(**RECIPE)
+    loader = build_train_loader(pool, pool.read, EncodedCrops(aug.recipe, aug.mean, aug.std),
+                                EncodedCollator(14, RECIPE["global_size"]), batch, 0, 1, 0, DataPosition(),
+                                num_workers=0)
     for b in loader:
         yield b["n_images"]
 
@@ -224,6 +240,7 @@ def main(argv=None) -> int:
         shards = write_shards(os.path.join(tmp, "shards"), photo_jpegs())
         cache = os.path.join(tmp, "index")
         paths: dict[str, Iterator[int]] = {"dinopipe": dinopipe_batches(shards, cache, args.batch, uint8_output=True)}
+        paths["gpu path, host side"] = gpu_host_batches(shards, cache, args.batch)
         if args.ideas:
             paths.update({
                 "v2 reference (before)": dinopipe_batches(shards, cache, args.batch, fast=False),
@@ -256,7 +273,7 @@ def main(argv=None) -> int:
     if args.ideas:
         for k, v in op_times().items():
             print(f"{k}: {v:.2f}")
-    per_core = {k: med[k] for k in ("dinopipe", "official") if k in med}
+    per_core = {k: med[k] for k in ("dinopipe", "official", "gpu path, host side") if k in med}
     print("\n".join(cores_table(per_core)))
     return 0
 
