@@ -17,7 +17,8 @@ JPEGs (quality 90) into two webdataset tar shards. Each path runs in this proces
 * ``gpu path, host side``: what the workers do with ``data.augment_on=gpu`` (bytes, header, draws, masks);
   the device's decode and crops are timed by ``make gpu-bench``.
 * ``--ideas``: the per-idea variants of the dinopipe path (the v2 reference, draft on / off, float / uint8
-  output) and single-op timings (blur, hue) on a 224 px crop.
+  output; draft on / off on 2000 x 1500 JPEGs, where it can pay) and single-op timings (blur, hue) on a
+  224 px crop.
 
 Rates are images per CPU-second of this process (``time.process_time``: the machines are shared, and a
 process waiting for a core is not spending one), variants interleaved in rounds, medians printed; the ratio
@@ -115,6 +116,33 @@ def gpu_host_batches(shards: list[str], cache: str, batch: int) -> Iterator[int]
                                 num_workers=0)
     for b in loader:
         yield b["n_images"]
+
+
+def device_rate(shards: list[str], cache: str, batch: int, device: str, seconds: float) -> float:
+    """Images/s of the GPU path's device side (batched decode_jpeg, crops, photometrics, normalisation) on
+    ``device`` (wall time, synchronised), over host batches prepared beforehand."""
+    from dinopipe.data.device_stage import DeviceStage
+    from dinopipe.data.gpu_augment import EncodedCollator, EncodedCrops, GpuMultiCrop
+
+    dev = torch.device(device)
+    pool = open_pool([os.path.join(os.path.dirname(shards[0]), "*.tar")], cache_dir=cache)
+    aug = MultiCropAugmentation(**RECIPE)
+    loader = build_train_loader(pool, pool.read, EncodedCrops(aug.recipe, aug.mean, aug.std),
+                                EncodedCollator(14, RECIPE["global_size"]), batch, 0, 1, 0, DataPosition(),
+                                num_workers=0)
+    it = iter(loader)
+    host = [next(it) for _ in range(4)]
+    stage = DeviceStage(host, dev, aug.mean, aug.std, augment=GpuMultiCrop(aug.recipe, dev))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for _ in stage:  # warm-up (nvJPEG handles, kernels)
+        pass
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for b in stage:
+            n += b["global_crops"].shape[0] // 2
+        sync()
+    return n / (time.perf_counter() - t0)
 
 
 def official_source(path: Optional[str], mirror: str, tmp: str) -> Optional[str]:
@@ -229,6 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=4.0, help="wall seconds per path and round")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ideas", action="store_true", help="also the per-idea variants and single-op timings")
+    p.add_argument("--device", default=None, help="also time the GPU path's device side here (cuda; cpu works)")
     p.add_argument("--h100", type=float, default=STEP_RATES["H100"], help="vit_s14 step images/s on an H100")
     p.add_argument("--h200", type=float, default=STEP_RATES["H200"], help="vit_s14 step images/s on an H200")
     args = p.parse_args(argv)
@@ -258,7 +287,14 @@ def main(argv=None) -> int:
                 paths.pop("official")
         else:
             print("official: not available (no --dinov2 checkout and no mirror)")
+        if args.ideas:  # draft decoding pays on photos larger than the crops need: 2000 x 1500 shards
+            os.makedirs(os.path.join(tmp, "large"))
+            large = write_shards(os.path.join(tmp, "large"), photo_jpegs(2000, 1500)[:16])
+            lcache = os.path.join(tmp, "index_large")
+            paths["2000x1500, draft"] = dinopipe_batches(large, lcache, args.batch, uint8_output=True)
+            paths["2000x1500, no draft"] = dinopipe_batches(large, lcache, args.batch, uint8_output=True, draft=False)
         rates = measure(paths, args.rounds, args.seconds)
+        on_device = device_rate(shards, cache, 32, args.device, args.seconds) if args.device else None
 
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"images: {len(photo_jpegs())} photos as 500x375 JPEG; crops 2x{RECIPE['global_size']} + "
@@ -267,12 +303,17 @@ def main(argv=None) -> int:
         print(f"{k} images/s per core: {v:.1f}")
     if "official" in rates:
         for k in rates:
-            if k != "official":
+            if k != "official" and not k.startswith("2000x1500"):
                 ratio = statistics.median(a / b for a, b in zip(rates[k], rates["official"]))
                 print(f"{k} / official: {ratio:.2f}")
+    if "2000x1500, draft" in rates:
+        ratio = statistics.median(a / b for a, b in zip(rates["2000x1500, draft"], rates["2000x1500, no draft"]))
+        print(f"2000x1500 draft / no draft: {ratio:.2f}")
     if args.ideas:
         for k, v in op_times().items():
             print(f"{k}: {v:.2f}")
+    if on_device is not None:
+        print(f"gpu path device side on {args.device} images/s: {on_device:.1f}")
     per_core = {k: med[k] for k in ("dinopipe", "official", "gpu path, host side") if k in med}
     print("\n".join(cores_table(per_core)))
     return 0

@@ -159,7 +159,7 @@ class GpuMultiCrop:
         groups = []
         for k, spec in enumerate(self.recipe.crops):
             x = crop_group(images, params[:, k], spec.size, batch["sizes"])
-            groups.append(apply_rows(x, params[:, k].to(self.device)).to(torch.uint8))
+            groups.append(apply_rows(x, params[:, k]).to(torch.uint8))  # rows stay on the host
         n_g = self.recipe.n_global
         out = {k: v for k, v in batch.items() if k not in ("encoded", "pixels", "params", "sizes")}
         out["global_crops"] = torch.cat(groups[:n_g])

@@ -130,27 +130,30 @@ def apply_row(x: Tensor, row) -> Tensor:
     return x
 
 
-def _subset(x: Tensor, mask: Tensor, fn, *args) -> Tensor:
+def _subset(x: Tensor, mask: Tensor, fn, *args: Tensor) -> Tensor:
+    """fn on the crops where the host-side ``mask`` holds (indices chosen on the host: no device sync)."""
     idx = mask.nonzero().flatten()
     if idx.numel() == 0:
         return x
-    x = x.clone() if x.requires_grad else x
+    idx = idx.to(x.device, non_blocking=True)
     x[idx] = fn(x[idx], *[a[idx] for a in args])
     return x
 
 
 def apply_rows(x: Tensor, rows: Tensor) -> Tensor:
-    """A batch of crops (N, 3, S, S) through their own rows (N, N_COLS) (a tensor on x's device)."""
-    rows = rows.to(device=x.device, dtype=torch.float32)
-    on = rows[:, P.JITTER] > 0
-    order = rows[:, P.ORDER:P.ORDER + 4].long()
-    factors = rows[:, P.FACTORS:P.FACTORS + 4].reshape(-1, 4, 1, 1, 1)
+    """A batch of crops (N, 3, S, S) through their own rows (N, N_COLS); ``rows`` best on the host (the
+    choice of which crops each operation touches is made there), factors go to x's device once."""
+    host = rows.detach().to("cpu", torch.float32)
+    dev = host.to(x.device, non_blocking=True)
+    on = host[:, P.JITTER] > 0
+    order = host[:, P.ORDER:P.ORDER + 4].long()
+    factors = dev[:, P.FACTORS:P.FACTORS + 4].reshape(-1, 4, 1, 1, 1)
     for pos in range(4):
         for o, fn in enumerate(_JITTER):
             x = _subset(x, on & (order[:, pos] == o), fn, factors[:, o])
-    x = _subset(x, rows[:, P.GREY] > 0, grey)
-    x = _subset(x, rows[:, P.BLUR] > 0, blur, rows[:, P.SIGMA])
-    return _subset(x, rows[:, P.SOLARIZE] > 0, solarize)
+    x = _subset(x, host[:, P.GREY] > 0, grey)
+    x = _subset(x, host[:, P.BLUR] > 0, blur, dev[:, P.SIGMA])
+    return _subset(x, host[:, P.SOLARIZE] > 0, solarize)
 
 
 __all__ = ["apply_row", "apply_rows", "brightness", "contrast", "saturation", "hue", "grey", "blur", "solarize"]
