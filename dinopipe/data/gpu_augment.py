@@ -34,8 +34,9 @@ from .transforms import MultiCropCollator
 log = logging.getLogger(__name__)
 
 
-def jpeg_header(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[Optional[tuple[int, int]], Optional[str]]:
-    """((height, width) upright, None) of a baseline/progressive RGB or greyscale JPEG, (None, None) for any
+def jpeg_header(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS
+                ) -> tuple[Optional[tuple[int, int, int]], Optional[str]]:
+    """((height, width) upright + EXIF orientation, None) of an RGB or greyscale JPEG, (None, None) for any
     other readable image (decode it on the host), or (None, reason) for bytes no image reader accepts."""
     try:
         with warnings.catch_warnings():
@@ -46,12 +47,33 @@ def jpeg_header(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[Opti
                 return None, TOO_LARGE
             if img.format != "JPEG" or img.mode not in ("RGB", "L"):
                 return None, None
-            turned = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+            orient = int(img.getexif().get(0x0112, 1))
     except Image.DecompressionBombError:
         return None, TOO_LARGE
     except Exception:
         return None, NOT_AN_IMAGE if data else TRUNCATED
-    return ((w, h) if turned else (h, w)), None
+    orient = orient if 1 <= orient <= 8 else 1
+    return ((w, h, orient) if orient in (5, 6, 7, 8) else (h, w, orient)), None
+
+
+def exif_orient(x: Tensor, orient: int) -> Tensor:
+    """A (C, H, W) image as stored -> upright, for EXIF orientation 1-8 (Pillow's exif_transpose; the CUDA
+    decoder ignores ``apply_exif_orientation``, so the device path applies it itself on every device)."""
+    if orient == 2:
+        return x.flip(-1)
+    if orient == 3:
+        return x.flip((-2, -1))
+    if orient == 4:
+        return x.flip(-2)
+    if orient == 5:
+        return x.transpose(-2, -1)
+    if orient == 6:
+        return torch.rot90(x, -1, dims=(-2, -1))
+    if orient == 7:
+        return x.transpose(-2, -1).flip((-2, -1))
+    if orient == 8:
+        return torch.rot90(x, 1, dims=(-2, -1))
+    return x
 
 
 class EncodedCrops:
@@ -66,17 +88,18 @@ class EncodedCrops:
     def from_bytes(self, data: Optional[bytes], seed: int) -> tuple[Optional[dict], Optional[str]]:
         if not data:
             return safe_decode(data)  # (None, reason)
-        size, reason = jpeg_header(data)
+        header, reason = jpeg_header(data)
         if reason is not None:
             return None, reason
-        sample: dict[str, Any] = {}
-        if size is None:  # not a JPEG the device decodes: pixels from the host's decoder
+        sample: dict[str, Any] = {"orient": 1}
+        if header is None:  # not a JPEG the device decodes: pixels from the host's decoder
             img, reason = safe_decode(data)
             if img is None:
                 return None, reason
             pixels = torch.from_numpy(np.array(img)).permute(2, 0, 1).contiguous()
             sample["pixels"], size = pixels, (img.height, img.width)
         else:
+            size, sample["orient"] = header[:2], header[2]
             sample["encoded"] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         sample["params"] = torch.from_numpy(CP.draw(self.recipe, seed, *size))
         sample["size"] = size
@@ -97,15 +120,15 @@ class EncodedCollator(MultiCropCollator):
         out = self.masks(self.n_global * len(samples), self.global_size, self.global_size, rng)
         out.update(encoded=[s.get("encoded") for s in samples], pixels=[s.get("pixels") for s in samples],
                    params=torch.stack([s["params"] for s in samples]), sizes=[s["size"] for s in samples],
-                   global_crops=None, local_crops=None)
+                   orients=[s.get("orient", 1) for s in samples], global_crops=None, local_crops=None)
         for key in samples[0]:
-            if key not in out and key not in ("encoded", "pixels", "params", "size"):
+            if key not in out and key not in ("encoded", "pixels", "params", "size", "orient"):
                 out[key] = [s.get(key) for s in samples]
         return out
 
 
-def decode_on(device: torch.device, encoded: list[Optional[Tensor]], pixels: list[Optional[Tensor]]
-              ) -> list[Tensor]:
+def decode_on(device: torch.device, encoded: list[Optional[Tensor]], pixels: list[Optional[Tensor]],
+              orients: Optional[list[int]] = None) -> list[Tensor]:
     """(3, H, W) uint8 images on ``device``: the JPEGs in one batched decode_jpeg call (nvJPEG on CUDA), the
     host-decoded ones moved. A batch the batched call refuses is decoded one by one, then on the host."""
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -113,7 +136,7 @@ def decode_on(device: torch.device, encoded: list[Optional[Tensor]], pixels: lis
     out: list[Optional[Tensor]] = [None if p is None else p.to(device, non_blocking=True) for p in pixels]
     todo = [i for i, e in enumerate(encoded) if e is not None]
     if todo:
-        kw = dict(mode=ImageReadMode.RGB, device=device, apply_exif_orientation=True)
+        kw = dict(mode=ImageReadMode.RGB, device=device)
         try:
             for i, img in zip(todo, decode_jpeg([encoded[i] for i in todo], **kw)):
                 out[i] = img
@@ -127,6 +150,11 @@ def decode_on(device: torch.device, encoded: list[Optional[Tensor]], pixels: lis
                               else torch.full((3, 16, 16), 128, dtype=torch.uint8, device=device))
                     if img is None:
                         log.warning("an image the host read could not be decoded; a grey image stands in")
+                    continue  # Pillow already turned it upright
+                out[i] = exif_orient(out[i], (orients or [1] * len(encoded))[i])  # type: ignore[arg-type]
+            return out  # type: ignore[return-value]
+        for i in todo:
+            out[i] = exif_orient(out[i], (orients or [1] * len(encoded))[i])  # type: ignore[arg-type]
     return out  # type: ignore[return-value]
 
 
@@ -154,14 +182,14 @@ class GpuMultiCrop:
         self.recipe, self.device = recipe, torch.device(device)
 
     def __call__(self, batch: dict) -> dict:
-        images = decode_on(self.device, batch["encoded"], batch["pixels"])
+        images = decode_on(self.device, batch["encoded"], batch["pixels"], batch.get("orients"))
         params = batch["params"]  # (B, n_crops, N_COLS) on the host: boxes are read there
         groups = []
         for k, spec in enumerate(self.recipe.crops):
             x = crop_group(images, params[:, k], spec.size, batch["sizes"])
             groups.append(apply_rows(x, params[:, k]).to(torch.uint8))  # rows stay on the host
         n_g = self.recipe.n_global
-        out = {k: v for k, v in batch.items() if k not in ("encoded", "pixels", "params", "sizes")}
+        out = {k: v for k, v in batch.items() if k not in ("encoded", "pixels", "params", "sizes", "orients")}
         out["global_crops"] = torch.cat(groups[:n_g])
         out["local_crops"] = torch.cat(groups[n_g:]) if len(groups) > n_g else None
         return out
@@ -175,5 +203,5 @@ def resolve_augment_on(choice: str, device: torch.device) -> str:
     return choice
 
 
-__all__ = ["EncodedCrops", "EncodedCollator", "GpuMultiCrop", "decode_on", "crop_group", "jpeg_header",
+__all__ = ["EncodedCrops", "EncodedCollator", "GpuMultiCrop", "decode_on", "crop_group", "jpeg_header", "exif_orient",
            "resolve_augment_on"]

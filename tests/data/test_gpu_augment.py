@@ -29,11 +29,15 @@ def one_thread():
 
 
 def _files() -> list[bytes]:
+    """Five photos: a PNG (decoded on the host), JPEGs stored turned with EXIF orientations 6 and 3 (the CUDA
+    decoder ignores EXIF: the device path turns them itself), plain JPEGs; and one non-image."""
     out = []
-    for name in sorted(real_photos())[:5]:
+    for i, name in enumerate(sorted(real_photos())[:5]):
         buf = io.BytesIO()
         img = Image.fromarray(real_photos()[name]).resize((200, 150), Image.BICUBIC)
-        img.save(buf, format="JPEG" if name != "astronaut" else "PNG", quality=90)  # one PNG: host-decoded
+        exif = Image.Exif()
+        exif[0x0112] = {1: 6, 2: 3}.get(i, 1)
+        img.save(buf, format="JPEG" if name != "astronaut" else "PNG", quality=90, exif=exif.tobytes())
         out.append(buf.getvalue())
     return out + [b"<html>not an image</html>"]
 
@@ -72,7 +76,7 @@ def test_gpu_path_gives_the_cpu_paths_batches():
 def test_host_side_hands_over_bytes_and_the_cpu_paths_draws():
     aug = MultiCropAugmentation(n_local=2)
     host = EncodedCrops(aug.recipe, aug.mean, aug.std)
-    jpeg = _files()[1]  # [0] is the PNG
+    jpeg = _files()[3]  # a plain JPEG
     sample, reason = host.from_bytes(jpeg, seed=42)
     assert reason is None and sample["encoded"].dtype == torch.uint8 and sample["encoded"].numel() == len(jpeg)
     assert np.array_equal(sample["params"].numpy(), aug.params(42, 150, 200))
