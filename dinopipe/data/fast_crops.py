@@ -11,6 +11,7 @@ tensors: the collate stacks uint8 and the batch is normalised where it reaches t
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -87,13 +88,19 @@ def render(image: Any, rows: np.ndarray, sizes: Sequence[int], full: tuple[int, 
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _affine(mean: tuple, std: tuple, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(-mean / std, 1 / (255 std)) as (C, 1, 1) tensors on ``device``, made once (no copy per batch)."""
+    m = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+    return (-m / s).to(device), (1.0 / (255.0 * s)).to(device)
+
+
 def normalize_uint8(x: Tensor, mean: Sequence[float], std: Sequence[float],
                     dtype: torch.dtype = torch.float32) -> Tensor:
     """uint8 (..., C, H, W) -> (x / 255 - mean) / std in ``dtype`` (one fused multiply-add per pixel)."""
-    shape = (-1, 1, 1)
-    m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(shape)
-    s = torch.tensor(std, dtype=torch.float32, device=x.device).view(shape)
-    return torch.addcmul(-m / s, x.float(), 1.0 / (255.0 * s)).to(dtype)
+    shift, scale = _affine(tuple(mean), tuple(std), x.device)
+    return torch.addcmul(shift, x.float(), scale).to(dtype)
 
 
 def normalize_batch(batch: dict, device: Optional[torch.device] = None, mean: Sequence[float] = (),
