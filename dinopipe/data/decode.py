@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import struct
 import warnings
+from typing import Callable, Optional
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -36,9 +37,14 @@ ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 
 def safe_decode(data: bytes | None, max_pixels: int = DEFAULT_MAX_PIXELS,
-                background: tuple[int, int, int] = (255, 255, 255)
+                background: tuple[int, int, int] = (255, 255, 255),
+                draft: Optional[Callable[[tuple[int, int]], Optional[tuple[int, int]]]] = None
                 ) -> tuple[Image.Image | None, str | None]:
     """Decode ``data`` to an upright RGB image: ``(image, None)`` or ``(None, reason)``.
+
+    ``draft``: upright full size (w, h) -> the smallest size (w, h) the caller needs, or None; a JPEG is then
+    decoded at the largest DCT reduction (1/2, 1/4, 1/8) that keeps it at least that large (Pillow's
+    ``draft``), and the image carries its full upright size in ``info["full_size"]``.
 
     Transparent images are composited on ``background`` (white by default, like a browser page)
     rather than having their alpha dropped, which would expose arbitrary hidden colours.
@@ -61,6 +67,7 @@ def safe_decode(data: bytes | None, max_pixels: int = DEFAULT_MAX_PIXELS,
                 return None, TRUNCATED
             if w * h > max_pixels:
                 return None, TOO_LARGE
+            full = _apply_draft(img, draft) if draft is not None else None
             img.load()
     except UnidentifiedImageError:
         return None, NOT_AN_IMAGE
@@ -77,7 +84,23 @@ def safe_decode(data: bytes | None, max_pixels: int = DEFAULT_MAX_PIXELS,
         rgb = to_rgb(img, background)
     except Exception:
         return None, BAD_MODE
+    if full is not None:
+        rgb.info["full_size"] = full
     return rgb, None
+
+
+def _apply_draft(img: Image.Image, draft: Callable) -> Optional[tuple[int, int]]:
+    """Ask a JPEG for a reduced-scale decode; returns the full upright size (w, h) when it took effect."""
+    if img.format != "JPEG":
+        return None
+    w, h = img.size
+    turned = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientations that swap width and height
+    up = (h, w) if turned else (w, h)
+    want = draft(up)
+    if want is None:
+        return None
+    img.draft(None, tuple(want[::-1]) if turned else tuple(want))
+    return up if img.size != (w, h) else None
 
 
 def _render_array(data: bytes, max_pixels: int) -> tuple[Image.Image | None, str | None] | None:

@@ -15,6 +15,7 @@ Corrupt images are skipped and counted by reason, never fatal.
 from __future__ import annotations
 
 import collections
+from functools import partial
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -152,11 +153,22 @@ class ImagePoolDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
-        img, reason = self.decode(self.read(self.refs[index]))
+        # Per-sample seed: the same augmentation whichever worker (or how many) decodes it.
+        seed = stable_hash(f"{self.seed}/{epoch}/{index}") % (2**63)
+        if getattr(self.transform, "takes_bytes", False):  # the GPU path: bytes and drawn parameters only
+            sample, reason = self.transform.from_bytes(self.read(self.refs[index]), seed)
+            if sample is None:
+                return ("__corrupt__", reason)
+            sample["key"] = (epoch, index)
+            return sample
+        draft = getattr(self.transform, "draft_request", None)
+        if draft is not None and self.decode is safe_decode:  # the crops, drawn first, pick a reduced decode
+            img, reason = safe_decode(self.read(self.refs[index]), draft=partial(draft, seed=seed))
+        else:
+            img, reason = self.decode(self.read(self.refs[index]))
         if img is None:
             return ("__corrupt__", reason)
-        # Per-sample seed: the same augmentation whichever worker (or how many) decodes it.
-        sample = self.transform(img, seed=stable_hash(f"{self.seed}/{epoch}/{index}") % (2**63))
+        sample = self.transform(img, seed=seed)
         if isinstance(sample, dict):
             sample["key"] = (epoch, index)
         return sample

@@ -25,6 +25,8 @@ from torchvision.transforms import v2
 
 from ..utils.norm import IMAGENET_MEAN, IMAGENET_STD
 from ..utils.masks import mask_token_weights
+from . import crop_params
+from .fast_crops import full_size, normalize_uint8, render
 from .masking import MaskingGenerator, masks_upperbound, sample_masks
 
 
@@ -70,6 +72,11 @@ class MultiCropAugmentation:
 
     ``__call__(image, seed=...)`` is reproducible: the torch RNG is forked and seeded for that call only
     (torchvision's v2 transforms draw from torch's global generator). Without a seed the global stream is used.
+
+    RGB images take the fast path (``fast=True``, :mod:`.fast_crops`): the same draws from the same seed
+    (:mod:`.crop_params`), rendered from one (possibly reduced-scale, ``draft_request``) decode with uint8
+    kernels; ``uint8_output=True`` returns uint8 crops for :func:`.fast_crops.normalize_batch` to normalise on
+    the device (the training loader's path). ``fast=False`` keeps the torchvision v2 pipelines (the reference).
     """
 
     def __init__(
@@ -91,6 +98,8 @@ class MultiCropAugmentation:
         horizontal_flip: bool = True,
         channels: int = 3,
         float_input: bool = False,
+        fast: bool = True,
+        uint8_output: bool = False,
     ) -> None:
         if float_input is False and channels != 3:
             raise ValueError(f"{channels}-channel images come as float (C, H, W) tensors: pass float_input=True")
@@ -134,6 +143,15 @@ class MultiCropAugmentation:
             + normalize
         )
         self.local = v2.Compose(geometric(local_size, local_scale) + colour + [_blur(local_blur_p)] + normalize)
+        self.recipe = crop_params.dinov2_recipe(
+            global_size, local_size, n_local, global_scale, local_scale, (global1_blur_p, global2_blur_p, local_blur_p),
+            solarize_p, horizontal_flip, color_jitter_p, grayscale_p)
+        # Subclasses with their own crops (GramCropAugmentation) keep the v2 pipelines.
+        self.fast = fast and channels == 3 and not float_input and type(self)._crops is MultiCropAugmentation._crops
+        self.uint8_output = uint8_output and self.fast
+        self.draft = True  # reduced-scale JPEG decoding when every crop allows it (bench/bench_input.py toggles it)
+        self.mean, self.std = tuple(mean), tuple(std)
+        self._rows_cache: Optional[tuple[tuple[int, int, int], np.ndarray]] = None
 
     def __repr__(self) -> str:
         return (f"MultiCropAugmentation(global_size={self.global_size}, local_size={self.local_size}, "
@@ -157,7 +175,33 @@ class MultiCropAugmentation:
     def _plain(t: Tensor) -> Tensor:
         return t.as_subclass(Tensor)  # tv_tensors.Image -> plain tensor (cheaper to collate and pin)
 
+    def params(self, seed: int, height: int, width: int) -> np.ndarray:
+        """The sample's draws (crop_params rows) on a full-size ``height`` x ``width`` image."""
+        key = (int(seed), int(height), int(width))
+        if self._rows_cache is None or self._rows_cache[0] != key:
+            self._rows_cache = (key, crop_params.draw(self.recipe, seed, height, width))
+        return self._rows_cache[1]
+
+    def draft_request(self, size: tuple[int, int], seed: int) -> Optional[tuple[int, int]]:
+        """The size (w, h) to ask Pillow's JPEG ``draft`` for, for a full-size (w, h) image; None: full size."""
+        if not (self.fast and self.draft):
+            return None
+        w, h = size
+        s = crop_params.draft_scale(self.recipe, self.params(seed, h, w))
+        return (w // s, h // s) if s > 1 else None
+
+    def _fast_crops(self, image: Any, seed: int) -> dict[str, list[Tensor]]:
+        if hasattr(image, "mode") and image.mode != "RGB":
+            image = image.convert("RGB")
+        full = full_size(image)
+        crops = render(image, self.params(seed, *full), self.recipe.sizes, full)
+        if not self.uint8_output:
+            crops = [normalize_uint8(c, self.mean, self.std) for c in crops]
+        return {"global_crops": crops[:2], "local_crops": crops[2:]}
+
     def __call__(self, image: Any, seed: Optional[int] = None) -> dict[str, list[Tensor]]:
+        if self.fast:
+            return self._fast_crops(image, int(torch.randint(2**62, (1,))) if seed is None else seed)
         if seed is None:
             return self._crops(image)
         with torch.random.fork_rng(devices=[]):
@@ -220,32 +264,35 @@ class MultiCropCollator:
             )
         return self._generators[grid]
 
-    def __call__(self, samples: Sequence[Any], rng: Optional[np.random.Generator] = None) -> dict[str, Any]:
-        if not samples:
-            raise ValueError("cannot collate an empty batch")
-        dicts = [s[0] if isinstance(s, (tuple, list)) else s for s in samples]
-        n_g, n_l = len(dicts[0]["global_crops"]), len(dicts[0]["local_crops"])
-        cast = (lambda t: t.to(self.dtype)) if self.dtype is not None else (lambda t: t)
-        global_crops = cast(torch.stack([d["global_crops"][i] for i in range(n_g) for d in dicts]))
-        local_crops = cast(torch.stack([d["local_crops"][i] for i in range(n_l) for d in dicts])) if n_l else None
-
-        h, w = global_crops.shape[-2:]
+    def masks(self, n_images: int, h: int, w: int, rng: Optional[np.random.Generator] = None) -> dict[str, Any]:
+        """The iBOT masks of ``n_images`` global crops of h x w pixels (and their indices, weights, counts)."""
         if h % self.patch_size or w % self.patch_size:
             raise ValueError(f"global crops {h}x{w} are not a multiple of the patch size {self.patch_size}")
         gen = self.mask_generator((h // self.patch_size, w // self.patch_size))
-        n_images = global_crops.shape[0]
         masks = sample_masks(gen, n_images, self.mask_ratio_min_max, self.mask_probability,
                              rng=self._default_rng() if rng is None else rng)
         mask_indices = masks.flatten().nonzero().flatten()
-        out: dict[str, Any] = {
-            "global_crops": global_crops,
-            "local_crops": local_crops,
+        return {
             "masks": masks,
             "mask_indices": mask_indices,
             "masks_weight": mask_token_weights(masks),
             "n_masked_patches": torch.tensor([mask_indices.numel()], dtype=torch.long),
             "upperbound": masks_upperbound(n_images, gen.num_patches, self.mask_ratio_min_max, self.mask_probability),
         }
+
+    def __call__(self, samples: Sequence[Any], rng: Optional[np.random.Generator] = None) -> dict[str, Any]:
+        if not samples:
+            raise ValueError("cannot collate an empty batch")
+        dicts = [s[0] if isinstance(s, (tuple, list)) else s for s in samples]
+        n_g, n_l = len(dicts[0]["global_crops"]), len(dicts[0]["local_crops"])
+        # uint8 crops stay uint8 (normalised on the device: fast_crops.normalize_batch)
+        cast = (lambda t: t.to(self.dtype) if t.is_floating_point() else t) if self.dtype is not None else (lambda t: t)
+        global_crops = cast(torch.stack([d["global_crops"][i] for i in range(n_g) for d in dicts]))
+        local_crops = cast(torch.stack([d["local_crops"][i] for i in range(n_l) for d in dicts])) if n_l else None
+
+        h, w = global_crops.shape[-2:]
+        out: dict[str, Any] = {"global_crops": global_crops, "local_crops": local_crops}
+        out.update(self.masks(global_crops.shape[0], h, w, rng))
         for key in dicts[0]:
             if key not in ("global_crops", "local_crops") and key not in out:
                 out[key] = [d.get(key) for d in dicts]

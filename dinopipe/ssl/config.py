@@ -85,6 +85,7 @@ Device = choices("Device", ("auto", "cpu", "cuda"), __name__)
 Blur = choices("Blur", ("released", "paper"), __name__)
 ScheduleShape = choices("ScheduleShape", ("dinov2", "dinov3"), __name__)
 Reader = choices("Reader", ("rgb", "array"), __name__)
+AugmentOn = choices("AugmentOn", ("cpu", "gpu", "auto"), __name__)
 LrSchedule = choices("LrSchedule", ("cosine", "constant", "rise"), __name__)
 GramTokens = choices("GramTokens", ("all", "masked", "unmasked"), __name__)
 ResizeMode = choices("ResizeMode", ("bicubic", "bilinear", "nearest", "area"), __name__)
@@ -237,6 +238,10 @@ class DataConfig:
     reader: Optional[Reader] = None
     """rgb (Pillow, 8-bit RGB) | array (npy / TIFF with their bands and bit depth; float tensors); null: rgb for
     3 channels, array otherwise."""
+    augment_on: AugmentOn = AugmentOn.cpu
+    """cpu: workers decode and crop (uint8 crops, normalised on the device) | gpu: workers read bytes, the device
+    decodes (nvJPEG) and crops, same draws per (seed, epoch, sample) | auto: gpu when training on CUDA. RGB
+    single-size phases only; others (N channels, Gram crops, multi-size) stay on the CPU path."""
 
 
 @dataclass

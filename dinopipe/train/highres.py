@@ -5,17 +5,22 @@ Gram crop size, samples also carry the Gram teacher's crops (same boxes, its res
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any, Callable, Iterable, Optional
 
 from ..data.channels import decode_channels
 
+from ..data.device_stage import DeviceStage
+from ..data.gpu_augment import EncodedCollator, EncodedCrops, GpuMultiCrop, resolve_augment_on
 from ..data.loader import DataPosition, build_train_loader
 from ..data.multires import GramCropAugmentation, GramCropCollator, build_multisize_loader
 from ..data.transforms import MultiCropAugmentation
 from ..ssl.config import data_reader
 from .dist import DistInfo
 from .signals import worker_ignore_signals
+
+log = logging.getLogger(__name__)
 
 
 def _gram_on(cfg: Any) -> bool:
@@ -33,7 +38,8 @@ def size_triples(cfg: Any, ph: Any) -> list[tuple[int, int, Optional[int], float
 
 
 def _augmentation(cfg: Any, global_size: int, local_size: int, gram_size: Optional[int]) -> Callable:
-    kw = dict(global_size=global_size, local_size=local_size, n_local=cfg.crops.local_crops_number,
+    # uint8 crops leave the workers; DeviceStage normalises them on the training device
+    kw = dict(uint8_output=True, global_size=global_size, local_size=local_size, n_local=cfg.crops.local_crops_number,
               global_scale=tuple(cfg.crops.global_crops_scale), local_scale=tuple(cfg.crops.local_crops_scale),
               blur=str(getattr(cfg.crops, "blur", "released")), horizontal_flip=getattr(cfg.crops, "horizontal_flip", True),
               **channel_kwargs(cfg.data))
@@ -67,14 +73,35 @@ def phase_loader(cfg: Any, ph: Any, info: DistInfo, refs, read, patch_size: int
                   worker_init_fn=worker_ignore_signals, persistent_workers=cfg.data.persistent_workers,
                   decode=sample_decoder(cfg.data))
 
+    transform, augment = augs[0], None
+    if gpu_augmentation(cfg, augs, info.device):  # workers read bytes; the device decodes and crops
+        aug = augs[0]
+        transform, augment = EncodedCrops(aug.recipe, aug.mean, aug.std), GpuMultiCrop(aug.recipe, info.device)
+        collator = EncodedCollator(patch_size, aug.global_size, mask_ratio_min_max=tuple(cfg.ibot.mask_ratio_min_max),
+                                   mask_probability=cfg.ibot.mask_sample_probability)
+
     def loader(pos: DataPosition):
         if len(augs) == 1:
-            return build_train_loader(refs, read, augs[0], collator, ph.batch_size_per_gpu, info.rank,
-                                      info.world_size, cfg.train.seed, pos, **common)
-        return build_multisize_loader(refs, read, augs, [t[3] for t in triples], collator, ph.batch_size_per_gpu,
-                                      info.rank, info.world_size, cfg.train.seed, pos, **common)
+            batches = build_train_loader(refs, read, transform, collator, ph.batch_size_per_gpu, info.rank,
+                                         info.world_size, cfg.train.seed, pos, **common)
+        else:
+            batches = build_multisize_loader(refs, read, augs, [t[3] for t in triples], collator,
+                                             ph.batch_size_per_gpu, info.rank, info.world_size, cfg.train.seed, pos,
+                                             **common)
+        return DeviceStage(batches, info.device, augs[0].mean, augs[0].std, augment=augment)
 
     return loader
+
+
+def gpu_augmentation(cfg: Any, augs: list, device: Any) -> bool:
+    """Whether this phase augments on the device: data.augment_on (auto: on CUDA), for RGB single-size phases
+    without Gram crops (the others stay on the CPU path, said once in the log)."""
+    if resolve_augment_on(getattr(cfg.data, "augment_on", "cpu"), device) != "gpu":
+        return False
+    ok = len(augs) == 1 and type(augs[0]) is MultiCropAugmentation and augs[0].fast
+    if not ok:
+        log.info("data.augment_on=gpu: this phase (N channels, Gram crops or several sizes) augments on the CPU")
+    return ok
 
 
 def phase_sizes(cfg: Any, ph: Any) -> tuple[int, int]:

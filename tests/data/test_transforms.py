@@ -100,7 +100,8 @@ def test_released_blur_is_the_official_codes_and_flips_can_be_turned_off():
 
 
 def test_paper_blur_probabilities_are_as_written():
-    aug = MultiCropAugmentation(global_size=28, local_size=14, n_local=2, blur="paper")
+    # the v2 pipelines are instrumented (fast=False); the fast path's draws: tests/data/test_crop_params.py
+    aug = MultiCropAugmentation(global_size=28, local_size=14, n_local=2, blur="paper", fast=False)
     (p1, c1), (p2, c2), (pl, cl) = (_instrument_blur(p) for p in (aug.global1, aug.global2, aug.local))
     assert (p1, p2, pl) == (1.0, 0.1, 0.5)
     img = gradient_image(64, 48)
