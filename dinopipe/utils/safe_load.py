@@ -18,8 +18,8 @@ Two formats a user may hand over *are* code: a ``torch.export`` archive (``.pt2`
 back to ``torch.load(weights_only=False)`` when its weights-only load fails) and a TorchScript file
 (``torch.jit.load`` runs its code). :func:`read_archive_file` reads a named file out of such a zip archive (the
 ``.pt2``'s ``extra/`` metadata) without loading the archive; running one is refused by :func:`require_trust`
-unless the user opted in (``dedup.trust_code: true``, ``program_runner(..., trust_code=True)``), with an :class:`UntrustedCodeError` naming
-the switch and the file.
+unless the user opted in (``dedup.trust_code: true``, ``program_runner(..., trust_code=True)``), with an
+:class:`UntrustedCodeError` naming the switch and the file.
 """
 
 from __future__ import annotations
