@@ -217,6 +217,11 @@ def run(args) -> dict:
         torch.manual_seed(0)
         task = SSLTask(cfg)
         parallelize_task(task, info, cfg.parallel) if args.compile == "none" else _parallelize(task, info, cfg, args)
+        if args.adamw != "auto":  # e.g. fused on CPU: the kernel count CUDA's choice gives
+            import dinopipe.ssl.base as base
+
+            base.adamw_impl = lambda device: {"fused": {"fused": True}, "foreach": {"foreach": True},
+                                              "for-loop": {"foreach": False}}[args.adamw]
         opt = task.build_optimizer(build_param_groups)
         n = args.steps
         sched = {"lr": np.full(n, 1e-4), "wd": np.full(n, 0.04), "momentum": np.full(n, 0.994),
@@ -292,6 +297,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--compile", default="none", choices=["none", "aot_eager", "inductor"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--adamw", default="auto", choices=["auto", "fused", "foreach", "for-loop"],
+                   help="AdamW kernels (auto: dinopipe's choice for the device; before issue 29 the for-loop on CPU)")
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides key=value")
     p.add_argument("--json")
     args = p.parse_args()
