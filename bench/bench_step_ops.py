@@ -3,6 +3,7 @@
     python bench/bench_step_ops.py                          # vit_s14, b=8, 2x224 + 8x98 crops, FSDP2 1 rank
     python bench/bench_step_ops.py --model vit_test --batch 4 --global-size 56 --local-size 28 --n-local 2
     python bench/bench_step_ops.py --json out.json          # also write the numbers
+    python bench/bench_step_ops.py --quick                  # the vit_test line (make bench)
 
 The step is the trainer's own (``Trainer._train_step``: schedules -> zero_grad -> task forward/backward -> the
 loop's one all-reduce -> finite check -> clip -> AdamW step -> teacher EMA) around the real ``SSLTask`` (student
@@ -301,7 +302,10 @@ def main() -> None:
                    help="AdamW kernels (auto: dinopipe's choice for the device; before issue 29 the for-loop on CPU)")
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides key=value")
     p.add_argument("--json")
+    p.add_argument("--quick", action="store_true", help="vit_test, b=4, 2x56 + 2x28 px, 3 steps (make bench)")
     args = p.parse_args()
+    if args.quick:
+        args.model, args.batch, args.global_size, args.local_size, args.n_local, args.steps = "vit_test", 4, 56, 28, 2, 3
     res = run(args)
     print(f"{res['model']} b={res['batch']} {res['dtype']} compile={res['compile']} optimizer={res['optimizer']}")
     for k in ("aten_ops", "leaf_aten_ops", "kernel_ops", "host_reads", "tensors_from_python", "async_host_copies", "host_syncs",
