@@ -3,6 +3,7 @@
     python bench/bench_step_ops.py                          # vit_s14, b=8, 2x224 + 8x98 crops, FSDP2 1 rank
     python bench/bench_step_ops.py --model vit_test --batch 4 --global-size 56 --local-size 28 --n-local 2
     python bench/bench_step_ops.py --json out.json          # also write the numbers
+    python bench/bench_step_ops.py --quick                  # the vit_test line (make bench)
 
 The step is the trainer's own (``Trainer._train_step``: schedules -> zero_grad -> task forward/backward -> the
 loop's one all-reduce -> finite check -> clip -> AdamW step -> teacher EMA) around the real ``SSLTask`` (student
@@ -217,6 +218,11 @@ def run(args) -> dict:
         torch.manual_seed(0)
         task = SSLTask(cfg)
         parallelize_task(task, info, cfg.parallel) if args.compile == "none" else _parallelize(task, info, cfg, args)
+        if args.adamw != "auto":  # e.g. fused on CPU: the kernel count CUDA's choice gives
+            import dinopipe.ssl.base as base
+
+            base.adamw_impl = lambda device: {"fused": {"fused": True}, "foreach": {"foreach": True},
+                                              "for-loop": {"foreach": False}}[args.adamw]
         opt = task.build_optimizer(build_param_groups)
         n = args.steps
         sched = {"lr": np.full(n, 1e-4), "wd": np.full(n, 0.04), "momentum": np.full(n, 0.994),
@@ -292,9 +298,14 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--compile", default="none", choices=["none", "aot_eager", "inductor"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--adamw", default="auto", choices=["auto", "fused", "foreach", "for-loop"],
+                   help="AdamW kernels (auto: dinopipe's choice for the device; before issue 29 the for-loop on CPU)")
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides key=value")
     p.add_argument("--json")
+    p.add_argument("--quick", action="store_true", help="vit_test, b=4, 2x56 + 2x28 px, 3 steps (make bench)")
     args = p.parse_args()
+    if args.quick:
+        args.model, args.batch, args.global_size, args.local_size, args.n_local, args.steps = "vit_test", 4, 56, 28, 2, 3
     res = run(args)
     print(f"{res['model']} b={res['batch']} {res['dtype']} compile={res['compile']} optimizer={res['optimizer']}")
     for k in ("aten_ops", "leaf_aten_ops", "kernel_ops", "host_reads", "tensors_from_python", "async_host_copies", "host_syncs",

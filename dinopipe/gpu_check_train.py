@@ -127,7 +127,11 @@ def _build(cfg, info, seed: int):
     torch.manual_seed(seed)
     task = SSLTask(cfg).to(info.device)
     parallelize_task(task, info, cfg.parallel)
-    return task, torch.optim.AdamW(build_param_groups(task.student), lr=1e-4)
+    task.build_optimizer(build_param_groups)
+    opt = task.optimizers["student"]  # the trainer's AdamW (fused on CUDA, foreach on CPU: ssl/base.py)
+    for g in opt.param_groups:
+        g["lr"] = 1e-4
+    return task, opt
 
 
 def _local_states(task, opt) -> dict:

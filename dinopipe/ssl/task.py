@@ -96,6 +96,9 @@ class SSLTask(TeacherStudentTask):
         ibot_dim = (cfg.ibot.head if cfg.ibot.separate_head else cfg.dino.head).n_prototypes
         self.ibot_loss = IBOTPatchLoss(ibot_dim, t.student_temp, t.center_momentum, t.centering,
                                        all_reduce_fn=all_reduce_fn)
+        # Plain Python numbers for the compiled loss (no config object for dynamo to trace and guard on).
+        self._loss_weights = (float(cfg.dino.loss_weight), float(cfg.ibot.loss_weight),
+                              float(cfg.dino.koleo_loss_weight), bool(cfg.dino.koleo_distributed))
         # Gram anchoring (DINOv3): a frozen copy of the EMA teacher, refreshed at the steps gram.py schedules.
         self.gram = GramTeacher(self.teacher["backbone"], cfg.gram) if cfg.gram.enabled else None
 
@@ -235,9 +238,9 @@ class SSLTask(TeacherStudentTask):
         dino = self.dino_loss(cls_logits[:n_g], teacher_cls, cls_logits[n_g:] if has_local else None,
                               local_weight=local_weight)
         ibot = self.ibot_loss(patch_logits, teacher_patch, n_images=n_g, masks_weight=masks_weight)
-        d = self.cfg.dino
-        koleo = g_cls.new_zeros((), dtype=torch.float32) if d.koleo_distributed else koleo_per_global_crop(g_cls)
-        loss = d.loss_weight * dino + self.cfg.ibot.loss_weight * ibot + d.koleo_loss_weight * koleo
+        w_dino, w_ibot, w_koleo, koleo_distributed = self._loss_weights
+        koleo = g_cls.new_zeros((), dtype=torch.float32) if koleo_distributed else koleo_per_global_crop(g_cls)
+        loss = w_dino * dino + w_ibot * ibot + w_koleo * koleo
         return loss, dino, ibot, koleo
 
     def _gram_loss(self, batch: dict, student_patches: Tensor, values: dict) -> Optional[Tensor]:
