@@ -118,6 +118,13 @@ def _drop_pages(t: Tensor) -> None:
 _madvise = None
 
 
+def _rows(src: Tensor, index: tuple) -> Tensor:
+    """``src[index]``; of a ``LazyRows`` (a packed or DCP tensor) only the rows of ``index[0]`` are read."""
+    if isinstance(src, LazyRows) and index and src.dim():
+        return src.rows(index[0].start, index[0].stop)[(slice(None), *index[1:])]
+    return src[index]
+
+
 def _key(t: Tensor) -> int:
     return compat.storage_key(t)
 
@@ -480,7 +487,7 @@ class InitRecorder(TorchDispatchMode):
                     if big:
                         _trim()
                 else:  # one copy_ of a file tensor: read only this rank's slice
-                    dst.copy_(src[index])  # a LazyRows (packed or DCP tensor) reads only these rows
+                    dst.copy_(_rows(src, index))
                     for f in (src.sources if isinstance(src, LazyRows) else [src]):
                         if f.is_contiguous() and _in_ranges(f, files):
                             _drop_pages(f)
