@@ -239,8 +239,9 @@ def check_backbone_file(path_or_name: str | Path, num_heads: Optional[int] = Non
     """What a training stage checks on every rank before its process group starts or anything is written: the
     path exists, is a format dinopipe reads (none of which unpickles), its architecture is known, and the
     headers of an export folder's weight files are sound (sizes that fit the file). Returns the architecture
-    kwargs. An export folder's weights are not read here (headers only); other files are read memory-mapped,
-    as ``backbone_arch`` does. Raises :class:`CheckpointError` naming the file."""
+    kwargs. An export folder's weights are not read here (headers only); other files are opened memory-mapped and
+    their keys converted lazily (packed tensors and a DCP folder's large tensors are ``LazyRows``, nothing is
+    read), as ``backbone_arch`` does. Raises :class:`CheckpointError` naming the file."""
     arch = backbone_arch(path_or_name, num_heads, which)
     p = Path(path_or_name)
     if p.exists() and readers.recorded_arch(p, which):

@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
+
+from . import torch_compat as compat
 
 _aten = torch.ops.aten
 
@@ -28,8 +29,7 @@ class LazyRows(Tensor):
     @staticmethod
     def __new__(cls, shape: Sequence[int], dtype: torch.dtype, read: Callable[[int, int], Tensor],
                 sources: Sequence[Tensor] = ()):
-        return Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=torch.device("cpu"),
-                                             requires_grad=False)
+        return compat.wrapper_tensor(cls, shape, dtype)
 
     def __init__(self, shape, dtype, read, sources=()) -> None:
         self._read = read
@@ -46,7 +46,7 @@ class LazyRows(Tensor):
     def full(self) -> Tensor:
         return self.rows(0, self.shape[0] if self.dim() else 1)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = compat.disabled_torch_function()
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -63,20 +63,14 @@ class LazyRows(Tensor):
             t = args[0]
             return LazyRows(t.shape, t.dtype, t._read, t.sources)
         metas = any(isinstance(x, Tensor) and not isinstance(x, LazyRows) and x.device.type == "meta"
-                    for x in _leaves((args, kwargs)))
+                    for x in compat.tree_flatten((args, kwargs))[0])
 
         def swap(x):
             if not isinstance(x, LazyRows):
                 return x
             # an op on meta (a build being recorded) needs shapes only: nothing is read
             return torch.empty(x.shape, dtype=x.dtype, device="meta") if metas else x.full()
-        return func(*tree_map(swap, args), **tree_map(swap, kwargs))
-
-
-def _leaves(tree) -> list:
-    from torch.utils._pytree import tree_flatten
-
-    return tree_flatten(tree)[0]
+        return func(*compat.tree_map(swap, args), **compat.tree_map(swap, kwargs))
 
 
 def _cat_rows(parts: Sequence[Tensor], offsets: Sequence[int], start: int, stop: int) -> Tensor:
