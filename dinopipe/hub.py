@@ -56,6 +56,7 @@ from .export.readers import HF_MODEL_TYPES, read_dcp_backbone, read_weights_file
 from .models.registry import build_vit, list_models, model_defaults
 from .models.timm_backbone import from_timm_keys, is_timm_name
 from .models.vit import DinoVisionTransformer
+from .utils.lazy_rows import lazy_cat
 from .utils.norm import in_channels, set_input_norm
 from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors, read_safetensors_header
 
@@ -73,8 +74,11 @@ def read_checkpoint(path: str | Path) -> tuple[Any, Optional[dict]]:
 def _read_backbone(path: Path, num_heads: Optional[int], which: Optional[str]
                    ) -> tuple[dict, dict, Path, Optional[int]]:
     """(canonical state dict, architecture kwargs the file records or its shapes imply, file read, head count
-    given or found in a timm folder's config)."""
-    found = readers.read(path, which)
+    given or found in a timm folder's config). Nothing is converted or read in full here: files are memory-mapped,
+    packed tensors (q/k/v, SwiGLU halves) and a DCP folder's large tensors are :class:`LazyRows` that read only
+    the rows asked for, so a rank copying its shard (``train/meta_init.py``) reads 1/W of each, and reading the
+    architecture costs no weights."""
+    found = readers.read(path, which, lazy=True)
     num_heads = num_heads or found.num_heads
     hf_cfg = found.hf_config if found.hf_config.get("model_type") in HF_MODEL_TYPES else {}
     if (found.arch or {}).get("family") == "timm":  # a timm student: timm's own keys, nothing to convert
@@ -82,7 +86,7 @@ def _read_backbone(path: Path, num_heads: Optional[int], which: Optional[str]
     try:
         # a recorded architecture tells the head count the shapes cannot
         heads = num_heads or (found.arch or {}).get("num_heads")
-        sd, inferred = convert_checkpoint(found.obj, num_heads=heads, hf_config=hf_cfg or None)
+        sd, inferred = convert_checkpoint(found.obj, num_heads=heads, hf_config=hf_cfg or None, cat=lazy_cat)
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{found.file}: {exc}") from None
     return sd, dict(found.arch or inferred), found.file, num_heads
@@ -235,8 +239,9 @@ def check_backbone_file(path_or_name: str | Path, num_heads: Optional[int] = Non
     """What a training stage checks on every rank before its process group starts or anything is written: the
     path exists, is a format dinopipe reads (none of which unpickles), its architecture is known, and the
     headers of an export folder's weight files are sound (sizes that fit the file). Returns the architecture
-    kwargs. An export folder's weights are not read here (headers only); other files are read memory-mapped,
-    as ``backbone_arch`` does. Raises :class:`CheckpointError` naming the file."""
+    kwargs. An export folder's weights are not read here (headers only); other files are opened memory-mapped and
+    their keys converted lazily (packed tensors and a DCP folder's large tensors are ``LazyRows``, nothing is
+    read), as ``backbone_arch`` does. Raises :class:`CheckpointError` naming the file."""
     arch = backbone_arch(path_or_name, num_heads, which)
     p = Path(path_or_name)
     if p.exists() and readers.recorded_arch(p, which):

@@ -64,8 +64,8 @@ def _hf_shards(d: Path) -> Optional[list[Path]]:
 class Probe:
     """A located file or folder and what has been read of it so far (each file is read at most once)."""
 
-    def __init__(self, path: Path, which: Optional[str] = None) -> None:
-        self.path, self.which = path, which
+    def __init__(self, path: Path, which: Optional[str] = None, lazy: bool = False) -> None:
+        self.path, self.which, self.lazy = path, which, lazy
 
     @cached_property
     def config(self) -> dict:
@@ -152,8 +152,9 @@ def _pick_dcp_state(names: list[str], which: Optional[str], where: Path) -> str:
 _BACKBONE = ".model.backbone."
 
 
-def read_dcp_backbone(path: Path, which: Optional[str] = None) -> tuple[dict[str, Any], str]:
-    """(backbone state dict, state name) from a DCP folder, in this process, without a process group."""
+def read_dcp_backbone(path: Path, which: Optional[str] = None, lazy: bool = False) -> tuple[dict[str, Any], str]:
+    """(backbone state dict, state name) from a DCP folder, in this process, without a process group; ``lazy``:
+    large tensors are read when sliced (``safe_dcp.lazy_tensors``), so a rank reads only its shard."""
     from ..utils import safe_dcp
     from ..utils.safe_load import read_dcp_metadata
 
@@ -164,7 +165,8 @@ def read_dcp_backbone(path: Path, which: Optional[str] = None) -> tuple[dict[str
         raise CheckpointError(f"{path}: a DCP checkpoint without backbone weights (keys like {keys[:3]})")
     name = _pick_dcp_state(names, which, path)
     prefix = name + _BACKBONE
-    loaded = safe_dcp.read_tensors(path, {k for k in keys if k.startswith(prefix)}, md=md)
+    read = safe_dcp.lazy_tensors if lazy else safe_dcp.read_tensors
+    loaded = read(path, {k for k in keys if k.startswith(prefix)}, md=md)
     return {k[len(prefix):]: v for k, v in loaded.items()}, name
 
 
@@ -198,7 +200,7 @@ def _run_arch(ckpt: Path, state: str) -> Optional[dict]:
 
 
 def _read_dcp(p: Probe) -> Found:
-    obj, state = read_dcp_backbone(p.path, p.which)
+    obj, state = read_dcp_backbone(p.path, p.which, lazy=p.lazy)
     return Found("dcp", p.path, obj, arch=_run_arch(p.path, state))
 
 
@@ -308,9 +310,10 @@ def recorded_arch(path: Path, which: Optional[str] = None) -> Optional[dict]:
     return None
 
 
-def read(path: Path, which: Optional[str] = None) -> Found:
-    """Locate, pick the format, read: the one way every entry point reads a user's checkpoint."""
-    p = Probe(locate(path, which), which)
+def read(path: Path, which: Optional[str] = None, lazy: bool = False) -> Found:
+    """Locate, pick the format, read: the one way every entry point reads a user's checkpoint (``lazy``: a DCP
+    folder's large tensors are read when sliced)."""
+    p = Probe(locate(path, which), which, lazy)
     return pick(p).read(p)
 
 

@@ -21,7 +21,7 @@ devices.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -100,16 +100,17 @@ def from_timm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _convert(sd: Mapping[str, Tensor], fmt: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def _convert(sd: Mapping[str, Tensor], fmt: str, cat: Callable = torch.cat
+             ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """(canonical state dict, architecture hints the source's buffers give) for a detected format."""
     if fmt == "hf_dinov3":
-        return from_hf_dinov3(sd), {}
+        return from_hf_dinov3(sd, cat=cat), {}
     if fmt == "hf_dinov2":
-        return from_hf_dinov2(sd), {}
+        return from_hf_dinov2(sd, cat=cat), {}
     if fmt == "timm_dinov3":
-        return from_timm_dinov3(sd), {}
+        return from_timm_dinov3(sd, cat=cat), {}
     if fmt == "dinov3":
-        return from_official_dinov3(sd)
+        return from_official_dinov3(sd, cat=cat)
     if fmt == "timm":
         return from_timm(sd), {}
     if fmt == "dinov2":
@@ -118,14 +119,17 @@ def _convert(sd: Mapping[str, Tensor], fmt: str) -> tuple[dict[str, Tensor], dic
 
 
 def convert_checkpoint(obj: Any, num_heads: Optional[int] = None,
-                       hf_config: Optional[Mapping[str, Any]] = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+                       hf_config: Optional[Mapping[str, Any]] = None, cat: Callable = torch.cat
+                       ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Any supported checkpoint object -> (canonical state dict, ``build_vit`` kwargs inferred for it).
 
-    ``hf_config`` (a Hugging Face ``config.json``) gives the exact architecture of HF weights.
+    ``hf_config`` (a Hugging Face ``config.json``) gives the exact architecture of HF weights. ``cat`` packs
+    tensors (q/k/v, SwiGLU halves) along dim 0: ``torch.cat``, or ``dinopipe.utils.lazy_rows.lazy_cat`` so that
+    nothing is copied until a slice is read (``dinopipe.load``: each rank reads only its shard).
     """
     sd = unwrap_state_dict(obj)
     fmt = detect_format(sd)
-    sd, hints = _convert(sd, fmt)
+    sd, hints = _convert(sd, fmt, cat=cat)
     if hf_config and fmt == "hf_dinov3":
         return sd, arch_from_hf_dinov3_config(hf_config)
     if hf_config and fmt == "hf_dinov2":

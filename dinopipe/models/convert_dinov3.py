@@ -13,7 +13,7 @@ qkv bias into ``q_bias``/``v_bias`` (no key bias) and SwiGLU's first layer into 
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -43,8 +43,10 @@ def _mask_token(sd: Mapping[str, Tensor]) -> Tensor:
     return torch.zeros(1, cls.shape[-1], dtype=cls.dtype)
 
 
-def from_official_dinov3(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Official DINOv3 backbone -> (dinopipe state dict, architecture hints read off the buffers)."""
+def from_official_dinov3(sd: Mapping[str, Tensor], cat: Callable = torch.cat
+                         ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Official DINOv3 backbone -> (dinopipe state dict, architecture hints read off the buffers). ``cat``
+    packs tensors along dim 0 (``dinopipe.utils.lazy_rows.lazy_cat``: rows read only when asked for)."""
     out, hints = {}, {}
     for k, v in sd.items():
         if k == "rope_embed.periods":
@@ -58,14 +60,14 @@ def from_official_dinov3(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], d
             if m.group(2) == "3":
                 out[f"{m.group(1)}fc2.{m.group(3)}"] = v
             elif m.group(2) == "1":  # w1 (gated by SiLU) first, then w2: timm GluMlp's packed fc1
-                out[f"{m.group(1)}fc1.{m.group(3)}"] = torch.cat([v, sd[f"{m.group(1)}w2.{m.group(3)}"]])
+                out[f"{m.group(1)}fc1.{m.group(3)}"] = cat([v, sd[f"{m.group(1)}w2.{m.group(3)}"]])
             continue
         out[k] = v
     for k, v in list(out.items()):
         # The masked key bias never reaches the logits (and official init leaves it NaN-masked): store zeros.
         if k.endswith("attn.qkv.bias") and hints.get("mask_k_bias"):
             d = v.shape[0] // 3
-            out[k] = torch.cat([v[:d], torch.zeros_like(v[d:2 * d]), v[2 * d:]])
+            out[k] = cat([v[:d], torch.zeros_like(v[d:2 * d]), v[2 * d:]])
     out.setdefault("mask_token", _mask_token(out))
     if out["mask_token"].dim() == 3:
         out["mask_token"] = out["mask_token"].reshape(1, -1)
@@ -96,7 +98,7 @@ def to_official_dinov3(sd: Mapping[str, Tensor], arch: Mapping[str, Any]) -> dic
     return out
 
 
-def from_timm_dinov3(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def from_timm_dinov3(sd: Mapping[str, Tensor], cat: Callable = torch.cat) -> dict[str, Tensor]:
     out = {}
     for k, v in sd.items():
         if k.startswith(("head.", "fc_norm.", "rope.")):
@@ -109,12 +111,12 @@ def from_timm_dinov3(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
         m = re.match(r"(blocks\.\d+\.mlp\.)fc1_([gx])\.(weight|bias)$", k)
         if m:
             if m.group(2) == "g":
-                out[f"{m.group(1)}fc1.{m.group(3)}"] = torch.cat([v, sd[f"{m.group(1)}fc1_x.{m.group(3)}"]])
+                out[f"{m.group(1)}fc1.{m.group(3)}"] = cat([v, sd[f"{m.group(1)}fc1_x.{m.group(3)}"]])
             continue
         out[k.replace(".gamma_1", ".ls1.gamma").replace(".gamma_2", ".ls2.gamma")] = v
     for k, q in sd.items():
         if k.endswith("attn.q_bias"):
-            out[k.replace("q_bias", "qkv.bias")] = torch.cat([q, torch.zeros_like(q), sd[k.replace("q_bias", "v_bias")]])
+            out[k.replace("q_bias", "qkv.bias")] = cat([q, torch.zeros_like(q), sd[k.replace("q_bias", "v_bias")]])
     out["mask_token"] = _mask_token(out)
     return out
 

@@ -10,7 +10,7 @@ saved with torch.save loads as well. The architecture comes from ``config.json``
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -48,15 +48,16 @@ def _split_layers(sd: Mapping[str, Tensor], pattern: re.Pattern) -> dict[int, di
     return layers
 
 
-def _pack_qkv(p: Mapping[str, Tensor], names: tuple[str, str, str], mask_k: bool) -> dict[str, Tensor]:
+def _pack_qkv(p: Mapping[str, Tensor], names: tuple[str, str, str], mask_k: bool, cat: Callable = torch.cat
+              ) -> dict[str, Tensor]:
     q, k, v = (p[f"{n}.weight"] for n in names)
-    out = {"attn.qkv.weight": torch.cat([q, k, v])}
+    out = {"attn.qkv.weight": cat([q, k, v])}
     biases = [p.get(f"{n}.bias") for n in names]
     if any(b is not None for b in biases):
         zeros = torch.zeros(q.shape[0], dtype=q.dtype)
         if mask_k:
             biases[1] = None  # a key bias cannot change softmax over keys: dropping it is exact
-        out["attn.qkv.bias"] = torch.cat([b if b is not None else zeros for b in biases])
+        out["attn.qkv.bias"] = cat([b if b is not None else zeros for b in biases])
     return out
 
 
@@ -66,7 +67,7 @@ def _copy(p: Mapping[str, Tensor], src: str, dst: str, out: dict[str, Tensor]) -
             out[f"{dst}.{s}"] = p[f"{src}.{s}"]
 
 
-def from_hf_dinov3(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def from_hf_dinov3(sd: Mapping[str, Tensor], cat: Callable = torch.cat) -> dict[str, Tensor]:
     """DINOv3ViTModel (disk ``layer.N.*`` or memory ``model.layer.N.*``) -> dinopipe DINOv3 layout."""
     out = {
         "cls_token": sd["embeddings.cls_token"],
@@ -81,12 +82,12 @@ def from_hf_dinov3(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
         out["storage_tokens"] = sd["embeddings.register_tokens"]
     for i, p in sorted(_split_layers(sd, _DINOV3_LAYER).items()):
         b = f"blocks.{i}."
-        blk = _pack_qkv(p, ("attention.q_proj", "attention.k_proj", "attention.v_proj"), mask_k=True)
+        blk = _pack_qkv(p, ("attention.q_proj", "attention.k_proj", "attention.v_proj"), mask_k=True, cat=cat)
         _copy(p, "attention.o_proj", "attn.proj", blk)
         if "mlp.gate_proj.weight" in p:
             for s in ("weight", "bias"):
                 if f"mlp.gate_proj.{s}" in p:
-                    blk[f"mlp.fc1.{s}"] = torch.cat([p[f"mlp.gate_proj.{s}"], p[f"mlp.up_proj.{s}"]])
+                    blk[f"mlp.fc1.{s}"] = cat([p[f"mlp.gate_proj.{s}"], p[f"mlp.up_proj.{s}"]])
         else:
             _copy(p, "mlp.up_proj", "mlp.fc1", blk)
         _copy(p, "mlp.down_proj", "mlp.fc2", blk)
@@ -244,7 +245,7 @@ def arch_from_hf_dinov3_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
-def from_hf_dinov2(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def from_hf_dinov2(sd: Mapping[str, Tensor], cat: Callable = torch.cat) -> dict[str, Tensor]:
     """Dinov2Model / Dinov2WithRegistersModel (disk or transformers >= 5 memory names) -> canonical DINOv2."""
     out = {
         "cls_token": sd["embeddings.cls_token"],
@@ -261,7 +262,7 @@ def from_hf_dinov2(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
         disk = "attention.attention.query.weight" in p
         qkv = (("attention.attention.query", "attention.attention.key", "attention.attention.value") if disk
                else ("attention.q_proj", "attention.k_proj", "attention.v_proj"))
-        blk = _pack_qkv(p, qkv, mask_k=False)
+        blk = _pack_qkv(p, qkv, mask_k=False, cat=cat)
         _copy(p, "attention.output.dense" if disk else "attention.o_proj", "attn.proj", blk)
         if "mlp.weights_in.weight" in p:  # SwiGLU on disk: weights_in = [w1; w2] already packed
             _copy(p, "mlp.weights_in", "mlp.fc1", blk)
@@ -269,7 +270,7 @@ def from_hf_dinov2(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
         elif "mlp.gate_proj.weight" in p:
             for s in ("weight", "bias"):
                 if f"mlp.gate_proj.{s}" in p:
-                    blk[f"mlp.fc1.{s}"] = torch.cat([p[f"mlp.gate_proj.{s}"], p[f"mlp.up_proj.{s}"]])
+                    blk[f"mlp.fc1.{s}"] = cat([p[f"mlp.gate_proj.{s}"], p[f"mlp.up_proj.{s}"]])
             _copy(p, "mlp.down_proj", "mlp.fc2", blk)
         else:
             _copy(p, "mlp.fc1", "mlp.fc1", blk)

@@ -14,10 +14,12 @@ one-process build leaves it.
 After sharding (FSDP2 on ``meta``, ``to_empty``) :meth:`InitRecorder.materialize` replays each parameter's and
 buffer's chain on a full-size CPU temporary (restoring each random op's snapshot first), copies this rank's
 slice into its local shard and frees the temporary; a chain that is one ``copy_`` of a file tensor copies only
-the local slice (a rank touches 1/W of the file's pages). At the end the generator is put back where the build
-left it. What cannot be replayed exactly (a storage resized or ``set_``, an op with an explicit generator, a
-meta tensor built outside the recorder, a file tensor modified after it was copied) is reported by
-:meth:`InitRecorder.unreplayable` so the caller can fall back to building on one rank and broadcasting.
+the local slice (a rank touches 1/W of the file's pages; a tensor a converter packed from several file tensors
+or a DCP folder's tensor is a ``LazyRows`` (``utils/lazy_rows.py``) that reads only those rows). At the end
+the generator is put back where the build left it. What cannot be replayed exactly (a storage resized or
+``set_``, an op with an explicit generator, a meta tensor built outside the recorder, a file tensor modified
+after it was copied) is reported by :meth:`InitRecorder.unreplayable` so the caller can fall back to building
+on one rank and broadcasting.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..utils import torch_compat as compat
+from ..utils.lazy_rows import LazyRows
 from ..utils.torch_compat import tree_flatten, tree_map
 
 DeviceContext = compat.device_context_cls()
@@ -113,6 +116,13 @@ def _drop_pages(t: Tensor) -> None:
 
 
 _madvise = None
+
+
+def _rows(src: Tensor, index: tuple) -> Tensor:
+    """``src[index]``; of a ``LazyRows`` (a packed or DCP tensor) only the rows of ``index[0]`` are read."""
+    if isinstance(src, LazyRows) and index and src.dim():
+        return src.rows(index[0].start, index[0].stop)[(slice(None), *index[1:])]
+    return src[index]
 
 
 def _key(t: Tensor) -> int:
@@ -477,9 +487,10 @@ class InitRecorder(TorchDispatchMode):
                     if big:
                         _trim()
                 else:  # one copy_ of a file tensor: read only this rank's slice
-                    dst.copy_(src[index])
-                    if src.is_contiguous() and _in_ranges(src, files):
-                        _drop_pages(src)
+                    dst.copy_(_rows(src, index))
+                    for f in (src.sources if isinstance(src, LazyRows) else [src]):
+                        if f.is_contiguous() and _in_ranges(f, files):
+                            _drop_pages(f)
         finally:
             torch.set_rng_state(self.rng_after_build)
 

@@ -93,6 +93,20 @@ def tree_map(fn: Callable, tree: Any):
     return _attr("torch.utils._pytree", "tree_map", "walking an op's arguments")(fn, tree)
 
 
+def wrapper_tensor(cls: type, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of class ``cls`` (a ``torch.Tensor`` subclass with ``__torch_dispatch__``) that has a shape
+    and dtype but no storage (``Tensor._make_wrapper_subclass``)."""
+    make = getattr(torch.Tensor, "_make_wrapper_subclass", None)
+    if make is None:
+        raise _missing("Tensor._make_wrapper_subclass", "reading packed checkpoint tensors by rows")
+    return make(cls, tuple(shape), dtype=dtype, device=torch.device("cpu"), requires_grad=False)
+
+
+def disabled_torch_function() -> Any:
+    """The ``__torch_function__`` that makes a tensor subclass's ops return plain tensors."""
+    return _attr("torch._C", "_disabled_torch_function_impl", "reading packed checkpoint tensors by rows")
+
+
 # -- DTensor / process groups --------------------------------------------------------------------------------
 
 def local_shape_and_global_offset(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -241,4 +255,5 @@ def deepcopies_share_parameters() -> Iterator[None]:
 __all__ = ["TorchCompatError", "SUPPORTED", "torch_dispatch_mode_cls", "device_context_cls", "device_constructors",
            "function_mode_stack", "storage_key", "tensor_version", "tree_flatten", "tree_map", "local_shape_and_global_offset",
            "fake_store", "fake_tensor_mode", "own_fake_mode_for_sharding_propagation", "fsdp_mem_tracker",
-           "dynamo_counters", "inductor_fallback_random", "dcp_set_element", "deepcopies_share_parameters"]
+           "dynamo_counters", "inductor_fallback_random", "dcp_set_element", "deepcopies_share_parameters",
+           "wrapper_tensor", "disabled_torch_function"]

@@ -2,8 +2,9 @@
 included, records the build on ``meta`` (``train/meta_init.py``), shards the empty task and replays each
 tensor's init into its own shard. The initial weights must be exactly those a one-process build of the same
 seed gives (what every earlier version trained from), and the CPU generator must continue from the same state,
-for the pretraining task (student, heads, EMA teacher), continued pretraining from a released ``.pth`` and
-from an export with its heads (``model.pretrained_heads``), the DINOv3 task with its Gram teacher, and
+for the pretraining task (student, heads, EMA teacher), continued pretraining from a released ``.pth``
+(DINOv2's layout, and DINOv3's official one, whose SwiGLU halves are packed per slice) and from an export with
+its heads (``model.pretrained_heads``), the DINOv3 task with its Gram teacher, and
 distillation (teacher + heads read from files, ViT students, timm CNN students with BatchNorm buffers, their
 EMAs). A build the recorder cannot replay (an init with an explicit generator) falls back to rank 0 building
 and broadcasting, says so in one log line, and still starts from the same weights."""
@@ -18,7 +19,7 @@ from dinopipe.config import load_config
 from dinopipe.ssl.task import SSLTask
 from tests.train.conftest import REPO, TINY, TINY_DISTILL, env
 
-CASES = ("pretrain", "dinov3_gram", "released", "heads", "distill", "distill_timm", "fallback")
+CASES = ("pretrain", "dinov3_gram", "released", "released_dinov3", "heads", "distill", "distill_timm", "fallback")
 WORKER = str(REPO / "tests" / "train" / "_meta_build_worker.py")
 PHASE64 = "phases=[{name: base, fraction: 1.0, global_crops_size: 64, local_crops_size: 32, batch_size_per_gpu: 2}]"
 TIMM_STUDENTS = ("students=[{name: cnx, model: {name: 'timm:convnext_atto', img_size: 64}},"
@@ -56,6 +57,8 @@ def config(name: str, files: dict):
         extra += ["model.name=vit_test_dinov3", "gram.enabled=true", "gram.first_step=0", PHASE64]
     elif name == "released":
         extra += [f"model.pretrained={files['released']}"]
+    elif name == "released_dinov3":  # packed SwiGLU fc1 and masked key bias: converted per slice (issue 31)
+        extra += ["model.name=vit_test_dinov3_swiglu", f"model.pretrained={files['released_dinov3']}", PHASE64]
     elif name == "heads":
         extra += [f"model.pretrained={files['teacher']}", "model.pretrained_heads=auto",
                   "ibot.separate_head=true"]
@@ -67,7 +70,7 @@ def config(name: str, files: dict):
 def files(tmp_path_factory):
     """A teacher export with heads (what a pretraining run writes) and two released-layout ``.pth`` files."""
     from dinopipe.export import save_backbone, save_heads
-    from dinopipe.hub import export_dinov2
+    from dinopipe.hub import export_dinov2, export_dinov3
     from dinopipe.models import DINOHead, create_model
 
     root = tmp_path_factory.mktemp("files")
@@ -77,8 +80,9 @@ def files(tmp_path_factory):
     export_dinov2(create_model("vit_test"), root / "released.pth")
     export_dinov2(create_model("vit_test_reg4", img_size=64, patch_size=16, embed_dim=128, num_heads=2),
                   root / "released16.pth")
+    export_dinov3(create_model("vit_test_dinov3_swiglu"), root / "dinov3_vitx16.pth")
     return {"teacher": str(root / "teacher"), "released": str(root / "released.pth"),
-            "released16": str(root / "released16.pth")}
+            "released16": str(root / "released16.pth"), "released_dinov3": str(root / "dinov3_vitx16.pth")}
 
 
 def reference(name: str, files: dict) -> tuple[dict, torch.Tensor]:

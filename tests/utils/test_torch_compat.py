@@ -188,3 +188,20 @@ def test_compile_counters_and_inductor_random_setting():
         assert config.fallback_random is True
     finally:
         config.fallback_random = before
+
+
+def test_a_wrapper_tensor_has_a_shape_and_its_class_sees_every_op():
+    seen = []
+
+    class Probe(torch.Tensor):
+        __torch_function__ = compat.disabled_torch_function()
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return torch.ones(2, 3)
+
+    t = compat.wrapper_tensor(Probe, (2, 3), torch.float16)
+    assert isinstance(t, Probe) and t.shape == (2, 3) and t.dtype == torch.float16 and t.device.type == "cpu"
+    out = t + 1
+    assert type(out) is torch.Tensor and torch.equal(out, torch.ones(2, 3)) and seen == [torch.ops.aten.add.Tensor]
