@@ -37,12 +37,12 @@ from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig
 from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
 from .index import Rows
-from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval
+from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval, verifier_factory
 from .rebalance import rebalance as select
-from .verify import pixel_verifier
 from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, _p,  # noqa: F401
                         _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows)
 from .decisions import decisions_task, finish_decisions, selection_digest
+from .steps.runner import run_step as run_tasks
 from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
 
 def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
@@ -75,8 +75,8 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     index and the chunks of `curate search` array tasks are reused, whatever is missing is computed
     here), each verified on the pixels of ``sources`` (unless ``dedup.verify`` is False), grouped
     without chaining (``dedup.grouping='star'``). ``dedup.threshold``: the kNN cosine of candidates
-    (None: 0.45 with verification, DINOv2's 0.6 without). ``tasks``: W of the index add and the search
-    (curation.config.TasksConfig; decisions do not depend on it)."""
+    (None: 0.45 with verification, DINOv2's 0.6 without). ``tasks``: W of the hash dedup, the index add,
+    the search and the verification (curation.config.TasksConfig; decisions do not depend on it)."""
     dd, hc = dedup or DedupConfig(), hash_dedup or HashDedupConfig()
     threshold = resolve_threshold(dd.threshold, dd.verify)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
@@ -84,13 +84,13 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
         raise ValueError("copy verification reads the images again: pass the pool's sources "
                          "(or dedup.verify=False to trust the descriptor alone)")
     verify_with = (sources, dd.verify_size, dd.verify_threshold) if dd.verify else None
-    h = hash_survivors(emb, hc.enabled, hc.max_distance, verify_with)
-    verifier = None
+    h, hinfo = hash_survivors(out_dir, emb, hc.enabled, hc.max_distance, verify_with,
+                              task_plan(tasks or TasksConfig(), len(emb)))
     surv = np.flatnonzero(h.keep)
-    if dd.verify:
-        verifier = pixel_verifier(sources, emb, surv, dd.verify_size, dd.verify_threshold)
+    plan = task_plan(tasks or TasksConfig(), len(surv))
+    factory = verifier_factory(out_dir, sources, surv, dd.verify_size, dd.verify_threshold) if dd.verify else None
     d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, _knn(knn), progress,
-                           verifier=verifier, grouping=dd.grouping, tasks=task_plan(tasks or TasksConfig(), len(surv)))
+                           grouping=dd.grouping, tasks=plan, verifier_factory=factory)
     component = h.group.copy()  # hash duplicates join their kept image's copy component
     component[surv] = surv[d.component]
     component = component[component]  # a hash group's kept image may itself be a copy
@@ -102,7 +102,8 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     _save_step(out_dir, "dedup", status=status, component=component, nn_sim=nn_sim)
     return {"hash_duplicates": h.n_duplicates, "copy_duplicates": d.n_duplicates,
             "index": d.index_kind, "candidates": d.n_candidates, "edges": d.n_edges,
-            "threshold": threshold, "verify_seconds": round(d.verify_seconds, 2)}
+            "threshold": threshold, "verify_seconds": round(d.verify_seconds, 2),
+            "tasks": {"hash": hinfo["tasks"], "knn": plan["tasks"], "verify": getattr(d, "verify_tasks", 0)}}
 
 
 def _knn(knn: KnnConfig | None) -> dict | None:
@@ -230,25 +231,45 @@ def _selection_note(r: RebalanceConfig, n_pool: int, n_kept: int) -> str:
 
 
 def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: dict | None = None,
-               progress: bool = False, num_tasks: int = 1) -> dict:
+               progress: bool = False, num_tasks: int | None = None, tasks: TasksConfig | None = None,
+               launcher: str | None = None) -> dict:
     """Write kept images as webdataset shards (``write.shard_size`` images each) and the decisions
-    parts, each as ``num_tasks`` tasks (here one after another), then manifest.json and decisions.tsv."""
+    parts, each as W tasks of the step runner (``num_tasks``, else ``tasks``' plan: inline, or W local
+    processes), then manifest.json and decisions.tsv. The manifest records W (``tasks.write``)."""
     shard_size = (write or WriteConfig()).shard_size
-    for t in range(num_tasks):
-        write_task(out_dir, sources, shard_size, t, num_tasks, progress)
+    kept, n_kept, _, _ = _selection(out_dir, shard_size)
+    plan = task_plan(tasks or TasksConfig(), n_kept)
+    w = int(num_tasks if num_tasks is not None else plan["tasks"])
+    inline = (launcher or plan["launcher"]) == "inline" or w == 1
+    del kept
+    run_tasks(_write_shards_task, w, "local", processes=0 if inline else None, out_dir=out_dir, sources=sources,
+             shard_size=shard_size, progress=progress)
     shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
     emb, status, component, _, _ = _write_inputs(out_dir)
     failed = np.sort(emb.ids[emb.positions_of([f[0] for f in shards["failed"]])]) if shards["failed"] else \
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
     digest = selection_digest(emb, status, component, failed)
-    for t in range(num_tasks):
-        decisions_task(out_dir, emb, status, component, failed, t, num_tasks, digest)
-    per_source, reasons = finish_decisions(out_dir, num_tasks)
+    del status, component
+    run_tasks(_decisions_part_task, w, "local", processes=0 if inline else None, out_dir=out_dir, failed=failed,
+             digest=digest)
+    per_source, reasons = finish_decisions(out_dir, w)
     manifest = manifest_from_counts(per_source, reasons, {
-        "shards": [os.path.relpath(s, out_dir) for s in shards["shards"]], "decisions_parts": num_tasks,
-        **(extra or {})})
+        "shards": [os.path.relpath(s, out_dir) for s in shards["shards"]], "decisions_parts": w,
+        "tasks": {"write": w}, **(extra or {})})
     write_json_atomic(_p(out_dir, "manifest.json"), manifest)
     return manifest
+
+
+def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, progress: bool = False) -> dict:
+    """Runner task ``t`` of ``w`` of the shard writing (:func:`write_task`)."""
+    return write_task(out_dir, sources, shard_size, t, w, progress)
+
+
+def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, digest: str) -> dict:
+    """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv."""
+    emb, status, component, _, _ = _write_inputs(out_dir)
+    out = decisions_task(out_dir, emb, status, component, failed, t, w, digest)
+    return {"inputs": out["inputs"]}
 
 
 def _write_inputs(out_dir: str):
@@ -389,7 +410,7 @@ def run_step(step: str, cfg: CurationConfig, embedder=None):
         return step_rebalance(out, cfg.rebalance, cfg.input.seed_paths or None, embedder, e, knn, prog,
                               kmeans_dir=kmeans_dir(cfg), tasks=cfg.tasks)
     if step == "write":
-        return step_write(cfg.input.paths, out, cfg.write, progress=prog, extra={
+        return step_write(cfg.input.paths, out, cfg.write, progress=prog, tasks=cfg.tasks, extra={
             "params": _params(cfg), "steps": _load_summaries(out)})
     if step == "report":
         from .report import make_report

@@ -55,6 +55,18 @@ def task_blocks(n: int, task_index: int, num_tasks: int, block: int | None = Non
     return [(s, min(s + block, hi)) for s in range(lo, hi, block)]
 
 
+def owned_pairs(first: np.ndarray, t: int, w: int) -> np.ndarray:
+    """Indices of the pairs task ``t`` of ``w`` owns: the pairs whose first image is in its value range;
+    the ranges split the pairs evenly at image boundaries (an image's pairs are all in one task)."""
+    first = np.asarray(first, np.int64)
+    if not len(first):
+        return np.zeros(0, np.int64)
+    s = np.sort(first)
+    edges = [s[len(s) * i // w] for i in range(w)] + [s[-1] + 1]
+    lo, hi = edges[t], edges[t + 1]
+    return np.flatnonzero((first >= lo) & (first < hi)) if lo < hi else np.zeros(0, np.int64)
+
+
 def part_path(folder: str, name: str, task_index: int, num_tasks: int) -> str:
     return os.path.join(folder, f"{name}-{task_index:05d}-of-{num_tasks:05d}.npz")
 
