@@ -108,7 +108,7 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
     if not os.path.exists(hashes_path):
         with atomic_path(hashes_path, suffix=".npy") as tmp:
             np.save(tmp, np.asarray(emb.hashes, np.uint64))
-    launch(pairs_task, plan, folder=folder, max_distance=max_distance)
+    ran = launch(pairs_task, plan, folder=folder, max_distance=max_distance)
     a, b = merge_pair_parts([(r["a"], r["b"]) for r in map(read_part, parts(os.path.join(folder, "parts"),
                                                                                 "pairs", w))])
     group, keep = group_pairs(n, a, b, emb.ids)
@@ -128,7 +128,8 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
         keep[lone] = True
         group[lone] = lone
     write_part(os.path.join(folder, "result.npz"), group=group, keep=keep, n_pairs=np.int64(n_pairs))
-    return HashDedupResult(group, keep, n_pairs), {"tasks": w, "reused": False}
+    return HashDedupResult(group, keep, n_pairs), {"tasks": w, "reused": False,
+                                                   "pair_tasks": [r["result"] for r in ran]}
 
 
 def _write_json(path: str, obj) -> None:

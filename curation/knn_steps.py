@@ -146,17 +146,23 @@ def _survivors(out_dir: str, emb: EmbeddingSet, sources, dedup: DedupConfig, has
     return np.flatnonzero(h.keep), info
 
 
-def verifier_factory(out_dir: str, sources, surv: np.ndarray, size: int, threshold: float):
-    """A picklable factory of the pixel verifier of pairs of positions into ``surv`` (saved as
-    ``steps/verify_rows.npy``, memory-mapped by each verification task)."""
-    import functools
-
+def save_verify_rows(out_dir: str, surv: np.ndarray) -> str:
+    """``steps/verify_rows.npy``: the rows whose positions the verification pairs hold (memory-mapped by each
+    verification task)."""
     path = os.path.join(out_dir, "steps", "verify_rows.npy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp.npy"
     np.save(tmp, np.asarray(surv, np.int64))
     os.replace(tmp, path)
-    return functools.partial(pixel_verifier_of, sources, _desc_dir(out_dir), path, size, threshold)
+    return path
+
+
+def verifier_factory(out_dir: str, sources, surv: np.ndarray, size: int, threshold: float):
+    """A picklable factory of the pixel verifier of pairs of positions into ``surv``."""
+    import functools
+
+    return functools.partial(pixel_verifier_of, sources, _desc_dir(out_dir), save_verify_rows(out_dir, surv),
+                             size, threshold)
 
 
 def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, knn_cfg: KnnConfig,

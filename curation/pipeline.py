@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -67,9 +68,21 @@ def _transform(embedder):
     return getattr(embedder, "transform", None)
 
 
+@dataclass
+class ChainInputs:
+    """What the steps after embedding take besides the config and the embeddings folder: the real pool's
+    (the defaults) or a simulation's (curation.simulate.chain: generated embeddings, planted truth)."""
+
+    verifier: Callable | None = None
+    """``make(out_dir, sources, survivors, size, threshold)`` -> a picklable verifier factory in place of the
+    pixel verifier (hash duplicates are then not verified again); None: pixels of ``input.paths``."""
+    eval_embedded: bool = False
+    """embeddings/eval/ is there already (generated): decontaminate reads it instead of embedding eval_paths."""
+
+
 def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashDedupConfig | None = None,
                knn: KnnConfig | None = None, sources=None, progress: bool = True,
-               tasks: TasksConfig | None = None) -> dict:
+               tasks: TasksConfig | None = None, make_verifier: Callable | None = None) -> dict:
     """Hash pre-dedup (unless ``hash_dedup.enabled`` is False), then copy dedup of the hash survivors:
     kNN candidates on the copy descriptors through the sharded kNN (curation.knn_steps: the saved
     index and the chunks of `curate search` array tasks are reused, whatever is missing is computed
@@ -80,15 +93,16 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     dd, hc = dedup or DedupConfig(), hash_dedup or HashDedupConfig()
     threshold = resolve_threshold(dd.threshold, dd.verify)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    if dd.verify and sources is None:
+    if dd.verify and sources is None and make_verifier is None:
         raise ValueError("copy verification reads the images again: pass the pool's sources "
                          "(or dedup.verify=False to trust the descriptor alone)")
-    verify_with = (sources, dd.verify_size, dd.verify_threshold) if dd.verify else None
+    verify_with = (sources, dd.verify_size, dd.verify_threshold) if dd.verify and make_verifier is None else None
     h, hinfo = hash_survivors(out_dir, emb, hc.enabled, hc.max_distance, verify_with,
                               task_plan(tasks or TasksConfig(), len(emb)))
     surv = np.flatnonzero(h.keep)
     plan = task_plan(tasks or TasksConfig(), len(surv))
-    factory = verifier_factory(out_dir, sources, surv, dd.verify_size, dd.verify_threshold) if dd.verify else None
+    factory = (make_verifier or verifier_factory)(out_dir, sources, surv, dd.verify_size, dd.verify_threshold) \
+        if dd.verify else None
     d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, _knn(knn), progress,
                            grouping=dd.grouping, tasks=plan, verifier_factory=factory)
     component = h.group.copy()  # hash duplicates join their kept image's copy component
@@ -113,21 +127,24 @@ def _knn(knn: KnnConfig | None) -> dict | None:
 
 def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: DecontaminateConfig | None = None,
                        embed: EmbedConfig | None = None, knn: KnnConfig | None = None,
-                       progress: bool = True, tasks: TasksConfig | None = None) -> dict:
+                       progress: bool = True, tasks: TasksConfig | None = None, eval_embedded: bool = False) -> dict:
     """Drop the copy component of every pool image with cosine > ``decontaminate.threshold`` to an
-    eval image (eval images embedded with ``embed.batch_size`` / ``embed.num_workers``)."""
+    eval image (eval images embedded with ``embed.batch_size`` / ``embed.num_workers``; ``eval_embedded``:
+    read embeddings/eval/ as it is)."""
     threshold = (decontaminate or DecontaminateConfig()).threshold
     e = embed or EmbedConfig()
     dd = load_step(out_dir, "dedup")
     status, component = dd["status"], dd["component"]
     max_sim = np.full(len(status), np.nan, np.float32)
-    n_removed = 0
-    if eval_sources:
-        ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
+    n_removed, w = 0, 0
+    if eval_sources or eval_embedded:
+        ev = open_embeddings(_p(out_dir, "embeddings", "eval")) if eval_embedded else \
+            embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
         pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
         alive = np.flatnonzero(status != HASH_DUP)  # hash duplicates are gone already
-        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress,
-                                             task_plan(tasks or TasksConfig(), len(alive)))
+        plan = task_plan(tasks or TasksConfig(), len(alive))
+        w = plan["tasks"] if len(ev) and len(alive) else 0
+        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress, plan)
                         if len(ev) and len(alive)
                         else (np.full(len(alive), -np.inf), np.full(len(alive), -1, np.int64)))
         res = expand_to_components(sim, nearest, threshold, component[alive])
@@ -139,7 +156,7 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
         status[removed] = DECONTAM
         n_removed = len(removed)
     _save_step(out_dir, "decontaminate", status=status, eval_sim=max_sim)
-    return {"decontaminated": n_removed}
+    return {"decontaminated": n_removed, "tasks": {"eval_search": w}}
 
 
 def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, embed: EmbedConfig | None = None,
@@ -190,10 +207,10 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
         elif len(rows_idx):
             mode_kwargs["tree"], tree_tasks = fit_tree(_p(out_dir, "steps", "kmeans"), space_dir, rows_idx, record,
                                                        plan["tasks"], plan["launcher"])
-    seeds, seed_ids = None, np.zeros(0, object)
+    seeds = None
     if seed_sources:
         seed_set = embed_seeds(out_dir, seed_sources, embedder, embed, progress)
-        seeds, seed_ids = Rows(seed_set), np.asarray(seed_set.id_strings(np.arange(len(seed_set))), object)
+        seeds = Rows(seed_set)
         if mode == "sample" and len(seed_set) and len(rows_idx):
             from .knn_steps import sharded_retrieval
 
@@ -204,17 +221,19 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     status[alive[~res.selected]] = NOT_SELECTED
     n = len(status)
     cluster = np.full(n, -1, np.int64)
-    nearest_seed = np.full(n, "", dtype=object)
+    nearest_seed = np.full(n, -1, np.int64)  # row of embeddings/seeds (its id through the seeds' path table)
     seed_sim = np.full(n, np.nan, np.float32)
     cluster[alive] = res.cluster
     has_seed = res.nearest_seed >= 0
-    nearest_seed[alive[has_seed]] = seed_ids[res.nearest_seed[has_seed]]
+    nearest_seed[alive[has_seed]] = res.nearest_seed[has_seed]
     seed_sim[alive] = res.seed_sim
     _save_step(out_dir, "rebalance", status=status, cluster=cluster,
-               nearest_seed=nearest_seed.astype(str), seed_sim=seed_sim)
+               nearest_seed=nearest_seed, seed_sim=seed_sim)
     if tree_tasks:  # what each k-means task took (curation.steps.runner): its own heap, not the orchestrator's
         res.report["kmeans_tasks"] = [{"task": t["task"], "wall_s": t["wall_s"], "heap_bytes": t["peak_anon"] - t["start_anon"],
                                        **t["result"]} for t in tree_tasks]
+    res.report["tasks"] = {"kmeans": len(tree_tasks) or (plan["tasks"] if mode == "hierarchical" else 0),
+                           "sample": plan["tasks"] if mode == "hierarchical" else 0}
     res.report["selection"] = _selection_note(r, len(rows_idx), int(res.selected.sum()))
     write_json_atomic(_p(out_dir, "steps", "rebalance_report.json"), res.report)
     return res.report
@@ -242,9 +261,12 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
     w = int(num_tasks if num_tasks is not None else plan["tasks"])
     inline = (launcher or plan["launcher"]) == "inline" or w == 1
     del kept
-    run_tasks(_write_shards_task, w, "local", processes=0 if inline else None, out_dir=out_dir, sources=sources,
-             shard_size=shard_size, progress=progress)
-    shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
+    if (write or WriteConfig()).shards:
+        run_tasks(_write_shards_task, w, "local", processes=0 if inline else None, out_dir=out_dir,
+                  sources=sources, shard_size=shard_size, progress=progress)
+        shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
+    else:  # decisions only (write.shards=false)
+        shards = {"shards": [], "failed": []}
     emb, status, component, _, _ = _write_inputs(out_dir)
     failed = np.sort(emb.ids[emb.positions_of([f[0] for f in shards["failed"]])]) if shards["failed"] else \
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
@@ -294,13 +316,18 @@ def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_
     src = as_multi(sources)
     emb, status, component, rb, dd = _write_inputs(out_dir)
     kept, n, _, digest = _selection(out_dir, shard_size)
+    seed_dir = _p(out_dir, "embeddings", "seeds")
+    seeds = open_embeddings(seed_dir) if os.path.isdir(seed_dir) and (rb["nearest_seed"] >= 0).any() else None
+
+    def seed_name(k: int) -> str | None:
+        return None if k < 0 or seeds is None else seeds.id_strings(np.array([k]))[0]
 
     def items_of(start: int, stop: int):
         rows = kept[start:stop]
         names, groups = emb.id_strings(rows), emb.id_strings(component[rows])
         for k, (i, name, group) in enumerate(zip(rows, names, groups)):
             meta = {"id": name, "source": emb.source_names[emb.source_codes[i]], "component": group,
-                    "cluster": int(rb["cluster"][i]), "nearest_seed": str(rb["nearest_seed"][i]) or None,
+                    "cluster": int(rb["cluster"][i]), "nearest_seed": seed_name(int(rb["nearest_seed"][i])),
                     "seed_similarity": _num(rb["seed_sim"][i]), "nn_similarity": _num(dd["nn_sim"][i])}
             yield f"{start + k:09d}", name, (lambda i=i: _read_row(src, emb, i)), meta
 
@@ -337,7 +364,7 @@ class StepError(RuntimeError):
 
 
 def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command: str = "run",
-              echo: Callable[[str, object], None] | None = None) -> dict:
+              echo: Callable[[str, object], None] | None = None, inputs: ChainInputs | None = None) -> dict:
     """Run ``steps`` in order with their settings from ``cfg`` (validated); returns each step's result.
 
     Writes the resolved config into ``output.dir`` first. ``embedder``: the built ``embed.model`` (see
@@ -348,7 +375,7 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     results = {}
     for step in steps:
         try:
-            result = run_step(step, cfg, embedder)
+            result = run_step(step, cfg, embedder, inputs)
         except (FileNotFoundError, RuntimeError, ValueError) as exc:
             raise StepError(step, exc) from exc
         if step == "embed" and embedder is not None:
@@ -395,17 +422,20 @@ def build_embedder_for(cfg: CurationConfig):
     return build_embedder(e.model, e.image_size, e.device, e.precision)
 
 
-def run_step(step: str, cfg: CurationConfig, embedder=None):
-    """One step with its config sections from ``cfg``; returns the step's summary dict (or a path)."""
+def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs | None = None):
+    """One step with its config sections from ``cfg``; returns the step's summary dict (or a path).
+    ``inputs``: a simulation's generated inputs (:class:`ChainInputs`; None: the real pool's)."""
     out, e, prog, dd, knn = cfg.output.dir, cfg.embed, cfg.progress, cfg.dedup, cfg.knn
+    inputs = inputs or ChainInputs()
     if step in SHARDED:
         return _run_sharded(step, cfg, embedder)
     if step == "embed":
         return step_embed(cfg.input.paths, out, e, cfg.descriptor, dd, embedder, prog)
     if step == "dedup":
-        return step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks)
+        return step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks, inputs.verifier)
     if step == "decontaminate":
-        return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks)
+        return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks,
+                                  inputs.eval_embedded)
     if step == "rebalance":
         return step_rebalance(out, cfg.rebalance, cfg.input.seed_paths or None, embedder, e, knn, prog,
                               kmeans_dir=kmeans_dir(cfg), tasks=cfg.tasks)

@@ -380,6 +380,14 @@ class PartedVerifier:
                 self.computed += g["result"]["computed"]
             os.remove(pairs)
             return out
+        if self.factory is not None and self.verifier is None:  # the tasks inline, each its own verifier
+            from .steps.runner import run_step
+
+            for t, g in enumerate(run_step(verify_arrays_task, self.num_tasks, "local", processes=0, a=a, b=b,
+                                           parts_dir=self.parts_dir, call=call, factory=self.factory)):
+                out[self._part(a, t)] = _read_ok(self.parts_dir, call, t, self.num_tasks)
+                self.computed += g["result"]["computed"]
+            return out
         for t in range(self.num_tasks):
             out[self._part(a, t)] = self.task(a, b, t, call)
         return out
@@ -419,6 +427,13 @@ def _verify_part(get_verifier: Callable, a: np.ndarray, b: np.ndarray, task_inde
     with atomic_path(path, suffix=".npz") as tmp:
         np.savez(tmp, ok=ok, digest=np.array(digest))
     return ok, 1
+
+
+def verify_arrays_task(t: int, w: int, a: np.ndarray, b: np.ndarray, parts_dir: str, call: int,
+                       factory: Callable) -> dict:
+    """Inline runner task ``t`` of ``w`` of one verification call (the pairs passed as arrays)."""
+    ok, computed = _verify_part(factory, a, b, t, w, parts_dir, call)
+    return {"pairs": int(len(ok)), "computed": computed}
 
 
 def verify_pairs_task(t: int, w: int, pairs: str, parts_dir: str, call: int, factory: Callable) -> dict:

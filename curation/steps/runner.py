@@ -21,6 +21,7 @@ the one a single process would read: the same BLAS shapes, the same answer whate
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import resource
@@ -212,8 +213,35 @@ def env_task(launcher: str) -> tuple[int, int]:
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
+_RECORD: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """While open, every :func:`run_step` of this process appends ``{"fn", "tasks", "inline", "reports"}`` to
+    the yielded list (`curate simulate` and the growth bench: per step, how many tasks ran and each one's
+    peak memory)."""
+    global _RECORD
+    old, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = old
+
+
 def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: int | None = None,
              **kw) -> list[dict]:
+    """Run ``fn`` as ``num_tasks`` tasks; per task: wall time, peak memory and ``fn``'s result
+    (recorded by :func:`recording`)."""
+    res = _run_step(fn, num_tasks, launcher, processes, **kw)
+    if _RECORD is not None:
+        _RECORD.append({"fn": getattr(fn, "__name__", str(fn)), "tasks": num_tasks,
+                        "inline": launcher == "local" and processes == 0, "reports": res})
+    return res
+
+
+def _run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: int | None = None,
+              **kw) -> list[dict]:
     """Run ``fn`` as ``num_tasks`` tasks; per task: wall time, peak memory and ``fn``'s result.
 
     local: all tasks, ``processes`` at a time (default ``num_tasks``), each in a fresh process;
