@@ -110,15 +110,38 @@ def test_killed_task_is_rerun_and_finished_parts_skipped(tmp_path, small_blocks)
 
 
 MEASURE = r"""
-import json, sys
+import glob, json, os, shutil, sys
+import numpy as np
+from curation.embeddings import open_embeddings
+from curation.hash_step import pairs_task
+from curation.index import Rows
+from curation.knn_shards import run_search
+from curation.knn_steps import _source
+from curation.pipeline import _decisions_part_task
 from curation.simulate.run import simulate
+from curation.steps import runner
 work, n, w = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-res = simulate(work, n, 32, tasks=w, n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=512,
-               processes=1)
+simulate(work, n, 32, tasks=w, n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=512, processes=0)
+
+
+def heap(res):  # what a task itself allocated, in its own fresh process (peak minus start)
+    return max(r["peak_anon"] - r["start_anon"] for r in res)
+
+
 out = {}
-for step in res["steps"].values():
-    for r in step["runs"]:  # what each task itself allocated (its own process: peak minus start)
-        out[r["fn"]] = max(out.get(r["fn"], 0), r["task_heap_mb"])
+h = os.path.join(work, "steps", "hash")
+shutil.rmtree(os.path.join(h, "parts"))  # the step's tasks again, each in a fresh process
+out["hash_pairs"] = heap(runner.run_step(pairs_task, w, processes=1, folder=h, max_distance=4))
+with open(sorted(glob.glob(os.path.join(work, "decisions", "part-*.json")))[0]) as f:
+    digest = json.load(f)["digest"]
+shutil.rmtree(os.path.join(work, "decisions"))
+out["decisions"] = heap(runner.run_step(_decisions_part_task, w, processes=1, out_dir=work,
+                                        failed=np.zeros(0, np.int64), digest=digest))
+shutil.rmtree(os.path.join(work, "knn", "pool", "chunks"))
+desc = os.path.join(work, "embeddings", "descriptor")
+surv = np.load(os.path.join(work, "knn", "pool-pool_rows.npy"))
+out["search"] = heap(run_search(work, "pool", "pairs", Rows(open_embeddings(desc), surv), None, False,
+                                {"tasks": w, "launcher": "local"}, (_source(work, "pool", desc, surv, "pool"), None)))
 print(json.dumps(out))
 """
 
@@ -136,9 +159,8 @@ def test_per_task_memory_follows_rows_per_task_not_n(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[n] = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
     small, big = got[32768], got[131072]
-    for fn in ("pairs_task", "search_task", "verify_pairs_task", "hist_task", "_decisions_part_task"):
-        if fn in small:
-            assert big[fn] <= 1.5 * small[fn] + 2, (fn, small[fn], big[fn])  # MB
+    for step in ("hash_pairs", "decisions", "search"):
+        assert big[step] <= 1.5 * small[step] + 2**21, (step, small[step], big[step])
 
 
 def test_plan_covers_every_step_and_marks_assumptions():
