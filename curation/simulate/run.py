@@ -1,4 +1,4 @@
-"""curate simulate: generate a pool whose answer is known, run the chain `curate run` ships on it (every step
+"""curate simulate: generate a pool whose answer is known, run the chain curate run ships on it (every step
 after embedding, W tasks each: curation.pipeline.run_steps), print per step the wall time, the tasks it ran and
 the peak memory of its largest task, and the recall of what was planted.
 
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--clusters", type=int, default=1000)
     p.add_argument("--eval", type=int, default=10000, dest="n_eval")
     p.add_argument("--overlap", type=int, default=1000)
-    p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: `curate run`'s, knn.nlist null)")
+    p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: as curate run, knn.nlist null)")
     p.add_argument("--nprobe", type=int, default=8)
     p.add_argument("--levels", type=int, nargs="+", default=[1000, 100, 10])
     p.add_argument("--seed", type=int, default=0)
