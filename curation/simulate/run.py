@@ -30,7 +30,7 @@ from . import chain
 
 
 def chain_config(work: str, tasks: int, launcher: str, max_distance: int, nlist: int | None, nprobe: int, k: int,
-                 threshold: float, levels, seed: int):
+                 threshold: float, levels, seed: int, chunk_size: int | None = None):
     """The `curate run` config of the simulation: its chain's settings, decisions-only writing."""
     from ..config import CurationConfig
 
@@ -41,6 +41,8 @@ def chain_config(work: str, tasks: int, launcher: str, max_distance: int, nlist:
     cfg.hash_dedup.max_distance = max_distance
     cfg.dedup.threshold, cfg.dedup.k, cfg.dedup.nprobe, cfg.dedup.verify = threshold, k, nprobe, True
     cfg.knn.nlist, cfg.knn.seed = nlist, seed
+    if chunk_size:
+        cfg.knn.chunk_size = chunk_size
     cfg.decontaminate.threshold = threshold
     cfg.rebalance.mode, cfg.rebalance.levels = "hierarchical", list(levels)
     cfg.write.shards, cfg.report.enabled = False, False
@@ -72,7 +74,7 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
              overlap: int = 1000, copy_rate: float = 0.01, hash_rate: float = 0.01, max_distance: int = 4,
              nlist: int | None = None, nprobe: int = 8, k: int = 4, threshold: float = 0.9,
              levels=(1000, 100, 10), seed: int = 0, processes: int | None = None,
-             progress: str | None = None) -> dict:
+             progress: str | None = None, chunk_size: int | None = None) -> dict:
     """Generate the pool in ``work`` (existing parts are reused: a rerun skips finished tasks), then run
     `curate run`'s steps after embedding on it with ``tasks.count=tasks`` (``processes=0``: the tasks inline,
     one after another in this process; else local processes). ``progress``: one JSON line per finished step."""
@@ -88,7 +90,7 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
         chain.write_eval(work, n, dim, n_clusters, n_eval, overlap, seed)
     table["generate"] = _row(rec, time.perf_counter() - t0, mem)
     cfg = chain_config(work, tasks, "inline" if processes == 0 else "local", max_distance, nlist, nprobe, k,
-                       threshold, levels, seed)
+                       threshold, levels, seed, chunk_size)
     inputs = ChainInputs(verifier=chain.planted_factory(work, n, block), eval_embedded=True)
     results = {}
     for step in chain_steps(cfg):

@@ -112,16 +112,15 @@ def test_killed_task_is_rerun_and_finished_parts_skipped(tmp_path, small_blocks)
 MEASURE = r"""
 import glob, json, os, shutil, sys
 import numpy as np
-from curation.embeddings import open_embeddings
 from curation.hash_step import pairs_task
-from curation.index import Rows
-from curation.knn_shards import run_search
+from curation.knn_shards import search_task
 from curation.knn_steps import _source
 from curation.pipeline import _decisions_part_task
 from curation.simulate.run import simulate
 from curation.steps import runner
 work, n, w = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-simulate(work, n, 32, tasks=w, n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=512, processes=0)
+simulate(work, n, 32, tasks=w, n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=512, processes=0,
+         chunk_size=n // w)  # the same rows per search task at N, W=1 and 4N, W=4
 
 
 def heap(res):  # what a task itself allocated, in its own fresh process (peak minus start)
@@ -140,8 +139,8 @@ out["decisions"] = heap(runner.run_step(_decisions_part_task, w, processes=1, ou
 shutil.rmtree(os.path.join(work, "knn", "pool", "chunks"))
 desc = os.path.join(work, "embeddings", "descriptor")
 surv = np.load(os.path.join(work, "knn", "pool-pool_rows.npy"))
-out["search"] = heap(run_search(work, "pool", "pairs", Rows(open_embeddings(desc), surv), None, False,
-                                {"tasks": w, "launcher": "local"}, (_source(work, "pool", desc, surv, "pool"), None)))
+out["search"] = heap(runner.run_step(search_task, w, processes=1, out_dir=work, name="pool", mode="pairs",
+                                     queries=_source(work, "pool", desc, surv, "pool")))
 print(json.dumps(out))
 """
 
