@@ -288,8 +288,11 @@ def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, p
 
 
 def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, digest: str) -> dict:
-    """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv."""
-    emb, status, component, _, _ = _write_inputs(out_dir)
+    """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv (reads only the
+    two step arrays it needs: 9 B per row, not every array of the steps)."""
+    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+    with np.load(_p(out_dir, "steps", "rebalance.npz")) as rb, np.load(_p(out_dir, "steps", "dedup.npz")) as dd:
+        status, component = rb["status"], dd["component"]
     out = decisions_task(out_dir, emb, status, component, failed, t, w, digest)
     return {"inputs": out["inputs"]}
 
