@@ -1,24 +1,15 @@
-"""Growth of every curation step after embedding: `curate simulate` at several N, with W=1 and W=4 tasks.
+"""Growth of every curation step after embedding, on the chain `curate run` ships (`curate simulate`: the
+steps of curation.pipeline.run_steps on generated embeddings, hashes and planted truth), W=1 and W=4 tasks.
 
     nice -n 10 python bench/bench_curation_scale.py --sizes 1000000 3000000 10000000 --work /tmp/scale \\
         --json scale.json
 
 For each N (one after another, W=1 then W=4, the scratch folder deleted between runs) it prints per step
-the wall time and the peak heap (RssAnon) and RSS (VmHWM, incl. mapped file pages) of the largest task,
-then the log-log slope of time against N per step, the W=4 / W=1 per-task peak ratio at the largest N,
-whether the decisions are identical for W=1 and W=4, and the planted recall. Goals (the issue): slope
-<= 1.15 for every step but the kNN search, peak per task at W=4 <= 0.3 x W=1, identical decisions,
-recall >= 0.98. Printed, never asserted.
-
-IVF (curation.index.ivf_nlist): nlist = max(sqrt(N), N / 1000) lists, an HNSW coarse quantizer from 40,000
-lists on (flat below, where its one GEMM is the cheaper): per query q(nlist) (the coarse quantizer: nlist inner
-products flat, ~efSearch x log(nlist) HNSW) + nprobe x list_size (the codes) distance evaluations; per added
-vector q(nlist) + one encoding. The add's two halves are timed apart (coarse assignment, encode + append) and
-get their own slopes.
-
-``--query-fraction N=F ...`` (or one F for all sizes): at that N only a fraction F of the rows query the
-index (a per-row hash key; the whole pool is indexed); the search's time is measured on them and
-extrapolated to N (the slope of search uses the extrapolated time).
+the wall time, the tasks each of its runner calls ran, the peak heap a task allocated (sampled RssAnon above
+the task's start) and the orchestrating process's own peak heap during the step; then the log-log slope of
+the slowest tasks' time against N per step, the W=4 / W=1 per-task peak ratio at the largest N, whether
+decisions.tsv is identical for W=1 and W=4, and the planted recall. Goals (issue 30): slope <= 1.15 for every
+step but the kNN's, peak per task at W=4 <= 0.3 x W=1, identical decisions. Printed, never asserted.
 """
 
 from __future__ import annotations
@@ -52,14 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--work", required=True)
     p.add_argument("--json", default=None)
-    p.add_argument("--query-fraction", nargs="+", default=["1"],
-                   help="F (every size) or N=F pairs: search only this fraction of the query rows at N")
+    p.add_argument("--processes", type=int, default=None, help="local task processes at a time (0: inline)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folders")
     a = p.parse_args(argv)
-    fractions = {}
-    for item in a.query_fraction:
-        n_, _, f_ = item.rpartition("=")
-        fractions[int(n_) if n_ else None] = float(f_)
     results = []
     if a.json and os.path.exists(a.json):
         with open(a.json) as f:
@@ -70,7 +56,7 @@ def main(argv=None) -> int:
                 continue
             work = os.path.join(a.work, f"n{n}-w{w}")
             t0 = time.perf_counter()
-            res = simulate(work, n, a.dim, w, query_fraction=fractions.get(n, fractions.get(None, 1.0)),
+            res = simulate(work, n, a.dim, w, processes=a.processes,
                            progress=(a.json or os.path.join(a.work, "bench")) + f".n{n}-w{w}.progress.jsonl")
             res["total_s"] = time.perf_counter() - t0
             print(render(res), flush=True)
@@ -92,28 +78,18 @@ def summary(results: list[dict]) -> str:
             continue
         ns = [r["n"] for r in runs]
         for step in runs[0]["steps"]:
-            # the slowest task, without process start; search: extrapolated to N when a fraction queried
-            ts = [r["steps"][step].get("task_s_at_n", r["steps"][step]["task_s"]) for r in runs]
-            note = ""
-            if step == "search":
-                note = "  [query fraction " + " / ".join(f"{r.get('query_fraction', 1.0):g}" for r in runs) + \
-                       "; times extrapolated to N where < 1]"
-            lines.append(f"slope W={w} {step}: {slope(ns, ts):.2f}  ({' / '.join(f'{t:.1f}s' for t in ts)} at "
-                         f"{' / '.join(f'{n:,}' for n in ns)}){note}")
-            for half, what in (("assign_task_s", "coarse assignment"), ("encode_task_s", "encode + append")):
-                if all(half in r["steps"][step] for r in runs):
-                    hs = [r["steps"][step][half] for r in runs]
-                    nl = " / ".join(f"{r['index']['nlist']:,} {r['index']['quantizer']}" for r in runs)
-                    lines.append(f"slope W={w} {step} ({what}): {slope(ns, hs):.2f}  "
-                                 f"({' / '.join(f'{t:.1f}s' for t in hs)}; lists {nl})")
+            ts = [r["steps"][step]["task_s"] for r in runs]  # the slowest task of each runner call, summed
+            lines.append(f"slope W={w} {step}: {slope(ns, ts):.2f}  ({' / '.join(f'{t:.2f}s' for t in ts)} at "
+                         f"{' / '.join(f'{n:,}' for n in ns)})")
     big = max((r["n"] for r in results), default=0)
     one = next((r for r in results if r["n"] == big and r["tasks"] == 1), None)
     for r in results:
         if one is not None and r["n"] == big and r["tasks"] > 1:
             for step in r["steps"]:
-                a1, aw = one["steps"][step]["peak_anon_mb"], r["steps"][step]["peak_anon_mb"]
-                lines.append(f"peak heap per task W={r['tasks']} / W=1 at N={big:,} {step}: {aw / a1:.2f} "
-                             f"({aw:.0f} / {a1:.0f} MB)")
+                a1, aw = one["steps"][step]["task_heap_mb"], r["steps"][step]["task_heap_mb"]
+                o1, ow = one["steps"][step]["orchestrator_heap_mb"], r["steps"][step]["orchestrator_heap_mb"]
+                lines.append(f"peak heap per task W={r['tasks']} / W=1 at N={big:,} {step}: "
+                             f"{aw / max(a1, 1e-9):.2f} ({aw:.0f} / {a1:.0f} MB); orchestrator {ow:.0f} / {o1:.0f} MB")
     for n in sorted({r["n"] for r in results}):
         digests = {r["tasks"]: r["decisions_sha256"] for r in results if r["n"] == n}
         lines.append(f"decisions identical for W={sorted(digests)} at N={n:,}: {len(set(digests.values())) == 1}")

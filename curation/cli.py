@@ -33,7 +33,10 @@ from dinopipe.logs import setup_logging
 def _echo(step: str, result) -> None:
     if step == "report":
         print(f"report: {result}")
-    elif step != "write":
+    elif step == "write":
+        if isinstance(result, dict) and result.get("tasks"):
+            print(f"write: tasks {json.dumps(result['tasks'])}")
+    else:
         print(f"{step}: {json.dumps(result, default=str)}")
         if isinstance(result, dict) and result.get("selection"):
             print(f"{step}: {result['selection']}")

@@ -210,6 +210,9 @@ class RebalanceConfig:
 class WriteConfig:
     shard_size: int = 1000
     """Images per output webdataset tar shard."""
+    shards: bool = True
+    """false: decisions.tsv and manifest.json only, no tar shards (a dry run; `curate simulate`, whose rows
+    have no pixels)."""
 
 
 @dataclass

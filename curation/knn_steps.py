@@ -20,10 +20,11 @@ from dinopipe.config import ConfigError
 from .config import DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig, knn_kwargs, task_plan
 from .dedup import DedupResult, copy_dedup_from_pairs, resolve_threshold
 from .embeddings import EmbeddingSet, embed_pool, open_embeddings
-from .hashdedup import HashDedupResult, hash_dedup
+from .hash_step import hash_step, pixel_verifier_of
+from .hashdedup import HashDedupResult
 from .index import Rows
 from .knn_shards import KnnJob, RowSource, merge_pairs, run_search
-from .verify import PartedVerifier, pixel_verifier
+from .verify import PartedVerifier
 
 EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
 
@@ -37,24 +38,12 @@ def _source(out_dir: str, name: str, emb_dir: str, positions: np.ndarray | None,
     return RowSource.save(emb_dir, positions, os.path.join(out_dir, "knn", f"{name}-{what}_rows.npy"))
 
 
-def hash_survivors(emb: EmbeddingSet, enabled: bool, max_distance: int,
-                   verify_with: tuple | None = None) -> HashDedupResult:
-    """The perceptual-hash pre-pass (deterministic): rerun identically by every step, so `curate
-    index`, the `curate search` tasks and `curate dedup` agree on the rows they index and search.
-
-    ``verify_with=(sources, size, threshold)``: pHash groups chain too, and smooth images share
-    hashes, so each hash duplicate must also verify on pixels against its group's kept image
-    (smallest id); one that does not stays in the pool and goes on to the kNN."""
-    if not enabled:
-        return HashDedupResult(np.arange(len(emb), dtype=np.int64), np.ones(len(emb), bool), 0)
-    h = hash_dedup(emb.hashes, emb.ids, max_distance=max_distance)
-    dup = np.flatnonzero(~h.keep)
-    if verify_with is not None and len(dup):
-        sources, size, threshold = verify_with
-        ok = pixel_verifier(sources, emb, None, size, threshold)(h.group[dup], dup)
-        h.keep[dup[~ok]] = True
-        h.group[dup[~ok]] = dup[~ok]
-    return h
+def hash_survivors(out_dir: str, emb: EmbeddingSet, enabled: bool, max_distance: int,
+                   verify_with: tuple | None = None, plan: dict | None = None) -> tuple[HashDedupResult, dict]:
+    """The perceptual-hash pre-pass, computed once as the plan's W tasks and saved in ``out_dir``
+    (curation.hash_step): `curate index`, the `curate search` tasks and `curate dedup` read the same
+    result, so they agree on the rows they index and search. -> (result, {"tasks": W, "reused": ...})."""
+    return hash_step(out_dir, emb, enabled, max_distance, verify_with, plan)
 
 
 def _digest(positions: np.ndarray) -> str:
@@ -80,11 +69,15 @@ def eval_params(ev: EmbeddingSet, knn: dict | None = None) -> dict:
 def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int, threshold: float,
                        index_kind: str = "auto", nprobe: int = 16, knn: dict | None = None,
                        progress: bool = False, verifier=None, grouping: str = "star",
-                       verify_tasks: int = 1, tasks: dict | None = None) -> DedupResult:
+                       verify_tasks: int | None = None, tasks: dict | None = None,
+                       verifier_factory=None) -> DedupResult:
     """Copy dedup of rows ``surv`` of ``emb``: reuse the saved index and finished chunks when their
-    parameters match, else build/search them here (``tasks``: W tasks of the index add and of the
-    search, curation.config.task_plan; default one, inline), then merge the candidate pairs
-    and verify + group them (curation.dedup.copy_dedup_from_pairs: depends only on the pair set)."""
+    parameters match, else build/search them here (``tasks``: W tasks of the index add, of the
+    search and of the verification, curation.config.task_plan; default one, inline), then merge the
+    candidate pairs and verify + group them (curation.dedup.copy_dedup_from_pairs: depends only on the
+    pair set). ``verifier_factory``: a picklable callable building the verifier inside each verification
+    task (W local processes); ``verifier``: one built here (the tasks then run in this process).
+    ``verify_tasks``: W of the verification (default: the plan's)."""
     n = len(surv)
     ids = emb.ids[surv]
     if n < 2:
@@ -100,11 +93,16 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     run_search(out_dir, "pool", "pairs", rows, None, use_gpu, tasks, (src, None))  # only chunks not on disk
     r = job.read(n)
     a, b, sim = merge_pairs(r["a"], r["b"], r["sim"])
-    if verifier is not None:  # verdicts saved in parts: a rerun after a crash verifies only what is missing
-        verifier = PartedVerifier(verifier, os.path.join(out_dir, "steps", "verify"), verify_tasks)
+    plan = tasks or {"tasks": 1, "launcher": "inline"}
+    vw = int(verify_tasks if verify_tasks is not None else plan["tasks"])
+    parted = None
+    if verifier is not None or verifier_factory is not None:  # verdicts in parts: a rerun verifies what is missing
+        parted = verifier = PartedVerifier(verifier, os.path.join(out_dir, "steps", "verify"), vw,
+                                           plan["launcher"] if verifier is None else "inline", verifier_factory)
     res = copy_dedup_from_pairs(n, ids, a, b, sim, threshold=threshold, verifier=verifier,
                                 grouping=grouping)
     res.nn_sim, res.nn_index, res.index_kind = r["nn_sim"], r["nn_idx"], job.meta()["kind"]
+    res.verify_tasks = vw if parted is not None else 0
     return res
 
 
@@ -140,11 +138,33 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
     return r["sim"], r["idx"]
 
 
-def _survivors(emb: EmbeddingSet, sources, dedup: DedupConfig, hash_dedup: HashDedupConfig) -> np.ndarray:
-    """The hash survivors, as `curate dedup` will find them (index, search and dedup must agree; hash
-    duplicates are verified on the pixels of ``sources`` too, unless dedup.verify is off)."""
+def _survivors(out_dir: str, emb: EmbeddingSet, sources, dedup: DedupConfig, hash_dedup: HashDedupConfig,
+               plan: dict | None = None) -> tuple[np.ndarray, dict]:
+    """(the hash survivors, the hash step's {"tasks", "reused"}): the saved hash dedup (curation.hash_step),
+    computed here as ``plan``'s W tasks when no step has yet (hash duplicates are verified on the pixels of
+    ``sources`` too, unless dedup.verify is off)."""
     verify_with = (sources, dedup.verify_size, dedup.verify_threshold) if dedup.verify else None
-    return np.flatnonzero(hash_survivors(emb, hash_dedup.enabled, hash_dedup.max_distance, verify_with).keep)
+    h, info = hash_survivors(out_dir, emb, hash_dedup.enabled, hash_dedup.max_distance, verify_with, plan)
+    return np.flatnonzero(h.keep), info
+
+
+def save_verify_rows(out_dir: str, surv: np.ndarray) -> str:
+    """``steps/verify_rows.npy``: the rows whose positions the verification pairs hold (memory-mapped by each
+    verification task)."""
+    path = os.path.join(out_dir, "steps", "verify_rows.npy")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp.npy"
+    np.save(tmp, np.asarray(surv, np.int64))
+    os.replace(tmp, path)
+    return path
+
+
+def verifier_factory(out_dir: str, sources, surv: np.ndarray, size: int, threshold: float):
+    """A picklable factory of the pixel verifier of pairs of positions into ``surv``."""
+    import functools
+
+    return functools.partial(pixel_verifier_of, sources, _desc_dir(out_dir), save_verify_rows(out_dir, surv),
+                             size, threshold)
 
 
 def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, knn_cfg: KnnConfig,
@@ -154,8 +174,9 @@ def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, kn
     (``tasks``: curation.config.TasksConfig, W add tasks into inverted-list files merged on disk)."""
     e, knn = embed or EmbedConfig(), knn_kwargs(knn_cfg)
     emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
-    surv = _survivors(emb, sources, dedup, hash_dedup)
-    out = {"rows": int(len(surv))}
+    plan = None if tasks is None else task_plan(tasks, len(emb))
+    surv, hinfo = _survivors(out_dir, emb, sources, dedup, hash_dedup, plan)
+    out = {"rows": int(len(surv)), "hash_tasks": hinfo["tasks"]}
     if len(surv) >= 2:
         job = KnnJob(out_dir, "pool")
         params = pool_params(surv, dedup.k, resolve_threshold(dedup.threshold, dedup.verify), dedup.index,
@@ -181,7 +202,7 @@ def step_search(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, k
     pool (copy pairs, and nearest eval images when ``curate index`` built an eval index)."""
     task_index, num_tasks, knn = knn_cfg.task_index, knn_cfg.num_tasks, knn_kwargs(knn_cfg)
     emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
-    surv = _survivors(emb, sources, dedup, hash_dedup)
+    surv, _ = _survivors(out_dir, emb, sources, dedup, hash_dedup)  # saved by `curate index`
     use_gpu = (knn or {}).get("use_gpu", "auto")
     out = {}
     pool_job, eval_job = KnnJob(out_dir, "pool"), KnnJob(out_dir, "eval")

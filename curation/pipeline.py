@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -37,12 +38,12 @@ from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig
 from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
 from .index import Rows
-from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval
+from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval, verifier_factory
 from .rebalance import rebalance as select
-from .verify import pixel_verifier
 from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, _p,  # noqa: F401
                         _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows)
 from .decisions import decisions_task, finish_decisions, selection_digest
+from .steps.runner import run_step as run_tasks
 from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
 
 def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
@@ -68,30 +69,43 @@ def _transform(embedder):
     return getattr(embedder, "transform", None)
 
 
+@dataclass
+class ChainInputs:
+    """What the steps after embedding take besides the config and the embeddings folder: the real pool's
+    (the defaults) or a simulation's (curation.simulate.chain: generated embeddings, planted truth)."""
+
+    verifier: Callable | None = None
+    """``make(out_dir, sources, survivors, size, threshold)`` -> a picklable verifier factory in place of the
+    pixel verifier (hash duplicates are then not verified again); None: pixels of ``input.paths``."""
+    eval_embedded: bool = False
+    """embeddings/eval/ is there already (generated): decontaminate reads it instead of embedding eval_paths."""
+
+
 def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashDedupConfig | None = None,
                knn: KnnConfig | None = None, sources=None, progress: bool = True,
-               tasks: TasksConfig | None = None) -> dict:
+               tasks: TasksConfig | None = None, make_verifier: Callable | None = None) -> dict:
     """Hash pre-dedup (unless ``hash_dedup.enabled`` is False), then copy dedup of the hash survivors:
     kNN candidates on the copy descriptors through the sharded kNN (curation.knn_steps: the saved
     index and the chunks of `curate search` array tasks are reused, whatever is missing is computed
     here), each verified on the pixels of ``sources`` (unless ``dedup.verify`` is False), grouped
     without chaining (``dedup.grouping='star'``). ``dedup.threshold``: the kNN cosine of candidates
-    (None: 0.45 with verification, DINOv2's 0.6 without). ``tasks``: W of the index add and the search
-    (curation.config.TasksConfig; decisions do not depend on it)."""
+    (None: 0.45 with verification, DINOv2's 0.6 without). ``tasks``: W of the hash dedup, the index add,
+    the search and the verification (curation.config.TasksConfig; decisions do not depend on it)."""
     dd, hc = dedup or DedupConfig(), hash_dedup or HashDedupConfig()
     threshold = resolve_threshold(dd.threshold, dd.verify)
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    if dd.verify and sources is None:
+    if dd.verify and sources is None and make_verifier is None:
         raise ValueError("copy verification reads the images again: pass the pool's sources "
                          "(or dedup.verify=False to trust the descriptor alone)")
-    verify_with = (sources, dd.verify_size, dd.verify_threshold) if dd.verify else None
-    h = hash_survivors(emb, hc.enabled, hc.max_distance, verify_with)
-    verifier = None
+    verify_with = (sources, dd.verify_size, dd.verify_threshold) if dd.verify and make_verifier is None else None
+    h, hinfo = hash_survivors(out_dir, emb, hc.enabled, hc.max_distance, verify_with,
+                              task_plan(tasks or TasksConfig(), len(emb)))
     surv = np.flatnonzero(h.keep)
-    if dd.verify:
-        verifier = pixel_verifier(sources, emb, surv, dd.verify_size, dd.verify_threshold)
+    plan = task_plan(tasks or TasksConfig(), len(surv))
+    factory = (make_verifier or verifier_factory)(out_dir, sources, surv, dd.verify_size, dd.verify_threshold) \
+        if dd.verify else None
     d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, _knn(knn), progress,
-                           verifier=verifier, grouping=dd.grouping, tasks=task_plan(tasks or TasksConfig(), len(surv)))
+                           grouping=dd.grouping, tasks=plan, verifier_factory=factory)
     component = h.group.copy()  # hash duplicates join their kept image's copy component
     component[surv] = surv[d.component]
     component = component[component]  # a hash group's kept image may itself be a copy
@@ -103,7 +117,8 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     _save_step(out_dir, "dedup", status=status, component=component, nn_sim=nn_sim)
     return {"hash_duplicates": h.n_duplicates, "copy_duplicates": d.n_duplicates,
             "index": d.index_kind, "candidates": d.n_candidates, "edges": d.n_edges,
-            "threshold": threshold, "verify_seconds": round(d.verify_seconds, 2)}
+            "threshold": threshold, "verify_seconds": round(d.verify_seconds, 2),
+            "tasks": {"hash": hinfo["tasks"], "knn": plan["tasks"], "verify": getattr(d, "verify_tasks", 0)}}
 
 
 def _knn(knn: KnnConfig | None) -> dict | None:
@@ -113,21 +128,24 @@ def _knn(knn: KnnConfig | None) -> dict | None:
 
 def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: DecontaminateConfig | None = None,
                        embed: EmbedConfig | None = None, knn: KnnConfig | None = None,
-                       progress: bool = True, tasks: TasksConfig | None = None) -> dict:
+                       progress: bool = True, tasks: TasksConfig | None = None, eval_embedded: bool = False) -> dict:
     """Drop the copy component of every pool image with cosine > ``decontaminate.threshold`` to an
-    eval image (eval images embedded with ``embed.batch_size`` / ``embed.num_workers``)."""
+    eval image (eval images embedded with ``embed.batch_size`` / ``embed.num_workers``; ``eval_embedded``:
+    read embeddings/eval/ as it is)."""
     threshold = (decontaminate or DecontaminateConfig()).threshold
     e = embed or EmbedConfig()
     dd = load_step(out_dir, "dedup")
     status, component = dd["status"], dd["component"]
     max_sim = np.full(len(status), np.nan, np.float32)
-    n_removed = 0
-    if eval_sources:
-        ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
+    n_removed, w = 0, 0
+    if eval_sources or eval_embedded:
+        ev = open_embeddings(_p(out_dir, "embeddings", "eval")) if eval_embedded else \
+            embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
         pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
         alive = np.flatnonzero(status != HASH_DUP)  # hash duplicates are gone already
-        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress,
-                                             task_plan(tasks or TasksConfig(), len(alive)))
+        plan = task_plan(tasks or TasksConfig(), len(alive))
+        w = plan["tasks"] if len(ev) and len(alive) else 0
+        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress, plan)
                         if len(ev) and len(alive)
                         else (np.full(len(alive), -np.inf), np.full(len(alive), -1, np.int64)))
         res = expand_to_components(sim, nearest, threshold, component[alive])
@@ -139,7 +157,7 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
         status[removed] = DECONTAM
         n_removed = len(removed)
     _save_step(out_dir, "decontaminate", status=status, eval_sim=max_sim)
-    return {"decontaminated": n_removed}
+    return {"decontaminated": n_removed, "tasks": {"eval_search": w}}
 
 
 def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, embed: EmbedConfig | None = None,
@@ -190,10 +208,10 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
         elif len(rows_idx):
             mode_kwargs["tree"], tree_tasks = fit_tree(_p(out_dir, "steps", "kmeans"), space_dir, rows_idx, record,
                                                        plan["tasks"], plan["launcher"])
-    seeds, seed_ids = None, np.zeros(0, object)
+    seeds = None
     if seed_sources:
         seed_set = embed_seeds(out_dir, seed_sources, embedder, embed, progress)
-        seeds, seed_ids = Rows(seed_set), np.asarray(seed_set.id_strings(np.arange(len(seed_set))), object)
+        seeds = Rows(seed_set)
         if mode == "sample" and len(seed_set) and len(rows_idx):
             from .knn_steps import sharded_retrieval
 
@@ -204,17 +222,19 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     status[alive[~res.selected]] = NOT_SELECTED
     n = len(status)
     cluster = np.full(n, -1, np.int64)
-    nearest_seed = np.full(n, "", dtype=object)
+    nearest_seed = np.full(n, -1, np.int64)  # row of embeddings/seeds (its id through the seeds' path table)
     seed_sim = np.full(n, np.nan, np.float32)
     cluster[alive] = res.cluster
     has_seed = res.nearest_seed >= 0
-    nearest_seed[alive[has_seed]] = seed_ids[res.nearest_seed[has_seed]]
+    nearest_seed[alive[has_seed]] = res.nearest_seed[has_seed]
     seed_sim[alive] = res.seed_sim
     _save_step(out_dir, "rebalance", status=status, cluster=cluster,
-               nearest_seed=nearest_seed.astype(str), seed_sim=seed_sim)
+               nearest_seed=nearest_seed, seed_sim=seed_sim)
     if tree_tasks:  # what each k-means task took (curation.steps.runner): its own heap, not the orchestrator's
         res.report["kmeans_tasks"] = [{"task": t["task"], "wall_s": t["wall_s"], "heap_bytes": t["peak_anon"] - t["start_anon"],
                                        **t["result"]} for t in tree_tasks]
+    res.report["tasks"] = {"kmeans": len(tree_tasks) or (plan["tasks"] if mode == "hierarchical" else 0),
+                           "sample": plan["tasks"] if mode == "hierarchical" else 0}
     res.report["selection"] = _selection_note(r, len(rows_idx), int(res.selected.sum()))
     write_json_atomic(_p(out_dir, "steps", "rebalance_report.json"), res.report)
     return res.report
@@ -231,25 +251,51 @@ def _selection_note(r: RebalanceConfig, n_pool: int, n_kept: int) -> str:
 
 
 def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: dict | None = None,
-               progress: bool = False, num_tasks: int = 1) -> dict:
+               progress: bool = False, num_tasks: int | None = None, tasks: TasksConfig | None = None,
+               launcher: str | None = None) -> dict:
     """Write kept images as webdataset shards (``write.shard_size`` images each) and the decisions
-    parts, each as ``num_tasks`` tasks (here one after another), then manifest.json and decisions.tsv."""
+    parts, each as W tasks of the step runner (``num_tasks``, else ``tasks``' plan: inline, or W local
+    processes), then manifest.json and decisions.tsv. The manifest records W (``tasks.write``)."""
     shard_size = (write or WriteConfig()).shard_size
-    for t in range(num_tasks):
-        write_task(out_dir, sources, shard_size, t, num_tasks, progress)
-    shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
+    kept, n_kept, _, _ = _selection(out_dir, shard_size)
+    plan = task_plan(tasks or TasksConfig(), n_kept)
+    w = int(num_tasks if num_tasks is not None else plan["tasks"])
+    inline = (launcher or plan["launcher"]) == "inline" or w == 1
+    del kept
+    if (write or WriteConfig()).shards:
+        run_tasks(_write_shards_task, w, "local", processes=0 if inline else None, out_dir=out_dir,
+                  sources=sources, shard_size=shard_size, progress=progress)
+        shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
+    else:  # decisions only (write.shards=false)
+        shards = {"shards": [], "failed": []}
     emb, status, component, _, _ = _write_inputs(out_dir)
     failed = np.sort(emb.ids[emb.positions_of([f[0] for f in shards["failed"]])]) if shards["failed"] else \
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
     digest = selection_digest(emb, status, component, failed)
-    for t in range(num_tasks):
-        decisions_task(out_dir, emb, status, component, failed, t, num_tasks, digest)
-    per_source, reasons = finish_decisions(out_dir, num_tasks)
+    del status, component
+    run_tasks(_decisions_part_task, w, "local", processes=0 if inline else None, out_dir=out_dir, failed=failed,
+             digest=digest)
+    per_source, reasons = finish_decisions(out_dir, w)
     manifest = manifest_from_counts(per_source, reasons, {
-        "shards": [os.path.relpath(s, out_dir) for s in shards["shards"]], "decisions_parts": num_tasks,
-        **(extra or {})})
+        "shards": [os.path.relpath(s, out_dir) for s in shards["shards"]], "decisions_parts": w,
+        "tasks": {"write": w}, **(extra or {})})
     write_json_atomic(_p(out_dir, "manifest.json"), manifest)
     return manifest
+
+
+def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, progress: bool = False) -> dict:
+    """Runner task ``t`` of ``w`` of the shard writing (:func:`write_task`)."""
+    return write_task(out_dir, sources, shard_size, t, w, progress)
+
+
+def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, digest: str) -> dict:
+    """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv (reads only the
+    two step arrays it needs: 9 B per row, not every array of the steps)."""
+    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+    with np.load(_p(out_dir, "steps", "rebalance.npz")) as rb, np.load(_p(out_dir, "steps", "dedup.npz")) as dd:
+        status, component = rb["status"], dd["component"]
+    out = decisions_task(out_dir, emb, status, component, failed, t, w, digest)
+    return {"inputs": out["inputs"]}
 
 
 def _write_inputs(out_dir: str):
@@ -274,13 +320,18 @@ def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_
     src = as_multi(sources)
     emb, status, component, rb, dd = _write_inputs(out_dir)
     kept, n, _, digest = _selection(out_dir, shard_size)
+    seed_dir = _p(out_dir, "embeddings", "seeds")
+    seeds = open_embeddings(seed_dir) if os.path.isdir(seed_dir) and (rb["nearest_seed"] >= 0).any() else None
+
+    def seed_name(k: int) -> str | None:
+        return None if k < 0 or seeds is None else seeds.id_strings(np.array([k]))[0]
 
     def items_of(start: int, stop: int):
         rows = kept[start:stop]
         names, groups = emb.id_strings(rows), emb.id_strings(component[rows])
         for k, (i, name, group) in enumerate(zip(rows, names, groups)):
             meta = {"id": name, "source": emb.source_names[emb.source_codes[i]], "component": group,
-                    "cluster": int(rb["cluster"][i]), "nearest_seed": str(rb["nearest_seed"][i]) or None,
+                    "cluster": int(rb["cluster"][i]), "nearest_seed": seed_name(int(rb["nearest_seed"][i])),
                     "seed_similarity": _num(rb["seed_sim"][i]), "nn_similarity": _num(dd["nn_sim"][i])}
             yield f"{start + k:09d}", name, (lambda i=i: _read_row(src, emb, i)), meta
 
@@ -319,7 +370,7 @@ class StepError(RuntimeError):
 
 
 def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command: str = "run",
-              echo: Callable[[str, object], None] | None = None) -> dict:
+              echo: Callable[[str, object], None] | None = None, inputs: ChainInputs | None = None) -> dict:
     """Run ``steps`` in order with their settings from ``cfg`` (validated); returns each step's result.
 
     Writes the resolved config into ``output.dir`` first. ``embedder``: the built ``embed.model`` (see
@@ -330,7 +381,7 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     results = {}
     for step in steps:
         try:
-            result = run_step(step, cfg, embedder)
+            result = run_step(step, cfg, embedder, inputs)
         except (FileNotFoundError, ConfigError) as exc:  # not RuntimeError / ValueError: faiss, torch, ours
             raise StepError(step, exc) from exc
         if step == "embed" and embedder is not None:
@@ -377,22 +428,25 @@ def build_embedder_for(cfg: CurationConfig):
     return build_embedder(e.model, e.image_size, e.device, e.precision)
 
 
-def run_step(step: str, cfg: CurationConfig, embedder=None):
-    """One step with its config sections from ``cfg``; returns the step's summary dict (or a path)."""
+def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs | None = None):
+    """One step with its config sections from ``cfg``; returns the step's summary dict (or a path).
+    ``inputs``: a simulation's generated inputs (:class:`ChainInputs`; None: the real pool's)."""
     out, e, prog, dd, knn = cfg.output.dir, cfg.embed, cfg.progress, cfg.dedup, cfg.knn
+    inputs = inputs or ChainInputs()
     if step in SHARDED:
         return _run_sharded(step, cfg, embedder)
     if step == "embed":
         return step_embed(cfg.input.paths, out, e, cfg.descriptor, dd, embedder, prog)
     if step == "dedup":
-        return step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks)
+        return step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks, inputs.verifier)
     if step == "decontaminate":
-        return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks)
+        return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks,
+                                  inputs.eval_embedded)
     if step == "rebalance":
         return step_rebalance(out, cfg.rebalance, cfg.input.seed_paths or None, embedder, e, knn, prog,
                               kmeans_dir=kmeans_dir(cfg), tasks=cfg.tasks)
     if step == "write":
-        return step_write(cfg.input.paths, out, cfg.write, progress=prog, extra={
+        return step_write(cfg.input.paths, out, cfg.write, progress=prog, tasks=cfg.tasks, extra={
             "params": _params(cfg), "steps": _load_summaries(out)})
     if step == "report":
         from .report import make_report

@@ -320,50 +320,126 @@ def pixel_verifier(sources, emb, rows: np.ndarray | None = None, size: int = 128
 
 
 class PartedVerifier:
-    """``verifier(a, b)`` run as ``num_tasks`` tasks, each owning the pairs whose first image falls in its
-    contiguous range of positions (pairs come sorted by it, so an image's pairs and its decode stay in one
-    task). Each task writes ``<parts_dir>/part-TTTTT-of-WWWWW.npz`` (its verdicts and a digest of its pairs; ``callC-`` per call)
-    atomically; a rerun, or a killed task's rerun, skips parts already written for the same pairs.
-    Here the tasks run one after another (:meth:`task` is the unit an array task or a rank would run)."""
+    """``verifier(a, b)`` run as ``num_tasks`` tasks of the step runner, each owning the pairs whose first image
+    falls in its range of positions (curation.steps.runner.owned_pairs: the pairs split evenly at image
+    boundaries, so an image's pairs and its decode stay in one task: the verifier's feature cache decodes it
+    once). Each task writes ``<parts_dir>/callC-part-TTTTT-of-WWWWW.npz`` (its verdicts and a digest of its
+    pairs; ``callC-`` per call) atomically; a rerun, or a killed task's rerun, skips parts already written
+    for the same pairs.
 
-    def __init__(self, verifier: Callable, parts_dir: str, num_tasks: int = 1):
-        self.verifier, self.parts_dir, self.num_tasks = verifier, parts_dir, num_tasks
+    ``launcher='inline'`` (or one task): the tasks one after another in this process, with ``verifier`` (or
+    one ``factory()``); ``'local'``: W fresh processes, each building its verifier with ``factory`` (a
+    picklable callable, e.g. a functools.partial of :func:`curation.hash_step.pixel_verifier_of`), reading
+    the call's pairs from ``<parts_dir>/callC-pairs.npz``."""
+
+    def __init__(self, verifier: Callable | None, parts_dir: str, num_tasks: int = 1, launcher: str = "inline",
+                 factory: Callable | None = None):
+        if verifier is None and factory is None:
+            raise ValueError("PartedVerifier needs a verifier or a factory")
+        self.verifier, self.factory, self.parts_dir = verifier, factory, parts_dir
+        self.num_tasks, self.launcher = max(1, int(num_tasks)), launcher
         self.computed = 0
         self.calls = 0  # copy_dedup_from_pairs verifies twice (candidates, then lone images): parts per call
+        self.reports: list[dict] = []
 
     def _part(self, a: np.ndarray, task_index: int) -> np.ndarray:
-        """Pair indices of task ``task_index``: first images in its share of [min(a), max(a)]."""
-        if not len(a):
-            return np.zeros(0, np.int64)
-        lo, hi = int(a.min()), int(a.max()) + 1
-        edges = lo + (hi - lo) * np.arange(self.num_tasks + 1) // self.num_tasks
-        return np.flatnonzero((a >= edges[task_index]) & (a < edges[task_index + 1]))
+        from .steps.runner import owned_pairs
+
+        return owned_pairs(a, task_index, self.num_tasks)
 
     def task(self, a: np.ndarray, b: np.ndarray, task_index: int, call: int = 0) -> np.ndarray:
-        import hashlib
-        import os
-
-        from dinopipe.utils.io import atomic_path
-
-        sel = self._part(a, task_index)
-        digest = hashlib.sha1(np.ascontiguousarray(a[sel]).tobytes() + np.ascontiguousarray(b[sel]).tobytes()
-                              ).hexdigest()[:16]
-        path = os.path.join(self.parts_dir, f"call{call}-part-{task_index:05d}-of-{self.num_tasks:05d}.npz")
-        if os.path.exists(path):
-            with np.load(path, allow_pickle=False) as z:
-                if str(z["digest"]) == digest:
-                    return z["ok"]
-        ok = np.asarray(self.verifier(a[sel], b[sel]), bool) if len(sel) else np.zeros(0, bool)
-        os.makedirs(self.parts_dir, exist_ok=True)
-        with atomic_path(path, suffix=".npz") as tmp:
-            np.savez(tmp, ok=ok, digest=np.array(digest))
-        self.computed += 1
+        ok, computed = _verify_part(self._verifier, a, b, task_index, self.num_tasks, self.parts_dir, call)
+        self.computed += computed
         return ok
+
+    def _verifier(self):
+        if self.verifier is None:
+            self.verifier = self.factory()
+        return self.verifier
 
     def __call__(self, a, b) -> np.ndarray:
         a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
         out = np.zeros(len(a), bool)
+        call, self.calls = self.calls, self.calls + 1
+        if self.num_tasks > 1 and self.launcher != "inline" and self.factory is not None:
+            import os
+
+            from dinopipe.utils.io import atomic_path
+
+            from .steps.runner import run_step
+
+            os.makedirs(self.parts_dir, exist_ok=True)
+            pairs = os.path.join(self.parts_dir, f"call{call}-pairs.npz")
+            with atomic_path(pairs, suffix=".npz") as tmp:
+                np.savez(tmp, a=a, b=b)
+            got = run_step(verify_pairs_task, self.num_tasks, "local", pairs=pairs, parts_dir=self.parts_dir,
+                           call=call, factory=self.factory)
+            self.reports += got
+            for t, g in enumerate(got):
+                out[self._part(a, t)] = _read_ok(self.parts_dir, call, t, self.num_tasks)
+                self.computed += g["result"]["computed"]
+            os.remove(pairs)
+            return out
+        if self.factory is not None and self.verifier is None:  # the tasks inline, each its own verifier
+            from .steps.runner import run_step
+
+            for t, g in enumerate(run_step(verify_arrays_task, self.num_tasks, "local", processes=0, a=a, b=b,
+                                           parts_dir=self.parts_dir, call=call, factory=self.factory)):
+                out[self._part(a, t)] = _read_ok(self.parts_dir, call, t, self.num_tasks)
+                self.computed += g["result"]["computed"]
+            return out
         for t in range(self.num_tasks):
-            out[self._part(a, t)] = self.task(a, b, t, self.calls)
-        self.calls += 1
+            out[self._part(a, t)] = self.task(a, b, t, call)
         return out
+
+
+def _part_file(parts_dir: str, call: int, task_index: int, num_tasks: int) -> str:
+    import os
+
+    return os.path.join(parts_dir, f"call{call}-part-{task_index:05d}-of-{num_tasks:05d}.npz")
+
+
+def _read_ok(parts_dir: str, call: int, task_index: int, num_tasks: int) -> np.ndarray:
+    with np.load(_part_file(parts_dir, call, task_index, num_tasks), allow_pickle=False) as z:
+        return z["ok"]
+
+
+def _verify_part(get_verifier: Callable, a: np.ndarray, b: np.ndarray, task_index: int, num_tasks: int,
+                 parts_dir: str, call: int) -> tuple[np.ndarray, int]:
+    """(verdicts of task ``task_index``'s pairs, 1 if computed here / 0 if read back from its part)."""
+    import hashlib
+    import os
+
+    from dinopipe.utils.io import atomic_path
+
+    from .steps.runner import owned_pairs
+
+    sel = owned_pairs(a, task_index, num_tasks)
+    digest = hashlib.sha1(np.ascontiguousarray(a[sel]).tobytes() + np.ascontiguousarray(b[sel]).tobytes()
+                          ).hexdigest()[:16]
+    path = _part_file(parts_dir, call, task_index, num_tasks)
+    if os.path.exists(path):
+        with np.load(path, allow_pickle=False) as z:
+            if str(z["digest"]) == digest:
+                return z["ok"], 0
+    ok = np.asarray(get_verifier()(a[sel], b[sel]), bool) if len(sel) else np.zeros(0, bool)
+    os.makedirs(parts_dir, exist_ok=True)
+    with atomic_path(path, suffix=".npz") as tmp:
+        np.savez(tmp, ok=ok, digest=np.array(digest))
+    return ok, 1
+
+
+def verify_arrays_task(t: int, w: int, a: np.ndarray, b: np.ndarray, parts_dir: str, call: int,
+                       factory: Callable) -> dict:
+    """Inline runner task ``t`` of ``w`` of one verification call (the pairs passed as arrays)."""
+    ok, computed = _verify_part(factory, a, b, t, w, parts_dir, call)
+    return {"pairs": int(len(ok)), "computed": computed}
+
+
+def verify_pairs_task(t: int, w: int, pairs: str, parts_dir: str, call: int, factory: Callable) -> dict:
+    """Runner task ``t`` of ``w`` of one verification call: its pairs of ``pairs`` (.npz: a, b), verified by
+    ``factory()``'s verifier (built here: one feature cache per task), written as its part."""
+    with np.load(pairs, allow_pickle=False) as z:
+        a, b = z["a"], z["b"]
+    ok, computed = _verify_part(factory, a, b, t, w, parts_dir, call)
+    return {"pairs": int(len(ok)), "computed": computed}

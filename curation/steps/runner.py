@@ -21,6 +21,7 @@ the one a single process would read: the same BLAS shapes, the same answer whate
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import resource
@@ -55,6 +56,18 @@ def task_blocks(n: int, task_index: int, num_tasks: int, block: int | None = Non
     block = block or BLOCK
     lo, hi = task_rows(n, task_index, num_tasks, block)
     return [(s, min(s + block, hi)) for s in range(lo, hi, block)]
+
+
+def owned_pairs(first: np.ndarray, t: int, w: int) -> np.ndarray:
+    """Indices of the pairs task ``t`` of ``w`` owns: the pairs whose first image is in its value range;
+    the ranges split the pairs evenly at image boundaries (an image's pairs are all in one task)."""
+    first = np.asarray(first, np.int64)
+    if not len(first):
+        return np.zeros(0, np.int64)
+    s = np.sort(first)
+    edges = [s[len(s) * i // w] for i in range(w)] + [s[-1] + 1]
+    lo, hi = edges[t], edges[t + 1]
+    return np.flatnonzero((first >= lo) & (first < hi)) if lo < hi else np.zeros(0, np.int64)
 
 
 def part_path(folder: str, name: str, task_index: int, num_tasks: int) -> str:
@@ -202,8 +215,35 @@ def env_task(launcher: str) -> tuple[int, int]:
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
+_RECORD: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """While open, every :func:`run_step` of this process appends ``{"fn", "tasks", "inline", "reports"}`` to
+    the yielded list (`curate simulate` and the growth bench: per step, how many tasks ran and each one's
+    peak memory)."""
+    global _RECORD
+    old, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = old
+
+
 def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: int | None = None,
              **kw) -> list[dict]:
+    """Run ``fn`` as ``num_tasks`` tasks; per task: wall time, peak memory and ``fn``'s result
+    (recorded by :func:`recording`)."""
+    res = _run_step(fn, num_tasks, launcher, processes, **kw)
+    if _RECORD is not None:
+        _RECORD.append({"fn": getattr(fn, "__name__", str(fn)), "tasks": num_tasks,
+                        "inline": launcher == "local" and processes == 0, "reports": res})
+    return res
+
+
+def _run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: int | None = None,
+              **kw) -> list[dict]:
     """Run ``fn`` as ``num_tasks`` tasks; per task: wall time, peak memory and ``fn``'s result.
 
     local: all tasks, ``processes`` at a time (default ``num_tasks``), each in a fresh process;

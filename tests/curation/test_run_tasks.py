@@ -69,6 +69,15 @@ def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch):
     for f in sorted(os.listdir(one / "steps" / "kmeans")):
         if f.endswith(".npy"):
             np.testing.assert_array_equal(np.load(one / "steps" / "kmeans" / f), np.load(three / "steps" / "kmeans" / f))
+    # hash dedup, verification and shard writing ran as 3 tasks too (issue 30), each saying so
+    assert sorted(os.listdir(three / "steps" / "hash" / "parts")) == [f"pairs-{t:05d}-of-00003.npz" for t in range(3)]
+    assert {f.rsplit("-of-", 1)[1] for f in os.listdir(three / "steps" / "verify") if "-part-" in f} == {"00003.npz"}
+    dedup = json.loads((three / "steps" / "dedup.json").read_text())
+    assert dedup["tasks"] == {"hash": 3, "knn": 3, "verify": 3}
+    m1, m3 = (json.loads((o / "manifest.json").read_text()) for o in (one, three))
+    assert (m1["tasks"], m3["tasks"]) == ({"write": 1}, {"write": 3}) and m1["shards"] == m3["shards"]
+    for name in m1["shards"]:
+        assert (one / name).read_bytes() == (three / name).read_bytes()
     d1, d3 = (one / "decisions.tsv").read_text(), (three / "decisions.tsv").read_text()
     assert d1 == d3
     statuses = [line.split("\t")[2] for line in d1.splitlines()[1:]]

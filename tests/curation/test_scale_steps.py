@@ -65,61 +65,83 @@ def test_lloyd_sums_reduced_in_chunks_give_the_same_centroids():
     assert whole.history == chunked.history
 
 
-def test_simulate_w1_and_w3_identical_with_planted_recall(tmp_path, small_blocks):
+def test_simulate_runs_the_chain_of_curate_run_w1_and_w3_identical_with_planted_recall(tmp_path, small_blocks):
+    """`curate simulate` is `curate run`'s chain after embedding (the same step list, the same task functions),
+    on generated inputs; W=1 and W=3 write the same decisions.tsv and find what was planted."""
+    from curation.config import CurationConfig
+    from curation.pipeline import steps_of
+
     one = simulate(str(tmp_path / "w1"), 6000, 32, tasks=1, **SMALL)
     three = simulate(str(tmp_path / "w3"), 6000, 32, tasks=3, **SMALL)
+    cfg = CurationConfig()
+    cfg.report.enabled = False
+    assert one["chain"] == [s for s in steps_of("run", cfg) if s != "embed"]
+    assert list(three["steps"]) == ["generate", *three["chain"]]
+    ran = {r["fn"]: r["tasks"] for step in three["steps"].values() for r in step["runs"]}
+    # the hash dedup, kNN search, verification, sampling and decisions tasks of `curate run`, each as W=3
+    for fn in ("pairs_task", "search_task", "verify_arrays_task", "hist_task", "select_task", "_decisions_part_task"):
+        assert ran.get(fn) == 3, (fn, ran)
     assert one["decisions_sha256"] == three["decisions_sha256"]
     assert one["counts"] == three["counts"]
     for res in (one, three):
         assert min(res["recall"].values()) >= 0.98, res["recall"]
         c = res["counts"]
-        assert sum(c.values()) == 6000
+        assert c["input"] == 6000
         assert c["hash_duplicates"] >= 55 and c["copy_duplicates"] >= 50 and c["decontaminated"] >= 38
         assert 0 < c["not_selected"] and 0 < c["kept"]
-        assert set(res["steps"]) >= {"hash_pairs", "index_add", "index_merge", "search", "group",
-                                     "decontaminate", "kmeans_assign", "sample"}
 
 
 def test_killed_task_is_rerun_and_finished_parts_skipped(tmp_path, small_blocks):
     work = tmp_path / "w"
     first = simulate(str(work), 5000, 32, tasks=3, **SMALL)
-    parts = work / "parts"
-    lost = parts / "search-00001-of-00003.npz"
-    lost.unlink()  # task 1 of the search was killed before its part was written ...
-    (parts / "search-00001-of-00003.npz.tmp-999.npz").write_bytes(b"torn")  # ... leaving a torn temp file
-    for p in ["component.npy", "roots.npy", "sample_byte.npy", "sample_thr.npy"]:
-        (work / p).unlink()  # and everything after it has to be redone
-    for p in parts.glob("*"):
-        if p.name.split("-")[0] in ("decontam", "hist", "boundary", "decisions"):
-            p.unlink()
-    kept = {p: p.stat().st_mtime_ns for p in parts.glob("search-*-of-00003.npz")}
+    hparts = work / "steps" / "hash" / "parts"
+    lost = hparts / "pairs-00001-of-00003.npz"
+    lost.unlink()  # task 1 of the hash pairs was killed before its part was written ...
+    (hparts / "pairs-00001-of-00003.npz.tmp-999.npz").write_bytes(b"torn")  # ... leaving a torn temp file
+    (work / "steps" / "hash" / "result.npz").unlink()  # and everything after it has to be redone
+    for p in (work / "decisions").glob("part-00002-*"):
+        p.unlink()
+    kept = {p: p.stat().st_mtime_ns for p in hparts.glob("pairs-*-of-00003.npz")}
+    kept.update({p: p.stat().st_mtime_ns for p in (work / "decisions").glob("part-0000[01]-*")})
     again = simulate(str(work), 5000, 32, tasks=3, **SMALL)
-    assert lost.exists()
+    assert lost.exists() and (work / "decisions" / "part-00002-of-00003.tsv").exists()
     assert {p: p.stat().st_mtime_ns for p in kept} == kept  # finished tasks were not run again
     assert again["decisions_sha256"] == first["decisions_sha256"]
+    assert not (ROOT / "curation" / "simulate" / "tasks.py").exists()  # no second implementation of the steps
 
 
 MEASURE = r"""
-import json, sys
+import glob, json, os, shutil, sys
 import numpy as np
-from curation.simulate import generate as gen
-from curation.simulate import tasks as T
-from curation.steps.runner import run_step
+from curation.hash_step import pairs_task
+from curation.knn_shards import search_task
+from curation.knn_steps import _source
+from curation.pipeline import _decisions_part_task
+from curation.simulate.run import simulate
+from curation.steps import runner
 work, n, w = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-gen.create_arrays(work, n, 32)
-run_step(gen.generate_task, w, processes=1, folder=work, n=n, dim=32, n_clusters=20, seed=0, copy_rate=0.01,
-         hash_rate=0.01, max_distance=4)
+simulate(work, n, 32, tasks=w, n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=512, processes=0,
+         chunk_size=n // w)  # the same rows per search task at N, W=1 and 4N, W=4
+
+
+def heap(res):  # what a task itself allocated, in its own fresh process (peak minus start)
+    return max(r["peak_anon"] - r["start_anon"] for r in res)
+
+
 out = {}
-for name, fn, kw in (("hash_pairs", T.hash_pairs, dict(max_distance=4)),
-                     ("index_train", T.index_train, dict(nlist=512, train_size=16384)),
-                     ("index_add", T.index_add, {}),
-                     ("index_merge", T.index_merge, dict(parts_of=w)),
-                     ("search", T.search, dict(k=4, threshold=0.9, nprobe=4))):
-    tasks = 1 if name in ("index_train", "index_merge") else w
-    res = run_step(fn, tasks, processes=1, folder=work, **kw)
-    out[name] = max(r["peak_anon"] - r["start_anon"] for r in res)  # what the task itself allocated
-    if all(r["hwm_reset"] for r in res):  # the kernel's exact high-water mark since the task started
-        out[name + "_hwm"] = max(r["peak_rss"] - r["start_rss"] for r in res)
+h = os.path.join(work, "steps", "hash")
+shutil.rmtree(os.path.join(h, "parts"))  # the step's tasks again, each in a fresh process
+out["hash_pairs"] = heap(runner.run_step(pairs_task, w, processes=1, folder=h, max_distance=4))
+with open(sorted(glob.glob(os.path.join(work, "decisions", "part-*.json")))[0]) as f:
+    digest = json.load(f)["digest"]
+shutil.rmtree(os.path.join(work, "decisions"))
+out["decisions"] = heap(runner.run_step(_decisions_part_task, w, processes=1, out_dir=work,
+                                        failed=np.zeros(0, np.int64), digest=digest))
+shutil.rmtree(os.path.join(work, "knn", "pool", "chunks"))
+desc = os.path.join(work, "embeddings", "descriptor")
+surv = np.load(os.path.join(work, "knn", "pool-pool_rows.npy"))
+out["search"] = heap(runner.run_step(search_task, w, processes=1, out_dir=work, name="pool", mode="pairs",
+                                     queries=_source(work, "pool", desc, surv, "pool")))
 print(json.dumps(out))
 """
 
@@ -137,13 +159,8 @@ def test_per_task_memory_follows_rows_per_task_not_n(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[n] = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
     small, big = got[32768], got[131072]
-    for step in ("hash_pairs", "search"):
+    for step in ("hash_pairs", "decisions", "search"):
         assert big[step] <= 1.5 * small[step] + 2**21, (step, small[step], big[step])
-    # index add: its sampled RssAnon peak is noisy (faiss's transient 4096 x nlist fp32 distance tile in the
-    # coarse assignment, ~8 MB at nlist 512, is caught in some samples only); the exact VmHWM since the task
-    # started is not: measured 17.2-17.4 MB per task at N = 32k, W = 1 and at 4N, W = 4 (3 repeats each)
-    if "index_add_hwm" in small:  # Linux >= 4.0 (clear_refs)
-        assert big["index_add_hwm"] <= 1.1 * small["index_add_hwm"] + 2**20, (small, big)
 
 
 def test_plan_covers_every_step_and_marks_assumptions():

@@ -13,6 +13,7 @@ import numpy as np
 from tests._photos import encode, make_copy
 
 from curation.cli import main
+from curation.embeddings import open_embeddings
 from curation.index import Rows
 from curation.knn_shards import exact_cosine
 from curation.rebalance import rebalance
@@ -63,7 +64,8 @@ def test_one_and_three_search_tasks_retrieve_the_same_selection(pool_dir, photos
         # 6 seeds x k=3 retrieve at most 18 images; each seed's own photo comes back, nearest to it
         assert 6 <= kept.sum() <= 18 and (r1["status"] == 4).sum() > 10
         assert (r1["seed_sim"][kept] > 0.99).sum() >= 6 and np.isnan(r1["seed_sim"][~kept]).all()
-        stems = [s.rsplit("/", 1)[-1] for s in r1["nearest_seed"][kept]]
+        seeds = open_embeddings(str(one / "embeddings" / "seeds"))  # nearest_seed: int64 rows of the seeds
+        stems = [s.rsplit("/", 1)[-1] for s in seeds.id_strings(r1["nearest_seed"][kept])]
         assert len(set(stems)) == 6
     # a stale retrieval index (other rows) does not block a later pool search; it is reported
     meta_path = three / "knn" / "retrieval" / "meta.json"

@@ -1,0 +1,122 @@
+"""`curate simulate` on the chain `curate run` ships: generated inputs, then the steps of ``curate run`` after
+embedding (curation.pipeline.run_steps: hash dedup, kNN, verification, grouping, decontamination, k-means,
+sampling, decisions), nothing implemented twice.
+
+What differs is only the input:
+
+* ``embeddings/descriptor/``: the generated pool (curation.simulate.generate.gen_block, a function of the block
+  alone, so the same pool for any W), written as one embedding shard per block with its perceptual hashes,
+  by W runner tasks;
+* ``embeddings/eval/``: eval rows, ``overlap`` of them near-copies of pool rows (the planted contamination);
+* ``truth/``: the planted (source, copy) pairs, hash near-duplicates and eval overlap;
+* the verifier: :func:`planted_verifier` (a pair is a copy iff it was planted) stands in for pixels;
+* ``write.shards=false``: the rows have no pixels, so the write step writes the decisions and manifest only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from ..embeddings import _mark_task_done, open_embeddings, save_shard
+from ..steps.runner import BLOCK, part_done, part_path, parts, read_part, task_blocks, write_part
+from . import generate as gen
+
+SOURCE = "sim"
+
+
+def _desc(work: str) -> str:
+    return os.path.join(work, "embeddings", "descriptor")
+
+
+def _name(i: int) -> str:
+    return f"{SOURCE}/{i:010d}.jpg"  # zero-padded: the canonical (sorted id) order is the generation order
+
+
+def _meta(lo: int, hi: int, hashes: np.ndarray | None) -> dict:
+    ids = [_name(i) for i in range(lo, hi)]
+    return {"ids": ids, "sources": [SOURCE] * (hi - lo),
+            "hashes": [f"{int(h):016x}" for h in hashes] if hashes is not None else ["0" * 16] * (hi - lo),
+            "locs": [f"/simulated/{i}" for i in ids], "unreadable": [], "n_listed": hi - lo}
+
+
+def pool_task(t: int, w: int, work: str, n: int, dim: int, n_clusters: int, seed: int, copy_rate: float,
+              hash_rate: float, max_distance: int, block: int) -> dict:
+    """Runner task ``t`` of ``w``: its blocks of the pool, one embedding shard (and its 'embedding task'
+    mark: one per block, whatever W) and one truth part per block."""
+    cent, weights = gen.centres(n_clusters, dim, seed)
+    nblocks = -(-n // block)
+    done = 0
+    for lo, hi in task_blocks(n, t, w, block):
+        b = lo // block
+        truth = part_path(os.path.join(work, "truth"), "block", b, nblocks)
+        if part_done(truth):
+            continue
+        x, h, (s, d), (a, c), _ = gen.gen_block(lo, hi, cent, weights, dim, seed, copy_rate, hash_rate, max_distance)
+        save_shard(_desc(work), f"part-{b:05d}-00000", x, _meta(lo, hi, h))
+        _mark_task_done(_desc(work), b, nblocks, {"images": hi - lo})
+        write_part(truth, copy_src=gen.cat([s]), copy_dst=gen.cat([d]), hash_src=gen.cat([a]), hash_dst=gen.cat([c]))
+        done += 1
+    return {"blocks_written": done}
+
+
+def write_eval(work: str, n: int, dim: int, n_clusters: int, n_eval: int, overlap: int, seed: int) -> None:
+    """``embeddings/eval/``: ``overlap`` near-copies of random pool rows (their rows: truth/overlap.npy), the
+    rest fresh points of the clusters."""
+    ev_dir = os.path.join(work, "embeddings", "eval")
+    if os.path.exists(os.path.join(ev_dir, "task-00000-of-00001.json")):
+        return
+    rng = np.random.default_rng([seed, 2])
+    rows = np.sort(rng.choice(n, size=min(overlap, n), replace=False))
+    pool = open_embeddings(_desc(work))
+    x = pool.rows(rows) + rng.standard_normal((len(rows), dim)).astype(np.float32) * np.float32(
+        np.sqrt(gen.COPY_NOISE / dim))
+    cent, w = gen.centres(n_clusters, dim, seed)
+    m = n_eval - len(rows)
+    fresh = cent[rng.choice(len(cent), size=m, p=w)] + rng.standard_normal((m, dim)).astype(
+        np.float32) * np.float32(np.sqrt(gen.SPREAD / dim))
+    ev = gen._normalise(np.concatenate([x, fresh])).astype(np.float16)
+    np.save(os.path.join(work, "truth", "overlap.npy"), rows.astype(np.int64))
+    meta = _meta(0, len(ev), None)
+    meta["ids"] = [f"eval/{i:08d}.jpg" for i in range(len(ev))]
+    meta["sources"], meta["locs"] = ["eval"] * len(ev), [f"/simulated/eval/{i}" for i in range(len(ev))]
+    save_shard(ev_dir, "part-00000-00000", ev, meta)
+    _mark_task_done(ev_dir, 0, 1, {"images": len(ev)})
+
+
+def truth(work: str, n: int, block: int = 0) -> dict:
+    """The planted pairs (pool positions = generation rows), gathered from the truth parts."""
+    block = block or BLOCK
+    got = [read_part(p) for p in parts(os.path.join(work, "truth"), "block", -(-n // block))]
+    out = {k: np.concatenate([g[k] for g in got]) for k in got[0]}
+    out["overlap"] = np.load(os.path.join(work, "truth", "overlap.npy"))
+    return out
+
+
+def planted_verifier_of(work: str, rows_path: str, n: int, block: int):
+    """The verifier factory's body (picklable through functools.partial): ``verify(a, b)`` over positions into
+    ``rows_path`` (the hash survivors): True iff the two rows are a planted (source, copy) pair."""
+    rows = np.load(rows_path, mmap_mode="r")
+    tr = truth(work, n, block)
+    key = np.sort(np.minimum(tr["copy_src"], tr["copy_dst"]) * n + np.maximum(tr["copy_src"], tr["copy_dst"]))
+
+    def verify(a, b):
+        pa, pb = np.asarray(rows[np.asarray(a, np.int64)]), np.asarray(rows[np.asarray(b, np.int64)])
+        k = np.minimum(pa, pb) * n + np.maximum(pa, pb)
+        i = np.minimum(np.searchsorted(key, k), max(len(key) - 1, 0))
+        return (key[i] == k) if len(key) else np.zeros(len(k), bool)
+
+    return verify
+
+
+def planted_factory(work: str, n: int, block: int):
+    """``factory(out_dir, sources, surv, size, threshold)`` of curation.pipeline's verifier slot: the planted
+    truth instead of pixels (the survivors saved as the pixel verifier's are)."""
+    def make(out_dir, sources, surv, size, threshold):
+        from ..knn_steps import save_verify_rows
+
+        return functools.partial(planted_verifier_of, work, save_verify_rows(out_dir, surv), n, block)
+
+    return make

@@ -1,0 +1,89 @@
+"""Hash dedup as W tasks of the step runner, computed once and saved (issue 30): W=1 and W=3 give the same
+groups, `curate index` / `curate dedup` read the saved result, and a killed task's rerun redoes only its part."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from curation.cli import main
+from curation.config import DedupConfig
+from curation.embeddings import open_embeddings
+from curation.hash_step import hash_dir, hash_step
+from curation.steps.runner import write_part
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
+
+
+def _args(step: str, pool, out, *extra) -> list[str]:
+    return [step, "--config", QUICKSTART, f"input.paths=[{pool}]", f"output.dir={out}", "progress=false",
+            "embed.num_workers=0", "report.enabled=false", *extra]
+
+
+@pytest.fixture(scope="module")
+def embedded(pool_dir, tmp_path_factory):
+    pool = pool_dir[0]
+    out = tmp_path_factory.mktemp("hash_tasks") / "base"
+    assert main(_args("embed", pool, out)) == 0
+    return pool, out
+
+
+def _run(out, pool, w: int):
+    emb = open_embeddings(str(out / "embeddings" / "descriptor"))
+    d = DedupConfig()
+    return hash_step(str(out), emb, True, 4, ([str(pool)], d.verify_size, d.verify_threshold),
+                     {"tasks": w, "launcher": "inline"})
+
+
+def test_hash_dedup_as_one_and_three_tasks_is_the_same_saved_once_and_a_killed_task_reruns(embedded, tmp_path):
+    pool, base = embedded
+    one, three = tmp_path / "one", tmp_path / "three"
+    shutil.copytree(base, one)
+    shutil.copytree(base, three)
+    h1, info1 = _run(one, pool, 1)
+    h3, info3 = _run(three, pool, 3)
+    np.testing.assert_array_equal(h1.group, h3.group)
+    np.testing.assert_array_equal(h1.keep, h3.keep)
+    assert h1.n_duplicates >= 4  # the planted re-encoded / resized copies
+    assert (info1["tasks"], info3["tasks"]) == (1, 3) and not info3["reused"]
+    parts = sorted(os.listdir(os.path.join(hash_dir(str(three)), "parts")))
+    assert parts == [f"pairs-{t:05d}-of-00003.npz" for t in range(3)]
+    # every hash duplicate was verified on pixels, its kept image's pairs in one task
+    assert len(os.listdir(os.path.join(hash_dir(str(three)), "verify"))) == 3
+
+    # a second call (as `curate index`, a `curate search` task or `curate dedup`) reads the saved result
+    again, info = _run(three, pool, 3)
+    assert info["reused"] and np.array_equal(again.group, h3.group)
+
+    # task 1 was killed before its part was written (the grouping never ran): only it is redone
+    os.remove(os.path.join(hash_dir(str(three)), "result.npz"))
+    os.remove(os.path.join(hash_dir(str(three)), "parts", "pairs-00001-of-00003.npz"))
+    h3b, info = _run(three, pool, 3)
+    assert [bool(r.get("skipped")) for r in info["pair_tasks"]] == [True, False, True]
+    np.testing.assert_array_equal(h3b.group, h1.group)
+
+
+def test_index_and_dedup_read_the_saved_hash_dedup(embedded, tmp_path):
+    """`curate index` computes the hash dedup once (as tasks.count tasks) and `curate dedup` reads it back:
+    a change planted in the saved file is what dedup uses."""
+    pool, base = embedded
+    out = tmp_path / "o"
+    shutil.copytree(base, out)
+    assert main(_args("index", pool, out, "tasks.count=2")) == 0
+    saved = os.path.join(hash_dir(str(out)), "result.npz")
+    assert sorted(os.listdir(os.path.join(hash_dir(str(out)), "parts"))) == [
+        f"pairs-{t:05d}-of-00002.npz" for t in range(2)]
+    with np.load(saved) as z:
+        group, keep, n_pairs = z["group"], z["keep"], z["n_pairs"]
+    dup = np.flatnonzero(~keep)
+    assert len(dup) >= 4
+    keep[dup[0]], group[dup[0]] = True, dup[0]  # planted: dedup must take this file, not recompute it
+    write_part(saved, group=group, keep=keep, n_pairs=n_pairs)
+    assert main(_args("dedup", pool, out, "tasks.count=2")) == 0
+    status = np.load(out / "steps" / "dedup.npz")["status"]
+    assert np.array_equal(np.flatnonzero(status == 1), dup[1:])  # HASH_DUP: the saved result's duplicates
