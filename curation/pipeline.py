@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dinopipe.config import ConfigError, save_config
+from dinopipe.config import ConfigError, InputError, save_config
 from dinopipe.data.sources import as_multi
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
@@ -301,6 +301,9 @@ def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, diges
 def _write_inputs(out_dir: str):
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
     rb, dd = load_step(out_dir, "rebalance"), load_step(out_dir, "dedup")
+    if rb["nearest_seed"].dtype.kind not in "iu":  # strings: a folder written before the seeds became row numbers
+        raise InputError(f"{_p(out_dir, 'steps', 'rebalance.npz')} was written by an older version (seed names "
+                         f"instead of rows): rerun `curate rebalance` on this output folder, then write")
     return emb, rb["status"], dd["component"], rb, dd
 
 

@@ -184,3 +184,22 @@ def test_seed_retrieval_records_nearest_seed_in_shards(inputs, photos, tmp_path)
         stem = meta["nearest_seed"].rsplit("/", 1)[-1][:-4]
         assert meta["seed_similarity"] > 0.9
         assert stem in meta["component"] or meta["id"].endswith(f"{stem}.jpg")
+
+
+def test_write_on_a_folder_from_before_seed_rows_says_rerun_rebalance(run, inputs, tmp_path):
+    """steps/rebalance.npz once stored the nearest seed's name as a string; such a folder gets a clear error naming
+    the file and the step to rerun (exit 2), not an internal crash."""
+    from dinopipe.config import InputError
+
+    from curation.pipeline import write_task
+
+    out, _ = run
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    path = old / "steps" / "rebalance.npz"
+    with np.load(path, allow_pickle=False) as z:
+        rb = {k: z[k] for k in z.files}
+    rb["nearest_seed"] = np.full(len(rb["nearest_seed"]), "", dtype="<U8")
+    np.savez(path, **rb)
+    with pytest.raises(InputError, match="rebalance.npz.*rerun `curate rebalance`"):
+        write_task(str(old), inputs["sources"], 10)
