@@ -20,12 +20,7 @@ from dinopipe.data.transforms import MultiCropAugmentation, MultiCropCollator
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _files() -> list[bytes]:

@@ -14,13 +14,7 @@ from torchvision.transforms import v2
 from dinopipe.data.transforms import MultiCropAugmentation, MultiCropCollator
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny per-crop kernels on a shared 2-core box: extra intra-op threads only contend.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gradient_image(w=160, h=120, mode="RGB") -> Image.Image:
