@@ -12,9 +12,17 @@ Per step and rank (each all-gather's output and each reduce-scatter's input is a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def sharded_numel(shape: tuple[int, ...], n: int) -> int:
+    """Elements one rank holds of a parameter FSDP2 shards on dim 0 (padded to a multiple of n)."""
+    if n <= 1 or not shape:
+        return math.prod(shape)
+    return math.ceil(shape[0] / n) * math.prod(shape[1:])
 
 
 def comm_bytes(backbone_params: int, head_params: int, param_dtype: str, reduce_dtype: str,
@@ -36,7 +44,6 @@ def plan_comm(cfg: Any, arch: Any, heads: list, n_gpus: int) -> dict[str, Any]:
     """``comm_bytes`` of a pretraining config at ``n_gpus`` ranks, from the planner's shapes: each parameter as
     FSDP2 pads it (dim 0 to a multiple of W; ``pos_embed``'s dim 0 of 1 becomes W rows in every collective)."""
     from ..config import reduce_dtypes
-    from .analytic import sharded_numel
 
     def padded(shapes) -> int:
         return sum(sharded_numel(tuple(s), n_gpus) * n_gpus for s in shapes)
