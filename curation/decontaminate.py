@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dinopipe.config import InputError
 from .index import Rows, build_index, iter_knn
 
 
@@ -44,7 +45,7 @@ def decontaminate(pool, eval_embeddings, threshold: float = 0.45,
     nearest = np.full(n, -1, np.int64)
     if len(ev) and n:
         if ev.dim != rows.dim:
-            raise ValueError(f"pool embeddings have {rows.dim} dims but eval embeddings "
+            raise InputError(f"pool embeddings have {rows.dim} dims but eval embeddings "
                              f"{ev.dim}: embed both with the same model / descriptor")
         # The eval set is the index (usually far smaller): one k=1 query per pool image.
         index = build_index(ev, kind=index_kind, nprobe=nprobe, use_gpu=use_gpu)

@@ -52,6 +52,7 @@ import time
 import numpy as np
 from numpy.lib.format import open_memmap
 
+from dinopipe.config import InputError
 from .embeddings import open_embeddings
 from .index import Rows
 from .kmeans import (BLOCK, INITS, KMEANSPP_MAX_K, KMeansResult, Level, _sample_positions, resample_positions,
@@ -224,7 +225,7 @@ def load_tree(out: str, expected: dict, key: str = "kmeans_dir") -> list[Level]:
     diff = {k: (got.get(k), v) for k, v in expected.items() if got.get(k) != v}
     if diff:
         what = "; ".join(f"{k}: k-means has {a!r}, this run needs {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(f"{key}={out} was clustered for other rows or settings ({what}): rerun "
+        raise InputError(f"{key}={out} was clustered for other rows or settings ({what}): rerun "
                          f"curate kmeans --curate with this config, or unset {key} "
                          f"to cluster in this process")
     lab = np.load(os.path.join(out, "level1_labels.npy"))

@@ -164,7 +164,7 @@ def open_embeddings(emb_dir: str, require_complete: bool = True) -> EmbeddingSet
     parts = [np.load(m[: -len(".ids.json")] + ".npy", mmap_mode="r") for m in metas]
     dims = {p.shape[1] for p in parts if len(p)}
     if len(dims) > 1:
-        raise ValueError(f"{emb_dir} mixes embedding dimensions {sorted(dims)}: embeddings from "
+        raise InputError(f"{emb_dir} mixes embedding dimensions {sorted(dims)}: embeddings from "
                          f"different models; use one output folder per model")
     t = open_table(emb_dir, metas, [len(p) for p in parts])
     offsets = np.zeros(len(parts) + 1, np.int64)

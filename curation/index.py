@@ -21,6 +21,7 @@ import os
 import time
 from typing import Iterator
 
+from dinopipe.config import InputError
 from ._faiss import faiss
 import numpy as np
 
@@ -89,7 +90,7 @@ embeddings (curation.knn_shards), so only recall, not the similarities, pays for
 def check_gpu_limit(name: str, value: int, on_gpu: bool) -> None:
     """faiss-gpu rejects k / nprobe > 2048 deep inside a search; say it up front, with the fix."""
     if on_gpu and value > GPU_MAX_K:
-        raise ValueError(f"{name}={value} exceeds faiss-gpu's limit of {GPU_MAX_K} per query; lower "
+        raise InputError(f"{name}={value} exceeds faiss-gpu's limit of {GPU_MAX_K} per query; lower "
                          f"{name} (DINOv2 uses k=64), or search on CPU (use_gpu=False)")
 
 
@@ -215,7 +216,7 @@ def build_index(data, kind: str = "auto", nlist: int | None = None, nprobe: int 
 def gpus_for(use_gpu: bool | str) -> int:
     ngpu = num_gpus() if use_gpu in (True, "auto") else 0
     if use_gpu is True and ngpu == 0:
-        raise RuntimeError("use_gpu=True but faiss sees no GPU (is faiss-gpu installed and CUDA "
+        raise InputError("use_gpu=True but faiss sees no GPU (is faiss-gpu installed and CUDA "
                            "visible?); use use_gpu='auto' to fall back to faiss-cpu")
     return ngpu
 

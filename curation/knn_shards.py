@@ -36,6 +36,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_path, atomic_write_json
 
 from .index import (KnnIndex, Rows, _drop_self, add_part, build_index, default_nlist, gpus_for, load_index,
@@ -421,7 +422,7 @@ def _read_json(path: str):
 
 def _check_rows(meta: dict, rows: Rows) -> None:
     if meta["n"] != len(rows) or meta["dim"] != rows.dim:
-        raise ValueError(f"the saved index holds {meta['n']} x {meta['dim']} rows but the search got "
+        raise InputError(f"the saved index holds {meta['n']} x {meta['dim']} rows but the search got "
                          f"{len(rows)} x {rows.dim}: the pool changed since `curate index`; rerun it")
 
 

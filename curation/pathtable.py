@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 
+from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_open, atomic_write_json
 
 TABLE_DIR = "table"
@@ -117,7 +118,7 @@ def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int]) -> st
             meta = json.load(f)
         ids, unread = meta["ids"], meta["unreadable"]
         if len(ids) != n_rows:
-            raise ValueError(f"{meta_path}: {len(ids)} ids but {n_rows} embeddings; delete this shard "
+            raise InputError(f"{meta_path}: {len(ids)} ids but {n_rows} embeddings; delete this shard "
                              f"pair and rerun the embed step to recompute it")
         keys.append(_encode(ids + [u[0] for u in unread]))
         codes = [names.setdefault(s, len(names)) for s in meta["sources"]]
@@ -136,7 +137,7 @@ def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int]) -> st
     skey = key[order]
     dup = np.flatnonzero(skey[1:] == skey[:-1])
     if len(dup):
-        raise ValueError(f"{emb_dir}: image id {skey[dup[0]].decode()!r} is in two embedding parts (parts of "
+        raise InputError(f"{emb_dir}: image id {skey[dup[0]].decode()!r} is in two embedding parts (parts of "
                          f"two different runs in one folder?); use a fresh output folder")
     blob, offsets = pack_strings(skey)
     row_of_input = np.cumsum(is_row) - 1  # concatenated-input position -> concatenated-row position

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from dinopipe.config import InputError
+
 from .index import Rows, build_index, iter_knn
 from .kmeans import assign, balanced_sample, cluster_balance, hierarchical_kmeans, kmeans
 
@@ -60,7 +62,7 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     if mode not in MODES:
         raise ValueError(f"rebalance mode {mode!r}: choose one of {MODES}")
     if mode in ("sample", "cluster") and (seeds is None or len(seeds) == 0):
-        raise ValueError(f"rebalance mode {mode!r} retrieves around seed images: give seed "
+        raise InputError(f"rebalance mode {mode!r} retrieves around seed images: give seed "
                          f"embeddings (a curated seed set), or use 'hierarchical' / 'none'")
     if mode == "none":
         res = _none(len(rows))
@@ -172,7 +174,7 @@ def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
                                    sample_size=sample_size, niter=niter, seed=seed,
                                    progress=progress, **kmeans_kw)
     elif len(tree[0].labels) != n:
-        raise ValueError(f"the k-means tree covers {len(tree[0].labels)} rows, the pool {n}")
+        raise InputError(f"the k-means tree covers {len(tree[0].labels)} rows, the pool {n}")
     picked = balanced_sample(tree, min(target, n), strategy=strategy, seed=seed, picker=picker)
     res.selected[:] = False
     res.selected[picked] = True

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from dinopipe.config import InputError
 from dinopipe.data.pool_index import INDEX_NAME, member_locations, tar_index, write_index
 from dinopipe.data.sources import MultiSource, extension_of
 from dinopipe.utils.io import atomic_path, atomic_write_json
@@ -143,7 +144,7 @@ def finish_shard_tasks(out_dir: str, shards_dir: str, n_images: int, shard_size:
         members.append(rec["members"])
         failed.extend(tuple(f) for f in rec["failed"])
     if missing:
-        raise RuntimeError(f"shards {missing[:10]}{'...' if len(missing) > 10 else ''} of {n_shards} are not "
+        raise InputError(f"shards {missing[:10]}{'...' if len(missing) > 10 else ''} of {n_shards} are not "
                            f"written yet: rerun the write tasks (finished shards are skipped)")
     _finish_shards(shards_dir, shards, members)
     return {"shards": [s for s, m in zip(shards, members) if m], "written": sum(len(m) for m in members),
