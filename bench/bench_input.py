@@ -1,6 +1,6 @@
 """The training input path per CPU core, dinopipe vs the official DINOv2 augmentation, in one run (issue 29).
 
-    python bench/bench_input.py                      # ~1 min; the official source comes from the local mirror
+    python bench/bench_input.py                      # ~1 min; the official source: .official/dinov2 or fetched
     python bench/bench_input.py --dinov2 PATH        # a dinov2 checkout (PATH/dinov2/data/augmentations.py)
 
 Input: real photos shipped in pip packages (scikit-image, scikit-learn, matplotlib), re-encoded as 500x375
@@ -12,8 +12,9 @@ JPEGs (quality 90) into two webdataset tar shards. Each path runs in this proces
   ``MultiCropCollator`` with its iBOT masks). What the training loader builds (``train/highres.py``).
 * ``official``: ``webdataset.WebDataset(...).decode("pil")`` -> ``DataAugmentationDINO`` -> its
   ``collate_data_and_cast`` (fp16 crops, as its training casts them) with its ``MaskingGenerator``. The source
-  is never vendored: ``--dinov2`` names a checkout, else ``git archive`` extracts it from the mirror
-  (``--mirror``) into a temporary folder. Absent both: "official: not available".
+  is never vendored: ``--dinov2`` names a checkout, else ``.official/dinov2`` (``make official-src``), else
+  ``bench/fetch_official.sh`` extracts it from ``--mirror`` (a git directory or URL) into a temporary folder.
+  Absent all: "official: not available".
 * ``gpu path, host side``: what the workers do with ``data.augment_on=gpu`` (bytes, header, draws, masks);
   the device's decode and crops are timed by ``make gpu-bench``.
 * ``--ideas``: the per-idea variants of the dinopipe path (the v2 reference, draft on / off, float / uint8
@@ -52,7 +53,9 @@ from dinopipe.data.pool_index import open_pool  # noqa: E402
 from dinopipe.data.samples import real_photos  # noqa: E402
 from dinopipe.data.transforms import MultiCropAugmentation, MultiCropCollator  # noqa: E402
 
-MIRROR = "/work/.mirror/facebookresearch+dinov2/repo"
+BENCH = os.path.dirname(os.path.abspath(__file__))
+OFFICIAL = os.path.join(BENCH, "..", ".official", "dinov2")  # `make official-src`
+MIRROR = "https://github.com/facebookresearch/dinov2"
 RECIPE = dict(global_size=224, local_size=98, n_local=8)
 STEP_RATES = {"H100": 401.0, "H200": 485.0}  # vit_s14, docs/gpu.md (b=64, bf16, compile, synthetic batch)
 
@@ -146,21 +149,18 @@ def device_rate(shards: list[str], cache: str, batch: int, device: str, seconds:
 
 
 def official_source(path: Optional[str], mirror: str, tmp: str) -> Optional[str]:
-    """A folder holding the dinov2 package: ``path``, or extracted from the git mirror; None if neither."""
+    """A folder holding the dinov2 package: ``path``; else ``.official/dinov2`` (``make official-src``); else
+    extracted from ``mirror`` (a git directory or URL) by ``bench/fetch_official.sh``; None if none works."""
+    def has_it(d: str) -> bool:
+        return os.path.isfile(os.path.join(d, "dinov2", "data", "augmentations.py"))
+
     if path:
-        return path if os.path.isfile(os.path.join(path, "dinov2", "data", "augmentations.py")) else None
-    if not os.path.isdir(mirror):
-        return None
+        return path if has_it(path) else None
+    if has_it(OFFICIAL):
+        return OFFICIAL
     dest = os.path.join(tmp, "dinov2-src")
-    os.makedirs(dest, exist_ok=True)
-    try:
-        archive = subprocess.run(["git", f"--git-dir={mirror}", "archive", "HEAD", "dinov2"], check=True,
-                                 capture_output=True).stdout
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(dest, filter="data")
-    except (OSError, subprocess.CalledProcessError, tarfile.TarError):
-        return None
-    return dest
+    r = subprocess.run(["bash", os.path.join(BENCH, "fetch_official.sh"), mirror, dest], capture_output=True)
+    return dest if r.returncode == 0 and has_it(dest) else None
 
 
 def official_batches(src: str, shards: list[str], batch: int) -> Iterator[int]:
@@ -252,7 +252,7 @@ def cores_table(per_core: dict[str, float]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dinov2", default=None, help="a dinov2 checkout (default: extract from --mirror)")
-    p.add_argument("--mirror", default=os.environ.get("DINOV2_MIRROR", MIRROR), help="a bare dinov2 git repo")
+    p.add_argument("--mirror", default=os.environ.get("DINOV2_MIRROR", MIRROR), help="a dinov2 git dir or URL")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=4.0, help="wall seconds per path and round")
     p.add_argument("--batch", type=int, default=8)
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
                 print(f"official: not available ({type(e).__name__}: {e})")
                 paths.pop("official")
         else:
-            print("official: not available (no --dinov2 checkout and no mirror)")
+            print("official: not available (no --dinov2 checkout, no .official/dinov2, --mirror not readable)")
         if args.ideas:  # draft decoding pays on photos larger than the crops need: 2000 x 1500 shards
             os.makedirs(os.path.join(tmp, "large"))
             large = write_shards(os.path.join(tmp, "large"), photo_jpegs(2000, 1500)[:16])
