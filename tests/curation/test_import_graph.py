@@ -6,58 +6,19 @@ an import to the top; the graph here counts every ``import`` statement anywhere 
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from tests._imports import import_graph as _graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PKG = os.path.join(ROOT, "curation")
-
-
-def _modules() -> dict[str, str]:
-    mods = {}
-    for dirpath, _, files in os.walk(PKG):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(dirpath, f)
-                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                mods[name.removesuffix(".__init__")] = path
-    return mods
-
-
-def _targets(mod: str, path: str, node, mods: dict) -> set[str]:
-    """curation modules an import statement loads (``from .x import y``: x, and x.y when it is a module)."""
-    pkg = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
-    if isinstance(node, ast.Import):
-        return {a.name for a in node.names if a.name in mods}
-    if node.level:
-        base = pkg
-        for _ in range(node.level - 1):
-            base = base.rpartition(".")[0]
-        target = f"{base}.{node.module}" if node.module else base
-    else:
-        target = node.module or ""
-    out = {target} if target in mods else set()
-    out |= {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods}
-    return out
 
 
 def import_graph() -> dict[str, set[str]]:
-    mods = _modules()
-    graph = {}
-    for mod, path in mods.items():
-        with open(path) as f:
-            tree = ast.parse(f.read(), path)
-        deps = set()
-        for node in ast.walk(tree):  # every import, also those inside functions
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                deps |= _targets(mod, path, node, mods)
-        # a package's own __init__ is loaded before any submodule: not an edge back
-        graph[mod] = {d for d in deps if d != mod and not mod.startswith(d + ".")}
-    return graph
+    return _graph(Path(ROOT), "curation")
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

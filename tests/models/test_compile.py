@@ -8,7 +8,6 @@ xformers has no CPU kernel."""
 import copy
 import types
 
-import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -34,14 +33,6 @@ def _student_step(model, crops, seed=0):
 
 # (batch per crop, global px, local px): steady, ragged last batch, then the high-resolution phase
 SCHEDULE = [(2, 56, 28), (1, 56, 28), (1, 112, 42)]
-
-
-@pytest.fixture
-def dynamo_reset():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _models(backend, ac=True):

@@ -65,14 +65,6 @@ def test_adamw_is_fused_on_cuda_and_foreach_elsewhere():
     assert len(opt.param_groups) == len(adamw.param_groups)
 
 
-@pytest.fixture
-def dynamo_reset():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.slow  # dynamo tracing: ~25 s of CPU, minutes of wall time on a loaded machine
 def test_heads_and_losses_compile_without_a_graph_break(dynamo_reset):
     task, cfg = _task("parallel.compile=true", "ibot.separate_head=true")
