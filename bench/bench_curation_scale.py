@@ -24,6 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.run_meta import run_meta  # noqa: E402
 from curation.simulate.run import render, simulate  # noqa: E402
 
 
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
             res = simulate(work, n, a.dim, w, processes=a.processes,
                            progress=(a.json or os.path.join(a.work, "bench")) + f".n{n}-w{w}.progress.jsonl")
             res["total_s"] = time.perf_counter() - t0
+            res["meta"] = run_meta(argv)  # date, machine, command: what bench/rates_from_bench.py cites
             print(render(res), flush=True)
             results.append(res)
             if not a.keep:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-pairs", type=int, default=3000)
     p.add_argument("--before", default=None, help="main's verify.py as a file (default: git show main:...)")
+    p.add_argument("--json", default=None, help="also write the rate here (bench/rates_from_bench.py reads it)")
     args = p.parse_args(argv)
     import torch
 
@@ -102,6 +104,13 @@ def main(argv=None) -> int:
         print(f"verify_speedup: {after / before:.2f}")
         print(f"verify_same_verdicts_pct: {100 * (ok_before == ok_after).mean():.2f}")
     print(f"verified_copies: {int(ok_after.sum())} of {len(a)}")
+    if args.json:
+        from bench.run_meta import run_meta
+
+        with open(args.json, "w") as f:
+            json.dump({"pairs_per_s_per_core": after / per_core, "pairs": int(len(a)), "images": len(files),
+                       "threads": args.threads, "device": args.device, "copies": int(ok_after.sum()),
+                       "meta": run_meta(argv)}, f, indent=1)
     return 0
 
 

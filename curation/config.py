@@ -340,10 +340,12 @@ def knn_kwargs(cfg: CurationConfig) -> dict:
             "train_size": n.train_size, "use_gpu": {"auto": "auto", "true": True, "false": False}[str(n.use_gpu).lower()]}
 
 
-def task_plan(cfg: CurationConfig, n: int = 0) -> dict:
-    """``{"tasks": W, "launcher": ...}`` of the sharded steps for ``n`` rows (tasks.count null: auto)."""
+def task_plan(cfg: CurationConfig, n: int = 0, cores: int | None = None) -> dict:
+    """``{"tasks": W, "launcher": ...}`` of the sharded steps for ``n`` rows (tasks.count null: auto, from
+    ``cores``: this machine's ``os.cpu_count()`` unless given -- `curate plan` passes the planned machine's)."""
     t = getattr(cfg, "tasks", cfg)
-    w = t.count if t.count is not None else (1 if n <= 65536 else min(os.cpu_count() or 1, 8))
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    w = t.count if t.count is not None else (1 if n <= 65536 else min(cores, 8))
     return {"tasks": int(w), "launcher": "inline" if w == 1 else str(t.launcher)}
 
 

@@ -1,16 +1,21 @@
-"""curate plan: memory per task and wall time of every curation step, on paper.
+"""curate plan: memory per task and wall time of every curation step, on paper, with the chain's task counts.
 
-    curate plan --pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100
+    curate plan --pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100 \\
+        --search-tasks 160 --kmeans-tasks 160
 
-A cost model, not a measurement: index sizes are exact (faiss code sizes); times come from per-device
-rates, each either measured in this repository (where is said next to it) or marked ASSUMED -- replace
-those with your own (--scan-rate etc.). Steps, as the sharded curation runs them: embed (array, 1 GPU
-per task) -> hash dedup (W tasks by band value) -> index train (one sample) -> index add (W tasks, one
-inverted-list file each) -> index merge (on disk) -> search (W tasks by query rows) -> verification (pairs
-on pixels) -> grouping (pair arrays, one process) -> decontamination (eval rows on the pool index) ->
-k-means levels (every level's rows and centroids sharded over the ranks) -> sampling (three sharded passes)
--> shard writing (W tasks). curate simulate and bench/bench_curation_scale.py check the growth of each
-step (time ~ N, memory per task ~ N/W) on this machine.
+Task counts are the chain's, not the model's: :func:`chain_tasks` calls curation.config.task_plan -- the
+function `curate run` calls -- with the rows each step sees (--tasks is tasks.count; without it: 1 up to one
+block of rows, else min(--cores, 8)). Hash dedup, index add, verification, decontamination, the k-means tree,
+sampling, shard writing and the decisions parts run as those W local processes of `curate run` (or of the Slurm
+chain's finishing job) on one machine of --cores cores; index train, index merge and grouping in one process.
+The Slurm chain (slurm/submit_curation.sh) gives three steps arrays of their own: embedding (-n:
+--embed-tasks), the copy and eval searches (-s: --search-tasks) and the k-means tree (-k: --kmeans-tasks).
+
+Times are op counts or rows over rates, each printed with its mark: ``measured (<source>)`` -- bench/rates.json,
+which bench/rates_from_bench.py derives from the JSON of bench/bench_curation_scale.py and bench/bench_verify.py,
+or a cited measurement -- or ASSUMED (--rates FILE: another rates file). Index sizes are exact (faiss code
+sizes). Steps: embed -> hash dedup -> index train / add / merge -> search -> verification -> grouping ->
+decontamination -> k-means levels -> sampling -> shard writing -> decisions.
 """
 
 from __future__ import annotations
@@ -20,31 +25,26 @@ import math
 import sys
 from dataclasses import dataclass
 
-from .index import HNSW_EF_SEARCH, HNSW_M, ivf_nlist, resolve_quantizer
+from dinopipe.config import InputError
+
+from .config import TasksConfig, task_plan
+from .index import FLAT_MAX_DEFAULT, HNSW_EF_SEARCH, HNSW_M, ivf_nlist, resolve_kind, resolve_quantizer
+from .plan_rates import Rate, load_rates
 
 GiB = 1024 ** 3
 
-# name: (GPU memory GiB, fp16 IVF scan rate [dim-ops/s], GEMM rate [FLOP/s], ViT-L/14@224 img/s)
+# name: (GPU memory GiB, fp16 IVF scan rate [dim-ops/s], GEMM rate [FLOP/s], ViT-L/14@224 img/s): ASSUMED
 GPUS = {"v100": (32, 1.5e11, 2.5e13, 400), "a100": (80, 4e11, 1e14, 1200),
         "h100": (80, 8e11, 2.5e14, 2500)}
-CPU_SCAN = 2.3e9  # dim-ops/s per core: faiss IVF SQfp16 scan, measured here (200k x 384, nprobe 16)
-CPU_GEMM = 7e10  # FLOP/s per core: faiss flat search, measured here
 KMEANS_ITERS = 20
-# rows/s per task, measured by `curate simulate` here (bench/bench_curation_scale.py, N = 10M x 384, W = 1: one
-# task with this machine's 2 cores, nothing else running; docs/curation-scale.md "Measured growth")
-HASH_RATE = 7e4  # hash dedup: (t+1)^2 = 25 sorted keys per row (10M rows: 141 s)
-GROUP_RATE = 1.5e7  # grouping: union-find over pair arrays, per row of the pool (10M rows, 0.02 pairs per row: 0.6 s)
-HASH_SCAN_RATE = 2.5e7  # rows/s a hash task scans per band to find the rows it owns (20M hashes, 1/160 owned: 0.72 s)
-SAMPLE_RATE = 4e6  # sampling: three passes over labels + hash keys (10M rows: 2.3 s)
-VERIFY_RATE = 590.0  # pairs/s per core on pixels, JPEG decoding included: measured here (bench/bench_verify.py,
-# 1,000 candidate pairs of 574 retina + micrograph tiles, k = 8, 1 thread, quiet machine: 588 pairs/s)
-WRITE_RATE = 2e8  # bytes/s per task reading + writing image bytes into shards: ASSUMED
 EDGES_PER_IMAGE = 0.2  # verified copy pairs per image: ASSUMED (web pools: ~10-20% copies)
+HASH_DUP_FRACTION = 0.01  # hash near-duplicates per image: ASSUMED (the simulation plants 1%)
 IMAGE_BYTES = 1.1e5  # bytes per image in the shards: ASSUMED (LVD-like JPEGs)
 KMEANS_SAMPLE = 64  # Lloyd's sample: points per centroid (the simulation's; curation.kmeans default 256)
 KMEANS_PIECE = 256 * 2**20  # fp32 centroid bytes per piece (curation.kmeans_shards.PIECE_BYTES)
 KMEANS_BLOCK = 16384  # rows per assignment block (curation.kmeans.BLOCK)
-NET_RATE = 1e10  # bytes/s a rank sends / receives in a collective: ASSUMED (100 Gb/s InfiniBand)
+READ_RATE = 2e9  # bytes/s a task reads embeddings at: ASSUMED
+EVAL_NPROBE = 16  # the eval index's nprobe (an IVF above FLAT_MAX_DEFAULT eval rows, curation.knn_shards)
 
 
 def parse_count(s: str) -> int:
@@ -65,139 +65,240 @@ class Step:
     gpu_gib: float
     hours: float
     note: str = ""
+    rate: str = ""  # the rate the time came from, with its mark (measured (<source>) / ASSUMED)
+
+
+def chain_tasks(pool: int, tasks: int | None = None, cores: int | None = None, kind: str = "auto",
+                use_gpu: bool = False, hash_dup: float = HASH_DUP_FRACTION, copy_dup: float = EDGES_PER_IMAGE,
+                decontaminated: int = 0, keep_fraction: float = 0.5, eval_rows: int = 1, verify: bool = True,
+                hierarchical: bool = True, search_tasks: int = 0, kmeans_tasks: int = 0,
+                launcher: str = "local") -> dict[str, int]:
+    """Tasks of every step after embedding as the chain runs them on ``pool`` rows: each sharded step asks
+    curation.config.task_plan (what curation.pipeline asks) for the rows it sees -- the hash dedup all rows,
+    the index / copy search / verification the hash survivors, decontamination the rows not hash duplicates,
+    k-means and sampling the rows left after dedup and decontamination, writing the kept rows. 0: the step
+    does not run (flat or GPU index: no merge, one add; no eval rows; no hierarchical rebalancing). The Slurm
+    chain's arrays: ``search_tasks`` (copy + eval search), ``kmeans_tasks`` (ranks of `curate kmeans`).
+    ``launcher`` (tasks.launcher): inline runs the k-means tree as one rank (curation.steps.kmeans_tree)."""
+    cfg = TasksConfig(count=tasks, launcher=launcher)
+
+    def w(n: int) -> int:
+        return task_plan(cfg, n, cores)["tasks"]
+
+    n_surv = pool - int(pool * hash_dup)
+    n_rows = max(n_surv - int(pool * copy_dup) - decontaminated, 0)
+    n_kept = int(n_rows * keep_fraction) if hierarchical else n_rows
+    ondisk = resolve_kind(kind, n_surv) != "flat" and not use_gpu  # KnnJob.build: else one process adds
+    knn = w(n_surv)
+    tree = task_plan(cfg, n_rows, cores)
+    tree_w = tree["tasks"] if tree["launcher"] == "local" else 1
+    return {"hash dedup": w(pool), "index train": 1, "index add": knn if ondisk else 1,
+            "index merge": 1 if ondisk else 0, "search (dedup)": search_tasks or knn,
+            "verification": knn if verify else 0, "grouping": 1,
+            "decontaminate": (search_tasks or w(n_surv)) if eval_rows else 0,
+            "k-means": (kmeans_tasks or tree_w) if hierarchical else 0,
+            "sampling": w(n_rows) if hierarchical else 0, "write shards": w(n_kept), "decisions": w(n_kept)}
+
+
+def _fmt(r: Rate, value: float | None = None, unit: str | None = None) -> str:
+    return f"{value if value is not None else r.value:.3g} {unit or r.unit}, {r.mark()}"
 
 
 def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int = 20, gpus_per_node: int = 8,
          gpu: str = "v100", cpus_per_task: int = 8, node_mem_gib: float = 480, k: int = 64, nprobe: int = 16,
          nlist: int | None = None, n_eval: int = 1_000_000, chunk: int = 65536, pairs_per_image: float = 1.0,
          scan_rate: float | None = None, embed_rate: float | None = None, levels=None,
-         resampling: int = 0, keep_fraction: float = 0.5) -> list[Step]:
+         resampling: int = 0, keep_fraction: float = 0.5, tasks: int | None = None, cores: int | None = None,
+         search_tasks: int = 0, kmeans_tasks: int = 0, embed_tasks: int | None = None,
+         rates: dict[str, Rate] | None = None) -> list[Step]:
+    """The steps of the chain on ``pool`` rows: tasks (:func:`chain_tasks`), host / GPU GiB per task, hours.
+    ``cores``: CPU cores of the machine running the W local tasks (default ``cpus_per_task``: the finishing
+    job's); ``rates``: curation.plan_rates.load_rates() unless given."""
+    R = rates or load_rates()
+    cores = cores or cpus_per_task
     gpu_mem, gpu_scan, gpu_gemm, gpu_img = GPUS[gpu] if gpus_per_node else (0, 0, 0, 0)
-    scan_rate = scan_rate or (gpu_scan if gpus_per_node else CPU_SCAN * cpus_per_task)
-    gemm = gpu_gemm if gpus_per_node else CPU_GEMM * cpus_per_task
+    gpu_rate = Rate(gpu_gemm, "FLOP/s per GPU")  # the GPU table: ASSUMED
     n_gpus = nodes * gpus_per_node
-    nlist = nlist or ivf_nlist(pool)  # the index's policy: max(4 sqrt(N), N / 1000) lists
+    nlist = nlist or ivf_nlist(pool)  # the index's policy: max(4 sqrt(N), N / 4000) lists
     quantizer = resolve_quantizer("auto", nlist) if kind != "flat" else "flat"
     code = code_bytes(kind, dim, pq_m)
     index_gib = (pool * (code + (8 if kind != "flat" else 0)) + nlist * dim * 4) / GiB
+    tw = chain_tasks(pool, tasks, cores, kind, gpus_per_node > 0, keep_fraction=keep_fraction, eval_rows=n_eval,
+                     verify=pairs_per_image > 0, hierarchical=bool(levels), search_tasks=search_tasks,
+                     kmeans_tasks=kmeans_tasks)
+    W = tw["hash dedup"]
+    cpu_scan, cpu_gemm = R["cpu_scan"].value, R["cpu_gemm"].value
     steps = []
 
-    # embed: one task per GPU (or per CPU node), images decoded by the task's CPUs
-    workers = n_gpus or nodes
+    def par(w: int) -> int:  # local tasks at once on the machine's cores (a task: one core at least)
+        return max(1, min(w, cores))
+
+    # embed: the embedding array (-n), one GPU per task (or a CPU node), images decoded by the task's CPUs
+    workers = embed_tasks or n_gpus or nodes
     rate = embed_rate or (gpu_img if gpus_per_node else 2.0 * cpus_per_task)
     steps.append(Step("embed", workers, 8 + 0.05 * cpus_per_task, 4.0 if gpus_per_node else 0,
-                      pool / (rate * workers) / 3600, f"{rate:g} img/s per task; writes {pool * dim * 2 / GiB:,.0f} GiB fp16"))
+                      pool / (rate * workers) / 3600, f"writes {pool * dim * 2 / GiB:,.0f} GiB fp16",
+                      f"{rate:g} img/s per task, " + ("given" if embed_rate else "ASSUMED")))
+    # hash dedup: W tasks by band value, each at the measured rows/s of one task
+    r = R["hash_dedup"]
+    steps.append(Step("hash dedup", W, pool / W * 48 / GiB + 0.1, 0, pool / (r.value * par(W)) / 3600,
+                      "partitioned by band value; exact up to t bits", _fmt(r)))
 
-    # index: train k-means on 64 vectors per list once; W tasks assign + encode their rows into their own
-    # inverted-list files; one merge into an OnDiskInvertedLists file (read and written once, sequentially)
+    # index: trained once on 64 vectors per list; W tasks add into their own inverted-list files, merged on disk
+    # (CPU IVF); a GPU or flat index is added in one process (curation.knn_shards.KnnJob.build)
     sample = min(pool, 64 * nlist)
-    node_gemm = gemm * max(gpus_per_node, 1)
+    node_gemm, train_rate = (gpu_gemm * gpus_per_node, gpu_rate) if gpus_per_node else (cpu_gemm * cores, R["cpu_gemm"])
     # coarse k-means: flat (GPU, or a flat quantizer) sample x nlist per iteration; the CPU two-level k-means
     # of an HNSW quantizer sample x 2 sqrt(nlist)
     per_point = 2 * math.sqrt(nlist) if quantizer == "hnsw" and not gpus_per_node else nlist
     train_s = KMEANS_ITERS * 2.0 * sample * per_point * dim / node_gemm
-    add_tasks = max(workers, 1)
     # one coarse assignment: flat, nlist inner products (GEMM); HNSW, ~2 efSearch log2(nlist) distance
-    # evaluations (measured here on one quiet core, 384-d, efSearch 64: 230 / 267 / 294 us at 40k / 80k / 160k
-    # lists, the model's 327 / 344 / 361 us; docs/curation-scale.md "IVF sizing")
+    # evaluations (docs/curation-scale.md "IVF sizing")
     hnsw_evals = 2.0 * HNSW_EF_SEARCH * math.log2(max(nlist, 2))
-    cpu_scan = CPU_SCAN * cpus_per_task
 
-    def coarse_s(n_vectors: int, flop_rate: float) -> float:
-        if quantizer == "hnsw":
-            return n_vectors * hnsw_evals * dim / cpu_scan
+    def coarse_s(n_vectors: int, flop_rate: float, scan: float) -> float:
+        if quantizer == "hnsw" and not gpus_per_node:
+            return n_vectors * hnsw_evals * dim / scan
         return n_vectors * 2.0 * nlist * dim / flop_rate
 
-    add_s = (coarse_s(pool, gemm) + pool * dim * 2 / 2e9) / add_tasks  # assign + read fp16 at 2 GB/s
     qdesc = (f"HNSW{HNSW_M} coarse quantizer (efSearch {HNSW_EF_SEARCH})" if quantizer == "hnsw"
              else "flat coarse quantizer")
-    steps.append(Step("index train", 1, sample * dim * 4 / GiB + 1, nlist * dim * 4 / GiB + 1 if gpus_per_node else 0,
-                      train_s / 3600, f"nlist {nlist:,} (~{pool / nlist:,.0f} per list) on {sample:,} vectors; {qdesc}"))
-    # a task holds its codes, the trained index's centroids and (HNSW) the graph's 2M level-0 links per list
+    if kind != "flat":
+        steps.append(Step("index train", 1, sample * dim * 4 / GiB + 1,
+                          nlist * dim * 4 / GiB + 1 if gpus_per_node else 0, train_s / 3600,
+                          f"nlist {nlist:,} (~{pool / nlist:,.0f} per list) on {sample:,} vectors; {qdesc}",
+                          _fmt(train_rate)))
+    add_w = tw["index add"]
+    add_s = coarse_s(pool, node_gemm, cpu_scan * cores) + pool * dim * 2 / (READ_RATE * par(add_w))
     coarse_gib = (nlist * dim * 4 + (nlist * 2 * HNSW_M * 4 if quantizer == "hnsw" else 0)) / GiB
-    steps.append(Step("index add", add_tasks, index_gib / add_tasks + coarse_gib + 0.5, 0, add_s / 3600,
-                      f"{code} B/vector codes: index {index_gib:,.1f} GiB in {add_tasks} files"))
-    steps.append(Step("index merge", 1, 1.0, 0, 2 * index_gib * GiB / 5e8 / 3600,
-                      "faiss merge_ondisk: memory-mapped in and out (0.5 GB/s ASSUMED)"))
-    # search: each query visits nprobe lists of ~pool/nlist codes; flat: every vector
-    # dim-ops per query: one per stored dimension (flat, SQ) or one table lookup per PQ byte
+    steps.append(Step("index add", add_w, index_gib / add_w + coarse_gib + 0.5, 0, add_s / 3600,
+                      f"{code} B/vector codes: index {index_gib:,.1f} GiB in {add_w} file(s)"
+                      + ("" if tw["index merge"] else "; one process (GPU / flat build)"), _fmt(train_rate)))
+    if tw["index merge"]:
+        r = R["merge"]
+        steps.append(Step("index merge", 1, 1.0, 0, 2 * index_gib * GiB / r.value / 3600,
+                          "faiss merge_ondisk: memory-mapped in and out", _fmt(r)))
+
+    # search: S tasks (the Slurm array) or the W local tasks; each query visits nprobe lists of ~pool/nlist
+    # codes (flat: every vector); dim-ops per query: one per stored dimension (flat, SQ) or one PQ byte lookup
     per_vector = code if kind == "ivf_pq" else dim
     per_query = per_vector * (pool if kind == "flat" else nprobe * pool / nlist)
     if kind == "ivf_pq":
         per_query += 256 * dim  # the query's lookup tables (inner product: once per query)
     coarse = 0 if kind == "flat" else 2.0 * nlist * dim
-    gpus_needed = math.ceil(index_gib / (gpu_mem * 0.8)) if gpus_per_node else 0
-    if gpus_per_node and gpus_needed <= 1:
-        tasks, g_per_task, where = n_gpus, 1, "one task per GPU, index in GPU memory"
-    elif gpus_per_node and gpus_needed <= gpus_per_node:
-        tasks, g_per_task, where = nodes, gpus_per_node, f"one task per node, index sharded over {gpus_per_node} GPUs"
+    s_w = tw["search (dedup)"]
+    array = bool(search_tasks)
+    cpus = cpus_per_task if array else cores / s_w  # a local task's share of the machine
+    gpus = (n_gpus if array else gpus_per_node) / s_w  # a task's share of the GPUs (< 1: tasks share one)
+    g_whole = max(1, int(gpus)) if gpus_per_node else 0
+    copies = max(1.0, 1 / gpus) if gpus_per_node else 1  # tasks sharing a GPU each load the index on it
+    if gpus_per_node and index_gib * copies <= 0.8 * gpu_mem * g_whole:
+        where = (f"{g_whole} GPU(s) per task, index in GPU memory" if gpus >= 1 else
+                 f"{1 / gpus:.0f} tasks per GPU, each its own copy of the index")
+        scan, flops, rate_s = (scan_rate or gpu_scan) * min(gpus, g_whole), gpu_gemm * min(gpus, g_whole), \
+            Rate(gpu_scan, "dim-ops/s per GPU")
+        gpu_gib = index_gib / g_whole
     else:
-        tasks, g_per_task, where = nodes, 0, "index does not fit the GPUs: CPU search, index memory-mapped"
-    scan = scan_rate * max(g_per_task, 1) if g_per_task else CPU_SCAN * cpus_per_task * (gpus_per_node or 1)
-    flops = (gpu_gemm * g_per_task) if g_per_task else CPU_GEMM * cpus_per_task
-    coarse_rate = flops
-    if quantizer == "hnsw" and not g_per_task:  # CPU search walks the graph (faiss-gpu: flat GEMM on the GPU)
-        coarse, coarse_rate = hnsw_evals * dim, CPU_SCAN * cpus_per_task
-    search_s = pool * (per_query / scan + coarse / coarse_rate) / tasks
+        where = ("index does not fit the GPUs: " if gpus_per_node else "") + "CPU search, index memory-mapped"
+        scan, flops, rate_s, gpu_gib = (scan_rate or cpu_scan) * cpus, cpu_gemm * cpus, R["cpu_scan"], 0
+        if quantizer == "hnsw":  # CPU search walks the graph (faiss-gpu: flat GEMM on the GPU)
+            coarse, flops = hnsw_evals * dim, cpu_scan * cpus
+    search_s = pool * (per_query / scan + coarse / flops) / s_w
     q_gib = chunk * (dim * 4 + (k + 1) * 12) / GiB
     fits = "" if index_gib + q_gib < node_mem_gib else f"; index exceeds {node_mem_gib:g} GiB of host memory"
-    steps.append(Step("search (dedup)", tasks, index_gib + q_gib + 1, index_gib / g_per_task if g_per_task else 0,
-                      search_s / 3600, where + fits))
-    cpu_tasks = max(workers, 1)
-    cores = cpu_tasks * cpus_per_task
-    # hash dedup: task t owns band values % W == t; 25 keys x 16 B per owned row; every task streams all N
-    # hashes once per band (t + 1 = 5) to find its own rows
-    hash_s = pool / (HASH_RATE * cpu_tasks) + 5 * pool / HASH_SCAN_RATE
-    steps.insert(1, Step("hash dedup", cpu_tasks, pool / cpu_tasks * 48 / GiB + 0.1, 0, hash_s / 3600,
-                         "partitioned by band value; exact up to t bits; each task scans all N hashes 5x"))
-    # verification: candidate pairs on pixels, partitioned by kept image, thumbnails decoded once per task
-    pairs = pool * pairs_per_image
-    steps.append(Step("verification", cpu_tasks, 2.0, 0, pairs / (VERIFY_RATE * cores) / 3600,
-                      f"{pairs_per_image:g} candidate pairs per image; {VERIFY_RATE:g} pairs/s per core (bench_verify)"))
-    edges = pool * EDGES_PER_IMAGE
-    steps.append(Step("grouping", 1, pool * 8 * 2 / GiB + edges * 16 / GiB, 0, pool / GROUP_RATE / 3600,
-                      f"one process: union-find (int64 per row) over {EDGES_PER_IMAGE:g} verified pairs per "
-                      f"image (ASSUMED)"))
-    # decontamination: eval rows queried on the pool index, range search (no k cap)
-    eval_s = n_eval * (per_query / scan + coarse / flops) / tasks
-    steps.append(Step("decontaminate", tasks, index_gib / max(g_per_task, 1) + 1, index_gib / g_per_task if g_per_task else 0,
-                      eval_s / 3600, f"{n_eval:,} eval images on the pool index"))
+    steps.append(Step("search (dedup)", s_w, index_gib + q_gib + 1, gpu_gib, search_s / 3600,
+                      ("Slurm array; " if array else "") + where + fits,
+                      _fmt(rate_s, scan_rate) if scan_rate else _fmt(rate_s)))
+    # verification: candidate pairs on pixels, W tasks by kept image, one core each, thumbnails decoded once
+    if tw["verification"]:
+        pairs, r = pool * pairs_per_image, R["verification"]
+        steps.append(Step("verification", tw["verification"], 2.0, 0,
+                          pairs / (r.value * par(tw["verification"])) / 3600,
+                          f"{pairs_per_image:g} candidate pairs per image, one core per task", _fmt(r)))
+    edges, r = pool * EDGES_PER_IMAGE, R["grouping"]
+    steps.append(Step("grouping", 1, pool * 8 * 2 / GiB + edges * 16 / GiB, 0, pool / r.value / 3600,
+                      f"one process: star grouping over {EDGES_PER_IMAGE:g} verified pairs per image (ASSUMED)",
+                      _fmt(r)))
+    # decontamination: pool rows queried on the eval index (CPU: flat up to 50k eval rows, else an IVF), the
+    # search array's tasks or the W local tasks
+    if tw["decontaminate"]:
+        d_w = tw["decontaminate"]
+        d_cpus = cpus_per_task if array else cores / d_w
+        if n_eval <= FLAT_MAX_DEFAULT:
+            per, how = 2.0 * n_eval * dim / (cpu_gemm * d_cpus), "flat eval index"
+        else:
+            nl = ivf_nlist(n_eval)
+            per = 2.0 * nl * dim / (cpu_gemm * d_cpus) + EVAL_NPROBE * n_eval / nl * dim / (cpu_scan * d_cpus)
+            how = f"IVF eval index ({nl:,} lists, nprobe {EVAL_NPROBE})"
+        steps.append(Step("decontaminate", d_w, 1.0 + q_gib, 0, pool * per / d_w / 3600,
+                          f"{n_eval:,} eval images; pool rows queried on the {how}, on CPU"
+                          + ("; Slurm array" if array else ""), _fmt(R["cpu_gemm"])))
     for li, kc in enumerate(levels or (), start=1):
         pts = pool if li == 1 else levels[li - 2]  # level l clusters level l-1's centroids
         kc = min(kc, pts)
-        w = max(n_gpus, cpu_tasks)  # every level sharded over the same ranks (curation/dist_kmeans.py)
+        w = tw["k-means"]  # every level sharded over the same ranks (curation/dist_kmeans.py)
+        local = not kmeans_tasks
+        g_rank = (gpus_per_node / w if local else n_gpus / w) if gpus_per_node else 0
+        gemm = gpu_gemm * min(g_rank, 1) if g_rank else cpu_gemm * (cores / w if local else cpus_per_task)
         lloyd_s = KMEANS_ITERS * 2.0 * min(pts, kc * KMEANS_SAMPLE) * kc * dim / (gemm * w)
         assign_s = (1 + resampling) * 2.0 * pts * kc * dim / (gemm * w)
         # collectives: every assignment pass receives all k x D fp32 centroids a piece at a time, every Lloyd
         # iteration also reduces k x D sums (8 B) to their owners
-        comm_s = ((KMEANS_ITERS + 1 + resampling) * kc * dim * 4 + KMEANS_ITERS * kc * dim * 8) / NET_RATE if w > 1 else 0
+        net = R["network"]
+        comm_s = ((KMEANS_ITERS + 1 + resampling) * kc * dim * 4 + KMEANS_ITERS * kc * dim * 8) / net.value \
+            if w > 1 and not local else 0
         # per rank: its k/W fp32 centroids + one received piece (fp32) + one piece of sums (8 B a value), a block
         # of rows (fp32), and 40 B for each of its pts/W rows (labels + distances, Lloyd's labels, the sort of
         # the size counts); the GPU: the piece, the block and their B x piece distance tile
         piece = min(kc, KMEANS_PIECE // (4 * dim))
         cent = kc * dim * 4 / GiB / w
         mem = cent + piece * dim * 12 / GiB + KMEANS_BLOCK * dim * 4 / GiB + pts / w * 40 / GiB + 0.25
-        gpu = (piece * dim * 4 + KMEANS_BLOCK * dim * 4 + KMEANS_BLOCK * piece * 4) / GiB if gpus_per_node else 0
-        steps.append(Step(f"k-means level {li} ({kc:,})", w, mem, gpu, (lloyd_s + assign_s + comm_s) / 3600,
+        gpu_k = (piece * dim * 4 + KMEANS_BLOCK * dim * 4 + KMEANS_BLOCK * piece * 4) / GiB if gpus_per_node else 0
+        steps.append(Step(f"k-means level {li} ({kc:,})", w, mem, gpu_k, (lloyd_s + assign_s + comm_s) / 3600,
                           f"{KMEANS_ITERS} Lloyd iterations on {KMEANS_SAMPLE}/centroid, {1 + resampling} assignment "
-                          f"passes; rows ({pts:,}) and centroids sharded over {w} ranks in "
-                          f"{-(-kc // piece):,} pieces of {piece:,}; {comm_s / 3600:.2f} h of collectives at "
-                          f"{NET_RATE / 1e9:g} GB/s per rank (ASSUMED)"))
-    steps.append(Step("sampling", cpu_tasks, pool / cpu_tasks * 16 / GiB + 0.1, 0, pool / (SAMPLE_RATE * cpu_tasks) / 3600,
-                      "3 sharded passes, merges O(k x 256)"))
+                          f"passes; rows ({pts:,}) and centroids over {w} ranks "
+                          + ("(Slurm, `curate kmeans`)" if not local else "(local processes, gloo)")
+                          + f" in {-(-kc // piece):,} pieces of {piece:,}; {comm_s / 3600:.2f} h of collectives",
+                          _fmt(gpu_rate if g_rank else R["cpu_gemm"]) + (f"; network {_fmt(net)}" if comm_s else "")))
+    if tw["sampling"]:
+        r, w = R["sampling"], tw["sampling"]
+        steps.append(Step("sampling", w, pool / w * 16 / GiB + 0.1, 0, pool / (r.value * par(w)) / 3600,
+                          "3 sharded passes, merges O(k x 256)", _fmt(r)))
     kept = pool * keep_fraction
-    steps.append(Step("write shards", cpu_tasks, 1.0, 0, kept * IMAGE_BYTES / (WRITE_RATE * cpu_tasks) / 3600,
-                      f"{kept:,.0f} images x {IMAGE_BYTES / 1e3:.0f} kB, rate ASSUMED"))
+    r, w = R["write_shards"], tw["write shards"]
+    steps.append(Step("write shards", w, 1.0, 0, kept * IMAGE_BYTES / (r.value * par(w)) / 3600,
+                      f"{kept:,.0f} images x {IMAGE_BYTES / 1e3:.0f} kB", _fmt(r)))
+    r, w = R["decisions"], tw["decisions"]
+    steps.append(Step("decisions", w, 0.1, 0, pool / (r.value * par(w)) / 3600,
+                      "decisions parts by input ids, every input row", _fmt(r)))
     return steps
 
 
 def render(steps: list[Step], title: str) -> str:
-    lines = [f"### {title}", "", "| step | tasks | host GiB / task | GPU GiB / task | wall h | note |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [f"### {title}", "", "| step | tasks | host GiB / task | GPU GiB / task | wall h | rate | note |",
+             "|---|---:|---:|---:|---:|---|---|"]
     for s in steps:
-        lines.append(f"| {s.name} | {s.tasks} | {s.host_gib:,.1f} | {s.gpu_gib:,.1f} | {s.hours:.2f} | {s.note} |")
-    lines.append(f"| **total** | | | | **{sum(s.hours for s in steps):.1f}** | steps run one after another |")
+        lines.append(f"| {s.name} | {s.tasks} | {s.host_gib:,.1f} | {s.gpu_gib:,.1f} | {s.hours:.2f} | {s.rate} "
+                     f"| {s.note} |")
+    lines.append(f"| **total** | | | | **{sum(s.hours for s in steps):.1f}** | | steps run one after another |")
     return "\n".join(lines)
+
+
+def render_sources(rates: dict[str, Rate]) -> str:
+    """The rates' sources below the table: each measurement once (bench, date, machine, command) with the rates
+    taken from it; then the ASSUMED ones."""
+    from .plan_rates import USED
+
+    groups: dict[str, list[str]] = {}
+    for name, r in sorted(rates.items()):
+        if r.measured:
+            note = "" if name in USED else " (reference: this step's time is the cost model's)"
+            groups.setdefault(r.where(), []).append(f"{name} {r.value:.3g} {r.unit}{note}")
+    out = ["", "Rates measured:"] + [f"* {where}: " + ", ".join(names) for where, names in groups.items()]
+    out.append("* ASSUMED: " + ", ".join(f"{name} {r.value:.3g} {r.unit}" for name, r in sorted(rates.items())
+                                         if not r.measured) + "; the GPU table (GPUS), embedding img/s, "
+               f"{HASH_DUP_FRACTION:g} hash duplicates and {EDGES_PER_IMAGE:g} verified copies per image.")
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -210,17 +311,28 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=20)
     p.add_argument("--gpus-per-node", type=int, default=8, help="0: CPU nodes")
     p.add_argument("--gpu", default="v100", choices=sorted(GPUS))
-    p.add_argument("--cpus-per-task", type=int, default=8)
+    p.add_argument("--cpus-per-task", type=int, default=8, help="CPUs of an array task and of the finishing job")
+    p.add_argument("--tasks", type=int, default=None,
+                   help="W = tasks.count of the sharded steps (default: the chain's, 1 up to 65,536 rows, else "
+                        "min(--cores, 8))")
+    p.add_argument("--cores", type=int, default=None,
+                   help="CPU cores where `curate run` / the finishing job runs its W tasks (default --cpus-per-task)")
+    p.add_argument("--search-tasks", type=int, default=0, help="Slurm search array tasks (submit_curation.sh -s); "
+                                                               "0: the W local tasks search")
+    p.add_argument("--kmeans-tasks", type=int, default=0, help="`curate kmeans` ranks (submit_curation.sh -k); "
+                                                               "0: the W local tasks")
+    p.add_argument("--embed-tasks", type=int, default=None, help="embedding array tasks (default: one per GPU)")
     p.add_argument("--node-mem", type=float, default=480, help="host GiB per node")
     p.add_argument("--k", type=int, default=64)
     p.add_argument("--nprobe", type=int, default=16)
-    p.add_argument("--nlist", type=int, default=None, help="default max(4 sqrt(pool), pool / 1000); HNSW quantizer from 40,000")
+    p.add_argument("--nlist", type=int, default=None, help="default max(4 sqrt(pool), pool / 4000); HNSW quantizer from 40,000")
     p.add_argument("--eval", type=parse_count, default=1_000_000, help="eval images to decontaminate against")
     p.add_argument("--scan-rate", type=float, default=None, help="dim-ops/s per GPU (or per CPU task)")
     p.add_argument("--embed-rate", type=float, default=None, help="images/s per embedding task")
     p.add_argument("--levels", type=parse_count, nargs="*", default=[], help="hierarchical k-means levels, e.g. 10M 500k")
     p.add_argument("--resampling", type=int, default=0, help="resampling steps per k-means level")
     p.add_argument("--pairs-per-image", type=float, default=1.0, help="candidate pairs to verify per image")
+    p.add_argument("--rates", default=None, help="rates file (default bench/rates.json; bench/rates_from_bench.py)")
     a = p.parse_args(argv)
     try:
         pool = parse_count(a.pool)
@@ -230,11 +342,22 @@ def main(argv=None) -> int:
     if a.index == "ivf_pq" and a.dim % a.pq_m:
         print(f"curate plan: error: --pq-m {a.pq_m} must divide --dim {a.dim}", file=sys.stderr)
         return 2
+    for name in ("tasks", "cores"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            print(f"curate plan: error: --{name} must be >= 1, got {getattr(a, name)}", file=sys.stderr)
+            return 2
+    try:
+        rates = load_rates(a.rates)
+    except InputError as e:
+        print(f"curate plan: error: {e}", file=sys.stderr)
+        return 2
     steps = plan(pool, a.dim, a.index, a.pq_m, a.nodes, a.gpus_per_node, a.gpu, a.cpus_per_task, a.node_mem,
                  a.k, a.nprobe, a.nlist, a.eval, pairs_per_image=a.pairs_per_image, scan_rate=a.scan_rate,
-                 embed_rate=a.embed_rate, levels=a.levels, resampling=a.resampling)
+                 embed_rate=a.embed_rate, levels=a.levels, resampling=a.resampling, tasks=a.tasks, cores=a.cores,
+                 search_tasks=a.search_tasks, kmeans_tasks=a.kmeans_tasks, embed_tasks=a.embed_tasks, rates=rates)
     hw = f"{a.nodes} nodes x {a.gpus_per_node} {a.gpu.upper()}" if a.gpus_per_node else f"{a.nodes} CPU nodes"
     print(render(steps, f"{pool:,} x {a.dim}-d, {a.index}, {hw}"))
+    print(render_sources(rates))
     return 0
 
 

@@ -1,12 +1,19 @@
-"""`curate plan` (the curation cost model) and the sharded steps in the Slurm submitters."""
+"""`curate plan` (the curation cost model: the chain's task counts, rates measured or ASSUMED), the tables
+rendered from the benches' JSON, and the sharded steps in the Slurm submitters."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
+from bench import rates_from_bench, render_tables
 from curation.cli import main
-from curation.plan import code_bytes, parse_count, plan
+from curation.config import TasksConfig, task_plan
+from curation.plan import chain_tasks, code_bytes, parse_count, plan
+from curation.plan_rates import load_rates
 from dinopipe import cli as dinopipe_cli
 from tests.curation.conftest import fake_sbatch
 
@@ -17,19 +24,144 @@ QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
 def test_plan_sizes_the_index_and_places_the_search(capsys):
     assert parse_count("1.2B") == 1_200_000_000 and parse_count("142M") == 142_000_000
     assert code_bytes("ivf", 1024, 0) == 2048 and code_bytes("ivf_pq", 1024, 64) == 64
-    by = {s.name: s for s in plan(142_000_000, 1024, "ivf_pq", 64, nodes=20, gpus_per_node=8)}
-    # 142M x (64 B codes + 8 B id) = 9.5 GiB (+ centroids): fits one 32 GB V100 -> one task per GPU
+    by = {s.name: s for s in plan(142_000_000, 1024, "ivf_pq", 64, nodes=20, gpus_per_node=8, search_tasks=160)}
+    # 142M x (64 B codes + 8 B id) = 9.5 GiB (+ centroids): fits one 32 GB V100 -> one array task per GPU
     assert 9.5 < by["search (dedup)"].gpu_gib < 10.5 and by["search (dedup)"].tasks == 160
-    big = {s.name: s for s in plan(1_200_000_000, 1024, "ivf_pq", 64, nodes=20, gpus_per_node=8)}
-    assert big["search (dedup)"].tasks == 20  # 81 GiB: sharded over a node's 8 GPUs
+    big = {s.name: s for s in plan(1_200_000_000, 1024, "ivf_pq", 64, nodes=20, gpus_per_node=8, search_tasks=20)}
+    assert "8 GPU(s) per task" in big["search (dedup)"].note  # 81 GiB: sharded over a node's 8 GPUs
     assert big["embed"].hours > 8 * by["embed"].hours  # time grows with the pool
-    fp16 = {s.name: s for s in plan(142_000_000, 1024, "ivf", nodes=20, gpus_per_node=8)}
+    fp16 = {s.name: s for s in plan(142_000_000, 1024, "ivf", nodes=20, gpus_per_node=8, search_tasks=20)}
     assert "does not fit the GPUs" in fp16["search (dedup)"].note  # 272 GiB of fp16 codes
-    assert main(["plan", "--pool", "1.2B", "--index", "ivf_pq"]) == 0
+    assert main(["plan", "--pool", "1.2B", "--index", "ivf_pq", "--search-tasks", "20"]) == 0
     out = capsys.readouterr().out
     assert "1,200,000,000 x 1024-d" in out and "| search (dedup) | 20 |" in out
     assert main(["plan", "--pool", "lots"]) == 2
     assert "--pool 'lots'" in capsys.readouterr().err
+    assert main(["plan", "--tasks", "0"]) == 2 and "--tasks must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pool,count,cores", [(40_000, None, 8), (66_000, None, 16), (10_000_000, None, 2),
+                                              (10_000_000, 3, 64), (1_200_000_000, None, 128)])
+def test_plan_task_counts_are_the_chains(pool, count, cores):
+    """Every step's W is what curation.config.task_plan -- the function the chain calls -- gives for the rows
+    that step sees: the hash dedup all rows, the index, copy search and verification the hash survivors, ..."""
+    tw = chain_tasks(pool, count, cores, "ivf", hash_dup=0.01, copy_dup=0.2, keep_fraction=0.5)
+    cfg = TasksConfig(count=count)
+
+    def chain_w(n):
+        return task_plan(cfg, n, cores)["tasks"]
+
+    surv = pool - int(pool * 0.01)
+    rows = surv - int(pool * 0.2)
+    assert tw["hash dedup"] == chain_w(pool)
+    for step in ("index add", "search (dedup)", "verification", "decontaminate"):
+        assert tw[step] == chain_w(surv), step
+    assert tw["k-means"] == tw["sampling"] == chain_w(rows)  # tasks.launcher local: the tree as W ranks
+    assert tw["write shards"] == tw["decisions"] == chain_w(int(rows * 0.5))
+    assert tw["index train"] == tw["index merge"] == tw["grouping"] == 1  # one process each
+    if count is None:  # the default: 1 up to one block of rows, else min(cores, 8)
+        assert tw["hash dedup"] == (1 if pool <= 65536 else min(cores, 8))
+    if pool == 66_000:  # the hash dedup sees 66,000 rows (> one block), the kNN 65,340 (one block): W differs
+        assert (tw["hash dedup"], tw["search (dedup)"]) == (8, 1)
+    # the plan's rows carry these counts
+    by = {s.name: s for s in plan(pool, 384, "ivf", nodes=1, gpus_per_node=0, cpus_per_task=cores, tasks=count,
+                                  levels=[1000, 10], pairs_per_image=1.0)}
+    for step in ("hash dedup", "index add", "search (dedup)", "verification", "decontaminate", "sampling",
+                 "write shards", "decisions"):
+        assert by[step].tasks == chain_tasks(pool, count, cores, "ivf")[step], step
+    assert by["k-means level 2 (10)"].tasks == chain_tasks(pool, count, cores, "ivf")["k-means"]
+
+
+def test_plan_arrays_gpu_and_flat_builds_follow_the_chain():
+    tw = chain_tasks(10_000_000, 4, 8, "ivf", search_tasks=20, kmeans_tasks=64)
+    assert (tw["search (dedup)"], tw["decontaminate"], tw["k-means"], tw["hash dedup"]) == (20, 20, 64, 4)
+    # a GPU build, or a flat index, is added in one process and not merged (curation.knn_shards.KnnJob.build)
+    gpu = chain_tasks(10_000_000, 4, 8, "ivf", use_gpu=True)
+    flat = chain_tasks(10_000_000, 4, 8, "flat")
+    assert gpu["index add"] == flat["index add"] == 1 and gpu["index merge"] == flat["index merge"] == 0
+    assert chain_tasks(10_000_000, 4, 8, eval_rows=0)["decontaminate"] == 0
+    assert chain_tasks(10_000_000, 4, 8, hierarchical=False)["sampling"] == 0
+    assert "index merge" not in {s.name for s in plan(10_000_000, 384, "ivf", gpus_per_node=8, tasks=4)}
+
+
+def test_rates_measured_from_the_bench_json_else_assumed(tmp_path, capsys):
+    """A rate the bench's JSON gives is printed as measured with its source; one it does not give, ASSUMED."""
+    run = {"n": 1_000_000, "dim": 384, "tasks": 1, "meta": {"date": "2031-01-02", "machine": "box", "command": "c"},
+           "steps": {"dedup": {"runs": [{"fn": "pairs_task", "tasks": 1, "task_s": 4.0}]},
+                     "write": {"runs": [{"fn": "_decisions_part_task", "tasks": 1, "task_s": 2.0}]}},
+           "step_results": {"dedup": {"hash_duplicates": 10_000}, "rebalance": {"n_pool": 900_000}}}
+    run4 = {**run, "tasks": 4, "steps": {"dedup": {"runs": [{"fn": "pairs_task", "tasks": 4, "task_s": 1.5}]}}}
+    small = {**run, "n": 1000}
+    scale = tmp_path / "scale.json"
+    scale.write_text(json.dumps({"runs": [small, run4, run]}))
+    rates_path = tmp_path / "rates.json"
+    assert rates_from_bench.main(["--scale", str(scale), "--out", str(rates_path)]) == 0
+    doc = json.loads(rates_path.read_text())["rates"]
+    # the largest N, its W = 1 run: 1M rows / 1 task / 4 s; decisions 1M / 2 s
+    assert doc["hash_dedup"]["value"] == 250_000.0 and doc["decisions"]["value"] == 500_000.0
+    assert doc["hash_dedup"]["source"]["date"] == "2031-01-02" and "index_add" not in doc
+    rates = load_rates(str(rates_path))
+    assert rates["hash_dedup"].value == 250_000.0 and rates["hash_dedup"].measured
+    assert not rates["write_shards"].measured and rates["write_shards"].mark() == "ASSUMED"
+    capsys.readouterr()
+    assert main(["plan", "--pool", "10M", "--rates", str(rates_path), "--gpus-per-node", "0"]) == 0
+    out = capsys.readouterr().out
+    row = {ln.split("|")[1].strip(): ln for ln in out.splitlines() if ln.startswith("| ")}
+    assert "2.5e+05 rows/s per task, measured (bench_curation_scale.py, 2031-01-02, N=1,000,000 W=1)" in row["hash dedup"]
+    assert "ASSUMED" in row["write shards"] and "measured" not in row["write shards"]
+    assert "ASSUMED" in row["grouping"]
+    # the hash dedup's time follows the rate: 10M rows over min(W, cores) tasks at 250k rows/s each
+    by = {s.name: s for s in plan(10_000_000, 384, "ivf", gpus_per_node=0, cpus_per_task=8, rates=rates)}
+    assert abs(by["hash dedup"].hours * 3600 - 10_000_000 / (250_000 * 8)) < 1e-6
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rates": {"hash_dedup": {"value": -1}}}')
+    assert main(["plan", "--rates", str(bad)]) == 2 and "bad.json" in capsys.readouterr().err
+    assert main(["plan", "--rates", str(tmp_path / "none.json")]) == 2
+
+
+def test_tables_render_deterministically_into_their_markers_only(tmp_path):
+    scale = ROOT / "bench" / "results" / "scale_1m.json"
+    doc, readme = tmp_path / "doc.md", tmp_path / "README.md"
+    doc.write_text("# Page\n\nkept above\n<!-- begin: scale-table -->\nold typed table\n<!-- end: scale-table -->\n"
+                   "between\n<!-- begin: plan-tables -->\n<!-- end: plan-tables -->\nkept below\n")
+    readme.write_text("intro\n<!-- begin: readme-scale-table -->\n<!-- end: readme-scale-table -->\noutro\n")
+    rates = str(ROOT / "bench" / "rates.json")
+    assert render_tables.render([str(scale)], rates, str(doc), str(readme)) == [str(doc), str(readme)]
+    first = doc.read_text()
+    assert first.startswith("# Page\n\nkept above\n<!-- begin: scale-table -->\n") and first.endswith("kept below\n")
+    assert "old typed table" not in first and "\nbetween\n" in first
+    # the growth table: every runner call of the JSON, W = 4 / W = 1 heap, decisions equal across W
+    assert "| N=1M W=1 | N=1M W=4 |" in first and "index add" in first and "heap W=4 / W=1 at 1M" in first
+    assert "| decisions equal across W | yes | yes |" in first
+    assert "curate plan --pool 1.2B" in first and "measured (" in first and "ASSUMED" in first
+    assert render_tables.render([str(scale)], rates, str(doc), str(readme)) == []  # idempotent
+    assert doc.read_text() == first and "d5dd1b51" in readme.read_text()
+    (tmp_path / "plain.md").write_text("no markers\n")
+    with pytest.raises(ValueError, match="begin: scale-table"):
+        render_tables.render([str(scale)], rates, str(tmp_path / "plain.md"), str(readme))
+
+
+@pytest.mark.slow
+def test_curate_run_runs_the_task_counts_the_plan_predicts(pool_dir, tmp_path, capsys):
+    """End to end: `curate run` on a small pool with tasks.count=2 logs, per step, the task counts `curate plan`
+    predicts for that pool (chain_tasks), and 0 where the plan says a step does not run (no eval images)."""
+    pool, _ = pool_dir
+    out = tmp_path / "out"
+    assert main(["run", "--config", QUICKSTART, f"input.paths=[{pool}]", f"output.dir={out}", "progress=false",
+                 "embed.num_workers=0", "report.enabled=false", "tasks.count=2", "tasks.launcher=inline"]) == 0
+    log = capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    n = manifest["counts"]["input"]
+    got = {**json.loads((out / "steps" / "dedup.json").read_text())["tasks"],
+           **json.loads((out / "steps" / "decontaminate.json").read_text())["tasks"],
+           **json.loads((out / "steps" / "rebalance_report.json").read_text())["tasks"], **manifest["tasks"]}
+    want = chain_tasks(n, 2, kind="flat", eval_rows=0, launcher="inline")
+    assert got == {"hash": want["hash dedup"], "knn": want["search (dedup)"], "verify": want["verification"],
+                   "eval_search": want["decontaminate"], "kmeans": want["k-means"], "sample": want["sampling"],
+                   "write": want["write shards"]}
+    # inline: the W tasks one after another, and the k-means tree as one rank (the same tree)
+    assert got == {"hash": 2, "knn": 2, "verify": 2, "eval_search": 0, "kmeans": 1, "sample": 2, "write": 2}
+    assert '"tasks"' in log or "tasks" in log
 
 
 def test_submitters_chain_index_and_search_between_embed_and_finish(tmp_path, capsys):

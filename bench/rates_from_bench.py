@@ -1,0 +1,129 @@
+"""The rates `curate plan` uses, from the benches' JSON: rows/s per task of every chain step the growth bench
+measures, pixel pairs/s per core from the verification bench, each with its source (bench, date, machine,
+command, run).
+
+    python bench/rates_from_bench.py --scale bench/results/scale_1m.json [more scale JSON ...] \\
+        [--verify verify.json] --out bench/rates.json
+
+Per step, from ``bench/bench_curation_scale.py``'s runs (``{"runs": [{"n", "tasks", "steps": {step: {"runs":
+[{"fn", "tasks", "task_s", ...}]}}, "step_results", "meta"}]}``; several files are merged): the run with the
+most rows, of those the one with the fewest tasks (W = 1: one task with the whole machine), and its runner
+calls of the step's task function; rate = (rows the step sees / W) / the slowest task's seconds. Rows: the
+hash dedup and the decisions parts every row, the index add, the copy search and the decontamination the hash
+survivors, the k-means tree and the sampling the rows rebalanced. The pixel verification of the growth bench
+is a planted-truth verifier (no pixels), so its rate comes from ``bench/bench_verify.py --json`` only.
+A rate no JSON gives stays ASSUMED in the plan (curation/plan_rates.py: DEFAULTS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# rate name -> (step in the scale JSON, runner functions summed, the rows they see, unit)
+SCALE_STEPS = {
+    "hash_dedup": ("dedup", ("pairs_task",), "all", "rows/s per task"),
+    "index_add": ("dedup", ("add_task",), "survivors", "rows/s per task"),
+    "search": ("dedup", ("search_task",), "survivors", "rows/s per task"),
+    "decontaminate": ("decontaminate", ("search_task",), "survivors", "rows/s per task"),
+    "kmeans": ("rebalance", ("tree_task",), "rebalanced", "rows/s per task (every level)"),
+    "sampling": ("rebalance", ("hist_task", "boundary_task", "select_task"), "rebalanced", "rows/s per task"),
+    "decisions": ("write", ("_decisions_part_task",), "all", "rows/s per task"),
+}
+
+
+def _rows(run: dict, which: str) -> int:
+    n = int(run["n"])
+    if which == "all":
+        return n
+    if which == "survivors":
+        return n - int(run["step_results"]["dedup"]["hash_duplicates"])
+    return int(run["step_results"]["rebalance"]["n_pool"])
+
+
+def _pick(runs: list[dict], step: str, fns: tuple[str, ...]) -> dict | None:
+    """The run with the most rows, then the fewest tasks, that has the step's task functions."""
+    have = [r for r in runs if any(c["fn"] in fns for c in r["steps"].get(step, {}).get("runs", []))]
+    return min(have, key=lambda r: (-int(r["n"]), int(r["tasks"]))) if have else None
+
+
+def scale_rates(runs: list[dict]) -> dict:
+    out = {}
+    for name, (step, fns, which, unit) in SCALE_STEPS.items():
+        run = _pick(runs, step, fns)
+        if run is None:
+            continue
+        calls = [c for c in run["steps"][step]["runs"] if c["fn"] in fns]
+        w = int(calls[0]["tasks"])
+        seconds = sum(float(c["task_s"]) for c in calls)
+        rows = _rows(run, which)
+        if seconds <= 0 or rows <= 0:
+            continue
+        meta = run.get("meta") or {}
+        out[name] = {"value": round(rows / w / seconds, 1), "unit": unit, "source": {
+            "bench": "bench/bench_curation_scale.py (" + os.path.basename(run["_file"]) + ")",
+            "date": meta.get("date", "not recorded"), "machine": meta.get("machine", "not recorded"),
+            "command": meta.get("command", "not recorded"),
+            "label": f"N={int(run['n']):,} W={w}",
+            "run": f"N={int(run['n']):,} W={w}, {'+'.join(fns)} {seconds:.1f} s over {rows:,} rows, "
+                   f"D={run.get('dim', '?')}"}}
+    return out
+
+
+def verify_rate(doc: dict, path: str) -> dict:
+    meta = doc.get("meta") or {}
+    return {"verification": {"value": round(float(doc["pairs_per_s_per_core"]), 1), "unit": "pairs/s per core",
+                             "source": {"bench": "bench/bench_verify.py (" + os.path.basename(path) + ")",
+                                        "date": meta.get("date", "not recorded"),
+                                        "machine": meta.get("machine", "not recorded"),
+                                        "command": meta.get("command", "not recorded"),
+                                        "run": f"{doc.get('pairs', '?')} pairs of {doc.get('images', '?')} images, "
+                                               f"{doc.get('threads', '?')} thread(s), {doc.get('device', 'cpu')}"}}}
+
+
+def load_runs(paths: list[str]) -> list[dict]:
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        for r in doc["runs"]:
+            runs.append({**r, "_file": path})
+    return runs
+
+
+def build(scale: list[str], verify: str | None = None) -> dict:
+    rates = scale_rates(load_runs(scale))
+    if verify:
+        with open(verify) as f:
+            rates.update(verify_rate(json.load(f), verify))
+    return {"generated_by": "python bench/rates_from_bench.py " + " ".join(
+                [f"--scale {' '.join(scale)}"] + ([f"--verify {verify}"] if verify else [])),
+            "generated": time.strftime("%Y-%m-%d", time.gmtime()),
+            "note": "rows/s of one task; a rate missing here is ASSUMED in `curate plan` (curation/plan_rates.py)",
+            "rates": dict(sorted(rates.items()))}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", nargs="+", required=True, help="JSON of bench/bench_curation_scale.py --json")
+    p.add_argument("--verify", default=None, help="JSON of bench/bench_verify.py --json")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "rates.json"))
+    a = p.parse_args(argv)
+    try:
+        doc = build(a.scale, a.verify)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"rates_from_bench: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    for name, r in doc["rates"].items():
+        print(f"{name}: {r['value']:,.1f} {r['unit']} ({r['source']['run']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""The curation tables of docs/curation-scale.md and README.md, generated, not typed: the growth table from the
+JSON of bench/bench_curation_scale.py, the planner's worked examples from `curate plan`'s output.
+
+    python bench/render_tables.py --scale bench/results/scale_1m.json [more JSON ...] [--rates bench/rates.json]
+
+Each table is written between its marker comments (``<!-- begin: NAME -->`` ... ``<!-- end: NAME -->``), so a
+rerun replaces it and leaves the rest of the page as it is; a page without its markers is an error. The output
+depends only on the inputs (no clock): the same JSON gives the same bytes. `make curation-tables` runs this
+after bench/rates_from_bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import os
+import re
+import shlex
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.rates_from_bench import load_runs  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, "docs", "curation-scale.md")
+README = os.path.join(ROOT, "README.md")
+
+# the worked examples of docs/curation-scale.md "The planner": (title, `curate plan` arguments)
+EXAMPLES = [
+    ("DINOv2's LVD-142M from 1.2B images on 20 nodes x 8 V100 (copy search as a 20-task Slurm array)",
+     "--pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100 "
+     "--pairs-per-image 40 --search-tasks 20"),
+    ("DINOv3's hierarchical k-means (10M / 500k / 50k / 10k) on 16 nodes x 8 H100, the k-means as 128 ranks",
+     "--pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 16 --gpus-per-node 8 --gpu h100 "
+     "--pairs-per-image 40 --search-tasks 16 --kmeans-tasks 128 --levels 10M 500k 50k 10k"),
+    ("A 10M-tile pathology pool on one 8-GPU node (A100), 40 candidate pairs per tile, three k-means levels",
+     "--pool 10M --dim 1024 --index ivf_sq8 --nodes 1 --gpus-per-node 8 --gpu a100 --cpus-per-task 64 "
+     "--pairs-per-image 40 --levels 100k 10k 1k --eval 100k"),
+]
+
+STEP_LABELS = {"pool_task": "generate", "pairs_task": "hash pairs", "add_task": "index add",
+               "search_task": "search", "verify_arrays_task": "verification (planted)",
+               "verify_pairs_task": "verification (planted)", "tree_task": "k-means tree (every level)",
+               "hist_task": "sampling: histogram", "boundary_task": "sampling: boundary",
+               "select_task": "sampling: select", "_decisions_part_task": "decisions parts"}
+
+
+def replace_region(text: str, name: str, content: str) -> str:
+    """``text`` with what lies between ``<!-- begin: name -->`` and ``<!-- end: name -->`` replaced by
+    ``content`` (the markers kept); a missing or repeated marker is an error."""
+    begin, end = f"<!-- begin: {name} -->", f"<!-- end: {name} -->"
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"expected one '{begin}' followed by one '{end}'")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{content.strip()}\n{end}{tail}"
+
+
+def slope(ns, ts) -> float:
+    """Least-squares slope of log t against log N (nan with fewer than two sizes)."""
+    pts = [(math.log(n), math.log(max(t, 1e-3))) for n, t in zip(ns, ts)]
+    if len({x for x, _ in pts}) < 2:
+        return float("nan")
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+def _n(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}k" if n >= 1e3 else str(n)
+
+
+def _rows(run: dict) -> dict:
+    """(step, label) -> (task s, task heap MB) of one run: each step's total, then its runner calls."""
+    out = {}
+    for step, r in run["steps"].items():
+        out[(step, "")] = (float(r["task_s"]), float(r["task_heap_mb"]), float(r["wall_s"]))
+        seen = {}
+        for c in r["runs"]:
+            label = STEP_LABELS.get(c["fn"], c["fn"])
+            if step == "decontaminate" and c["fn"] == "search_task":
+                label = "eval search"
+            elif step == "dedup" and c["fn"] == "search_task":
+                label = "copy search"
+            s, h = seen.get(label, (0.0, 0.0))
+            seen[label] = (s + float(c["task_s"]), max(h, float(c["task_heap_mb"])))
+        if len(seen) > 1:
+            for label, (s, h) in seen.items():
+                out[(step, label)] = (s, h, None)
+    return out
+
+
+def growth_table(runs: list[dict]) -> str:
+    """Markdown: per step and runner call, the slowest task's s / the largest task's heap at every (N, W),
+    the log-log slope of task s over N per W, the W_max / W = 1 heap ratio at the largest N, then recall,
+    the decisions digests and whether they agree across W, and the total wall time."""
+    runs = sorted(runs, key=lambda r: (int(r["n"]), int(r["tasks"])))
+    cols = [(int(r["n"]), int(r["tasks"])) for r in runs]
+    by = {c: _rows(r) for c, r in zip(cols, runs)}
+    ws = sorted({w for _, w in cols})
+    ns = sorted({n for n, _ in cols})
+    big, wmax = ns[-1], ws[-1]
+    slope_ws = [w for w in ws if len([n for n, ww in cols if ww == w]) > 1]
+    ratio = (big, 1) in by and (big, wmax) in by and wmax > 1
+    head = ["step"] + [f"N={_n(n)} W={w}" for n, w in cols] + [f"slope W={w}" for w in slope_ws]
+    head += [f"heap W={wmax} / W=1 at {_n(big)}"] if ratio else []
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    keys = []
+    for c in cols:
+        keys += [k for k in by[c] if k not in keys]
+    for key in keys:
+        step, label = key
+        name = f"**{step}**" if not label else f"&nbsp;&nbsp;{label}"
+        cells = []
+        for c in cols:
+            v = by[c].get(key)
+            cells.append("" if v is None else f"{v[0]:.1f} s / {v[1]:,.0f} MB")
+        for w in slope_ws:
+            pts = [(n, by[(n, w)][key][0]) for n in ns if (n, w) in by and key in by[(n, w)]]
+            s = slope([p[0] for p in pts], [p[1] for p in pts]) if len(pts) > 1 else float("nan")
+            cells.append("" if math.isnan(s) else f"{s:.2f}")
+        if ratio:
+            a, b = by[(big, 1)].get(key), by[(big, wmax)].get(key)
+            cells.append(f"{b[1] / a[1]:.2f}" if a and b and a[1] > 0 else "")
+        lines.append("| " + " | ".join([name] + cells) + " |")
+    extra = len(head) - 1 - len(cols)
+
+    def row(name, vals):
+        lines.append("| " + " | ".join([name] + vals + [""] * extra) + " |")
+
+    row("step wall (orchestrator)", [" / ".join(f"{r['steps'][s]['wall_s']:.0f}" for s in r["steps"]) + " s"
+                                     for r in runs])
+    row("total wall", [f"{r['total_s'] / 60:.1f} min" if r.get("total_s") else "" for r in runs])
+    row("recall hash / copies / overlap", [" / ".join(f"{v:.3f}" for v in r["recall"].values()) for r in runs])
+    row("decisions sha256", [r["decisions_sha256"][:12] for r in runs])
+    same = {n: len({r["decisions_sha256"] for r in runs if int(r["n"]) == n}) == 1 for n in ns}
+    row("decisions equal across W", ["yes" if same[int(r["n"])] else "**NO**" for r in runs])
+    return "\n".join(lines)
+
+
+def provenance(runs: list[dict]) -> str:
+    """Where the runs were measured (the JSON's meta), one line per distinct source."""
+    seen = []
+    for r in runs:
+        m = r.get("meta") or {}
+        line = (f"{os.path.basename(r['_file'])}: {m.get('date', 'date not recorded')}, "
+                f"{m.get('machine', 'machine not recorded')}; `{m.get('command', 'command not recorded')}`")
+        if line not in seen:
+            seen.append(line)
+    return "\n".join(f"* {s}" for s in seen)
+
+
+def scale_section(runs: list[dict]) -> str:
+    return ("Generated by `bench/render_tables.py` from the growth bench's JSON (`make curation-tables`); "
+            "cells: the slowest task's s / the largest task's heap (RssAnon above its start); a step's bold row "
+            "sums its runner calls' slowest tasks (the rest of its wall time is single-process work: index "
+            "train, merge, grouping, orchestration).\n\n" + growth_table(runs) + "\n\nMeasured:\n" + provenance(runs))
+
+
+def readme_table(runs: list[dict]) -> str:
+    """README's short form: the largest N, every W, the runner calls only."""
+    big = max(int(r["n"]) for r in runs)
+    top = sorted((r for r in runs if int(r["n"]) == big), key=lambda r: int(r["tasks"]))
+    rows = [_rows(r) for r in top]
+    head = ["step"] + [f"{_n(big)} rows, W = {r['tasks']}" for r in top]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for key in rows[0]:
+        if key[1] or all(k[0] != key[0] or not k[1] for k in rows[0]):
+            name = key[1] or key[0]
+            lines.append("| " + " | ".join([name] + [f"{x[key][0]:.1f} s / {x[key][1]:,.0f} MB" if key in x else ""
+                                                    for x in rows]) + " |")
+    same = len({r["decisions_sha256"] for r in top}) == 1
+    lines.append("| decisions.tsv | " + " | ".join(r["decisions_sha256"][:12] for r in top) + " |")
+    return ("\n".join(lines) + f"\n\nDecisions {'identical' if same else 'DIFFERENT'} across W at {big:,} rows "
+            "(generated by `make curation-tables` from " + ", ".join(sorted({os.path.basename(r["_file"]) for r in top}))
+            + "; the slowest task's s / the largest task's heap).")
+
+
+def plan_section(rates: str | None = None) -> str:
+    from curation.plan import main as plan_main
+
+    out = ["Generated by `bench/render_tables.py` from `curate plan`'s output (`make curation-tables`); every "
+           "figure is the model's, each rate marked measured (with its source) or ASSUMED."]
+    for i, (title, args) in enumerate(EXAMPLES):
+        argv = shlex.split(args) + (["--rates", rates] if rates else [])
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = plan_main(argv)
+        if rc != 0:
+            raise RuntimeError(f"curate plan {args}: exit {rc}")
+        text = buf.getvalue().strip()
+        table, _, sources = text.partition("\n\nRates measured:")
+        table = re.sub(r"^### .*\n\n", "", table)
+        out += ["", f"**{title}**", "", f"    curate plan {args}", "", table]
+        if i == len(EXAMPLES) - 1:
+            out += ["", "Rates measured:" + sources]
+    return "\n".join(out)
+
+
+def render(paths: list[str], rates: str | None = None, doc: str = DOC, readme: str = README) -> list[str]:
+    """Rewrite the marked regions of ``doc`` and ``readme``; returns the files changed."""
+    runs = load_runs(paths)
+    changed = []
+    for path, regions in ((doc, {"scale-table": scale_section(runs), "plan-tables": plan_section(rates)}),
+                          (readme, {"readme-scale-table": readme_table(runs)})):
+        with open(path) as f:
+            old = f.read()
+        new = old
+        for name, content in regions.items():
+            try:
+                new = replace_region(new, name, content)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+        if new != old:
+            with open(path, "w") as f:
+                f.write(new)
+            changed.append(path)
+    return changed
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", nargs="+", required=True, help="JSON of bench/bench_curation_scale.py --json")
+    p.add_argument("--rates", default=None, help="rates file for the plan (default bench/rates.json)")
+    p.add_argument("--doc", default=DOC)
+    p.add_argument("--readme", default=README)
+    a = p.parse_args(argv)
+    try:
+        changed = render(a.scale, a.rates, a.doc, a.readme)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"render_tables: error: {e}", file=sys.stderr)
+        return 2
+    print("updated: " + (", ".join(os.path.relpath(c, ROOT) for c in changed) or "nothing (already current)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
