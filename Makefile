@@ -14,7 +14,7 @@ FLOOR_TESTS := tests/train/test_fsdp_matrix.py tests/train/test_mixed_precision.
 	tests/train/test_checkpoint_manager.py tests/test_hub.py tests/test_hub_dinov3.py tests/test_export_hf.py \
 	tests/test_export_onnx.py tests/test_export_roundtrip.py tests/utils/test_torch_compat.py
 
-.PHONY: venv venv-floor test test-floor test-fast bench quickstart gpu-check gpu-bench official-src gpu-bench-wheels clean
+.PHONY: venv venv-floor test test-floor test-fast bench curation-tables quickstart gpu-check gpu-bench official-src gpu-bench-wheels clean
 
 venv: $(STAMP)
 
@@ -71,6 +71,14 @@ gpu-bench-wheels:
 
 bench: venv
 	$(BIN)/python bench/run_all.py
+
+# bench/rates.json and the curation tables of docs/curation-scale.md and README.md, from the growth bench's JSON
+# (bench/bench_curation_scale.py --json; several files: SCALE_JSON="a.json b.json"); VERIFY_JSON: bench_verify --json.
+SCALE_JSON ?= bench/results/scale_1m.json
+VERIFY_JSON ?=
+curation-tables: venv
+	$(BIN)/python bench/rates_from_bench.py --scale $(SCALE_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out bench/rates.json
+	$(BIN)/python bench/render_tables.py --scale $(SCALE_JSON) --rates bench/rates.json
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache

@@ -1,21 +1,21 @@
 """curate plan: memory per task and wall time of every curation step, on paper, with the chain's task counts.
 
-    curate plan --pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100 \\
-        --search-tasks 160 --kmeans-tasks 160
+    curate plan --pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100 \
+        --search-tasks 20 --kmeans-tasks 160
 
-Task counts are the chain's, not the model's: :func:`chain_tasks` calls curation.config.task_plan -- the
-function `curate run` calls -- with the rows each step sees (--tasks is tasks.count; without it: 1 up to one
-block of rows, else min(--cores, 8)). Hash dedup, index add, verification, decontamination, the k-means tree,
-sampling, shard writing and the decisions parts run as those W local processes of `curate run` (or of the Slurm
-chain's finishing job) on one machine of --cores cores; index train, index merge and grouping in one process.
-The Slurm chain (slurm/submit_curation.sh) gives three steps arrays of their own: embedding (-n:
---embed-tasks), the copy and eval searches (-s: --search-tasks) and the k-means tree (-k: --kmeans-tasks).
+Task counts are the chain's, not the model's: chain_tasks calls curation.config.task_plan -- the function
+curate run calls -- with the rows each step sees (--tasks is tasks.count; without it: 1 up to one block of
+rows, else min(--cores, 8)). Hash dedup, index add, verification, decontamination, the k-means tree, sampling,
+shard writing and the decisions parts run as those W local processes of curate run (or of the Slurm chain's
+finishing job) on one machine of --cores cores; index train, index merge and grouping in one process. The
+Slurm chain (slurm/submit_curation.sh) gives three steps arrays of their own: embedding (-n: --embed-tasks),
+the copy and eval searches (-s: --search-tasks) and the k-means tree (-k: --kmeans-tasks).
 
-Times are op counts or rows over rates, each printed with its mark: ``measured (<source>)`` -- bench/rates.json,
+Times are op counts or rows over rates, each printed with its mark: measured (source) -- from bench/rates.json,
 which bench/rates_from_bench.py derives from the JSON of bench/bench_curation_scale.py and bench/bench_verify.py,
 or a cited measurement -- or ASSUMED (--rates FILE: another rates file). Index sizes are exact (faiss code
-sizes). Steps: embed -> hash dedup -> index train / add / merge -> search -> verification -> grouping ->
-decontamination -> k-means levels -> sampling -> shard writing -> decisions.
+sizes). Steps: embed, hash dedup, index train / add / merge, search, verification, grouping, decontamination,
+k-means levels, sampling, shard writing, decisions.
 """
 
 from __future__ import annotations
@@ -316,10 +316,10 @@ def main(argv=None) -> int:
                    help="W = tasks.count of the sharded steps (default: the chain's, 1 up to 65,536 rows, else "
                         "min(--cores, 8))")
     p.add_argument("--cores", type=int, default=None,
-                   help="CPU cores where `curate run` / the finishing job runs its W tasks (default --cpus-per-task)")
+                   help="CPU cores where curate run / the finishing job runs its W tasks (default --cpus-per-task)")
     p.add_argument("--search-tasks", type=int, default=0, help="Slurm search array tasks (submit_curation.sh -s); "
                                                                "0: the W local tasks search")
-    p.add_argument("--kmeans-tasks", type=int, default=0, help="`curate kmeans` ranks (submit_curation.sh -k); "
+    p.add_argument("--kmeans-tasks", type=int, default=0, help="curate kmeans ranks (submit_curation.sh -k); "
                                                                "0: the W local tasks")
     p.add_argument("--embed-tasks", type=int, default=None, help="embedding array tasks (default: one per GPU)")
     p.add_argument("--node-mem", type=float, default=480, help="host GiB per node")
@@ -331,7 +331,8 @@ def main(argv=None) -> int:
     p.add_argument("--embed-rate", type=float, default=None, help="images/s per embedding task")
     p.add_argument("--levels", type=parse_count, nargs="*", default=[], help="hierarchical k-means levels, e.g. 10M 500k")
     p.add_argument("--resampling", type=int, default=0, help="resampling steps per k-means level")
-    p.add_argument("--pairs-per-image", type=float, default=1.0, help="candidate pairs to verify per image")
+    p.add_argument("--pairs-per-image", type=float, default=1.0,
+                   help="candidate pairs to verify per image (0: dedup.verify=false)")
     p.add_argument("--rates", default=None, help="rates file (default bench/rates.json; bench/rates_from_bench.py)")
     a = p.parse_args(argv)
     try:

@@ -136,6 +136,20 @@ def test_tables_render_deterministically_into_their_markers_only(tmp_path):
     assert "curate plan --pool 1.2B" in first and "measured (" in first and "ASSUMED" in first
     assert render_tables.render([str(scale)], rates, str(doc), str(readme)) == []  # idempotent
     assert doc.read_text() == first and "d5dd1b51" in readme.read_text()
+    # several JSON files: a second size gives the log-log slope per W (here a run at 2N taking twice as long)
+    twice = json.loads(scale.read_text())
+    for run in twice["runs"]:
+        run["n"] *= 2
+        for step in run["steps"].values():
+            step["task_s"] *= 2
+            for call in step["runs"]:
+                call["task_s"] *= 2
+    (tmp_path / "scale_2m.json").write_text(json.dumps(twice))
+    table = render_tables.growth_table(rates_from_bench.load_runs([str(scale), str(tmp_path / "scale_2m.json")]))
+    head = table.splitlines()[0]
+    hash_row = next(ln for ln in table.splitlines() if "hash pairs" in ln)
+    assert "| slope W=1 | slope W=4 | heap W=4 / W=1 at 2M |" in head
+    assert hash_row.split("|")[-4:-2] == [" 1.00 ", " 1.00 "]
     (tmp_path / "plain.md").write_text("no markers\n")
     with pytest.raises(ValueError, match="begin: scale-table"):
         render_tables.render([str(scale)], rates, str(tmp_path / "plain.md"), str(readme))
