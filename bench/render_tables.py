@@ -46,7 +46,9 @@ STEP_LABELS = {"pool_task": "generate", "pairs_task": "hash pairs", "add_task": 
                "search_task": "search", "verify_arrays_task": "verification (planted)",
                "verify_pairs_task": "verification (planted)", "tree_task": "k-means tree (every level)",
                "hist_task": "sampling: histogram", "boundary_task": "sampling: boundary",
-               "select_task": "sampling: select", "_decisions_part_task": "decisions parts"}
+               "select_task": "sampling: select", "_decisions_part_task": "decisions parts",
+               "index_train": "index train (one process)", "index_merge": "index merge (one process)",
+               "hash_grouping": "hash grouping (one process)", "grouping": "copy grouping (one process)"}
 
 
 def replace_region(text: str, name: str, content: str) -> str:

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from .index import Rows, build_index, iter_knn
+from .steps.runner import phase
 from .unionfind import components_by_smallest_id, id_ranks
 
 GROUPINGS = ("star", "components")
@@ -137,9 +138,11 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
         lo, hi = lo[ok], hi[ok]
     seconds = time.perf_counter() - t0 if verifier is not None else 0.0
     if grouping == "components":
-        component = components_by_smallest_id(n, ids, order[lo], order[hi])
+        with phase("grouping"):
+            component = components_by_smallest_id(n, ids, order[lo], order[hi])
     else:
-        root = star_groups(n, lo, hi)
+        with phase("grouping"):
+            root = star_groups(n, lo, hi)
         if verifier is not None and len(lo):
             t1 = time.perf_counter()
             root = attach_singletons(root, lo, hi, lambda x, y: verifier(order[x], order[y]))

@@ -29,7 +29,7 @@ import numpy as np
 from dinopipe.utils.io import atomic_path
 
 from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, group_pairs, merge_pair_parts, near_pairs_task
-from .steps.runner import part_done, part_path, parts, read_part, run_step, write_part
+from .steps.runner import part_done, part_path, parts, phase, read_part, run_step, write_part
 from .verify import PartedVerifier, pixel_verifier
 
 
@@ -111,7 +111,8 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
     ran = launch(pairs_task, plan, folder=folder, max_distance=max_distance)
     a, b = merge_pair_parts([(r["a"], r["b"]) for r in map(read_part, parts(os.path.join(folder, "parts"),
                                                                                 "pairs", w))])
-    group, keep = group_pairs(n, a, b, emb.ids)
+    with phase("hash_grouping"):
+        group, keep = group_pairs(n, a, b, emb.ids)
     hashes = np.load(hashes_path, mmap_mode="r")
     n_pairs = int(np.count_nonzero(hashes[a] != hashes[b]))
     del a, b

@@ -41,7 +41,7 @@ from dinopipe.utils.io import atomic_path, atomic_write_json
 
 from .index import (KnnIndex, Rows, _drop_self, add_part, build_index, default_nlist, gpus_for, load_index,
                     merge_parts, resolve_kind, save_index, train_ondisk)
-from .steps.runner import run_step, task_rows
+from .steps.runner import phase, run_step, task_rows
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
 BATCH_DEFAULT = 8192
@@ -266,15 +266,17 @@ class KnnJob:
         if os.path.isdir(self.chunks_dir):
             shutil.rmtree(self.chunks_dir)
         trained = os.path.join(self.dir, "trained.index")
-        train_ondisk(rows, trained, kind, params.get("nlist") or default_nlist(len(rows)), params.get("train_size"),
-                     params.get("seed", 0), params.get("pq_m", 0), params.get("quantizer", "auto"))
+        with phase("index_train"):
+            train_ondisk(rows, trained, kind, params.get("nlist") or default_nlist(len(rows)), params.get("train_size"),
+                         params.get("seed", 0), params.get("pq_m", 0), params.get("quantizer", "auto"))
         names = [os.path.join(self.dir, "add", f"part-{t:05d}-of-{w:05d}.index") for t in range(w)]
         os.makedirs(os.path.join(self.dir, "add"), exist_ok=True)
         inline = plan["launcher"] == "inline" or w == 1
         run_step(add_task, w, "local", processes=0 if inline else None, trained=trained,
                  rows=rows if inline else _need_source(source), names=names,
                  block=params.get("chunk_size", CHUNK_SIZE_DEFAULT))
-        merge_parts(trained, names, self.index_path)
+        with phase("index_merge"):
+            merge_parts(trained, names, self.index_path)
         shutil.rmtree(os.path.join(self.dir, "add"))  # the merged lists hold them now
         meta = {"params": _jsonable(params), "kind": kind, "n": len(rows), "dim": rows.dim, "ondisk": True,
                 "add_tasks": w, "index_bytes": os.path.getsize(self.index_path)

@@ -231,6 +231,22 @@ def recording():
         _RECORD = old
 
 
+@contextlib.contextmanager
+def phase(name: str):
+    """A single-process part of a step (index train, merge, grouping): while :func:`recording`, recorded like a
+    one-task inline runner call named ``name`` (its wall time and heap), so the growth bench's JSON has it;
+    otherwise nothing is measured."""
+    if _RECORD is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    with PeakMemory() as mem:
+        yield
+    _RECORD.append({"fn": name, "tasks": 1, "inline": True, "reports": [{
+        "task": 0, "wall_s": time.perf_counter() - t0, "peak_anon": mem.peak_anon, "start_anon": mem.start_anon,
+        "peak_rss": mem.peak_rss, "start_rss": mem.start_rss, "hwm_reset": mem.hwm_reset, "result": {}}]})
+
+
 def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: int | None = None,
              **kw) -> list[dict]:
     """Run ``fn`` as ``num_tasks`` tasks; per task: wall time, peak memory and ``fn``'s result

@@ -81,6 +81,9 @@ def test_simulate_runs_the_chain_of_curate_run_w1_and_w3_identical_with_planted_
     # the hash dedup, kNN search, verification, sampling and decisions tasks of `curate run`, each as W=3
     for fn in ("pairs_task", "search_task", "verify_arrays_task", "hist_task", "select_task", "_decisions_part_task"):
         assert ran.get(fn) == 3, (fn, ran)
+    # and its single-process parts (curation.steps.runner.phase), so the growth bench's JSON times them too
+    for fn in ("hash_grouping", "grouping"):
+        assert ran.get(fn) == 1, (fn, ran)
     assert one["decisions_sha256"] == three["decisions_sha256"]
     assert one["counts"] == three["counts"]
     for res in (one, three):
