@@ -40,7 +40,8 @@ KMEANS_ITERS = 20
 EDGES_PER_IMAGE = 0.2  # verified copy pairs per image: ASSUMED (web pools: ~10-20% copies)
 HASH_DUP_FRACTION = 0.01  # hash near-duplicates per image: ASSUMED (the simulation plants 1%)
 IMAGE_BYTES = 1.1e5  # bytes per image in the shards: ASSUMED (LVD-like JPEGs)
-KMEANS_SAMPLE = 64  # Lloyd's sample: points per centroid (the simulation's; curation.kmeans default 256)
+LLOYD_ITERS = 50  # Lloyd iterations per k-means (rebalance.kmeans_niter; the tolerance may stop it earlier)
+LLOYD_POINTS = 256  # Lloyd runs on at most this many rows per centroid (curation.dist_kmeans.work_rows)
 KMEANS_PIECE = 256 * 2**20  # fp32 centroid bytes per piece (curation.kmeans_shards.PIECE_BYTES)
 KMEANS_BLOCK = 16384  # rows per assignment block (curation.kmeans.BLOCK)
 READ_RATE = 2e9  # bytes/s a task reads embeddings at: ASSUMED
@@ -108,8 +109,8 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
          gpu: str = "v100", cpus_per_task: int = 8, node_mem_gib: float = 480, k: int = 64, nprobe: int = 16,
          nlist: int | None = None, n_eval: int = 1_000_000, chunk: int = 65536, pairs_per_image: float = 1.0,
          scan_rate: float | None = None, embed_rate: float | None = None, levels=None,
-         resampling: int = 0, keep_fraction: float = 0.5, tasks: int | None = None, cores: int | None = None,
-         search_tasks: int = 0, kmeans_tasks: int = 0, embed_tasks: int | None = None,
+         resampling: int = 10, keep_fraction: float = 0.5, sample_size: int = 10, tasks: int | None = None,
+         cores: int | None = None, search_tasks: int = 0, kmeans_tasks: int = 0, embed_tasks: int | None = None,
          rates: dict[str, Rate] | None = None) -> list[Step]:
     """The steps of the chain on ``pool`` rows: tasks (:func:`chain_tasks`), host / GPU GiB per task, hours.
     ``cores``: CPU cores of the machine running the W local tasks (default ``cpus_per_task``: the finishing
@@ -240,12 +241,17 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
         local = not kmeans_tasks
         g_rank = (gpus_per_node / w if local else n_gpus / w) if gpus_per_node else 0
         gemm = gpu_gemm * min(g_rank, 1) if g_rank else cpu_gemm * (cores / w if local else cpus_per_task)
-        lloyd_s = KMEANS_ITERS * 2.0 * min(pts, kc * KMEANS_SAMPLE) * kc * dim / (gemm * w)
-        assign_s = (1 + resampling) * 2.0 * pts * kc * dim / (gemm * w)
-        # collectives: every assignment pass receives all k x D fp32 centroids a piece at a time, every Lloyd
-        # iteration also reduces k x D sums (8 B) to their owners
+        # the chain's level (curation.dist_kmeans.run): Lloyd on <= 256 rows per centroid, an assignment of every
+        # row; each resampling step (rebalance.n_resampling_steps, when sample_size > 1) Lloyd again on the
+        # k x sample_size rows kept and another assignment of every row
+        steps_r = resampling if sample_size > 1 else 0
+        lloyd_rows = min(pts, kc * LLOYD_POINTS) + steps_r * min(pts, kc * sample_size, kc * LLOYD_POINTS)
+        lloyd_s = LLOYD_ITERS * 2.0 * lloyd_rows * kc * dim / (gemm * w)
+        assign_s = (1 + steps_r) * 2.0 * pts * kc * dim / (gemm * w)
+        # collectives: every Lloyd iteration and assignment pass receives all k x D fp32 centroids a piece at a
+        # time, every Lloyd iteration also reduces k x D sums (8 B) to their owners
         net = R["network"]
-        comm_s = ((KMEANS_ITERS + 1 + resampling) * kc * dim * 4 + KMEANS_ITERS * kc * dim * 8) / net.value \
+        comm_s = (1 + steps_r) * ((LLOYD_ITERS + 1) * kc * dim * 4 + LLOYD_ITERS * kc * dim * 8) / net.value \
             if w > 1 and not local else 0
         # per rank: its k/W fp32 centroids + one received piece (fp32) + one piece of sums (8 B a value), a block
         # of rows (fp32), and 40 B for each of its pts/W rows (labels + distances, Lloyd's labels, the sort of
@@ -255,7 +261,7 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
         mem = cent + piece * dim * 12 / GiB + KMEANS_BLOCK * dim * 4 / GiB + pts / w * 40 / GiB + 0.25
         gpu_k = (piece * dim * 4 + KMEANS_BLOCK * dim * 4 + KMEANS_BLOCK * piece * 4) / GiB if gpus_per_node else 0
         steps.append(Step(f"k-means level {li} ({kc:,})", w, mem, gpu_k, (lloyd_s + assign_s + comm_s) / 3600,
-                          f"{KMEANS_ITERS} Lloyd iterations on {KMEANS_SAMPLE}/centroid, {1 + resampling} assignment "
+                          f"{1 + steps_r} k-means of <= {LLOYD_ITERS} Lloyd iterations, {1 + steps_r} assignment "
                           f"passes; rows ({pts:,}) and centroids over {w} ranks "
                           + ("(Slurm, `curate kmeans`)" if not local else "(local processes, gloo)")
                           + f" in {-(-kc // piece):,} pieces of {piece:,}; {comm_s / 3600:.2f} h of collectives",
@@ -330,7 +336,9 @@ def main(argv=None) -> int:
     p.add_argument("--scan-rate", type=float, default=None, help="dim-ops/s per GPU (or per CPU task)")
     p.add_argument("--embed-rate", type=float, default=None, help="images/s per embedding task")
     p.add_argument("--levels", type=parse_count, nargs="*", default=[], help="hierarchical k-means levels, e.g. 10M 500k")
-    p.add_argument("--resampling", type=int, default=0, help="resampling steps per k-means level")
+    p.add_argument("--resampling", type=int, default=10,
+                   help="resampling steps per k-means level (rebalance.n_resampling_steps)")
+    p.add_argument("--sample-size", type=int, default=10, help="rows per cluster resampled (rebalance.sample_size)")
     p.add_argument("--pairs-per-image", type=float, default=1.0,
                    help="candidate pairs to verify per image (0: dedup.verify=false)")
     p.add_argument("--rates", default=None, help="rates file (default bench/rates.json; bench/rates_from_bench.py)")
@@ -354,7 +362,8 @@ def main(argv=None) -> int:
         return 2
     steps = plan(pool, a.dim, a.index, a.pq_m, a.nodes, a.gpus_per_node, a.gpu, a.cpus_per_task, a.node_mem,
                  a.k, a.nprobe, a.nlist, a.eval, pairs_per_image=a.pairs_per_image, scan_rate=a.scan_rate,
-                 embed_rate=a.embed_rate, levels=a.levels, resampling=a.resampling, tasks=a.tasks, cores=a.cores,
+                 embed_rate=a.embed_rate, levels=a.levels, resampling=a.resampling, sample_size=a.sample_size,
+                 tasks=a.tasks, cores=a.cores,
                  search_tasks=a.search_tasks, kmeans_tasks=a.kmeans_tasks, embed_tasks=a.embed_tasks, rates=rates)
     hw = f"{a.nodes} nodes x {a.gpus_per_node} {a.gpu.upper()}" if a.gpus_per_node else f"{a.nodes} CPU nodes"
     print(render(steps, f"{pool:,} x {a.dim}-d, {a.index}, {hw}"))

@@ -123,9 +123,11 @@ def test_tables_render_deterministically_into_their_markers_only(tmp_path):
     scale = ROOT / "bench" / "results" / "scale_1m.json"
     doc, readme = tmp_path / "doc.md", tmp_path / "README.md"
     doc.write_text("# Page\n\nkept above\n<!-- begin: scale-table -->\nold typed table\n<!-- end: scale-table -->\n"
-                   "between\n<!-- begin: plan-tables -->\n<!-- end: plan-tables -->\nkept below\n")
+                   "between\n<!-- begin: plan-check -->\n<!-- end: plan-check -->\n"
+                   "<!-- begin: plan-tables -->\n<!-- end: plan-tables -->\nkept below\n")
     readme.write_text("intro\n<!-- begin: readme-scale-table -->\n<!-- end: readme-scale-table -->\noutro\n")
-    rates = str(ROOT / "bench" / "rates.json")
+    rates = str(tmp_path / "rates.json")  # from the same JSON (bench/rates.json may hold later runs)
+    assert rates_from_bench.main(["--scale", str(scale), "--out", rates]) == 0
     assert render_tables.render([str(scale)], rates, str(doc), str(readme)) == [str(doc), str(readme)]
     first = doc.read_text()
     assert first.startswith("# Page\n\nkept above\n<!-- begin: scale-table -->\n") and first.endswith("kept below\n")
@@ -134,6 +136,8 @@ def test_tables_render_deterministically_into_their_markers_only(tmp_path):
     assert "| N=1M W=1 | N=1M W=4 |" in first and "index add" in first and "heap W=4 / W=1 at 1M" in first
     assert "| decisions equal across W | yes | yes |" in first
     assert "curate plan --pool 1.2B" in first and "measured (" in first and "ASSUMED" in first
+    # the model beside the bench at the bench's shape: at W = 1 a rows/s step's rate is the bench's own
+    assert "| hash dedup (rate: this bench) | 8.4 / 8.4 (x1.00) |" in first
     assert render_tables.render([str(scale)], rates, str(doc), str(readme)) == []  # idempotent
     assert doc.read_text() == first and "d5dd1b51" in readme.read_text()
     # several JSON files: a second size gives the log-log slope per W (here a run at 2N taking twice as long)
