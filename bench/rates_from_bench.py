@@ -4,6 +4,7 @@ command, run).
 
     python bench/rates_from_bench.py --scale bench/results/scale_1m.json [more scale JSON ...] \\
         [--verify verify.json] --out bench/rates.json
+    python bench/rates_from_bench.py --scale old.json --stamp date=2026-11-27 machine="..." command="..."
 
 Per step, from ``bench/bench_curation_scale.py``'s runs (``{"runs": [{"n", "tasks", "steps": {step: {"runs":
 [{"fn", "tasks", "task_s", ...}]}}, "step_results", "meta"}]}``; several files are merged): the run with the
@@ -90,13 +91,38 @@ def verify_rate(doc: dict, path: str) -> dict:
 
 
 def load_runs(paths: list[str]) -> list[dict]:
-    runs = []
+    """The runs of every file, one per (N, W): a bench resumed from an earlier JSON copies its runs, so the same
+    measurement (same total seconds) met again is kept once (the first copy that has a ``meta``); a different
+    measurement of the same (N, W) in a later file replaces the earlier one."""
+    runs: dict[tuple[int, int], dict] = {}
     for path in paths:
         with open(path) as f:
             doc = json.load(f)
         for r in doc["runs"]:
-            runs.append({**r, "_file": path})
-    return runs
+            key, new = (int(r["n"]), int(r["tasks"])), {**r, "_file": path}
+            old = runs.get(key)
+            if old is not None and old.get("total_s") == r.get("total_s") and (old.get("meta") or not r.get("meta")):
+                continue  # the same run copied: the first copy with a meta stays
+            runs[key] = new
+    return list(runs.values())
+
+
+def stamp(path: str, pairs: list[str]) -> int:
+    """Add ``meta`` (date=..., machine=..., command=...) to the runs of ``path`` that have none (runs made before
+    the benches recorded it); returns how many were stamped."""
+    meta = dict(p.split("=", 1) for p in pairs)
+    unknown = set(meta) - {"date", "time", "machine", "command"}
+    if unknown or not meta:
+        raise ValueError(f"--stamp takes date=, time=, machine=, command=; got {sorted(unknown) or 'nothing'}")
+    with open(path) as f:
+        doc = json.load(f)
+    n = 0
+    for r in doc["runs"]:
+        if not r.get("meta"):
+            r["meta"], n = {**meta, "added": "by hand (bench/rates_from_bench.py --stamp)"}, n + 1
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return n
 
 
 def build(scale: list[str], verify: str | None = None) -> dict:
@@ -114,9 +140,18 @@ def build(scale: list[str], verify: str | None = None) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", nargs="+", required=True, help="JSON of bench/bench_curation_scale.py --json")
+    p.add_argument("--stamp", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="only add meta (date=, machine=, command=) to the --scale file's runs that have none")
     p.add_argument("--verify", default=None, help="JSON of bench/bench_verify.py --json")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "rates.json"))
     a = p.parse_args(argv)
+    if a.stamp:
+        try:
+            print(f"stamped {stamp(a.scale[0], a.stamp)} run(s) of {a.scale[0]}")
+        except (OSError, ValueError, KeyError) as e:
+            print(f"rates_from_bench: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         doc = build(a.scale, a.verify)
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -113,6 +113,13 @@ def test_rates_measured_from_the_bench_json_else_assumed(tmp_path, capsys):
     # the hash dedup's time follows the rate: 10M rows over min(W, cores) tasks at 250k rows/s each
     by = {s.name: s for s in plan(10_000_000, 384, "ivf", gpus_per_node=0, cpus_per_task=8, rates=rates)}
     assert abs(by["hash dedup"].hours * 3600 - 10_000_000 / (250_000 * 8)) < 1e-6
+    # a run made before the benches recorded where: --stamp adds its meta, leaving runs that have one alone
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"runs": [{k: v for k, v in run.items() if k != "meta"}, run]}))
+    assert rates_from_bench.main(["--scale", str(old), "--stamp", "date=2030-05-06", "machine=m", "command=c"]) == 0
+    stamped = json.loads(old.read_text())["runs"]
+    assert stamped[0]["meta"]["date"] == "2030-05-06" and stamped[1]["meta"] == run["meta"]
+    assert rates_from_bench.main(["--scale", str(old), "--stamp", "colour=red"]) == 2
     bad = tmp_path / "bad.json"
     bad.write_text('{"rates": {"hash_dedup": {"value": -1}}}')
     assert main(["plan", "--rates", str(bad)]) == 2 and "bad.json" in capsys.readouterr().err
@@ -143,13 +150,21 @@ def test_tables_render_deterministically_into_their_markers_only(tmp_path):
     # several JSON files: a second size gives the log-log slope per W (here a run at 2N taking twice as long)
     twice = json.loads(scale.read_text())
     for run in twice["runs"]:
+        run["total_s"] += 1
         run["n"] *= 2
         for step in run["steps"].values():
             step["task_s"] *= 2
             for call in step["runs"]:
                 call["task_s"] *= 2
-    (tmp_path / "scale_2m.json").write_text(json.dumps(twice))
-    table = render_tables.growth_table(rates_from_bench.load_runs([str(scale), str(tmp_path / "scale_2m.json")]))
+    # a bench resumed from the 1M file copies its runs (without meta): each (N, W) is one column, with its meta
+    copied = json.loads(scale.read_text())["runs"]
+    for run in copied:
+        run.pop("meta")
+    (tmp_path / "scale_2m.json").write_text(json.dumps({"runs": copied + twice["runs"]}))
+    runs = rates_from_bench.load_runs([str(scale), str(tmp_path / "scale_2m.json")])
+    assert sorted((r["n"], r["tasks"]) for r in runs) == [(10**6, 1), (10**6, 4), (2 * 10**6, 1), (2 * 10**6, 4)]
+    assert all(r.get("meta") for r in runs if r["n"] == 10**6)
+    table = render_tables.growth_table(runs)
     head = table.splitlines()[0]
     hash_row = next(ln for ln in table.splitlines() if "hash pairs" in ln)
     assert "| slope W=1 | slope W=4 | heap W=4 / W=1 at 2M |" in head
