@@ -198,19 +198,21 @@ def _sha1(path: str) -> str:
     return h.hexdigest()[:16]
 
 
-def open_table(emb_dir: str, meta_paths: list[str], part_rows: list[int]) -> dict:
-    """The table's arrays (memory-mapped) and meta, built first when missing or stale."""
-    d = os.path.join(emb_dir, TABLE_DIR)
-    meta_file = os.path.join(d, "meta.json")
-    meta = None
-    if os.path.exists(meta_file):
-        with open(meta_file) as f:
-            meta = json.load(f)
+def fresh_meta(emb_dir: str, meta_paths: list[str]) -> dict | None:
+    """The table's meta.json when the table is complete and built from these parts, else None."""
+    meta = _read_json(os.path.join(emb_dir, TABLE_DIR, "meta.json"))
     if meta is None or meta.get("version") != _VERSION or meta["parts"] != parts_digest(meta_paths):
+        return None
+    return meta
+
+
+def open_table(emb_dir: str, meta_paths: list[str], part_rows: list[int]) -> dict:
+    """The table's arrays (memory-mapped) and meta, built first (one task, in this process) when missing or
+    stale; the chain builds it as W tasks right after embedding (curation.pipeline)."""
+    d = os.path.join(emb_dir, TABLE_DIR)
+    meta = fresh_meta(emb_dir, meta_paths)
+    if meta is None:
         build_table(emb_dir, meta_paths, part_rows)
-        with open(meta_file) as f:
-            meta = json.load(f)
-    arrays = {name: _load(d, name) for name in (
-        "ids_blob", "ids_offsets", "input_source", "input_reason", "row_id", "row_perm", "row_hash",
-        "loc_blob", "loc_offsets", "loc_span")}
+        meta = _read_json(os.path.join(d, "meta.json"))
+    arrays = {name: _load(d, name) for name in _FINAL}
     return {"meta": meta, **arrays}

@@ -168,3 +168,26 @@ def test_a_task_holds_its_share_of_the_inputs_not_the_pool(tmp_path, monkeypatch
     assert four <= one + per_row * n, (one, four, whole_1, whole_4)
     assert whole_4 > 2.5 * whole_1, (whole_1, whole_4)
     assert four < whole_4 / 3, (four, whole_4)
+
+
+def test_the_embed_step_builds_the_table_as_w_tasks(real_pool, pool_dir, tmp_path):
+    """`curate run`'s embed step builds the descriptors' path table right after embedding as tasks.count W
+    tasks (its summary says how many); the next step finds it current and builds nothing."""
+    from curation.config import EmbedConfig, TasksConfig
+    from curation.pipeline import build_tables, step_embed
+
+    out = tmp_path / "out"
+    pool = tmp_path / "pool"
+    shutil.copytree(os.path.join(os.path.dirname(real_pool[0]), "bad"), pool)  # unreadable files ...
+    for f in sorted(pool_dir[0].glob("*.jpg"))[:7]:  # ... and a few photos
+        shutil.copy(f, pool / f.name)
+    res = step_embed([str(pool)], str(out), EmbedConfig(batch_size=4, num_workers=0, shard_size=2), progress=False,
+                     tasks=TasksConfig(count=3, launcher="inline"))
+    assert res["tasks"] == {"table": 3}
+    d = out / "embeddings" / "descriptor"
+    assert (d / "table" / "meta.json").exists()
+    build_whole(str(d), *_parts(d), str(tmp_path / "whole"))
+    _same_files(str(d / "table"), str(tmp_path / "whole"))
+    assert build_tables(str(out), TasksConfig(count=3)) == 0
+    emb = open_embeddings(str(d))
+    assert len(emb) == 7 and len(emb.unreadable) == 4 and emb.n_inputs == 11

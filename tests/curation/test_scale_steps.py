@@ -79,7 +79,8 @@ def test_simulate_runs_the_chain_of_curate_run_w1_and_w3_identical_with_planted_
     assert list(three["steps"]) == ["generate", *three["chain"]]
     ran = {r["fn"]: r["tasks"] for step in three["steps"].values() for r in step["runs"]}
     # the hash dedup, kNN search, verification, sampling and decisions tasks of `curate run`, each as W=3
-    for fn in ("pairs_task", "search_task", "verify_arrays_task", "hist_task", "select_task", "_decisions_part_task"):
+    for fn in ("run_task", "rank_task", "copy_task",  # the path table, right after the pool's parts
+               "pairs_task", "search_task", "verify_arrays_task", "hist_task", "select_task", "_decisions_part_task"):
         assert ran.get(fn) == 3, (fn, ran)
     assert one["decisions_sha256"] == three["decisions_sha256"]
     assert one["counts"] == three["counts"]
