@@ -6,9 +6,16 @@ pool's names cost one byte array and one int64 array on disk and nothing per ima
 by input id is sorting by string id, which is the *canonical row order*: embedding rows, step arrays and
 ``decisions`` parts follow it whatever number of tasks embedded or searched the pool.
 
-Built once from the embedding parts (:func:`build_table`, called by ``open_embeddings``), after every
-embedding task has finished; the build sorts fixed-width numpy byte strings (N x longest id bytes, no
-Python object per image) and is redone only when the parts change.
+Built once from the embedding parts by :func:`build_table` after every embedding task has finished -- by the
+chain right after embedding as ``tasks.count`` W tasks (curation.pipeline.build_tables), else by
+``open_embeddings`` on first use (W = 1, in this process) -- and redone only when the parts change. The build
+is W tasks of each of three kinds (curation.steps.table), merged on disk, none holding more than its N/W
+inputs: *run* tasks sort their share of the parts into runs on disk; *rank* tasks give each entry its input
+id (the sum over the runs of ``searchsorted(run_keys, key)``, the runs memory-mapped) and row id, and write
+its fields at those positions into preallocated memory-mapped arrays; one streaming pass (a chunk in
+memory) turns the string lengths into offsets; *copy* tasks put the strings' bytes into the blobs. The files
+are byte for byte those of one process sorting everything (source and reason codes in first-appearance order
+of the parts), whatever W; a rerun skips the finished tasks (work files in ``table/work/`` until complete).
 """
 
 from __future__ import annotations
