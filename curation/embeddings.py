@@ -193,8 +193,7 @@ def build_path_table(emb_dir: str, plan: Callable[[int], dict]) -> int:
     rows = [len(p) for p in parts]
     p = plan(sum(rows))
     w = max(1, int(p["tasks"]))
-    build_table(emb_dir, metas, rows, w, "inline" if w == 1 else p["launcher"])
-    return w
+    return build_table(emb_dir, metas, rows, w, "inline" if w == 1 else p["launcher"])["tasks"]
 
 
 def _check_tasks_done(emb_dir: str) -> None:

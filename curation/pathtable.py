@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -107,13 +108,23 @@ def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int], num_t
     ``num_tasks`` W tasks of each kind (curation.steps.table; ``launcher``: inline, one after another in this
     process, or local, W fresh processes). Work files go to ``table/work/`` (kept for a rerun until the table
     is complete: finished tasks are skipped). Returns ``{"tasks": W, "reports": [...]}`` (each task's peak)."""
+    d = os.path.join(emb_dir, TABLE_DIR)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, ".lock"), "a") as lock:
+        # another process building this table (ranks of `curate kmeans` opening a fresh folder): wait, reuse it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if fresh_meta(emb_dir, meta_paths) is not None:
+            return {"tasks": 0, "reports": []}
+        return _build(emb_dir, meta_paths, part_rows, int(num_tasks), launcher)
+
+
+def _build(emb_dir: str, meta_paths: list[str], part_rows: list[int], w: int, launcher: str) -> dict:
     from .steps import table as tt
     from .steps.runner import run_step
 
     d = os.path.join(emb_dir, TABLE_DIR)
     work = os.path.join(d, "work")
     digest = parts_digest(meta_paths)
-    w = int(num_tasks)
     plan = {"parts": digest, "tasks": w}
     if _read_json(os.path.join(work, "plan.json")) != plan:  # other parts or another W: start over
         shutil.rmtree(work, ignore_errors=True)
@@ -135,10 +146,11 @@ def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int], num_t
         for name, (dtype, shape) in OUTPUTS.items():
             _alloc(out[name], dtype, {"n": (n,), "r": (r,), "r,2": (r, 2)}[shape])
         atomic_write_json(os.path.join(work, "alloc.json"), {"n": n, "rows": r})
-    src_codes = [[sources.index(s) for s in x["sources"]] for x in names]
-    reason_codes = [[reasons.index(s) for s in x["reasons"]] for x in names]
+    src_of, reason_of = {s: i for i, s in enumerate(sources)}, {s: i for i, s in enumerate(reasons)}
+    src_codes = [[src_of[s] for s in x["sources"]] for x in names]  # run code -> global code
+    reason_codes = [[reason_of[s] for s in x["reasons"]] for x in names]
     reports += run(tt.rank_task, work=work, out=out, source_codes=src_codes, reason_codes=reason_codes)
-    dups = [k for t in range(w) for k in tt.read_part(tt.rank_part(work, t, w))["dup"]]
+    dups = [k for t in range(w) for k in tt.read_dup(work, t, w)]
     if dups:
         raise InputError(f"{emb_dir}: image id {min(dups).decode()!r} is in two embedding parts (parts of "
                          f"two different runs in one folder?); use a fresh output folder")
@@ -149,9 +161,10 @@ def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int], num_t
         _alloc(out["loc_blob"], np.uint8, (sizes["loc"],))
         atomic_write_json(os.path.join(work, "offsets.json"), sizes)
     reports += run(tt.copy_task, work=work, out=out)
-    ids_digest = _sha1(out["ids_blob"])
-    for name in _FINAL:
-        os.replace(out[name], os.path.join(d, f"{name}.npy"))
+    for name in _FINAL:  # (a rerun after a kill half-way through: the rest)
+        if os.path.exists(out[name]):
+            os.replace(out[name], os.path.join(d, f"{name}.npy"))
+    ids_digest = _sha1(os.path.join(d, "ids_blob.npy"))
     atomic_write_json(os.path.join(d, "meta.json"), {  # last: marks a complete table
         "version": _VERSION, "parts": digest, "ids": ids_digest, "n_inputs": n, "n_rows": r,
         "sources": sources, "reasons": reasons})

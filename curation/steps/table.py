@@ -205,6 +205,12 @@ def rank_task(t: int, w: int, work: str, out: dict[str, str], source_codes: list
     return {"inputs": int(len(rank))}
 
 
+def read_dup(work: str, t: int, w: int) -> np.ndarray:
+    """The smallest duplicated id of rank task ``t``'s run (empty: none), without loading its ranks."""
+    with np.load(rank_part(work, t, w), allow_pickle=False) as z:
+        return z["dup"]
+
+
 def _scatter(blob: np.ndarray, offsets: np.ndarray, at: np.ndarray, strings: np.ndarray) -> None:
     """``blob[offsets[at[i]]:...] = strings[i]`` for every ``i``, ``CHUNK`` strings at a time."""
     for c0 in range(0, len(at), CHUNK):

@@ -97,8 +97,17 @@ def test_a_killed_task_is_rerun_and_the_table_is_the_same(real_pool, tmp_path, m
     seen = []
     real_rank = tt.rank_task
     monkeypatch.setattr(tt, "rank_task", lambda t, w, **kw: seen.append(real_rank(t, w, **kw)))
-    _same_files(_build(d, 3), ref)
+
+    def killed(path):
+        raise KeyboardInterrupt("killed after the files moved into place, before meta.json")
+
+    monkeypatch.setattr(pathtable, "_sha1", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _build(d, 3)
     assert [s.get("skipped", False) for s in seen] == [True, False, True]
+    assert not (d / "table" / "meta.json").exists()
+    monkeypatch.undo()
+    _same_files(_build(d, 3), ref)
 
 
 def test_an_id_in_two_parts_is_refused_naming_it(real_pool, tmp_path):
