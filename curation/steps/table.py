@@ -108,29 +108,32 @@ def run_task(t: int, w: int, work: str, meta_paths: list[str], part_rows: list[i
         row_pos.append(np.r_[np.arange(row0, row0 + len(ids), dtype=np.int64), np.full(n_un, -1, np.int64)])
         row0 += len(ids)
         del meta, ids, unread, locs
-    key = np.concatenate(keys) if keys else np.zeros(0, "S1")
-    order = np.argsort(key, kind="stable")
-    rows = np.concatenate(is_row)[order] if is_row else np.zeros(0, bool)
-    arrays = {
-        "keys": key[order],
-        "src": np.concatenate(src)[order] if src else np.zeros(0, np.int32),
-        "reason": np.concatenate(reason)[order] if reason else np.zeros(0, np.int16),
-        "hash": np.concatenate(hashes)[order] if hashes else np.zeros(0, np.uint64),
-        "loc": (np.concatenate(loc_str) if loc_str else np.zeros(0, "S1"))[order],
-        "span": np.concatenate(loc_span)[order] if loc_span else np.zeros((0, 2), np.int64),
-        "row_pos": np.concatenate(row_pos)[order] if row_pos else np.zeros(0, np.int64),
-        # readable entries before each position: a run's row count below any key is one lookup
-        "row_cum": np.r_[np.zeros(1, np.int64), np.cumsum(rows, dtype=np.int64)],
-    }
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    for name, a in arrays.items():
+    key = np.concatenate(keys) if keys else np.zeros(0, "S1")
+    keys.clear()
+    order = np.argsort(key, kind="stable")
+    n = len(key)
+    np.save(os.path.join(tmp, "keys.npy"), key[order])
+    del key
+    empty = {"src": np.zeros(0, np.int32), "reason": np.zeros(0, np.int16), "hash": np.zeros(0, np.uint64),
+             "loc": np.zeros(0, "S1"), "span": np.zeros((0, 2), np.int64), "row_pos": np.zeros(0, np.int64),
+             "is_row": np.zeros(0, bool)}
+    fields = {"src": src, "reason": reason, "hash": hashes, "loc": loc_str, "span": loc_span, "row_pos": row_pos,
+              "is_row": is_row}
+    for name, pieces in fields.items():  # one field at a time: the pieces, the field and its sorted copy
+        a = np.concatenate(pieces)[order] if pieces else empty[name]
+        pieces.clear()
+        if name == "is_row":  # readable entries before each position: a run's rows below a key in one lookup
+            n_rows = int(a.sum())
+            name, a = "row_cum", np.r_[np.zeros(1, np.int64), np.cumsum(a, dtype=np.int64)]
         np.save(os.path.join(tmp, f"{name}.npy"), np.ascontiguousarray(a))
+        del a
     atomic_write_json(os.path.join(tmp, "names.json"), {"sources": list(names), "reasons": list(reasons),
-                                                       "n": int(len(key)), "rows": int(rows.sum())})
+                                                       "n": int(n), "rows": n_rows})
     os.replace(tmp, out)  # the whole run or nothing
-    return {"parts": p1 - p0, "inputs": int(len(key))}
+    return {"parts": p1 - p0, "inputs": int(n)}
 
 
 def _bisect(a: np.ndarray, x: bytes, side: str) -> int:
@@ -212,9 +215,11 @@ def read_dup(work: str, t: int, w: int) -> np.ndarray:
 
 
 def _scatter(blob: np.ndarray, offsets: np.ndarray, at: np.ndarray, strings: np.ndarray) -> None:
-    """``blob[offsets[at[i]]:...] = strings[i]`` for every ``i``, ``CHUNK`` strings at a time."""
-    for c0 in range(0, len(at), CHUNK):
-        s = np.ascontiguousarray(strings[c0:c0 + CHUNK])
+    """``blob[offsets[at[i]]:...] = strings[i]`` for every ``i``, ``CHUNK / 8`` strings at a time (a byte's
+    destination is an int64: 16 B per byte of a chunk)."""
+    step = max(1, CHUNK // 8)
+    for c0 in range(0, len(at), step):
+        s = np.ascontiguousarray(strings[c0:c0 + step])
         width = s.dtype.itemsize
         lens = np.char.str_len(s).astype(np.int64)
         total = int(lens.sum())
@@ -222,7 +227,7 @@ def _scatter(blob: np.ndarray, offsets: np.ndarray, at: np.ndarray, strings: np.
             continue
         u8 = s.view(np.uint8).reshape(len(s), width)
         src = u8[np.arange(width)[None, :] < lens[:, None]]  # the strings one after another
-        starts = np.asarray(offsets[at[c0:c0 + CHUNK]], np.int64)
+        starts = np.asarray(offsets[at[c0:c0 + step]], np.int64)
         local = np.cumsum(lens) - lens
         blob[np.repeat(starts - local, lens) + np.arange(total, dtype=np.int64)] = src
 
