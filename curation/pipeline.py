@@ -457,7 +457,7 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
     if step == "dedup":  # after an array of embedding tasks (or a simulation's generated parts): the tables first
         w = build_tables(out, cfg.tasks)
         res = step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks, inputs.verifier)
-        return {**res, "tasks": {**res["tasks"], "table": w}}
+        return {**res, "tasks": {**res["tasks"], "table": w}} if w else res  # (after `curate run`'s embed: 0)
     if step == "decontaminate":
         return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks,
                                   inputs.eval_embedded)
@@ -483,7 +483,8 @@ def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
         return step_search(out, *sections, cfg.input.paths, prog)
     w = build_tables(out, cfg.tasks)  # the first step after the embedding array: the path tables as W tasks
     res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog, cfg.tasks)
-    res["table_tasks"] = w
+    if w:
+        res["table_tasks"] = w
     if _retrieval(cfg) and os.path.exists(_p(out, "steps", "decontaminate.npz")):
         # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
         embed_seeds(out, cfg.input.seed_paths, embedder, cfg.embed, prog)
