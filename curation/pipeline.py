@@ -36,7 +36,7 @@ from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConf
 from .dedup import resolve_threshold
 from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig
-from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
+from .embeddings import EmbedTarget, build_path_table, embed_pool, embed_pool_multi, open_embeddings
 from .index import Rows
 from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval, verifier_factory
 from .rebalance import rebalance as select
@@ -48,11 +48,13 @@ from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, 
 
 def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
                descriptor: DescriptorConfig | None = None, dedup: DedupConfig | None = None,
-               embedder: Callable | None = None, progress: bool = True) -> dict:
+               embedder: Callable | None = None, progress: bool = True, tasks: TasksConfig | None = None) -> dict:
     """Copy descriptors (+ perceptual hashes) of this task's share of the pool (``embed.task_index`` of
     ``embed.num_tasks``); model embeddings too when an ``embedder`` (the built ``embed.model``, with its
     ``transform``) is given. Resumable. ``dedup.model``: a copy-detection model (TorchScript or
-    ``dinopipe.load``) in place of the descriptor (see :mod:`curation.copymodel`)."""
+    ``dinopipe.load``) in place of the descriptor (see :mod:`curation.copymodel`). When this process embedded
+    the whole pool (``embed.num_tasks`` 1), the path tables follow as ``tasks`` W tasks (:func:`build_tables`;
+    after an array of embedding tasks, the first step of the next job builds them)."""
     e, dd = embed or EmbedConfig(), dedup or DedupConfig()
     fn, tf = copy_embedder(out_dir, sources, descriptor, dd.model, dd.image_size, e.device, e.precision,
                            dd.trust_code)
@@ -62,7 +64,19 @@ def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
     counts = embed_pool_multi(sources, list(targets.values()), shard_size=e.shard_size, batch_size=e.batch_size,
                               num_workers=e.num_workers, task_index=e.task_index, num_tasks=e.num_tasks,
                               progress=progress)
-    return dict(zip(targets, counts))
+    w = build_tables(out_dir, tasks) if e.num_tasks == 1 else 0
+    return {**dict(zip(targets, counts)), "tasks": {"table": w}}
+
+
+def build_tables(out_dir: str, tasks: TasksConfig | None = None) -> int:
+    """The path tables of embeddings/descriptor and embeddings/model (when there), each as W tasks of
+    ``tasks``' plan (curation.pathtable) unless complete and current; returns the largest W (0: all there)."""
+    w = 0
+    for name in ("descriptor", "model"):
+        d = _p(out_dir, "embeddings", name)
+        if os.path.isdir(d) and any(f.endswith(".ids.json") for f in os.listdir(d)):
+            w = max(w, build_path_table(d, functools.partial(task_plan, tasks or TasksConfig())))
+    return w
 
 
 def _transform(embedder):
@@ -439,9 +453,11 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
     if step in SHARDED:
         return _run_sharded(step, cfg, embedder)
     if step == "embed":
-        return step_embed(cfg.input.paths, out, e, cfg.descriptor, dd, embedder, prog)
-    if step == "dedup":
-        return step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks, inputs.verifier)
+        return step_embed(cfg.input.paths, out, e, cfg.descriptor, dd, embedder, prog, cfg.tasks)
+    if step == "dedup":  # after an array of embedding tasks (or a simulation's generated parts): the tables first
+        w = build_tables(out, cfg.tasks)
+        res = step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks, inputs.verifier)
+        return {**res, "tasks": {**res["tasks"], "table": w}} if w else res  # (after `curate run`'s embed: 0)
     if step == "decontaminate":
         return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks,
                                   inputs.eval_embedded)
@@ -465,7 +481,10 @@ def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
     out, prog, sections = cfg.output.dir, cfg.progress, (cfg.dedup, cfg.hash_dedup, cfg.knn)
     if step == "search":
         return step_search(out, *sections, cfg.input.paths, prog)
+    w = build_tables(out, cfg.tasks)  # the first step after the embedding array: the path tables as W tasks
     res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog, cfg.tasks)
+    if w:
+        res["table_tasks"] = w
     if _retrieval(cfg) and os.path.exists(_p(out, "steps", "decontaminate.npz")):
         # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
         embed_seeds(out, cfg.input.seed_paths, embedder, cfg.embed, prog)

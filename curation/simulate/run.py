@@ -78,7 +78,8 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
     """Generate the pool in ``work`` (existing parts are reused: a rerun skips finished tasks), then run
     `curate run`'s steps after embedding on it with ``tasks.count=tasks`` (``processes=0``: the tasks inline,
     one after another in this process; else local processes). ``progress``: one JSON line per finished step."""
-    from ..pipeline import ChainInputs, run_steps
+    from ..config import TasksConfig
+    from ..pipeline import ChainInputs, build_tables, run_steps
 
     table: dict = {}
     block = runner.BLOCK
@@ -87,6 +88,8 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
         runner.run_step(chain.pool_task, tasks, "local", processes=processes, work=work, n=n, dim=dim,
                         n_clusters=n_clusters, seed=seed, copy_rate=copy_rate, hash_rate=hash_rate,
                         max_distance=max_distance, block=block)
+        # the path table as W tasks right after the pool's parts, as the embed step does after embedding
+        build_tables(work, TasksConfig(count=tasks, launcher="inline" if processes == 0 else "local"))
         chain.write_eval(work, n, dim, n_clusters, n_eval, overlap, seed)
     table["generate"] = _row(rec, time.perf_counter() - t0, mem)
     cfg = chain_config(work, tasks, "inline" if processes == 0 else "local", max_distance, nlist, nprobe, k,
