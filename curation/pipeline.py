@@ -44,6 +44,7 @@ from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_S
                         _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows)
 from .decisions import decisions_task, finish_decisions, selection_digest
 from .steps.runner import run_step as run_tasks
+from .steps.runner import step_log
 from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
 
 def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
@@ -387,18 +388,22 @@ class StepError(RuntimeError):
 
 
 def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command: str = "run",
-              echo: Callable[[str, object], None] | None = None, inputs: ChainInputs | None = None) -> dict:
+              echo: Callable[[str, object], None] | None = None, inputs: ChainInputs | None = None,
+              progress_log: str | None = None) -> dict:
     """Run ``steps`` in order with their settings from ``cfg`` (validated); returns each step's result.
 
     Writes the resolved config into ``output.dir`` first. ``embedder``: the built ``embed.model`` (see
     :func:`build_embedder_for`), needed to embed and to embed seed images like the pool was.
-    ``echo(step, result)`` is called after each step (the CLI prints there)."""
+    ``echo(step, result)`` is called after each step (the CLI prints there). ``progress_log``: a JSONL file that
+    gets one line per finished step: its wall time and every task it ran, with each task's wall time and peak
+    memory (`curate run --progress FILE`; :func:`curation.steps.runner.step_log`)."""
     out = cfg.output.dir
     save_config(cfg, out, header=f"resolved config of `curate {command}`")  # array tasks may race: atomic
     results = {}
     for step in steps:
         try:
-            result = run_step(step, cfg, embedder, inputs)
+            with step_log(progress_log, step):
+                result = run_step(step, cfg, embedder, inputs)
         except (FileNotFoundError, ConfigError) as exc:  # not RuntimeError / ValueError: faiss, torch, ours
             raise StepError(step, exc) from exc
         if step == "embed" and embedder is not None:

@@ -247,6 +247,39 @@ def phase(name: str):
         "peak_rss": mem.peak_rss, "start_rss": mem.start_rss, "hwm_reset": mem.hwm_reset, "result": {}}]})
 
 
+def task_record(report: dict) -> dict:
+    """One task's report without its result, in MB: what a progress line keeps."""
+    mb = 2 ** 20
+    return {"task": report["task"], "wall_s": round(report["wall_s"], 3),
+            "heap_mb": round(max(report["peak_anon"] - report["start_anon"], 0) / mb, 1),
+            "peak_rss_mb": round(report["peak_rss"] / mb, 1),
+            "rss_added_mb": round(max(report["peak_rss"] - report["start_rss"], 0) / mb, 1),
+            "hwm_reset": report["hwm_reset"]}
+
+
+@contextlib.contextmanager
+def step_log(path: str | None, step: str):
+    """Around one step of `curate run --progress FILE`: append one JSON line to ``path`` when the step ends:
+    its wall time, the orchestrating process's peak heap and peak RSS, and every :func:`run_step` call it made
+    with each task's record (:func:`task_record`). ``path`` None: nothing is measured."""
+    if not path:
+        yield
+        return
+    import json
+
+    t0 = time.perf_counter()
+    with recording() as rec, PeakMemory() as mem:
+        yield
+    line = {"step": step, "time": time.strftime("%H:%M:%S"), "wall_s": round(time.perf_counter() - t0, 3),
+            "orchestrator_heap_mb": round(max(mem.peak_anon - mem.start_anon, 0) / 2 ** 20, 1),
+            "orchestrator_peak_rss_mb": round(mem.peak_rss / 2 ** 20, 1),
+            "runs": [{"fn": r["fn"], "tasks": r["tasks"], "inline": r["inline"],
+                      "reports": [task_record(x) for x in r["reports"]]} for r in rec]}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:  # appended as each step ends: a run stopped half-way still says what it measured
+        f.write(json.dumps(line) + "\n")
+
+
 def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: int | None = None,
              **kw) -> list[dict]:
     """Run ``fn`` as ``num_tasks`` tasks; per task: wall time, peak memory and ``fn``'s result
