@@ -7,7 +7,9 @@ Output folder::
     embeddings/descriptor/      copy-detection descriptors of the pool (fp16 shards + ids)
     embeddings/model/           backbone embeddings (only with a model embed_fn), for rebalancing
     embeddings/eval/, seeds/    descriptors of eval images / embeddings of seed images
-    steps/<step>.npz            per-step decisions, so each step can be rerun alone
+    steps/<step>/<array>.npy    per-step decisions, one memory-mappable array per file (done.json written
+                                last), so each step can be rerun alone and a task maps only its rows;
+                                a folder's older steps/<step>.npz is still read (curation.stepfiles)
     shards/*.tar                the curated webdataset
     manifest.json               input = kept + duplicates + decontaminated + unreadable + not selected
     decisions/part-*.tsv        id, source, status, group_or_reason, by input id (curation.decisions)
@@ -41,8 +43,9 @@ from .index import Rows
 from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval, verifier_factory
 from .rebalance import rebalance as select
 from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, _p,  # noqa: F401
-                        _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows)
-from .decisions import decisions_task, finish_decisions, selection_digest
+                        _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows, step_exists,
+                        step_path)
+from .decisions import CHUNK, decisions_task, finish_decisions, selection_digest
 from .steps.runner import run_step as run_tasks
 from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
 
@@ -134,7 +137,7 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     read embeddings/eval/ as it is)."""
     threshold = (decontaminate or DecontaminateConfig()).threshold
     e = embed or EmbedConfig()
-    dd = load_step(out_dir, "dedup")
+    dd = load_step(out_dir, "dedup", keys=("status", "component"))
     status, component = dd["status"], dd["component"]
     max_sim = np.full(len(status), np.nan, np.float32)
     n_removed, w = 0, 0
@@ -255,24 +258,26 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
                launcher: str | None = None) -> dict:
     """Write kept images as webdataset shards (``write.shard_size`` images each) and the decisions
     parts, each as W tasks of the step runner (``num_tasks``, else ``tasks``' plan: inline, or W local
-    processes), then manifest.json and decisions.tsv. The manifest records W (``tasks.write``)."""
+    processes), then manifest.json and decisions.tsv. The manifest records W (``tasks.write``).
+
+    The selection (its digest, the kept count, kept rows per block) is computed here once, streamed over the
+    memory-mapped status array, and handed to the tasks: each maps only the rows it owns."""
     shard_size = (write or WriteConfig()).shard_size
-    kept, n_kept, _, _ = _selection(out_dir, shard_size)
-    plan = task_plan(tasks or TasksConfig(), n_kept)
+    sel = write_selection(out_dir, shard_size)
+    plan = task_plan(tasks or TasksConfig(), sel.n_kept)
     w = int(num_tasks if num_tasks is not None else plan["tasks"])
     inline = (launcher or plan["launcher"]) == "inline" or w == 1
-    del kept
     if (write or WriteConfig()).shards:
         run_tasks(_write_shards_task, w, "local", processes=0 if inline else None, out_dir=out_dir,
-                  sources=sources, shard_size=shard_size, progress=progress)
-        shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
+                  sources=sources, shard_size=shard_size, progress=progress, selection=sel)
+        shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), sel.n_kept, shard_size, sel.digest)
     else:  # decisions only (write.shards=false)
         shards = {"shards": [], "failed": []}
-    emb, status, component, _, _ = _write_inputs(out_dir)
+    emb, rb, dd = _write_inputs(out_dir)
     failed = np.sort(emb.ids[emb.positions_of([f[0] for f in shards["failed"]])]) if shards["failed"] else \
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
-    digest = selection_digest(emb, status, component, failed)
-    del status, component
+    digest = selection_digest(emb, rb["status"], dd["component"], failed)  # streamed over the mapped arrays
+    del emb, rb, dd
     run_tasks(_decisions_part_task, w, "local", processes=0 if inline else None, out_dir=out_dir, failed=failed,
              digest=digest)
     per_source, reasons = finish_decisions(out_dir, w)
@@ -283,62 +288,101 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
     return manifest
 
 
-def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, progress: bool = False) -> dict:
+def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, progress: bool = False,
+                       selection: Selection | None = None) -> dict:
     """Runner task ``t`` of ``w`` of the shard writing (:func:`write_task`)."""
-    return write_task(out_dir, sources, shard_size, t, w, progress)
+    return write_task(out_dir, sources, shard_size, t, w, progress, selection)
 
 
 def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, digest: str) -> dict:
-    """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv (reads only the
-    two step arrays it needs: 9 B per row, not every array of the steps)."""
+    """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv (maps the two
+    step arrays it needs and reads only its inputs' rows of them)."""
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    with np.load(_p(out_dir, "steps", "rebalance.npz")) as rb, np.load(_p(out_dir, "steps", "dedup.npz")) as dd:
-        status, component = rb["status"], dd["component"]
+    status = load_step(out_dir, "rebalance", keys=("status",), mmap=True)["status"]
+    component = load_step(out_dir, "dedup", keys=("component",), mmap=True)["component"]
     out = decisions_task(out_dir, emb, status, component, failed, t, w, digest)
     return {"inputs": out["inputs"]}
 
 
 def _write_inputs(out_dir: str):
+    """(embeddings, the rebalance step's arrays, the dedup step's component and nn_sim), memory-mapped."""
     emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    rb, dd = load_step(out_dir, "rebalance"), load_step(out_dir, "dedup")
+    rb = load_step(out_dir, "rebalance", mmap=True)
+    dd = load_step(out_dir, "dedup", keys=("component", "nn_sim"), mmap=True)
     if rb["nearest_seed"].dtype.kind not in "iu":  # strings: a folder written before the seeds became row numbers
-        raise InputError(f"{_p(out_dir, 'steps', 'rebalance.npz')} was written by an older version (seed names "
+        raise InputError(f"{step_path(out_dir, 'rebalance')} was written by an older version (seed names "
                          f"instead of rows): rerun `curate rebalance` on this output folder, then write")
-    return emb, rb["status"], dd["component"], rb, dd
+    return emb, rb, dd
 
 
-def _selection(out_dir: str, shard_size: int):
-    """(kept rows in canonical order, their count, shard_size, the digest that names this selection)."""
-    emb, status, _, _, _ = _write_inputs(out_dir)
-    kept = np.flatnonzero(status == KEPT)
-    digest = hashlib.sha1(emb.digest.encode() + np.ascontiguousarray(emb.ids[kept]).tobytes()
-                          + str(shard_size).encode()).hexdigest()[:16]
-    return kept, len(kept), shard_size, digest
+@dataclass(frozen=True)
+class Selection:
+    """The kept rows of the write step, without listing them: their count, the digest that names them (with
+    the shard size) and how many of each ``block`` rows of the status array are kept (a task finds the kept
+    rows of its shards from the running sum, mapping only those blocks)."""
+
+    n_kept: int
+    digest: str
+    block: int
+    block_kept: np.ndarray  # (ceil(N / block),) int64
+    has_seeds: bool  # some kept row has a nearest seed (the seeds' path table is then opened)
+
+    def rows(self, status: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Rows of the kept images ``start .. stop-1`` (in canonical order): a scan of the blocks holding them."""
+        if stop <= start:
+            return np.zeros(0, np.int64)
+        cum = np.concatenate([[0], np.cumsum(self.block_kept)])
+        b0 = int(np.searchsorted(cum, start, side="right")) - 1
+        b1 = int(np.searchsorted(cum, stop - 1, side="right")) - 1
+        lo = b0 * self.block
+        rows = np.flatnonzero(np.asarray(status[lo:(b1 + 1) * self.block]) == KEPT) + lo
+        return rows[start - cum[b0]:stop - cum[b0]].astype(np.int64)
+
+
+def write_selection(out_dir: str, shard_size: int, block: int = CHUNK) -> Selection:
+    """The write step's :class:`Selection`, streamed over the mapped status array ``block`` rows at a time
+    (memory: one block; the digest is the one a whole-array hash of the kept ids gives)."""
+    emb, rb, _ = _write_inputs(out_dir)
+    status, seed = rb["status"], rb["nearest_seed"]
+    h = hashlib.sha1(emb.digest.encode())
+    counts = np.zeros(-(-len(status) // block), np.int64)
+    has_seeds = False
+    for b, lo in enumerate(range(0, len(status), block)):
+        keep = np.flatnonzero(np.asarray(status[lo:lo + block]) == KEPT) + lo
+        h.update(np.ascontiguousarray(emb.ids[keep]).tobytes())
+        counts[b] = len(keep)
+        has_seeds = has_seeds or bool((np.asarray(seed[lo:lo + block]) >= 0).any())
+    h.update(str(shard_size).encode())
+    return Selection(int(counts.sum()), h.hexdigest()[:16], block, counts, has_seeds)
 
 
 def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_tasks: int = 1,
-               progress: bool = False) -> dict:
+               progress: bool = False, selection: Selection | None = None) -> dict:
     """Shard-writing task ``task_index`` of ``num_tasks``: its block of shards (curation.write.write_shard_task),
-    each image read through the path table (no listing of the pool, no per-image dict)."""
+    each image read through the path table (no listing of the pool, no per-image dict). ``selection``: the
+    orchestrator's (:func:`write_selection`); None: computed here (a streamed pass over the status array)."""
     src = as_multi(sources)
-    emb, status, component, rb, dd = _write_inputs(out_dir)
-    kept, n, _, digest = _selection(out_dir, shard_size)
+    emb, rb, dd = _write_inputs(out_dir)
+    sel = selection if selection is not None else write_selection(out_dir, shard_size)
+    status, component = rb["status"], dd["component"]
     seed_dir = _p(out_dir, "embeddings", "seeds")
-    seeds = open_embeddings(seed_dir) if os.path.isdir(seed_dir) and (rb["nearest_seed"] >= 0).any() else None
+    seeds = open_embeddings(seed_dir) if os.path.isdir(seed_dir) and sel.has_seeds else None
 
     def seed_name(k: int) -> str | None:
         return None if k < 0 or seeds is None else seeds.id_strings(np.array([k]))[0]
 
     def items_of(start: int, stop: int):
-        rows = kept[start:stop]
+        rows = sel.rows(status, start, stop)
         names, groups = emb.id_strings(rows), emb.id_strings(component[rows])
+        cluster, nearest, seed_sim, nn_sim = (np.asarray(rb["cluster"][rows]), np.asarray(rb["nearest_seed"][rows]),
+                                              np.asarray(rb["seed_sim"][rows]), np.asarray(dd["nn_sim"][rows]))
         for k, (i, name, group) in enumerate(zip(rows, names, groups)):
             meta = {"id": name, "source": emb.source_names[emb.source_codes[i]], "component": group,
-                    "cluster": int(rb["cluster"][i]), "nearest_seed": seed_name(int(rb["nearest_seed"][i])),
-                    "seed_similarity": _num(rb["seed_sim"][i]), "nn_similarity": _num(dd["nn_sim"][i])}
+                    "cluster": int(cluster[k]), "nearest_seed": seed_name(int(nearest[k])),
+                    "seed_similarity": _num(seed_sim[k]), "nn_similarity": _num(nn_sim[k])}
             yield f"{start + k:09d}", name, (lambda i=i: _read_row(src, emb, i)), meta
 
-    return write_shard_task(out_dir, _p(out_dir, "shards"), n, shard_size, items_of, digest, task_index,
+    return write_shard_task(out_dir, _p(out_dir, "shards"), sel.n_kept, shard_size, items_of, sel.digest, task_index,
                             num_tasks, progress)
 
 
@@ -418,7 +462,7 @@ def steps_of(command: str, cfg: CurationConfig) -> tuple[str, ...]:
 def needs_embedder(cfg: CurationConfig, command: str) -> bool:
     """The model is needed to embed, and to embed seed images like the pool was."""
     return command in ("run", "embed") or (command == "rebalance" and bool(cfg.input.seed_paths)) or (
-        command == "index" and _retrieval(cfg) and os.path.exists(_p(cfg.output.dir, "steps", "decontaminate.npz")))
+        command == "index" and _retrieval(cfg) and step_exists(cfg.output.dir, "decontaminate"))
 
 
 def build_embedder_for(cfg: CurationConfig):
@@ -466,7 +510,7 @@ def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
     if step == "search":
         return step_search(out, *sections, cfg.input.paths, prog)
     res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog, cfg.tasks)
-    if _retrieval(cfg) and os.path.exists(_p(out, "steps", "decontaminate.npz")):
+    if _retrieval(cfg) and step_exists(out, "decontaminate"):
         # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
         embed_seeds(out, cfg.input.seed_paths, embedder, cfg.embed, prog)
         res.update(step_retrieval_index(out, cfg.rebalance.k, knn_kwargs(cfg), prog))
