@@ -39,12 +39,13 @@ def input_range(n_inputs: int, task_index: int, num_tasks: int) -> tuple[int, in
     return task_index * n_inputs // num_tasks, (task_index + 1) * n_inputs // num_tasks
 
 
-def selection_digest(emb, status: np.ndarray, component: np.ndarray, failed: np.ndarray) -> str:
-    """What the decisions depend on (a part with another digest is stale and rewritten)."""
+def selection_digest(emb, status: np.ndarray, component: np.ndarray, failed: np.ndarray, chunk: int = CHUNK) -> str:
+    """What the decisions depend on (a part with another digest is stale and rewritten); read ``chunk`` rows at
+    a time (the arrays may be memory-mapped: memory is one chunk)."""
     h = hashlib.sha1(emb.digest.encode())
     for a in (status, component, failed):  # a chunk at a time: the same digest as the whole arrays' bytes
-        for lo in range(0, len(a), CHUNK):
-            h.update(np.ascontiguousarray(a[lo:lo + CHUNK]).tobytes())
+        for lo in range(0, len(a), chunk):
+            h.update(np.ascontiguousarray(a[lo:lo + chunk]).tobytes())
     return h.hexdigest()[:16]
 
 

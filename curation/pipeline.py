@@ -45,7 +45,8 @@ from .rebalance import rebalance as select
 from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, _p,  # noqa: F401
                         _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows, step_exists,
                         step_path)
-from .decisions import CHUNK, decisions_task, finish_decisions, selection_digest
+from .decisions import decisions_task, finish_decisions, selection_digest
+from .steps.runner import BLOCK
 from .steps.runner import run_step as run_tasks
 from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
 
@@ -276,7 +277,7 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
     emb, rb, dd = _write_inputs(out_dir)
     failed = np.sort(emb.ids[emb.positions_of([f[0] for f in shards["failed"]])]) if shards["failed"] else \
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
-    digest = selection_digest(emb, rb["status"], dd["component"], failed)  # streamed over the mapped arrays
+    digest = selection_digest(emb, rb["status"], dd["component"], failed, BLOCK)  # streamed: a block at a time
     del emb, rb, dd
     run_tasks(_decisions_part_task, w, "local", processes=0 if inline else None, out_dir=out_dir, failed=failed,
              digest=digest)
@@ -339,9 +340,10 @@ class Selection:
         return rows[start - cum[b0]:stop - cum[b0]].astype(np.int64)
 
 
-def write_selection(out_dir: str, shard_size: int, block: int = CHUNK) -> Selection:
+def write_selection(out_dir: str, shard_size: int, block: int | None = None) -> Selection:
     """The write step's :class:`Selection`, streamed over the mapped status array ``block`` rows at a time
     (memory: one block; the digest is the one a whole-array hash of the kept ids gives)."""
+    block = block or BLOCK
     emb, rb, _ = _write_inputs(out_dir)
     status, seed = rb["status"], rb["nearest_seed"]
     h = hashlib.sha1(emb.digest.encode())
