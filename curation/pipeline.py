@@ -138,8 +138,8 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     read embeddings/eval/ as it is)."""
     threshold = (decontaminate or DecontaminateConfig()).threshold
     e = embed or EmbedConfig()
-    dd = load_step(out_dir, "dedup", keys=("status", "component"))
-    status, component = dd["status"], dd["component"]
+    dd = load_step(out_dir, "dedup", keys=("status", "component"), mmap=True)
+    status, component = np.array(dd["status"]), dd["component"]  # component: only the alive rows are read
     max_sim = np.full(len(status), np.nan, np.float32)
     n_removed, w = 0, 0
     if eval_sources or eval_embedded:
