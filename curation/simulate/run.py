@@ -138,7 +138,7 @@ def _score(work: str, n: int, block: int) -> dict:
 
     tr = chain.truth(work, n, block)
     hg = np.load(os.path.join(work, "steps", "hash", "result.npz"))["group"]
-    dd, dc = load_step(work, "dedup"), load_step(work, "decontaminate")
+    dd, dc = load_step(work, "dedup", mmap=True), load_step(work, "decontaminate", mmap=True)
     comp = dd["component"]
     digest = hashlib.sha256()
     with open(os.path.join(work, "decisions.tsv"), "rb") as f:
