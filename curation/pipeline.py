@@ -7,7 +7,9 @@ Output folder::
     embeddings/descriptor/      copy-detection descriptors of the pool (fp16 shards + ids)
     embeddings/model/           backbone embeddings (only with a model embed_fn), for rebalancing
     embeddings/eval/, seeds/    descriptors of eval images / embeddings of seed images
-    steps/<step>.npz            per-step decisions, so each step can be rerun alone
+    steps/<step>/<array>.npy    per-step decisions, one memory-mappable array per file (done.json written
+                                last), so each step can be rerun alone and a task maps only its rows;
+                                a folder's older steps/<step>.npz is still read (curation.stepfiles)
     shards/*.tar                the curated webdataset
     manifest.json               input = kept + duplicates + decontaminated + unreadable + not selected
     decisions/part-*.tsv        id, source, status, group_or_reason, by input id (curation.decisions)
@@ -19,7 +21,6 @@ Each step reads the previous steps' files; ``curate embed|dedup|...`` map onto t
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,8 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dinopipe.config import ConfigError, InputError, save_config
-from dinopipe.data.sources import as_multi
+from dinopipe.config import ConfigError, save_config
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
                      RebalanceConfig, TasksConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, task_plan,
@@ -41,11 +41,15 @@ from .index import Rows
 from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval, verifier_factory
 from .rebalance import rebalance as select
 from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, _p,  # noqa: F401
-                        _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows)
-from .decisions import decisions_task, finish_decisions, selection_digest
+                        _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows, step_exists,
+                        step_path)
+from .decisions import finish_decisions, selection_digest
+from .steps.runner import BLOCK
 from .steps.runner import run_step as run_tasks
 from .steps.runner import step_log
-from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
+from .steps.write_tasks import (Selection, _decisions_part_task, _write_inputs, _write_shards_task,  # noqa: F401
+                                write_selection, write_task)
+from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic
 
 def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
                descriptor: DescriptorConfig | None = None, dedup: DedupConfig | None = None,
@@ -149,8 +153,8 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     read embeddings/eval/ as it is)."""
     threshold = (decontaminate or DecontaminateConfig()).threshold
     e = embed or EmbedConfig()
-    dd = load_step(out_dir, "dedup")
-    status, component = dd["status"], dd["component"]
+    dd = load_step(out_dir, "dedup", keys=("status", "component"), mmap=True)
+    status, component = np.array(dd["status"]), dd["component"]  # component: only the alive rows are read
     max_sim = np.full(len(status), np.nan, np.float32)
     n_removed, w = 0, 0
     if eval_sources or eval_embedded:
@@ -270,24 +274,26 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
                launcher: str | None = None) -> dict:
     """Write kept images as webdataset shards (``write.shard_size`` images each) and the decisions
     parts, each as W tasks of the step runner (``num_tasks``, else ``tasks``' plan: inline, or W local
-    processes), then manifest.json and decisions.tsv. The manifest records W (``tasks.write``)."""
+    processes), then manifest.json and decisions.tsv. The manifest records W (``tasks.write``).
+
+    The selection (its digest, the kept count, kept rows per block) is computed here once, streamed over the
+    memory-mapped status array, and handed to the tasks: each maps only the rows it owns."""
     shard_size = (write or WriteConfig()).shard_size
-    kept, n_kept, _, _ = _selection(out_dir, shard_size)
-    plan = task_plan(tasks or TasksConfig(), n_kept)
+    sel = write_selection(out_dir, shard_size)
+    plan = task_plan(tasks or TasksConfig(), sel.n_kept)
     w = int(num_tasks if num_tasks is not None else plan["tasks"])
     inline = (launcher or plan["launcher"]) == "inline" or w == 1
-    del kept
     if (write or WriteConfig()).shards:
         run_tasks(_write_shards_task, w, "local", processes=0 if inline else None, out_dir=out_dir,
-                  sources=sources, shard_size=shard_size, progress=progress)
-        shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
+                  sources=sources, shard_size=shard_size, progress=progress, selection=sel)
+        shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), sel.n_kept, shard_size, sel.digest)
     else:  # decisions only (write.shards=false)
         shards = {"shards": [], "failed": []}
-    emb, status, component, _, _ = _write_inputs(out_dir)
+    emb, rb, dd = _write_inputs(out_dir)
     failed = np.sort(emb.ids[emb.positions_of([f[0] for f in shards["failed"]])]) if shards["failed"] else \
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
-    digest = selection_digest(emb, status, component, failed)
-    del status, component
+    digest = selection_digest(emb, rb["status"], dd["component"], failed, BLOCK)  # streamed: a block at a time
+    del emb, rb, dd
     run_tasks(_decisions_part_task, w, "local", processes=0 if inline else None, out_dir=out_dir, failed=failed,
              digest=digest)
     per_source, reasons = finish_decisions(out_dir, w)
@@ -296,76 +302,6 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
         "tasks": {"write": w}, **(extra or {})})
     write_json_atomic(_p(out_dir, "manifest.json"), manifest)
     return manifest
-
-
-def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, progress: bool = False) -> dict:
-    """Runner task ``t`` of ``w`` of the shard writing (:func:`write_task`)."""
-    return write_task(out_dir, sources, shard_size, t, w, progress)
-
-
-def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, digest: str) -> dict:
-    """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv (reads only the
-    two step arrays it needs: 9 B per row, not every array of the steps)."""
-    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    with np.load(_p(out_dir, "steps", "rebalance.npz")) as rb, np.load(_p(out_dir, "steps", "dedup.npz")) as dd:
-        status, component = rb["status"], dd["component"]
-    out = decisions_task(out_dir, emb, status, component, failed, t, w, digest)
-    return {"inputs": out["inputs"]}
-
-
-def _write_inputs(out_dir: str):
-    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    rb, dd = load_step(out_dir, "rebalance"), load_step(out_dir, "dedup")
-    if rb["nearest_seed"].dtype.kind not in "iu":  # strings: a folder written before the seeds became row numbers
-        raise InputError(f"{_p(out_dir, 'steps', 'rebalance.npz')} was written by an older version (seed names "
-                         f"instead of rows): rerun `curate rebalance` on this output folder, then write")
-    return emb, rb["status"], dd["component"], rb, dd
-
-
-def _selection(out_dir: str, shard_size: int):
-    """(kept rows in canonical order, their count, shard_size, the digest that names this selection)."""
-    emb, status, _, _, _ = _write_inputs(out_dir)
-    kept = np.flatnonzero(status == KEPT)
-    digest = hashlib.sha1(emb.digest.encode() + np.ascontiguousarray(emb.ids[kept]).tobytes()
-                          + str(shard_size).encode()).hexdigest()[:16]
-    return kept, len(kept), shard_size, digest
-
-
-def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_tasks: int = 1,
-               progress: bool = False) -> dict:
-    """Shard-writing task ``task_index`` of ``num_tasks``: its block of shards (curation.write.write_shard_task),
-    each image read through the path table (no listing of the pool, no per-image dict)."""
-    src = as_multi(sources)
-    emb, status, component, rb, dd = _write_inputs(out_dir)
-    kept, n, _, digest = _selection(out_dir, shard_size)
-    seed_dir = _p(out_dir, "embeddings", "seeds")
-    seeds = open_embeddings(seed_dir) if os.path.isdir(seed_dir) and (rb["nearest_seed"] >= 0).any() else None
-
-    def seed_name(k: int) -> str | None:
-        return None if k < 0 or seeds is None else seeds.id_strings(np.array([k]))[0]
-
-    def items_of(start: int, stop: int):
-        rows = kept[start:stop]
-        names, groups = emb.id_strings(rows), emb.id_strings(component[rows])
-        for k, (i, name, group) in enumerate(zip(rows, names, groups)):
-            meta = {"id": name, "source": emb.source_names[emb.source_codes[i]], "component": group,
-                    "cluster": int(rb["cluster"][i]), "nearest_seed": seed_name(int(rb["nearest_seed"][i])),
-                    "seed_similarity": _num(rb["seed_sim"][i]), "nn_similarity": _num(dd["nn_sim"][i])}
-            yield f"{start + k:09d}", name, (lambda i=i: _read_row(src, emb, i)), meta
-
-    return write_shard_task(out_dir, _p(out_dir, "shards"), n, shard_size, items_of, digest, task_index,
-                            num_tasks, progress)
-
-
-def _read_row(src, emb, pos: int) -> bytes | None:
-    ref = emb.ref(pos)
-    if ref is None or ref.source not in src.by_name:
-        return None
-    return src.read(ref)
-
-
-def _num(x) -> float | None:
-    return None if not np.isfinite(x) else round(float(x), 5)
 
 
 # ----------------------------------------------------------------------------- the orchestrator
@@ -437,7 +373,7 @@ def steps_of(command: str, cfg: CurationConfig) -> tuple[str, ...]:
 def needs_embedder(cfg: CurationConfig, command: str) -> bool:
     """The model is needed to embed, and to embed seed images like the pool was."""
     return command in ("run", "embed") or (command == "rebalance" and bool(cfg.input.seed_paths)) or (
-        command == "index" and _retrieval(cfg) and os.path.exists(_p(cfg.output.dir, "steps", "decontaminate.npz")))
+        command == "index" and _retrieval(cfg) and step_exists(cfg.output.dir, "decontaminate"))
 
 
 def build_embedder_for(cfg: CurationConfig):
@@ -490,7 +426,7 @@ def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
     res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog, cfg.tasks)
     if w:
         res["table_tasks"] = w
-    if _retrieval(cfg) and os.path.exists(_p(out, "steps", "decontaminate.npz")):
+    if _retrieval(cfg) and step_exists(out, "decontaminate"):
         # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
         embed_seeds(out, cfg.input.seed_paths, embedder, cfg.embed, prog)
         res.update(step_retrieval_index(out, cfg.rebalance.k, knn_kwargs(cfg), prog))

@@ -15,6 +15,9 @@ part exists (:func:`part_done`) returns at once, so a killed task is simply star
   (``curate`` under torchrun / srun calls training's :func:`dinopipe.train.dist.init_distributed`, which has
   the srun-step guard; the curation layer itself never imports the train layer).
 
+Each task's report carries its wall time and peak memory (:class:`PeakMemory`: RssAnon sampled, VmHWM), and with
+``CURATE_TRACE_TASKS=1`` also tracemalloc's exact peak (:class:`TracedPeak`).
+
 Rows are owned in whole blocks of ``block`` rows (:func:`task_rows`), so every block a task reads is
 the one a single process would read: the same BLAS shapes, the same answer whatever ``W``.
 """
@@ -27,6 +30,7 @@ import os
 import resource
 import threading
 import time
+import tracemalloc
 from typing import Callable
 
 import numpy as np
@@ -162,6 +166,45 @@ class PeakMemory:
         self.peak_rss = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+TRACE_ENV = "CURATE_TRACE_TASKS"
+"""Set (to anything but ``0``): every task also runs under :class:`TracedPeak` (tests/curation/test_step_memory.py,
+`curate simulate`); off by default, tracemalloc slows allocation-heavy Python code down."""
+
+
+def tracing_tasks() -> bool:
+    return os.environ.get(TRACE_ENV, "0") not in ("", "0")
+
+
+class TracedPeak:
+    """tracemalloc's peak around one task: the Python objects and numpy buffers it allocated at its peak, above
+    what was allocated when it started (``peak``), and what it left allocated (``held``).
+
+    Exact where RssAnon is sampled, and blind to mapped file pages (a memory-mapped array costs nothing until
+    a task copies rows out of it). When tracemalloc already runs (an inline task under a caller that traces
+    itself, e.g. `curate simulate`'s orchestrator), the caller's peak so far is kept in ``outer_peak`` before
+    the task resets it, and ``base`` is what the caller held when the task started."""
+
+    def __enter__(self):
+        self.own = not tracemalloc.is_tracing()
+        if self.own:
+            tracemalloc.start()
+        self.base, self.outer_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        return self
+
+    def __exit__(self, *exc):
+        cur, peak = tracemalloc.get_traced_memory()
+        self.peak, self.held = peak - self.base, cur - self.base
+        if self.own:
+            tracemalloc.stop()
+        else:
+            tracemalloc.reset_peak()  # the caller's peak from here on (its earlier one is in outer_peak)
+
+    def record(self) -> dict:
+        return {"traced_peak": self.peak, "traced_held": self.held, "traced_base": self.base,
+                "traced_outer_peak": None if self.own else self.outer_peak}
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (ids or UUIDs, as given), else
     torch.cuda.device_count()'s 0..G-1; [] without GPUs (or without torch)."""
@@ -190,11 +233,12 @@ def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict, gpus: lis
     if gpus:  # a fresh task process, CUDA not yet initialised: it sees only its share
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(task_gpus(gpus, task_index, num_tasks))
     t0 = time.perf_counter()
-    with PeakMemory() as mem:
+    traced = TracedPeak() if tracing_tasks() else None
+    with PeakMemory() as mem, (traced or contextlib.nullcontext()):
         out = fn(task_index, num_tasks, **kw) or {}
     return {"task": task_index, "wall_s": time.perf_counter() - t0, "peak_anon": mem.peak_anon,
             "start_anon": mem.start_anon, "peak_rss": mem.peak_rss, "start_rss": mem.start_rss,
-            "hwm_reset": mem.hwm_reset, "result": out}
+            "hwm_reset": mem.hwm_reset, "result": out, **(traced.record() if traced else {})}
 
 
 def env_task(launcher: str) -> tuple[int, int]:
