@@ -71,7 +71,7 @@ class EmbeddingSet:
     ids: np.ndarray  # (N,) int64 input ids, increasing
     table: PathTable  # string id of every listed input (readable or not), sorted
     source_names: list[str]
-    source_codes: np.ndarray  # (N,) int32 index into source_names
+    source_codes: "SourceCodes"  # row -> int32 index into source_names (read through the table, not held)
     hashes: np.ndarray  # (N,) uint64 perceptual hashes (0 when not computed)
     input_source: np.ndarray  # (N_inputs,) int32 source of every input
     input_reason: np.ndarray  # (N_inputs,) int16 index into reason_names; -1 for readable inputs
@@ -147,6 +147,21 @@ class EmbeddingSet:
         return out
 
 
+class SourceCodes:
+    """``codes[pos]`` = the source code of row(s) ``pos``: ``input_source[ids[pos]]``, read from the memory-mapped
+    table on demand (a materialised int32 per row was 4 B per row of the whole pool in every process that opened
+    the embeddings: tests/curation/test_step_memory.py)."""
+
+    def __init__(self, input_source: np.ndarray, ids: np.ndarray) -> None:
+        self.input_source, self.ids = input_source, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, pos):
+        return self.input_source[self.ids[pos]]
+
+
 def open_embeddings(emb_dir: str, require_complete: bool = True) -> EmbeddingSet:
     """Open every complete shard in ``emb_dir`` (building its path table on first use).
 
@@ -164,7 +179,7 @@ def open_embeddings(emb_dir: str, require_complete: bool = True) -> EmbeddingSet
     meta = t["meta"]
     ids = t["row_id"]
     return EmbeddingSet(ids, PathTable(t["ids_blob"], t["ids_offsets"]), meta["sources"],
-                        np.asarray(t["input_source"])[ids] if len(ids) else np.zeros(0, np.int32),
+                        SourceCodes(t["input_source"], ids),
                         t["row_hash"], t["input_source"], t["input_reason"], meta["reasons"],
                         PathTable(t["loc_blob"], t["loc_offsets"]), t["loc_span"], meta["ids"],
                         parts, offsets, t["row_perm"])
@@ -193,7 +208,9 @@ def build_path_table(emb_dir: str, plan: Callable[[int], dict]) -> int:
     rows = [len(p) for p in parts]
     p = plan(sum(rows))
     w = max(1, int(p["tasks"]))
-    return build_table(emb_dir, metas, rows, w, "inline" if w == 1 else p["launcher"])["tasks"]
+    # local processes of this node whatever tasks.launcher says: the rank and copy tasks write disjoint
+    # positions of shared memory-mapped files, which is safe on one node's page cache, not across nodes
+    return build_table(emb_dir, metas, rows, w, "inline" if w == 1 or p["launcher"] == "inline" else "local")["tasks"]
 
 
 def _check_tasks_done(emb_dir: str) -> None:

@@ -31,10 +31,6 @@ TASK_HELD = 2
 """bytes per row of the pool a task may hold (measured <= 0.8; with the noise, a whole int8 or bool array (1) is
 not told apart; an int32 (4), an int64 (8) or a Python object per row (>= 50) is)."""
 TASK_HELD_MEASURED = {
-    # open_embeddings() builds EmbeddingSet.source_codes = input_source[ids] (int32, 4 B per row of the whole
-    # pool) in every process that opens the embeddings: curation/embeddings.py, left to the path-table rewrite.
-    # measured 4.8-5.5
-    ("write", "_decisions_part_task"): 6.5,
     # owned_pairs() sorts the first image of every pair of the call in every task (curation/steps/runner.py), and
     # the planted verifier gathers the whole planted truth (curation/simulate/chain.py:truth). measured 2.0
     ("dedup", "verify_arrays_task"): 3,
@@ -48,7 +44,8 @@ TASK_HELD_MEASURED = {
 
 ORCH_HELD = 4
 """bytes per row the orchestrating process may hold (the issue allows 8; the write step streams its selection and
-digests a block at a time over the mapped status array: measured 1.7-2.2, the int32 source_codes included)."""
+digests a block at a time over the mapped status array: measured 1.7-2.2 with the int32 source_codes that
+open_embeddings used to materialise; EmbeddingSet.source_codes now reads the table on demand)."""
 ORCH_HELD_MEASURED = {
     # hash groups + keep, survivors, copy components, status, nn_sim, the merged kNN pairs: whole arrays in
     # pipeline.step_dedup / knn_steps.sharded_copy_dedup. measured 52
@@ -84,6 +81,8 @@ def _task_peaks(res: dict) -> dict:
     for step, row in res["steps"].items():
         seen: dict = {}
         for run in row["runs"]:
+            if "task_traced_peaks" not in run:  # a single-process phase (runner.phase: index train, grouping):
+                continue  # the orchestrator's own work, bounded with it below
             k = seen[run["fn"]] = seen.get(run["fn"], -1) + 1
             got[(step, run["fn"], k)] = max(run["task_traced_peaks"])
     return got
