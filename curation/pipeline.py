@@ -43,6 +43,8 @@ from .rebalance import rebalance as select
 from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, _p,  # noqa: F401
                         _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows)
 from .decisions import decisions_task, finish_decisions, selection_digest
+from .steps.runner import launch
+from .steps.runner import spool as runner_spool
 from .steps.runner import run_step as run_tasks
 from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
 
@@ -260,10 +262,10 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
     kept, n_kept, _, _ = _selection(out_dir, shard_size)
     plan = task_plan(tasks or TasksConfig(), n_kept)
     w = int(num_tasks if num_tasks is not None else plan["tasks"])
-    inline = (launcher or plan["launcher"]) == "inline" or w == 1
+    how = launch(launcher or plan["launcher"], w)
     del kept
     if (write or WriteConfig()).shards:
-        run_tasks(_write_shards_task, w, "local", processes=0 if inline else None, out_dir=out_dir,
+        run_tasks(_write_shards_task, w, **how, out_dir=out_dir,
                   sources=sources, shard_size=shard_size, progress=progress)
         shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
     else:  # decisions only (write.shards=false)
@@ -273,7 +275,7 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
     digest = selection_digest(emb, status, component, failed)
     del status, component
-    run_tasks(_decisions_part_task, w, "local", processes=0 if inline else None, out_dir=out_dir, failed=failed,
+    run_tasks(_decisions_part_task, w, **how, out_dir=out_dir, failed=failed,
              digest=digest)
     per_source, reasons = finish_decisions(out_dir, w)
     manifest = manifest_from_counts(per_source, reasons, {
@@ -384,7 +386,8 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     results = {}
     for step in steps:
         try:
-            result = run_step(step, cfg, embedder, inputs)
+            with runner_spool(_p(out, "steps", "srun")):  # tasks.launcher=srun: the calls' spec files
+                result = run_step(step, cfg, embedder, inputs)
         except (FileNotFoundError, ConfigError) as exc:  # not RuntimeError / ValueError: faiss, torch, ours
             raise StepError(step, exc) from exc
         if step == "embed" and embedder is not None:
