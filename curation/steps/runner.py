@@ -382,7 +382,12 @@ def _run_srun(fn: Callable, num_tasks: int, kw: dict) -> list[dict]:
     cmd += [sys.executable, "-m", "curation.steps.srun_task", spec]
     child = dict(env, **{KEY_ENV: key.hex(),
                          "OMP_NUM_THREADS": env.get("CURATE_TASK_THREADS") or cpus or "1"})
-    r = subprocess.run(cmd, env=child, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        r = subprocess.run(cmd, env=child, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise InputError(f"tasks.launcher=srun: '{cmd[0]}' is not a command here (CURATE_SRUN="
+                         f"{env.get('CURATE_SRUN', '')!r}): run inside a Slurm job, or set CURATE_SRUN") from None
     if r.stderr:
         sys.stderr.write(r.stderr)
     errs = [os.path.join(folder, f"task-{t}.err") for t in range(num_tasks)]

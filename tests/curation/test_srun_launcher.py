@@ -175,3 +175,10 @@ def test_config_checks_the_srun_launcher_against_the_allocation(monkeypatch, tmp
         validate(cfg, "dedup")
     cfg.tasks.count = 3
     validate(cfg, "run")
+
+
+def test_an_srun_command_that_does_not_exist_is_an_input_error(fake_srun, monkeypatch):
+    monkeypatch.setenv("CURATE_SRUN", str(fake_srun / "no-such-srun"))
+    with runner.spool(str(fake_srun / "spool")), pytest.raises(InputError, match="no-such-srun"):
+        runner.run_step(_record, 3, launcher="srun", folder=str(fake_srun / "parts"))
+    assert os.listdir(fake_srun / "spool") == []
