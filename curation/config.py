@@ -250,8 +250,23 @@ def _need(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
-SRUN_COMMANDS = ("run", "dedup", "decontaminate", "rebalance", "write", "index")
-"""The commands whose steps run tasks (tasks.launcher=srun is checked against the allocation for these)."""
+SRUN_STEPS = ("dedup", "decontaminate", "rebalance", "write", "index")
+"""The steps that run tasks (tasks.launcher=srun is checked against the allocation before they start)."""
+
+
+def check_launcher(cfg: CurationConfig, steps) -> None:
+    """tasks.launcher=srun where ``steps`` run tasks: this process must be inside a Slurm job allocated at least
+    tasks.count tasks (ConfigError naming the key otherwise). Checked when the steps are about to run, not by
+    :func:`validate` (a submitter validates the config on a login node, outside the job)."""
+    if str(cfg.tasks.launcher) != "srun" or not set(steps) & set(SRUN_STEPS):
+        return
+    have = os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NPROCS")
+    _need(bool(have), "tasks.launcher", "srun runs each step's tasks in this Slurm job's allocation, but "
+          "SLURM_NTASKS is not set: submit with sbatch --ntasks=W (slurm/submit_curation.sh --finish-tasks W) "
+          "or use tasks.launcher=local")
+    _need(cfg.tasks.count is None or cfg.tasks.count <= int(have), "tasks.count",
+          f"{cfg.tasks.count} tasks, but this Slurm job has SLURM_NTASKS={have}: submit with "
+          f"--ntasks={cfg.tasks.count} or lower tasks.count")
 
 
 def validate(cfg: CurationConfig, step: str = "run") -> None:
@@ -290,14 +305,6 @@ def validate(cfg: CurationConfig, step: str = "run") -> None:
     _validate_knn(cfg)
     _need(cfg.tasks.count is None or cfg.tasks.count >= 1, "tasks.count",
           f"must be >= 1 or null (auto), got {cfg.tasks.count}")
-    if str(cfg.tasks.launcher) == "srun" and step in SRUN_COMMANDS:
-        have = os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NPROCS")
-        _need(bool(have), "tasks.launcher", "srun runs each step's tasks in this Slurm job's allocation, but "
-              "SLURM_NTASKS is not set: submit with sbatch --ntasks=W (slurm/submit_curation.sh --finish-tasks W) "
-              "or use tasks.launcher=local")
-        _need(cfg.tasks.count is None or cfg.tasks.count <= int(have), "tasks.count",
-              f"{cfg.tasks.count} tasks, but this Slurm job has SLURM_NTASKS={have}: submit with "
-              f"--ntasks={cfg.tasks.count} or lower tasks.count")
     for key, t in (("dedup.threshold", cfg.dedup.threshold),
                    ("decontaminate.threshold", cfg.decontaminate.threshold)):
         if t is None and key == "dedup.threshold":
@@ -422,4 +429,4 @@ def rebalance_kwargs(r: RebalanceConfig) -> dict:
                        "niter": r.kmeans_niter, "tol": r.kmeans_tol, "n_init": r.kmeans_n_init}}
 
 
-__all__ = ["CurationConfig", "validate", "rebalance_kwargs", "knn_kwargs", "kmeans_dir", "task_plan"]
+__all__ = ["CurationConfig", "validate", "check_launcher", "rebalance_kwargs", "knn_kwargs", "kmeans_dir", "task_plan"]

@@ -32,7 +32,7 @@ from dinopipe.data.sources import as_multi
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
                      RebalanceConfig, TasksConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, task_plan,
-                     validate)
+                     check_launcher, validate)
 from .dedup import resolve_threshold
 from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig
@@ -382,6 +382,7 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     :func:`build_embedder_for`), needed to embed and to embed seed images like the pool was.
     ``echo(step, result)`` is called after each step (the CLI prints there)."""
     out = cfg.output.dir
+    check_launcher(cfg, steps)  # tasks.launcher=srun: inside an allocation of enough tasks, before writing
     save_config(cfg, out, header=f"resolved config of `curate {command}`")  # array tasks may race: atomic
     results = {}
     for step in steps:

@@ -158,23 +158,22 @@ def test_submit_curation_sh_gives_the_finishing_jobs_n_srun_tasks(tmp_path):
     assert bad.returncode == 2 and "--finish-tasks" in bad.stderr
 
 
-def test_config_checks_the_srun_launcher_against_the_allocation(monkeypatch, tmp_path):
-    from curation.config import CurationConfig, validate
-    from dinopipe.config import ConfigError
+def test_the_srun_launcher_outside_an_allocation_exits_2_before_writing(monkeypatch, tmp_path, capsys):
+    from curation.cli import main as curate
 
-    cfg = CurationConfig()
-    cfg.input.paths, cfg.output.dir = [str(tmp_path)], str(tmp_path / "out")
-    cfg.tasks.launcher, cfg.tasks.count = "srun", 4
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
     monkeypatch.delenv("SLURM_NPROCS", raising=False)
-    with pytest.raises(ConfigError, match="tasks.launcher.*SLURM_NTASKS is not set"):
-        validate(cfg, "run")
-    validate(cfg, "embed")  # an embedding array task runs no step tasks
-    monkeypatch.setenv("SLURM_NTASKS", "3")
-    with pytest.raises(ConfigError, match="tasks.count: 4 tasks, but this Slurm job has SLURM_NTASKS=3"):
-        validate(cfg, "dedup")
-    cfg.tasks.count = 3
-    validate(cfg, "run")
+    (tmp_path / "pool").mkdir()
+    args = ["--config", str(ROOT / "configs" / "curation" / "quickstart.yaml"), f"input.paths=[{tmp_path / 'pool'}]",
+            f"output.dir={tmp_path / 'out'}", "tasks.launcher=srun", "tasks.count=4"]
+    with pytest.raises(SystemExit) as exc:
+        curate(["dedup", *args])
+    assert exc.value.code == 2 and "tasks.launcher" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    monkeypatch.setenv("SLURM_NTASKS", "3")  # an allocation of 3 tasks: 4 are refused
+    with pytest.raises(SystemExit) as exc:
+        curate(["run", *args])
+    assert exc.value.code == 2 and "tasks.count: 4 tasks, but this Slurm job has SLURM_NTASKS=3" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_srun_command_that_does_not_exist_is_an_input_error(fake_srun, monkeypatch):
@@ -182,3 +181,17 @@ def test_an_srun_command_that_does_not_exist_is_an_input_error(fake_srun, monkey
     with runner.spool(str(fake_srun / "spool")), pytest.raises(InputError, match="no-such-srun"):
         runner.run_step(_record, 3, launcher="srun", folder=str(fake_srun / "parts"))
     assert os.listdir(fake_srun / "spool") == []
+
+
+def test_dinopipe_submit_gives_the_finishing_jobs_n_srun_tasks(tmp_path, capsys):
+    from dinopipe import cli as dinopipe_cli
+
+    assert dinopipe_cli.main(["slurm", "submit", "--config", "configs/slurm/quickstart.yaml", "--dry-run",
+                              f"output_dir={tmp_path}", f"input_paths=[{tmp_path}]", "stages=[curate]",
+                              "curate.search_tasks=2", "curate.finish_tasks=5"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "sbatch" in ln]
+    embed, index, search, finish = lines
+    for line in (index, finish):
+        assert "--ntasks=5" in line and "tasks.launcher=srun" in line and "tasks.count=5" in line
+    for line in (embed, search):
+        assert "--ntasks" not in line and "tasks.launcher" not in line
