@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", choices=("run",) + STEPS + SHARDED + ("plan",),
                    help="all steps, or one step alone (plan: see curate plan --help)")
     p.add_argument("--config", default=None, help="YAML (e.g. configs/curation/default.yaml)")
+    p.add_argument("--progress", default=None, metavar="FILE",
+                   help="append one JSON line per finished step to FILE: its wall time and each task it ran "
+                        "(wall time, peak heap and peak RSS)")
     p.add_argument("overrides", nargs="*", help="key.sub=value, e.g. output.dir=OUT")
     return p
 
@@ -121,7 +124,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if embedder is not None:
         print(f"embedder: {embedder}", file=sys.stderr)
     try:
-        run_steps(cfg, steps, embedder, args.command, echo=_echo)
+        run_steps(cfg, steps, embedder, args.command, echo=_echo, progress_log=args.progress)
     except StepError as exc:  # e.g. a step not run yet, an input that cannot be read: the user's to fix
         print(exc, file=sys.stderr)
         return 2

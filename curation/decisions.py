@@ -9,7 +9,7 @@ string ids, :mod:`curation.pathtable`), and writes, chunk by chunk::
 The parts concatenated in task order are the table ``decisions.tsv`` (sorted by id, the same bytes for
 any W); :func:`iter_decisions` reads them as one table and :func:`finish_decisions` sums their counts
 into the manifest and writes the merged ``decisions.tsv`` too (a streamed copy: disk, not memory).
-Memory per task: one chunk of rows plus the step arrays it reads.
+Memory per task: one chunk of rows (the step arrays are memory-mapped: a task reads its rows of them).
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ def input_range(n_inputs: int, task_index: int, num_tasks: int) -> tuple[int, in
     return task_index * n_inputs // num_tasks, (task_index + 1) * n_inputs // num_tasks
 
 
-def selection_digest(emb, status: np.ndarray, component: np.ndarray, failed: np.ndarray) -> str:
-    """What the decisions depend on (a part with another digest is stale and rewritten)."""
+def selection_digest(emb, status: np.ndarray, component: np.ndarray, failed: np.ndarray, chunk: int = CHUNK) -> str:
+    """What the decisions depend on (a part with another digest is stale and rewritten); read ``chunk`` rows at
+    a time (the arrays may be memory-mapped: memory is one chunk)."""
     h = hashlib.sha1(emb.digest.encode())
-    for a in (status, component, failed):
-        h.update(np.ascontiguousarray(a).tobytes())
+    for a in (status, component, failed):  # a chunk at a time: the same digest as the whole arrays' bytes
+        for lo in range(0, len(a), chunk):
+            h.update(np.ascontiguousarray(a[lo:lo + chunk]).tobytes())
     return h.hexdigest()[:16]
 
 

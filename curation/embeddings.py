@@ -34,7 +34,7 @@ from dinopipe.data.transforms import eval_transform
 from dinopipe.utils.io import atomic_open, atomic_write_json
 
 from .descriptor import HASHES
-from .pathtable import PathTable, open_table
+from .pathtable import PathTable, build_table, fresh_meta, open_table
 
 _PART_RE = re.compile(r"part-(\d{5})-(\d{5})\.ids\.json$")
 
@@ -153,15 +153,7 @@ def open_embeddings(emb_dir: str, require_complete: bool = True) -> EmbeddingSet
     With ``require_complete`` (the default), a folder where some array task has not finished is
     refused with the missing task numbers, instead of silently curating part of the pool.
     """
-    metas = sorted(p for p in glob.glob(os.path.join(emb_dir, "part-*.ids.json"))
-                   if _PART_RE.search(p))
-    if not metas:
-        raise FileNotFoundError(
-            f"no embeddings in {emb_dir}: run the embed step first (curate embed ...)"
-        )
-    if require_complete:
-        _check_tasks_done(emb_dir)
-    parts = [np.load(m[: -len(".ids.json")] + ".npy", mmap_mode="r") for m in metas]
+    metas, parts = _list_parts(emb_dir, require_complete)
     dims = {p.shape[1] for p in parts if len(p)}
     if len(dims) > 1:
         raise InputError(f"{emb_dir} mixes embedding dimensions {sorted(dims)}: embeddings from "
@@ -176,6 +168,32 @@ def open_embeddings(emb_dir: str, require_complete: bool = True) -> EmbeddingSet
                         t["row_hash"], t["input_source"], t["input_reason"], meta["reasons"],
                         PathTable(t["loc_blob"], t["loc_offsets"]), t["loc_span"], meta["ids"],
                         parts, offsets, t["row_perm"])
+
+
+def _list_parts(emb_dir: str, require_complete: bool = True) -> tuple[list[str], list[np.ndarray]]:
+    """The complete shards' ``.ids.json`` files (sorted) and their embeddings (memory-mapped)."""
+    metas = sorted(p for p in glob.glob(os.path.join(emb_dir, "part-*.ids.json"))
+                   if _PART_RE.search(p))
+    if not metas:
+        raise FileNotFoundError(
+            f"no embeddings in {emb_dir}: run the embed step first (curate embed ...)"
+        )
+    if require_complete:
+        _check_tasks_done(emb_dir)
+    return metas, [np.load(m[: -len(".ids.json")] + ".npy", mmap_mode="r") for m in metas]
+
+
+def build_path_table(emb_dir: str, plan: Callable[[int], dict]) -> int:
+    """Build ``emb_dir``'s path table unless it is complete and current, as the W tasks ``plan(rows)`` gives
+    (``{"tasks": W, "launcher": "inline" | "local"}``, curation.config.task_plan; curation.pathtable.build_table);
+    returns W (0: the table was there)."""
+    metas, parts = _list_parts(emb_dir)
+    if fresh_meta(emb_dir, metas) is not None:
+        return 0
+    rows = [len(p) for p in parts]
+    p = plan(sum(rows))
+    w = max(1, int(p["tasks"]))
+    return build_table(emb_dir, metas, rows, w, "inline" if w == 1 else p["launcher"])["tasks"]
 
 
 def _check_tasks_done(emb_dir: str) -> None:

@@ -255,10 +255,10 @@ def sharded_retrieval(out_dir: str, space: EmbeddingSet, rows_idx: np.ndarray, s
 def retrieval_inputs(out_dir: str):
     """(space, rows_idx, seeds) of rebalance mode 'sample', or None before decontamination or
     seed embedding (then `curate index` / `curate search` have no retrieval work yet)."""
-    from .stepfiles import rebalance_rows
+    from .stepfiles import rebalance_rows, step_exists
 
     seed_dir = os.path.join(out_dir, "embeddings", "seeds")
-    if not (os.path.exists(os.path.join(out_dir, "steps", "decontaminate.npz")) and os.path.isdir(seed_dir)):
+    if not (step_exists(out_dir, "decontaminate") and os.path.isdir(seed_dir)):
         return None
     space_dir, rows_idx, _, _ = rebalance_rows(out_dir)
     seeds = open_embeddings(seed_dir)

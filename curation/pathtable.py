@@ -6,17 +6,27 @@ pool's names cost one byte array and one int64 array on disk and nothing per ima
 by input id is sorting by string id, which is the *canonical row order*: embedding rows, step arrays and
 ``decisions`` parts follow it whatever number of tasks embedded or searched the pool.
 
-Built once from the embedding parts (:func:`build_table`, called by ``open_embeddings``), after every
-embedding task has finished; the build sorts fixed-width numpy byte strings (N x longest id bytes, no
-Python object per image) and is redone only when the parts change.
+Built once from the embedding parts by :func:`build_table` after every embedding task has finished -- by the
+chain right after embedding as ``tasks.count`` W tasks (curation.pipeline.build_tables), else by
+``open_embeddings`` on first use (W = 1, in this process) -- and redone only when the parts change. The build
+is W tasks of each of three kinds (curation.steps.table), merged on disk, none holding more than its N/W
+inputs: *run* tasks sort their share of the parts into runs on disk; *rank* tasks give each entry its input
+id (the sum over the runs of ``searchsorted(run_keys, key)``, the runs memory-mapped) and row id, and write
+its fields at those positions into preallocated memory-mapped arrays; one streaming pass (a chunk in
+memory) turns the string lengths into offsets; *copy* tasks put the strings' bytes into the blobs. The files
+are byte for byte those of one process sorting everything (source and reason codes in first-appearance order
+of the parts), whatever W; a rerun skips the finished tasks (work files in ``table/work/`` until complete).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -25,6 +35,7 @@ from dinopipe.utils.io import atomic_open, atomic_write_json
 
 TABLE_DIR = "table"
 _VERSION = 1
+_CHUNK = 1 << 16  # entries per chunk of the single-process passes
 
 
 class PathTable:
@@ -70,29 +81,6 @@ class _Keys:
         return bytes(self.t.blob[self.t.offsets[i]:self.t.offsets[i + 1]])
 
 
-def pack_strings(fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(blob uint8, offsets int64) of a fixed-width numpy bytes array (``'S<w>'``), vectorised."""
-    n = len(fixed)
-    width = fixed.dtype.itemsize
-    lens = np.char.str_len(fixed).astype(np.int64) if n else np.zeros(0, np.int64)
-    offsets = np.zeros(n + 1, np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    if n == 0 or width == 0:
-        return np.zeros(0, np.uint8), offsets
-    u8 = np.ascontiguousarray(fixed).view(np.uint8).reshape(n, width)
-    blob = u8[np.arange(width)[None, :] < lens[:, None]]  # row-major: the strings one after another
-    return blob, offsets
-
-
-def _encode(strings: list[str]) -> np.ndarray:
-    return np.array([s.encode() for s in strings], dtype="S") if strings else np.zeros(0, "S1")
-
-
-def _save(d: str, name: str, a: np.ndarray) -> None:
-    with atomic_open(os.path.join(d, f"{name}.npy"), "wb") as f:
-        np.save(f, np.ascontiguousarray(a))
-
-
 def _load(d: str, name: str) -> np.ndarray:
     return np.load(os.path.join(d, f"{name}.npy"), mmap_mode="r")
 
@@ -106,84 +94,145 @@ def parts_digest(meta_paths: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int]) -> str:
-    """Write ``<emb_dir>/table/`` from the parts' ``.ids.json`` (``part_rows``: rows of each part)."""
+OUTPUTS = {  # name -> (dtype, shape: "n" inputs, "r" readable rows, "r,2"; offsets and blobs made later)
+    "input_source": (np.int32, "n"), "input_reason": (np.int16, "n"), "row_id": (np.int64, "r"),
+    "row_perm": (np.int64, "r"), "row_hash": (np.uint64, "r"), "loc_span": (np.int64, "r,2"),
+    "ids_len": (np.int64, "n"), "loc_len": (np.int64, "r")}
+_FINAL = ("ids_blob", "ids_offsets", "input_source", "input_reason", "row_id", "row_perm", "row_hash",
+          "loc_blob", "loc_offsets", "loc_span")
+
+
+def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int], num_tasks: int = 1,
+                launcher: str = "inline") -> dict:
+    """Write ``<emb_dir>/table/`` from the parts' ``.ids.json`` (``part_rows``: rows of each part) as
+    ``num_tasks`` W tasks of each kind (curation.steps.table; ``launcher``: inline, one after another in this
+    process, or local, W fresh processes). Work files go to ``table/work/`` (kept for a rerun until the table
+    is complete: finished tasks are skipped). Returns ``{"tasks": W, "reports": [...]}`` (each task's peak)."""
     d = os.path.join(emb_dir, TABLE_DIR)
     os.makedirs(d, exist_ok=True)
-    names: dict[str, int] = {}
-    reasons: dict[str, int] = {}
-    keys, src, is_row, reason, hashes, loc_str, loc_span = [], [], [], [], [], [], []
-    for meta_path, n_rows in zip(meta_paths, part_rows):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        ids, unread = meta["ids"], meta["unreadable"]
-        if len(ids) != n_rows:
-            raise InputError(f"{meta_path}: {len(ids)} ids but {n_rows} embeddings; delete this shard "
-                             f"pair and rerun the embed step to recompute it")
-        keys.append(_encode(ids + [u[0] for u in unread]))
-        codes = [names.setdefault(s, len(names)) for s in meta["sources"]]
-        codes += [names.setdefault(u[1], len(names)) for u in unread]
-        src.append(np.asarray(codes, np.int32))
-        is_row.append(np.r_[np.ones(len(ids), bool), np.zeros(len(unread), bool)])
-        reason.append(np.asarray([-1] * len(ids) + [reasons.setdefault(u[2], len(reasons)) for u in unread],
-                                 np.int16))
-        hashes.append(np.asarray([int(h, 16) for h in meta["hashes"]], np.uint64))
-        locs = meta.get("locs") or [None] * len(ids)  # parts written before locations were recorded: none
-        loc_str.append(_encode([_loc_path(x) for x in locs]))
-        loc_span.append(np.asarray([_loc_span(x) for x in locs], np.int64).reshape(-1, 2))
-    key = np.concatenate(keys) if keys else np.zeros(0, "S1")
-    is_row, reason = np.concatenate(is_row), np.concatenate(reason)
-    order = np.argsort(key, kind="stable")  # canonical order: by string id
-    skey = key[order]
-    dup = np.flatnonzero(skey[1:] == skey[:-1])
-    if len(dup):
-        raise InputError(f"{emb_dir}: image id {skey[dup[0]].decode()!r} is in two embedding parts (parts of "
+    with open(os.path.join(d, ".lock"), "a") as lock:
+        # another process building this table (ranks of `curate kmeans` opening a fresh folder): wait, reuse it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if fresh_meta(emb_dir, meta_paths) is not None:
+            return {"tasks": 0, "reports": []}
+        return _build(emb_dir, meta_paths, part_rows, int(num_tasks), launcher)
+
+
+def _build(emb_dir: str, meta_paths: list[str], part_rows: list[int], w: int, launcher: str) -> dict:
+    from .steps import table as tt
+    from .steps.runner import launch, run_step
+
+    d = os.path.join(emb_dir, TABLE_DIR)
+    work = os.path.join(d, "work")
+    digest = parts_digest(meta_paths)
+    plan = {"parts": digest, "tasks": w}
+    if _read_json(os.path.join(work, "plan.json")) != plan:  # other parts or another W: start over
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work)
+        atomic_write_json(os.path.join(work, "plan.json"), plan)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(d, "meta.json"))  # not a complete table until the end
+
+    def run(fn, **kw):
+        return run_step(fn, w, **launch(launcher, w), **kw)
+
+    reports = run(tt.run_task, work=work, meta_paths=list(meta_paths), part_rows=[int(r) for r in part_rows])
+    names = [_read_json(os.path.join(tt.run_dir(work, t), "names.json")) for t in range(w)]
+    sources = list(dict.fromkeys(s for x in names for s in x["sources"]))  # first appearance, part order
+    reasons = list(dict.fromkeys(s for x in names for s in x["reasons"]))
+    n, r = sum(x["n"] for x in names), sum(x["rows"] for x in names)
+    out = {name: os.path.join(work, f"{name}.npy") for name in (*OUTPUTS, *_FINAL)}
+    if not os.path.exists(os.path.join(work, "alloc.json")):
+        for name, (dtype, shape) in OUTPUTS.items():
+            _alloc(out[name], dtype, {"n": (n,), "r": (r,), "r,2": (r, 2)}[shape])
+        atomic_write_json(os.path.join(work, "alloc.json"), {"n": n, "rows": r})
+    src_of, reason_of = {s: i for i, s in enumerate(sources)}, {s: i for i, s in enumerate(reasons)}
+    src_codes = [[src_of[s] for s in x["sources"]] for x in names]  # run code -> global code
+    reason_codes = [[reason_of[s] for s in x["reasons"]] for x in names]
+    reports += run(tt.rank_task, work=work, out=out, source_codes=src_codes, reason_codes=reason_codes)
+    dups = [k for t in range(w) for k in tt.read_dup(work, t, w)]
+    if dups:
+        raise InputError(f"{emb_dir}: image id {min(dups).decode()!r} is in two embedding parts (parts of "
                          f"two different runs in one folder?); use a fresh output folder")
-    blob, offsets = pack_strings(skey)
-    row_of_input = np.cumsum(is_row) - 1  # concatenated-input position -> concatenated-row position
-    readable = is_row[order]
-    perm = row_of_input[order[readable]]  # canonical row r -> concatenated row
-    loc_blob, loc_off = pack_strings((np.concatenate(loc_str) if loc_str else np.zeros(0, "S1"))[perm])
-    _save(d, "ids_blob", blob)
-    _save(d, "ids_offsets", offsets)
-    _save(d, "input_source", np.concatenate(src)[order] if src else np.zeros(0, np.int32))
-    _save(d, "input_reason", reason[order])
-    _save(d, "row_id", np.flatnonzero(readable).astype(np.int64))
-    _save(d, "row_perm", perm.astype(np.int64))
-    _save(d, "row_hash", np.concatenate(hashes)[perm] if hashes else np.zeros(0, np.uint64))
-    _save(d, "loc_blob", loc_blob)
-    _save(d, "loc_offsets", loc_off)
-    _save(d, "loc_span", np.concatenate(loc_span)[perm] if loc_span else np.zeros((0, 2), np.int64))
-    digest = hashlib.sha1(np.ascontiguousarray(blob).tobytes()).hexdigest()[:16]
+    if not os.path.exists(os.path.join(work, "offsets.json")):
+        sizes = {"ids": _cumsum(out["ids_len"], out["ids_offsets"]),
+                 "loc": _cumsum(out["loc_len"], out["loc_offsets"])}
+        _alloc(out["ids_blob"], np.uint8, (sizes["ids"],))
+        _alloc(out["loc_blob"], np.uint8, (sizes["loc"],))
+        atomic_write_json(os.path.join(work, "offsets.json"), sizes)
+    reports += run(tt.copy_task, work=work, out=out)
+    for name in _FINAL:  # (a rerun after a kill half-way through: the rest)
+        if os.path.exists(out[name]):
+            os.replace(out[name], os.path.join(d, f"{name}.npy"))
+    ids_digest = _sha1(os.path.join(d, "ids_blob.npy"))
     atomic_write_json(os.path.join(d, "meta.json"), {  # last: marks a complete table
-        "version": _VERSION, "parts": parts_digest(meta_paths), "ids": digest, "n_inputs": len(key),
-        "n_rows": int(is_row.sum()), "sources": list(names), "reasons": list(reasons)})
-    return d
+        "version": _VERSION, "parts": digest, "ids": ids_digest, "n_inputs": n, "n_rows": r,
+        "sources": sources, "reasons": reasons})
+    shutil.rmtree(work, ignore_errors=True)
+    return {"tasks": w, "reports": reports}
 
 
-def _loc_path(loc) -> str:
-    if loc is None:
-        return ""
-    return loc if isinstance(loc, str) else loc[0]
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
 
 
-def _loc_span(loc) -> tuple[int, int]:
-    return (-1, -1) if loc is None or isinstance(loc, str) else (int(loc[1]), int(loc[2]))
+def _alloc(path: str, dtype, shape: tuple[int, ...]) -> None:
+    """A ``.npy`` of ``shape`` (zeros, sparse on disk) with np.save's header, to be filled through a mapping."""
+    shape = tuple(int(x) for x in shape)
+    if int(np.prod(shape)) == 0:  # an empty file cannot be mapped
+        with atomic_open(path, "wb") as f:
+            np.save(f, np.zeros(shape, dtype))
+        return
+    m = np.lib.format.open_memmap(path + ".tmp", mode="w+", dtype=dtype, shape=shape)
+    m.flush()
+    del m
+    os.replace(path + ".tmp", path)
+
+
+def _cumsum(lens_path: str, offsets_path: str) -> int:
+    """offsets = [0, cumsum(lens)], streamed in chunks (8 B per entry on disk, a chunk in memory)."""
+    lens = np.load(lens_path, mmap_mode="r")
+    _alloc(offsets_path, np.int64, (len(lens) + 1,))
+    off = np.load(offsets_path, mmap_mode="r+")
+    total = 0
+    for c0 in range(0, len(lens), _CHUNK):
+        c = np.cumsum(lens[c0:c0 + _CHUNK], dtype=np.int64) + total
+        off[c0 + 1:c0 + 1 + len(c)] = c
+        total = int(c[-1])
+    if isinstance(off, np.memmap):
+        off.flush()
+    return total
+
+
+def _sha1(path: str) -> str:
+    """The first 16 hex digits of the sha1 of a uint8 ``.npy``'s data, streamed."""
+    h = hashlib.sha1()
+    m = np.load(path, mmap_mode="r")
+    step = _CHUNK * 64
+    for c0 in range(0, len(m), step):
+        h.update(np.ascontiguousarray(m[c0:c0 + step]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def fresh_meta(emb_dir: str, meta_paths: list[str]) -> dict | None:
+    """The table's meta.json when the table is complete and built from these parts, else None."""
+    meta = _read_json(os.path.join(emb_dir, TABLE_DIR, "meta.json"))
+    if meta is None or meta.get("version") != _VERSION or meta["parts"] != parts_digest(meta_paths):
+        return None
+    return meta
 
 
 def open_table(emb_dir: str, meta_paths: list[str], part_rows: list[int]) -> dict:
-    """The table's arrays (memory-mapped) and meta, built first when missing or stale."""
+    """The table's arrays (memory-mapped) and meta, built first (one task, in this process) when missing or
+    stale; the chain builds it as W tasks right after embedding (curation.pipeline)."""
     d = os.path.join(emb_dir, TABLE_DIR)
-    meta_file = os.path.join(d, "meta.json")
-    meta = None
-    if os.path.exists(meta_file):
-        with open(meta_file) as f:
-            meta = json.load(f)
-    if meta is None or meta.get("version") != _VERSION or meta["parts"] != parts_digest(meta_paths):
+    meta = fresh_meta(emb_dir, meta_paths)
+    if meta is None:
         build_table(emb_dir, meta_paths, part_rows)
-        with open(meta_file) as f:
-            meta = json.load(f)
-    arrays = {name: _load(d, name) for name in (
-        "ids_blob", "ids_offsets", "input_source", "input_reason", "row_id", "row_perm", "row_hash",
-        "loc_blob", "loc_offsets", "loc_span")}
+        meta = _read_json(os.path.join(d, "meta.json"))
+    arrays = {name: _load(d, name) for name in _FINAL}
     return {"meta": meta, **arrays}

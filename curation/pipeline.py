@@ -7,7 +7,9 @@ Output folder::
     embeddings/descriptor/      copy-detection descriptors of the pool (fp16 shards + ids)
     embeddings/model/           backbone embeddings (only with a model embed_fn), for rebalancing
     embeddings/eval/, seeds/    descriptors of eval images / embeddings of seed images
-    steps/<step>.npz            per-step decisions, so each step can be rerun alone
+    steps/<step>/<array>.npy    per-step decisions, one memory-mappable array per file (done.json written
+                                last), so each step can be rerun alone and a task maps only its rows;
+                                a folder's older steps/<step>.npz is still read (curation.stepfiles)
     shards/*.tar                the curated webdataset
     manifest.json               input = kept + duplicates + decontaminated + unreadable + not selected
     decisions/part-*.tsv        id, source, status, group_or_reason, by input id (curation.decisions)
@@ -19,7 +21,6 @@ Each step reads the previous steps' files; ``curate embed|dedup|...`` map onto t
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,8 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dinopipe.config import ConfigError, InputError, save_config
-from dinopipe.data.sources import as_multi
+from dinopipe.config import ConfigError, save_config
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
                      RebalanceConfig, TasksConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, task_plan,
@@ -36,25 +36,31 @@ from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConf
 from .dedup import resolve_threshold
 from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig
-from .embeddings import EmbedTarget, embed_pool, embed_pool_multi, open_embeddings
+from .embeddings import EmbedTarget, build_path_table, embed_pool, embed_pool_multi, open_embeddings
 from .index import Rows
 from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval, verifier_factory
 from .rebalance import rebalance as select
 from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, _p,  # noqa: F401
-                        _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows)
-from .decisions import decisions_task, finish_decisions, selection_digest
-from .steps.runner import launch
+                        _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows, step_exists,
+                        step_path)
+from .decisions import finish_decisions, selection_digest
+from .steps.runner import BLOCK, launch
 from .steps.runner import spool as runner_spool
 from .steps.runner import run_step as run_tasks
-from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic, write_shard_task
+from .steps.runner import step_log
+from .steps.write_tasks import (Selection, _decisions_part_task, _write_inputs, _write_shards_task,  # noqa: F401
+                                write_selection, write_task)
+from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic
 
 def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
                descriptor: DescriptorConfig | None = None, dedup: DedupConfig | None = None,
-               embedder: Callable | None = None, progress: bool = True) -> dict:
+               embedder: Callable | None = None, progress: bool = True, tasks: TasksConfig | None = None) -> dict:
     """Copy descriptors (+ perceptual hashes) of this task's share of the pool (``embed.task_index`` of
     ``embed.num_tasks``); model embeddings too when an ``embedder`` (the built ``embed.model``, with its
     ``transform``) is given. Resumable. ``dedup.model``: a copy-detection model (TorchScript or
-    ``dinopipe.load``) in place of the descriptor (see :mod:`curation.copymodel`)."""
+    ``dinopipe.load``) in place of the descriptor (see :mod:`curation.copymodel`). When this process embedded
+    the whole pool (``embed.num_tasks`` 1), the path tables follow as ``tasks`` W tasks (:func:`build_tables`;
+    after an array of embedding tasks, the first step of the next job builds them)."""
     e, dd = embed or EmbedConfig(), dedup or DedupConfig()
     fn, tf = copy_embedder(out_dir, sources, descriptor, dd.model, dd.image_size, e.device, e.precision,
                            dd.trust_code)
@@ -64,7 +70,19 @@ def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
     counts = embed_pool_multi(sources, list(targets.values()), shard_size=e.shard_size, batch_size=e.batch_size,
                               num_workers=e.num_workers, task_index=e.task_index, num_tasks=e.num_tasks,
                               progress=progress)
-    return dict(zip(targets, counts))
+    w = build_tables(out_dir, tasks) if e.num_tasks == 1 else 0
+    return {**dict(zip(targets, counts)), "tasks": {"table": w}}
+
+
+def build_tables(out_dir: str, tasks: TasksConfig | None = None) -> int:
+    """The path tables of embeddings/descriptor and embeddings/model (when there), each as W tasks of
+    ``tasks``' plan (curation.pathtable) unless complete and current; returns the largest W (0: all there)."""
+    w = 0
+    for name in ("descriptor", "model"):
+        d = _p(out_dir, "embeddings", name)
+        if os.path.isdir(d) and any(f.endswith(".ids.json") for f in os.listdir(d)):
+            w = max(w, build_path_table(d, functools.partial(task_plan, tasks or TasksConfig())))
+    return w
 
 
 def _transform(embedder):
@@ -136,8 +154,8 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     read embeddings/eval/ as it is)."""
     threshold = (decontaminate or DecontaminateConfig()).threshold
     e = embed or EmbedConfig()
-    dd = load_step(out_dir, "dedup")
-    status, component = dd["status"], dd["component"]
+    dd = load_step(out_dir, "dedup", keys=("status", "component"), mmap=True)
+    status, component = np.array(dd["status"]), dd["component"]  # component: only the alive rows are read
     max_sim = np.full(len(status), np.nan, np.float32)
     n_removed, w = 0, 0
     if eval_sources or eval_embedded:
@@ -257,24 +275,26 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
                launcher: str | None = None) -> dict:
     """Write kept images as webdataset shards (``write.shard_size`` images each) and the decisions
     parts, each as W tasks of the step runner (``num_tasks``, else ``tasks``' plan: inline, or W local
-    processes), then manifest.json and decisions.tsv. The manifest records W (``tasks.write``)."""
+    processes), then manifest.json and decisions.tsv. The manifest records W (``tasks.write``).
+
+    The selection (its digest, the kept count, kept rows per block) is computed here once, streamed over the
+    memory-mapped status array, and handed to the tasks: each maps only the rows it owns."""
     shard_size = (write or WriteConfig()).shard_size
-    kept, n_kept, _, _ = _selection(out_dir, shard_size)
-    plan = task_plan(tasks or TasksConfig(), n_kept)
+    sel = write_selection(out_dir, shard_size)
+    plan = task_plan(tasks or TasksConfig(), sel.n_kept)
     w = int(num_tasks if num_tasks is not None else plan["tasks"])
     how = launch(launcher or plan["launcher"], w)
-    del kept
     if (write or WriteConfig()).shards:
         run_tasks(_write_shards_task, w, **how, out_dir=out_dir,
-                  sources=sources, shard_size=shard_size, progress=progress)
-        shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), *_selection(out_dir, shard_size)[1:])
+                  sources=sources, shard_size=shard_size, progress=progress, selection=sel)
+        shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), sel.n_kept, shard_size, sel.digest)
     else:  # decisions only (write.shards=false)
         shards = {"shards": [], "failed": []}
-    emb, status, component, _, _ = _write_inputs(out_dir)
+    emb, rb, dd = _write_inputs(out_dir)
     failed = np.sort(emb.ids[emb.positions_of([f[0] for f in shards["failed"]])]) if shards["failed"] else \
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
-    digest = selection_digest(emb, status, component, failed)
-    del status, component
+    digest = selection_digest(emb, rb["status"], dd["component"], failed, BLOCK)  # streamed: a block at a time
+    del emb, rb, dd
     run_tasks(_decisions_part_task, w, **how, out_dir=out_dir, failed=failed,
              digest=digest)
     per_source, reasons = finish_decisions(out_dir, w)
@@ -283,76 +303,6 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
         "tasks": {"write": w}, **(extra or {})})
     write_json_atomic(_p(out_dir, "manifest.json"), manifest)
     return manifest
-
-
-def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, progress: bool = False) -> dict:
-    """Runner task ``t`` of ``w`` of the shard writing (:func:`write_task`)."""
-    return write_task(out_dir, sources, shard_size, t, w, progress)
-
-
-def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, digest: str) -> dict:
-    """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv (reads only the
-    two step arrays it needs: 9 B per row, not every array of the steps)."""
-    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    with np.load(_p(out_dir, "steps", "rebalance.npz")) as rb, np.load(_p(out_dir, "steps", "dedup.npz")) as dd:
-        status, component = rb["status"], dd["component"]
-    out = decisions_task(out_dir, emb, status, component, failed, t, w, digest)
-    return {"inputs": out["inputs"]}
-
-
-def _write_inputs(out_dir: str):
-    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    rb, dd = load_step(out_dir, "rebalance"), load_step(out_dir, "dedup")
-    if rb["nearest_seed"].dtype.kind not in "iu":  # strings: a folder written before the seeds became row numbers
-        raise InputError(f"{_p(out_dir, 'steps', 'rebalance.npz')} was written by an older version (seed names "
-                         f"instead of rows): rerun `curate rebalance` on this output folder, then write")
-    return emb, rb["status"], dd["component"], rb, dd
-
-
-def _selection(out_dir: str, shard_size: int):
-    """(kept rows in canonical order, their count, shard_size, the digest that names this selection)."""
-    emb, status, _, _, _ = _write_inputs(out_dir)
-    kept = np.flatnonzero(status == KEPT)
-    digest = hashlib.sha1(emb.digest.encode() + np.ascontiguousarray(emb.ids[kept]).tobytes()
-                          + str(shard_size).encode()).hexdigest()[:16]
-    return kept, len(kept), shard_size, digest
-
-
-def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_tasks: int = 1,
-               progress: bool = False) -> dict:
-    """Shard-writing task ``task_index`` of ``num_tasks``: its block of shards (curation.write.write_shard_task),
-    each image read through the path table (no listing of the pool, no per-image dict)."""
-    src = as_multi(sources)
-    emb, status, component, rb, dd = _write_inputs(out_dir)
-    kept, n, _, digest = _selection(out_dir, shard_size)
-    seed_dir = _p(out_dir, "embeddings", "seeds")
-    seeds = open_embeddings(seed_dir) if os.path.isdir(seed_dir) and (rb["nearest_seed"] >= 0).any() else None
-
-    def seed_name(k: int) -> str | None:
-        return None if k < 0 or seeds is None else seeds.id_strings(np.array([k]))[0]
-
-    def items_of(start: int, stop: int):
-        rows = kept[start:stop]
-        names, groups = emb.id_strings(rows), emb.id_strings(component[rows])
-        for k, (i, name, group) in enumerate(zip(rows, names, groups)):
-            meta = {"id": name, "source": emb.source_names[emb.source_codes[i]], "component": group,
-                    "cluster": int(rb["cluster"][i]), "nearest_seed": seed_name(int(rb["nearest_seed"][i])),
-                    "seed_similarity": _num(rb["seed_sim"][i]), "nn_similarity": _num(dd["nn_sim"][i])}
-            yield f"{start + k:09d}", name, (lambda i=i: _read_row(src, emb, i)), meta
-
-    return write_shard_task(out_dir, _p(out_dir, "shards"), n, shard_size, items_of, digest, task_index,
-                            num_tasks, progress)
-
-
-def _read_row(src, emb, pos: int) -> bytes | None:
-    ref = emb.ref(pos)
-    if ref is None or ref.source not in src.by_name:
-        return None
-    return src.read(ref)
-
-
-def _num(x) -> float | None:
-    return None if not np.isfinite(x) else round(float(x), 5)
 
 
 # ----------------------------------------------------------------------------- the orchestrator
@@ -375,19 +325,23 @@ class StepError(RuntimeError):
 
 
 def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command: str = "run",
-              echo: Callable[[str, object], None] | None = None, inputs: ChainInputs | None = None) -> dict:
+              echo: Callable[[str, object], None] | None = None, inputs: ChainInputs | None = None,
+              progress_log: str | None = None) -> dict:
     """Run ``steps`` in order with their settings from ``cfg`` (validated); returns each step's result.
 
     Writes the resolved config into ``output.dir`` first. ``embedder``: the built ``embed.model`` (see
     :func:`build_embedder_for`), needed to embed and to embed seed images like the pool was.
-    ``echo(step, result)`` is called after each step (the CLI prints there)."""
+    ``echo(step, result)`` is called after each step (the CLI prints there). ``progress_log``: a JSONL file that
+    gets one line per finished step: its wall time and every task it ran, with each task's wall time and peak
+    memory (`curate run --progress FILE`; :func:`curation.steps.runner.step_log`)."""
     out = cfg.output.dir
     check_launcher(cfg, steps)  # tasks.launcher=srun: inside an allocation of enough tasks, before writing
     save_config(cfg, out, header=f"resolved config of `curate {command}`")  # array tasks may race: atomic
     results = {}
     for step in steps:
         try:
-            with runner_spool(_p(out, "steps", "srun")):  # tasks.launcher=srun: the calls' spec files
+            # tasks.launcher=srun: the calls' spec files under steps/srun
+            with step_log(progress_log, step), runner_spool(_p(out, "steps", "srun")):
                 result = run_step(step, cfg, embedder, inputs)
         except (FileNotFoundError, ConfigError) as exc:  # not RuntimeError / ValueError: faiss, torch, ours
             raise StepError(step, exc) from exc
@@ -422,7 +376,7 @@ def steps_of(command: str, cfg: CurationConfig) -> tuple[str, ...]:
 def needs_embedder(cfg: CurationConfig, command: str) -> bool:
     """The model is needed to embed, and to embed seed images like the pool was."""
     return command in ("run", "embed") or (command == "rebalance" and bool(cfg.input.seed_paths)) or (
-        command == "index" and _retrieval(cfg) and os.path.exists(_p(cfg.output.dir, "steps", "decontaminate.npz")))
+        command == "index" and _retrieval(cfg) and step_exists(cfg.output.dir, "decontaminate"))
 
 
 def build_embedder_for(cfg: CurationConfig):
@@ -443,9 +397,11 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
     if step in SHARDED:
         return _run_sharded(step, cfg, embedder)
     if step == "embed":
-        return step_embed(cfg.input.paths, out, e, cfg.descriptor, dd, embedder, prog)
-    if step == "dedup":
-        return step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks, inputs.verifier)
+        return step_embed(cfg.input.paths, out, e, cfg.descriptor, dd, embedder, prog, cfg.tasks)
+    if step == "dedup":  # after an array of embedding tasks (or a simulation's generated parts): the tables first
+        w = build_tables(out, cfg.tasks)
+        res = step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks, inputs.verifier)
+        return {**res, "tasks": {**res["tasks"], "table": w}} if w else res  # (after `curate run`'s embed: 0)
     if step == "decontaminate":
         return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks,
                                   inputs.eval_embedded)
@@ -469,8 +425,11 @@ def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
     out, prog, sections = cfg.output.dir, cfg.progress, (cfg.dedup, cfg.hash_dedup, cfg.knn)
     if step == "search":
         return step_search(out, *sections, cfg.input.paths, prog)
+    w = build_tables(out, cfg.tasks)  # the first step after the embedding array: the path tables as W tasks
     res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog, cfg.tasks)
-    if _retrieval(cfg) and os.path.exists(_p(out, "steps", "decontaminate.npz")):
+    if w:
+        res["table_tasks"] = w
+    if _retrieval(cfg) and step_exists(out, "decontaminate"):
         # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
         embed_seeds(out, cfg.input.seed_paths, embedder, cfg.embed, prog)
         res.update(step_retrieval_index(out, cfg.rebalance.k, knn_kwargs(cfg), prog))

@@ -44,7 +44,7 @@ def make_report(out_dir: str, sources, params: dict, n_examples: int = 8) -> str
     with open(os.path.join(out_dir, "manifest.json")) as f:
         manifest = json.load(f)
     emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
-    dd, dc, rb = (load_step(out_dir, s) for s in ("dedup", "decontaminate", "rebalance"))
+    dd, dc, rb = (load_step(out_dir, s, mmap=True) for s in ("dedup", "decontaminate", "rebalance"))
     balance = {}
     rb_path = os.path.join(out_dir, "steps", "rebalance_report.json")
     if os.path.exists(rb_path):

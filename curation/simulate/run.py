@@ -7,7 +7,8 @@ the peak memory of its largest task, and the recall of what was planted.
 The simulation differs from `curate run` only in its inputs (curation.simulate.chain): generated embeddings and
 hashes, generated eval rows, and a planted-truth verifier standing in for pixels. Memory per task is the heap a
 task allocated (sampled RssAnon above its start: a local task process's own, an inline task's above the
-orchestrator's) and, for the orchestrating process, its own peak heap during the step. Pixel verification
+orchestrator's) and, for the orchestrating process, its own peak heap during the step; with CURATE_TRACE_TASKS=1
+also tracemalloc's exact peaks (each task's, the orchestrator's) and what a step left allocated. Pixel verification
 has no pixels here: its rate is measured on real images (bench/bench_copy.py) and the planner (curate plan)
 extrapolates it.
 """
@@ -15,12 +16,15 @@ extrapolates it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -56,7 +60,7 @@ def chain_steps(cfg) -> tuple[str, ...]:
     return tuple(s for s in steps_of("run", cfg) if s != "embed")
 
 
-def _row(records: list, wall: float, mem) -> dict:
+def _row(records: list, wall: float, mem, traced: dict | None = None) -> dict:
     runs = []
     for r in records:
         rep = r["reports"]
@@ -64,10 +68,31 @@ def _row(records: list, wall: float, mem) -> dict:
                      "task_s": round(max(x["wall_s"] for x in rep), 3),
                      "task_heap_mb": round(max(x["peak_anon"] - x["start_anon"] for x in rep) / 2**20, 1),
                      "task_rss_mb": round(max(x["peak_rss"] for x in rep) / 2**20, 1)})
+        if "traced_peak" in rep[0]:  # CURATE_TRACE_TASKS: tracemalloc's exact peak of each task, in bytes
+            runs[-1]["task_traced_peaks"] = [x["traced_peak"] for x in rep]
     return {"wall_s": wall, "tasks": max([r["tasks"] for r in runs] or [1]),
             "task_s": sum(r["task_s"] for r in runs),
             "task_heap_mb": max([r["task_heap_mb"] for r in runs] or [0.0]),
-            "orchestrator_heap_mb": round(max(mem.peak_anon - mem.start_anon, 0) / 2**20, 1), "runs": runs}
+            "orchestrator_heap_mb": round(max(mem.peak_anon - mem.start_anon, 0) / 2**20, 1), "runs": runs,
+            **(traced or {})}
+
+
+@contextlib.contextmanager
+def _traced_step(records: list):
+    """With CURATE_TRACE_TASKS: the orchestrating process's own tracemalloc peak during a step (bytes above its
+    start; inline tasks' peaks are theirs, not its: what it held while they ran is), and the allocations of
+    the step still alive at its end (blocks, bytes: what it retained). Fills the yielded dict."""
+    got: dict = {}
+    if not runner.tracing_tasks():
+        yield got
+        return
+    with runner.TracedPeak() as outer:
+        yield got
+        gc.collect()  # cycles not collected yet are garbage, not retained
+        blocks = len(tracemalloc.take_snapshot().traces)
+    inner = [x["traced_outer_peak"] for r in records for x in r["reports"] if x.get("traced_outer_peak") is not None]
+    got.update({"orchestrator_traced_peak": max([outer.peak] + [p - outer.base for p in inner]),
+                "retained_blocks": blocks, "retained_bytes": outer.held})
 
 
 def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int = 1000, n_eval: int = 10000,
@@ -78,26 +103,29 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
     """Generate the pool in ``work`` (existing parts are reused: a rerun skips finished tasks), then run
     `curate run`'s steps after embedding on it with ``tasks.count=tasks`` (``processes=0``: the tasks inline,
     one after another in this process; else local processes). ``progress``: one JSON line per finished step."""
-    from ..pipeline import ChainInputs, run_steps
+    from ..config import TasksConfig
+    from ..pipeline import ChainInputs, build_tables, run_steps
 
     table: dict = {}
     block = runner.BLOCK
     t0 = time.perf_counter()
-    with runner.recording() as rec, runner.PeakMemory() as mem:
+    with runner.recording() as rec, runner.PeakMemory() as mem, _traced_step(rec) as traced:
         runner.run_step(chain.pool_task, tasks, "local", processes=processes, work=work, n=n, dim=dim,
                         n_clusters=n_clusters, seed=seed, copy_rate=copy_rate, hash_rate=hash_rate,
                         max_distance=max_distance, block=block)
+        # the path table as W tasks right after the pool's parts, as the embed step does after embedding
+        build_tables(work, TasksConfig(count=tasks, launcher="inline" if processes == 0 else "local"))
         chain.write_eval(work, n, dim, n_clusters, n_eval, overlap, seed)
-    table["generate"] = _row(rec, time.perf_counter() - t0, mem)
+    table["generate"] = _row(rec, time.perf_counter() - t0, mem, traced)
     cfg = chain_config(work, tasks, "inline" if processes == 0 else "local", max_distance, nlist, nprobe, k,
                        threshold, levels, seed, chunk_size)
     inputs = ChainInputs(verifier=chain.planted_factory(work, n, block), eval_embedded=True)
     results = {}
     for step in chain_steps(cfg):
         t0 = time.perf_counter()
-        with runner.recording() as rec, runner.PeakMemory() as mem:
+        with runner.recording() as rec, runner.PeakMemory() as mem, _traced_step(rec) as traced:
             results[step] = run_steps(cfg, [step], None, "simulate", inputs=inputs)[step]
-        table[step] = _row(rec, time.perf_counter() - t0, mem)
+        table[step] = _row(rec, time.perf_counter() - t0, mem, traced)
         if progress:  # a run stopped half-way still says what it measured
             with open(progress, "a") as f:
                 f.write(json.dumps({"step": step, "time": time.strftime("%H:%M:%S"), **table[step]}) + "\n")
@@ -113,7 +141,7 @@ def _score(work: str, n: int, block: int) -> dict:
 
     tr = chain.truth(work, n, block)
     hg = np.load(os.path.join(work, "steps", "hash", "result.npz"))["group"]
-    dd, dc = load_step(work, "dedup"), load_step(work, "decontaminate")
+    dd, dc = load_step(work, "dedup", mmap=True), load_step(work, "decontaminate", mmap=True)
     comp = dd["component"]
     digest = hashlib.sha256()
     with open(os.path.join(work, "decisions.tsv"), "rb") as f:

@@ -23,6 +23,9 @@ part exists (:func:`part_done`) returns at once, so a killed task is simply star
   it; a task checks it before unpickling (:func:`load_signed`), so a spec file nobody of this call wrote does
   not run. Each task's report comes back the same way.
 
+Each task's report carries its wall time and peak memory (:class:`PeakMemory`: RssAnon sampled, VmHWM), and with
+``CURATE_TRACE_TASKS=1`` also tracemalloc's exact peak (:class:`TracedPeak`).
+
 Rows are owned in whole blocks of ``block`` rows (:func:`task_rows`), so every block a task reads is
 the one a single process would read: the same BLAS shapes, the same answer whatever ``W``.
 """
@@ -41,6 +44,7 @@ import shlex
 import subprocess
 import threading
 import time
+import tracemalloc
 from typing import Callable
 
 import numpy as np
@@ -176,6 +180,45 @@ class PeakMemory:
         self.peak_rss = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+TRACE_ENV = "CURATE_TRACE_TASKS"
+"""Set (to anything but ``0``): every task also runs under :class:`TracedPeak` (tests/curation/test_step_memory.py,
+`curate simulate`); off by default, tracemalloc slows allocation-heavy Python code down."""
+
+
+def tracing_tasks() -> bool:
+    return os.environ.get(TRACE_ENV, "0") not in ("", "0")
+
+
+class TracedPeak:
+    """tracemalloc's peak around one task: the Python objects and numpy buffers it allocated at its peak, above
+    what was allocated when it started (``peak``), and what it left allocated (``held``).
+
+    Exact where RssAnon is sampled, and blind to mapped file pages (a memory-mapped array costs nothing until
+    a task copies rows out of it). When tracemalloc already runs (an inline task under a caller that traces
+    itself, e.g. `curate simulate`'s orchestrator), the caller's peak so far is kept in ``outer_peak`` before
+    the task resets it, and ``base`` is what the caller held when the task started."""
+
+    def __enter__(self):
+        self.own = not tracemalloc.is_tracing()
+        if self.own:
+            tracemalloc.start()
+        self.base, self.outer_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        return self
+
+    def __exit__(self, *exc):
+        cur, peak = tracemalloc.get_traced_memory()
+        self.peak, self.held = peak - self.base, cur - self.base
+        if self.own:
+            tracemalloc.stop()
+        else:
+            tracemalloc.reset_peak()  # the caller's peak from here on (its earlier one is in outer_peak)
+
+    def record(self) -> dict:
+        return {"traced_peak": self.peak, "traced_held": self.held, "traced_base": self.base,
+                "traced_outer_peak": None if self.own else self.outer_peak}
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use: CUDA_VISIBLE_DEVICES when set (ids or UUIDs, as given), else
     torch.cuda.device_count()'s 0..G-1; [] without GPUs (or without torch)."""
@@ -204,11 +247,12 @@ def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict, gpus: lis
     if gpus:  # a fresh task process, CUDA not yet initialised: it sees only its share
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(task_gpus(gpus, task_index, num_tasks))
     t0 = time.perf_counter()
-    with PeakMemory() as mem:
+    traced = TracedPeak() if tracing_tasks() else None
+    with PeakMemory() as mem, (traced or contextlib.nullcontext()):
         out = fn(task_index, num_tasks, **kw) or {}
     return {"task": task_index, "wall_s": time.perf_counter() - t0, "peak_anon": mem.peak_anon,
             "start_anon": mem.start_anon, "peak_rss": mem.peak_rss, "start_rss": mem.start_rss,
-            "hwm_reset": mem.hwm_reset, "result": out}
+            "hwm_reset": mem.hwm_reset, "result": out, **(traced.record() if traced else {})}
 
 
 def env_task(launcher: str) -> tuple[int, int]:
@@ -259,6 +303,39 @@ def phase(name: str):
     _RECORD.append({"fn": name, "tasks": 1, "inline": True, "reports": [{
         "task": 0, "wall_s": time.perf_counter() - t0, "peak_anon": mem.peak_anon, "start_anon": mem.start_anon,
         "peak_rss": mem.peak_rss, "start_rss": mem.start_rss, "hwm_reset": mem.hwm_reset, "result": {}}]})
+
+
+def task_record(report: dict) -> dict:
+    """One task's report without its result, in MB: what a progress line keeps."""
+    mb = 2 ** 20
+    return {"task": report["task"], "wall_s": round(report["wall_s"], 3),
+            "heap_mb": round(max(report["peak_anon"] - report["start_anon"], 0) / mb, 1),
+            "peak_rss_mb": round(report["peak_rss"] / mb, 1),
+            "rss_added_mb": round(max(report["peak_rss"] - report["start_rss"], 0) / mb, 1),
+            "hwm_reset": report["hwm_reset"]}
+
+
+@contextlib.contextmanager
+def step_log(path: str | None, step: str):
+    """Around one step of `curate run --progress FILE`: append one JSON line to ``path`` when the step ends:
+    its wall time, the orchestrating process's peak heap and peak RSS, and every :func:`run_step` call it made
+    with each task's record (:func:`task_record`). ``path`` None: nothing is measured."""
+    if not path:
+        yield
+        return
+    import json
+
+    t0 = time.perf_counter()
+    with recording() as rec, PeakMemory() as mem:
+        yield
+    line = {"step": step, "time": time.strftime("%H:%M:%S"), "wall_s": round(time.perf_counter() - t0, 3),
+            "orchestrator_heap_mb": round(max(mem.peak_anon - mem.start_anon, 0) / 2 ** 20, 1),
+            "orchestrator_peak_rss_mb": round(mem.peak_rss / 2 ** 20, 1),
+            "runs": [{"fn": r["fn"], "tasks": r["tasks"], "inline": r["inline"],
+                      "reports": [task_record(x) for x in r["reports"]]} for r in rec]}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:  # appended as each step ends: a run stopped half-way still says what it measured
+        f.write(json.dumps(line) + "\n")
 
 
 def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: int | None = None,

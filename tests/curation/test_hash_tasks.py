@@ -14,6 +14,7 @@ from curation.cli import main
 from curation.config import DedupConfig
 from curation.embeddings import open_embeddings
 from curation.hash_step import hash_dir, hash_step
+from curation.stepfiles import load_step
 from curation.steps.runner import write_part
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,5 +86,5 @@ def test_index_and_dedup_read_the_saved_hash_dedup(embedded, tmp_path):
     keep[dup[0]], group[dup[0]] = True, dup[0]  # planted: dedup must take this file, not recompute it
     write_part(saved, group=group, keep=keep, n_pairs=n_pairs)
     assert main(_args("dedup", pool, out, "tasks.count=2")) == 0
-    status = np.load(out / "steps" / "dedup.npz")["status"]
+    status = load_step(str(out), "dedup")["status"]
     assert np.array_equal(np.flatnonzero(status == 1), dup[1:])  # HASH_DUP: the saved result's duplicates

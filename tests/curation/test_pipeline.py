@@ -14,7 +14,7 @@ import webdataset as wds
 from tests._photos import bad_file_kinds, encode, make_copy
 
 from curation.config import CurationConfig
-from curation.pipeline import run_curation
+from curation.pipeline import KEPT, load_step, run_curation, run_steps
 from curation.write import STATUSES, build_manifest
 
 
@@ -196,10 +196,74 @@ def test_write_on_a_folder_from_before_seed_rows_says_rerun_rebalance(run, input
     out, _ = run
     old = tmp_path / "old"
     shutil.copytree(out, old)
-    path = old / "steps" / "rebalance.npz"
-    with np.load(path, allow_pickle=False) as z:
-        rb = {k: z[k] for k in z.files}
+    path = old / "steps" / "rebalance.npz"  # the format of that time: one .npz, not steps/rebalance/*.npy
+    rb = load_step(str(old), "rebalance")
+    shutil.rmtree(old / "steps" / "rebalance")
     rb["nearest_seed"] = np.full(len(rb["nearest_seed"]), "", dtype="<U8")
     np.savez(path, **rb)
     with pytest.raises(InputError, match="rebalance.npz.*rerun `curate rebalance`"):
         write_task(str(old), inputs["sources"], 10)
+
+
+def _to_old_format(out) -> None:
+    """Rewrite a folder's steps as a version before issue 30 wrote them: one steps/<step>.npz per step."""
+    for step in ("dedup", "decontaminate", "rebalance"):
+        arrays = load_step(str(out), step)
+        shutil.rmtree(out / "steps" / step)
+        np.savez(out / "steps" / f"{step}.npz", **arrays)
+
+
+def test_an_output_folder_with_old_npz_steps_still_writes_the_same_decisions_and_report(run, inputs, tmp_path):
+    """A user's folder from before steps/<step>/*.npy: `curate write` and `curate report` read its .npz steps and
+    give the same decisions, manifest counts and shards; a step rerun there writes the new layout."""
+    from curation.config import WriteConfig
+    from curation.pipeline import step_write
+    from curation.report import make_report
+
+    out, manifest = run
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    _to_old_format(old)
+    for name in ("decisions.tsv", "manifest.json"):
+        (old / name).unlink()
+    shutil.rmtree(old / "decisions")
+    m = step_write(inputs["sources"], str(old), WriteConfig(shard_size=10))
+    assert m["counts"] == manifest["counts"] and m["shards"] == manifest["shards"]
+    assert (old / "decisions.tsv").read_bytes() == (out / "decisions.tsv").read_bytes()
+    for name in m["shards"]:
+        assert (old / name).read_bytes() == (out / name).read_bytes()
+    assert os.path.exists(make_report(str(old), inputs["sources"], {
+        "dedup_threshold": 0.45, "decontam_threshold": 0.6, "hash_max_distance": 4, "k": 8}))
+    run_steps(_config(inputs["sources"], old, inputs["eval"], embed={"num_workers": 0}), ["decontaminate"])
+    assert not (old / "steps" / "decontaminate.npz").exists()
+    assert (old / "steps" / "decontaminate" / "done.json").exists()
+    np.testing.assert_array_equal(load_step(str(old), "decontaminate")["status"],
+                                  load_step(str(out), "decontaminate")["status"])
+
+
+def test_a_step_folder_without_its_done_marker_is_not_read(run, tmp_path):
+    """A step killed while writing its arrays leaves no done.json: readers say to run the step, never read half."""
+    out, _ = run
+    half = tmp_path / "half"
+    shutil.copytree(out, half)
+    os.remove(half / "steps" / "rebalance" / "done.json")
+    with pytest.raises(FileNotFoundError, match="rebalance.*run the 'rebalance' step first"):
+        load_step(str(half), "rebalance")
+    mapped = load_step(str(out), "rebalance", mmap=True)
+    assert all(isinstance(a, np.memmap) for a in mapped.values())
+    assert mapped["status"].dtype == np.int8 and set(mapped) == {"status", "cluster", "nearest_seed", "seed_sim"}
+
+
+def test_kept_rows_found_from_block_counts_are_the_kept_rows(run):
+    """write_selection's per-block kept counts give every shard's kept rows as np.flatnonzero over the whole
+    status array would, for any block size; its digest does not depend on the block size."""
+    from curation.pipeline import write_selection
+
+    out, manifest = run
+    status = load_step(str(out), "rebalance")["status"]
+    kept = np.flatnonzero(status == KEPT)
+    sels = [write_selection(str(out), 10, block) for block in (1, 3, 7, 64, 1 << 16)]
+    assert {s.digest for s in sels} == {sels[0].digest} and sels[0].n_kept == len(kept) == manifest["counts"]["kept"]
+    for sel in sels:
+        for start, stop in ((0, 10), (3, 17), (len(kept) - 4, len(kept)), (0, len(kept)), (5, 5)):
+            np.testing.assert_array_equal(sel.rows(status, start, stop), kept[start:stop])

@@ -46,7 +46,7 @@ def _args(pool, out, *extra) -> list[str]:
 
 
 @pytest.mark.slow
-def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch):
+def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch, capsys):
     from curation import dist_kmeans, kmeans
 
     monkeypatch.setattr(runner, "BLOCK", 16)  # sampling blocks: the 3 tasks each own rows
@@ -54,7 +54,20 @@ def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch):
     monkeypatch.setattr(dist_kmeans, "PIECE_BYTES", 1)  # one centroid per piece: every rank owns some
     one, three = tmp_path / "one", tmp_path / "three"
     assert main(_args(big_pool, one, "tasks.count=1")) == 0
+    said = capsys.readouterr().out
     assert main(_args(big_pool, three, "tasks.count=3", "tasks.launcher=local")) == 0
+    said = [said, capsys.readouterr().out]
+    # the path table, right after embedding: as W tasks (the embed step says so), the same files
+    for w, text in zip((1, 3), said):
+        embed_line = next(line for line in text.splitlines() if line.startswith("embed: "))
+        assert json.loads(embed_line[len("embed: "):])["tasks"] == {"table": w}
+    tables = [o / "embeddings" / "descriptor" / "table" for o in (one, three)]
+    for f in sorted(os.listdir(tables[0])):
+        if f.endswith(".npy"):
+            assert (tables[0] / f).read_bytes() == (tables[1] / f).read_bytes(), f
+    metas = [json.loads((t / "meta.json").read_text()) for t in tables]
+    assert [{k: v for k, v in m.items() if k != "parts"} for m in metas][0] == \
+        {k: v for k, v in metas[1].items() if k != "parts"}  # "parts": the part files' times differ
     for out, w in ((one, 1), (three, 3)):
         meta = json.loads((out / "knn" / "pool" / "meta.json").read_text())
         assert meta["kind"] == "ivf" and meta["ondisk"] and meta["add_tasks"] == w

@@ -17,6 +17,7 @@ from curation.embeddings import open_embeddings
 from curation.index import Rows
 from curation.knn_shards import exact_cosine
 from curation.rebalance import rebalance
+from curation.stepfiles import load_step
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
@@ -57,16 +58,16 @@ def test_one_and_three_search_tasks_retrieve_the_same_selection(pool_dir, photos
     assert {c: os.stat(chunks / c).st_mtime_ns for c in os.listdir(chunks)} == stamps
     d1, d3 = (one / "decisions.tsv").read_text(), (three / "decisions.tsv").read_text()
     assert d1 == d3
-    with np.load(one / "steps" / "rebalance.npz") as r1, np.load(three / "steps" / "rebalance.npz") as r3:
-        for key in r1.files:
-            np.testing.assert_array_equal(r1[key], r3[key], err_msg=key)
-        kept = r1["status"] == 0
-        # 6 seeds x k=3 retrieve at most 18 images; each seed's own photo comes back, nearest to it
-        assert 6 <= kept.sum() <= 18 and (r1["status"] == 4).sum() > 10
-        assert (r1["seed_sim"][kept] > 0.99).sum() >= 6 and np.isnan(r1["seed_sim"][~kept]).all()
-        seeds = open_embeddings(str(one / "embeddings" / "seeds"))  # nearest_seed: int64 rows of the seeds
-        stems = [s.rsplit("/", 1)[-1] for s in seeds.id_strings(r1["nearest_seed"][kept])]
-        assert len(set(stems)) == 6
+    r1, r3 = load_step(str(one), "rebalance"), load_step(str(three), "rebalance")
+    for key in r1:
+        np.testing.assert_array_equal(r1[key], r3[key], err_msg=key)
+    kept = r1["status"] == 0
+    # 6 seeds x k=3 retrieve at most 18 images; each seed's own photo comes back, nearest to it
+    assert 6 <= kept.sum() <= 18 and (r1["status"] == 4).sum() > 10
+    assert (r1["seed_sim"][kept] > 0.99).sum() >= 6 and np.isnan(r1["seed_sim"][~kept]).all()
+    seeds = open_embeddings(str(one / "embeddings" / "seeds"))  # nearest_seed: int64 rows of the seeds
+    stems = [s.rsplit("/", 1)[-1] for s in seeds.id_strings(r1["nearest_seed"][kept])]
+    assert len(set(stems)) == 6
     # a stale retrieval index (other rows) does not block a later pool search; it is reported
     meta_path = three / "knn" / "retrieval" / "meta.json"
     meta = json.loads(meta_path.read_text())

@@ -98,8 +98,8 @@ def _peak_decisions_task(tmp: str, n: int, rows_per_task: int = 10000) -> tuple[
 
 def test_a_decisions_task_memory_does_not_grow_with_the_pool(tmp_path):
     """Task 0 of N/10k tasks (same rows per task) at N = 20k and 200k: the task's peak allocation (Python
-    objects and numpy buffers, tracemalloc) stays the same. The step arrays it is given (status, component:
-    9 bytes per row) are not counted here: they are the inputs, N-sized in every task (see docs)."""
+    objects and numpy buffers, tracemalloc) stays the same. The step arrays it is given (status, component) are
+    made before tracing here; the pipeline hands a task the memory-mapped step files (test_step_memory.py)."""
     small, n_small = _peak_decisions_task(str(tmp_path / "s"), 20_000)
     large, n_large = _peak_decisions_task(str(tmp_path / "l"), 200_000)
     assert n_large >= 10 * n_small * 0.99

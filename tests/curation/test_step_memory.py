@@ -1,0 +1,136 @@
+"""Every step of the chain `curate simulate` runs (= `curate run`'s steps after embedding: the same
+pipeline.run_steps) at N rows with W=1 and at 4N rows with W=4, tasks inline, each task under tracemalloc
+(curation/steps/runner.py, CURATE_TRACE_TASKS=1). A task owns the same rows at both sizes, so a task holding h
+bytes per row of the whole pool grows by 3N x h: the test asserts ``peak(4N, W=4) - peak(N, W=1) < 3 x h x N``
+with h the bytes per row a task (or the orchestrating process) may hold.
+
+The general bounds are tight; the steps that still hold O(N) state have their own h, the figure measured here
+(2026-11-27, W=1 at 20k rows vs W=4 at 80k, dim 32, blocks and kNN chunks of 2,048 rows, so a chunk-sized buffer
+is the same size at both N) plus a margin for the small pool's run-to-run noise (up to ~50 kB: 0.8 B per row of
+h), and a comment naming the structure (docs/curation-scale.md, "Per-step memory at two pool sizes").
+tracemalloc counts numpy buffers and Python objects alike (an O(N) list of strings costs >= 50 B per row), and
+not the pages of memory-mapped files (a task maps its rows of the step arrays and the embeddings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dinopipe.utils import debug_hooks
+
+ROOT = Path(__file__).resolve().parents[2]
+N, DIM, BLOCK = 20_000, 32, 2048
+
+TASK_HELD = 2
+"""bytes per row of the pool a task may hold (measured <= 0.8; with the noise, a whole int8 or bool array (1) is
+not told apart; an int32 (4), an int64 (8) or a Python object per row (>= 50) is)."""
+TASK_HELD_MEASURED = {
+    # open_embeddings() builds EmbeddingSet.source_codes = input_source[ids] (int32, 4 B per row of the whole
+    # pool) in every process that opens the embeddings: curation/embeddings.py, left to the path-table rewrite.
+    # measured 4.8-5.5
+    ("write", "_decisions_part_task"): 6.5,
+    # owned_pairs() sorts the first image of every pair of the call in every task (curation/steps/runner.py), and
+    # the planted verifier gathers the whole planted truth (curation/simulate/chain.py:truth). measured 2.0
+    ("dedup", "verify_arrays_task"): 3,
+    # inline, the k-means tree runs as ONE rank over all rows (W ranks need W processes: steps/kmeans_tree.py);
+    # its per-rank memory at W local processes: test_run_tasks.py::test_kmeans_tree_task_memory_... measured 9.2
+    ("rebalance", "tree_task"): 11,
+    # the IVF add runs as W tasks only when W > 1 (W = 1 builds the index in the orchestrator), so its whole
+    # peak at 4N counts here: one chunk of rows and its codes (O(chunk), not O(N)). measured 13.1
+    ("dedup", "add_task"): 15,
+}
+
+ORCH_HELD = 4
+"""bytes per row the orchestrating process may hold (the issue allows 8; the write step streams its selection and
+digests a block at a time over the mapped status array: measured 1.7-2.2, the int32 source_codes included)."""
+ORCH_HELD_MEASURED = {
+    # hash groups + keep, survivors, copy components, status, nn_sim, the merged kNN pairs: whole arrays in
+    # pipeline.step_dedup / knn_steps.sharded_copy_dedup. measured 52
+    "dedup": 57,
+    # dedup's status (copied: it is updated), the alive rows' components, their sims, nearest eval rows, the
+    # component expansion (pipeline.step_decontaminate; the component array itself is mapped). measured 62
+    "decontaminate": 69,
+    # rebalance_rows (alive, rows_idx, ids), the k-means record, status / cluster / nearest_seed / seed_sim
+    # (pipeline.step_rebalance). measured 68
+    "rebalance": 75,
+}
+RETAINED_BLOCKS = 1000
+"""allocation blocks a step may leave alive beyond the small pool's (measured growth <= 430)."""
+RETAINED_HELD = 1
+"""bytes per row a step may leave allocated (measured <= 0.6; an int32 per row is 4)."""
+
+
+def _simulate(work: Path, n: int, w: int) -> dict:
+    code = ("import json, sys; from curation.simulate.run import simulate; "
+            f"r = simulate({str(work)!r}, {n}, dim={DIM}, tasks={w}, n_clusters=50, n_eval=1000, overlap=100, "
+            f"levels=(64, 8), nlist=32, chunk_size={BLOCK}, processes=0); print(json.dumps(r))")
+    env = dict(os.environ, CURATE_TRACE_TASKS="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               **debug_hooks.env(curate_block=BLOCK))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _task_peaks(res: dict) -> dict:
+    """{(step, fn, k-th run of fn in the step): the largest task's traced peak}."""
+    got = {}
+    for step, row in res["steps"].items():
+        seen: dict = {}
+        for run in row["runs"]:
+            k = seen[run["fn"]] = seen.get(run["fn"], -1) + 1
+            got[(step, run["fn"], k)] = max(run["task_traced_peaks"])
+    return got
+
+
+@pytest.fixture(scope="module")
+def two_sizes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("step_memory")
+    return _simulate(tmp / "small", N, 1), _simulate(tmp / "large", 4 * N, 4)
+
+
+@pytest.mark.slow
+def test_every_step_task_memory_follows_its_rows_not_the_pool(two_sizes):
+    small, large = two_sizes
+    assert small["recall"]["copies"] > 0.95 and large["recall"]["copies"] > 0.95  # the chain really ran
+    p1, p4 = _task_peaks(small), _task_peaks(large)
+    assert set(p1) <= set(p4), set(p1) - set(p4)
+    over = {}
+    for key, peak in sorted(p4.items()):
+        step, fn, _ = key
+        if step == "generate":
+            continue  # the planted pool, not the product's chain (its tasks are within TASK_HELD anyway)
+        bound = TASK_HELD_MEASURED.get((step, fn), TASK_HELD)
+        held = (peak - p1.get(key, 0)) / (3 * N)
+        print(f"{step:14s} {fn:22s} {p1.get(key, 0):>10} -> {peak:>10} B  holds {held:5.2f} B/row (bound {bound})")
+        if held >= bound:
+            over[key] = f"{held:.2f} B/row >= {bound} ({p1.get(key)} -> {peak} B)"
+    assert not over, over
+
+
+@pytest.mark.slow
+def test_the_orchestrator_holds_at_most_its_stated_bytes_per_row_and_no_growing_objects(two_sizes):
+    small, large = two_sizes
+    over = {}
+    for step in small["chain"]:
+        a, b = small["steps"][step], large["steps"][step]
+        held = (b["orchestrator_traced_peak"] - a["orchestrator_traced_peak"]) / (3 * N)
+        print(f"{step:14s} orchestrator {a['orchestrator_traced_peak']:>10} -> {b['orchestrator_traced_peak']:>10} B "
+              f"holds {held:5.1f} B/row; retained blocks {a['retained_blocks']} -> {b['retained_blocks']}, bytes "
+              f"{a['retained_bytes']} -> {b['retained_bytes']}")
+        if held >= ORCH_HELD_MEASURED.get(step, ORCH_HELD):
+            over[step] = f"peak {held:.1f} B/row >= {ORCH_HELD_MEASURED.get(step, ORCH_HELD)}"
+        # what a step leaves allocated: no O(N) Python objects or arrays kept (caches, lists of ids)
+        if b["retained_blocks"] - a["retained_blocks"] >= RETAINED_BLOCKS:
+            over[f"{step} blocks"] = (a["retained_blocks"], b["retained_blocks"])
+        if b["retained_bytes"] - a["retained_bytes"] >= RETAINED_HELD * 3 * N:
+            over[f"{step} bytes"] = (a["retained_bytes"], b["retained_bytes"])
+    assert not over, over
+    for res, n in ((small, N), (large, 4 * N)):
+        assert res["counts"]["input"] == n
