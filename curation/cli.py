@@ -107,13 +107,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return simulate_main(argv[1:])
     if argv[:1] == ["kmeans"]:
         return _kmeans(argv[1:])
-    from .config import CurationConfig, validate
+    from .config import CurationConfig, check_launcher, validate
     from .pipeline import StepError, build_embedder_for, needs_embedder, run_steps, steps_of
 
     args = build_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(CurationConfig, args.config, args.overrides)
         validate(cfg, args.command)
+        check_launcher(cfg, steps_of(args.command, cfg))  # tasks.launcher=srun: inside a big enough allocation
         if args.command in ("run", "embed"):
             check_inputs(cfg.input.paths)
         embedder = build_embedder_for(cfg) if needs_embedder(cfg, args.command) else None

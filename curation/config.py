@@ -135,7 +135,7 @@ class KnnConfig:
     """auto (faiss-gpu when it sees GPUs) | true | false"""
 
 
-TaskLauncher = choices("TaskLauncher", ("local", "inline"), __name__)
+TaskLauncher = choices("TaskLauncher", ("local", "inline", "srun"), __name__)
 
 
 @dataclass
@@ -150,9 +150,13 @@ class TasksConfig:
     launcher: TaskLauncher = "local"
     """local: W fresh processes on this machine, the cores shared out between them (each task's peak
     memory is its own; the k-means tree's W processes form a gloo group); inline: the W tasks one after
-    another in this process (no process start; the k-means tree as one rank: the same tree).
-    W = 1 always runs inline. Slurm arrays / torchrun: the per-step commands (`curate search` tasks,
-    `curate kmeans`), not `curate run`."""
+    another in this process (no process start; the k-means tree as one rank: the same tree);
+    srun: inside a Slurm job allocated W or more tasks (``sbatch --nodes=K --ntasks=W``, slurm/submit_curation.sh
+    --finish-tasks W), each step's W tasks run as one ``srun --ntasks=W`` job step across the allocation's nodes
+    (cores: SLURM_CPUS_PER_TASK each; the call handed over as an HMAC-authenticated spec file in the output
+    folder; the k-means tree's W tasks form the gloo group), while this process -- the batch script's --
+    orchestrates; null count: SLURM_NTASKS. W = 1 always runs inline. Slurm arrays / torchrun: the per-step
+    commands (`curate search` tasks, `curate kmeans`)."""
 
 
 @dataclass
@@ -244,6 +248,25 @@ class CurationConfig:
 def _need(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{key}: {msg}")
+
+
+SRUN_STEPS = ("dedup", "decontaminate", "rebalance", "write", "index")
+"""The steps that run tasks (tasks.launcher=srun is checked against the allocation before they start)."""
+
+
+def check_launcher(cfg: CurationConfig, steps) -> None:
+    """tasks.launcher=srun where ``steps`` run tasks: this process must be inside a Slurm job allocated at least
+    tasks.count tasks (ConfigError naming the key otherwise). Checked when the steps are about to run, not by
+    :func:`validate` (a submitter validates the config on a login node, outside the job)."""
+    if str(cfg.tasks.launcher) != "srun" or not set(steps) & set(SRUN_STEPS):
+        return
+    have = os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NPROCS")
+    _need(bool(have), "tasks.launcher", "srun runs each step's tasks in this Slurm job's allocation, but "
+          "SLURM_NTASKS is not set: submit with sbatch --ntasks=W (slurm/submit_curation.sh --finish-tasks W) "
+          "or use tasks.launcher=local")
+    _need(cfg.tasks.count is None or cfg.tasks.count <= int(have), "tasks.count",
+          f"{cfg.tasks.count} tasks, but this Slurm job has SLURM_NTASKS={have}: submit with "
+          f"--ntasks={cfg.tasks.count} or lower tasks.count")
 
 
 def validate(cfg: CurationConfig, step: str = "run") -> None:
@@ -345,7 +368,12 @@ def task_plan(cfg: CurationConfig, n: int = 0, cores: int | None = None) -> dict
     ``cores``: this machine's ``os.cpu_count()`` unless given -- `curate plan` passes the planned machine's)."""
     t = getattr(cfg, "tasks", cfg)
     cores = cores if cores is not None else (os.cpu_count() or 1)
-    w = t.count if t.count is not None else (1 if n <= 65536 else min(cores, 8))
+    if t.count is not None:
+        w = t.count
+    elif str(t.launcher) == "srun" and os.environ.get("SLURM_NTASKS"):  # the allocation's tasks
+        w = 1 if n <= 65536 else int(os.environ["SLURM_NTASKS"])
+    else:
+        w = 1 if n <= 65536 else min(cores, 8)
     return {"tasks": int(w), "launcher": "inline" if w == 1 else str(t.launcher)}
 
 
@@ -401,4 +429,4 @@ def rebalance_kwargs(r: RebalanceConfig) -> dict:
                        "niter": r.kmeans_niter, "tol": r.kmeans_tol, "n_init": r.kmeans_n_init}}
 
 
-__all__ = ["CurationConfig", "validate", "rebalance_kwargs", "knn_kwargs", "kmeans_dir", "task_plan"]
+__all__ = ["CurationConfig", "validate", "check_launcher", "rebalance_kwargs", "knn_kwargs", "kmeans_dir", "task_plan"]

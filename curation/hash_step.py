@@ -29,6 +29,7 @@ import numpy as np
 from dinopipe.utils.io import atomic_path
 
 from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, group_pairs, merge_pair_parts, near_pairs_task
+from .steps.runner import launch as run_launch
 from .steps.runner import part_done, part_path, parts, phase, read_part, run_step, write_part
 from .verify import PartedVerifier, pixel_verifier
 
@@ -38,11 +39,10 @@ def hash_dir(out_dir: str) -> str:
 
 
 def launch(fn, plan: dict | None, **kw) -> list[dict]:
-    """``fn`` as the plan's W tasks (curation.config.task_plan): inline, or W fresh local processes."""
+    """``fn`` as the plan's W tasks (curation.config.task_plan): inline, W fresh local processes or W srun tasks."""
     plan = plan or {"tasks": 1, "launcher": "inline"}
     w = max(1, int(plan["tasks"]))
-    inline = plan["launcher"] == "inline" or w == 1
-    return run_step(fn, w, "local", processes=0 if inline else None, **kw)
+    return run_step(fn, w, **run_launch(plan["launcher"], w), **kw)
 
 
 def pairs_task(t: int, w: int, folder: str, max_distance: int = DEFAULT_MAX_DISTANCE) -> dict:

@@ -41,7 +41,7 @@ from dinopipe.utils.io import atomic_path, atomic_write_json
 
 from .index import (KnnIndex, Rows, _drop_self, add_part, build_index, default_nlist, gpus_for, load_index,
                     merge_parts, resolve_kind, save_index, train_ondisk)
-from .steps.runner import phase, run_step, task_rows
+from .steps.runner import launch, phase, run_step, task_rows
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
 BATCH_DEFAULT = 8192
@@ -272,7 +272,7 @@ class KnnJob:
         names = [os.path.join(self.dir, "add", f"part-{t:05d}-of-{w:05d}.index") for t in range(w)]
         os.makedirs(os.path.join(self.dir, "add"), exist_ok=True)
         inline = plan["launcher"] == "inline" or w == 1
-        run_step(add_task, w, "local", processes=0 if inline else None, trained=trained,
+        run_step(add_task, w, **launch(plan["launcher"], w), trained=trained,
                  rows=rows if inline else _need_source(source), names=names,
                  block=params.get("chunk_size", CHUNK_SIZE_DEFAULT))
         with phase("index_merge"):
@@ -413,7 +413,7 @@ def run_search(out_dir: str, name: str, mode: str, queries, targets=None, use_gp
     if not inline:
         queries = _need_source(sources[0])
         targets = targets if targets is None else _need_source(sources[1])
-    return run_step(search_task, w, "local", processes=0 if inline else None, out_dir=out_dir, name=name,
+    return run_step(search_task, w, **launch(plan["launcher"], w), out_dir=out_dir, name=name,
                     mode=mode, queries=queries, targets=targets, use_gpu=use_gpu)
 
 

@@ -120,7 +120,7 @@ def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int], num_t
 
 def _build(emb_dir: str, meta_paths: list[str], part_rows: list[int], w: int, launcher: str) -> dict:
     from .steps import table as tt
-    from .steps.runner import run_step
+    from .steps.runner import launch, run_step
 
     d = os.path.join(emb_dir, TABLE_DIR)
     work = os.path.join(d, "work")
@@ -134,7 +134,7 @@ def _build(emb_dir: str, meta_paths: list[str], part_rows: list[int], w: int, la
         os.remove(os.path.join(d, "meta.json"))  # not a complete table until the end
 
     def run(fn, **kw):
-        return run_step(fn, w, "local", processes=0 if launcher == "inline" else None, **kw)
+        return run_step(fn, w, **launch(launcher, w), **kw)
 
     reports = run(tt.run_task, work=work, meta_paths=list(meta_paths), part_rows=[int(r) for r in part_rows])
     names = [_read_json(os.path.join(tt.run_dir(work, t), "names.json")) for t in range(w)]

@@ -32,7 +32,7 @@ from dinopipe.config import ConfigError, save_config
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
                      RebalanceConfig, TasksConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, task_plan,
-                     validate)
+                     check_launcher, validate)
 from .dedup import resolve_threshold
 from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig
@@ -44,7 +44,8 @@ from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_S
                         _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows, step_exists,
                         step_path)
 from .decisions import finish_decisions, selection_digest
-from .steps.runner import BLOCK
+from .steps.runner import BLOCK, launch
+from .steps.runner import spool as runner_spool
 from .steps.runner import run_step as run_tasks
 from .steps.runner import step_log
 from .steps.write_tasks import (Selection, _decisions_part_task, _write_inputs, _write_shards_task,  # noqa: F401
@@ -282,9 +283,9 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
     sel = write_selection(out_dir, shard_size)
     plan = task_plan(tasks or TasksConfig(), sel.n_kept)
     w = int(num_tasks if num_tasks is not None else plan["tasks"])
-    inline = (launcher or plan["launcher"]) == "inline" or w == 1
+    how = launch(launcher or plan["launcher"], w)
     if (write or WriteConfig()).shards:
-        run_tasks(_write_shards_task, w, "local", processes=0 if inline else None, out_dir=out_dir,
+        run_tasks(_write_shards_task, w, **how, out_dir=out_dir,
                   sources=sources, shard_size=shard_size, progress=progress, selection=sel)
         shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), sel.n_kept, shard_size, sel.digest)
     else:  # decisions only (write.shards=false)
@@ -294,7 +295,7 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
     digest = selection_digest(emb, rb["status"], dd["component"], failed, BLOCK)  # streamed: a block at a time
     del emb, rb, dd
-    run_tasks(_decisions_part_task, w, "local", processes=0 if inline else None, out_dir=out_dir, failed=failed,
+    run_tasks(_decisions_part_task, w, **how, out_dir=out_dir, failed=failed,
              digest=digest)
     per_source, reasons = finish_decisions(out_dir, w)
     manifest = manifest_from_counts(per_source, reasons, {
@@ -334,11 +335,13 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     gets one line per finished step: its wall time and every task it ran, with each task's wall time and peak
     memory (`curate run --progress FILE`; :func:`curation.steps.runner.step_log`)."""
     out = cfg.output.dir
+    check_launcher(cfg, steps)  # tasks.launcher=srun: inside an allocation of enough tasks, before writing
     save_config(cfg, out, header=f"resolved config of `curate {command}`")  # array tasks may race: atomic
     results = {}
     for step in steps:
         try:
-            with step_log(progress_log, step):
+            # tasks.launcher=srun: the calls' spec files under steps/srun
+            with step_log(progress_log, step), runner_spool(_p(out, "steps", "srun")):
                 result = run_step(step, cfg, embedder, inputs)
         except (FileNotFoundError, ConfigError) as exc:  # not RuntimeError / ValueError: faiss, torch, ours
             raise StepError(step, exc) from exc

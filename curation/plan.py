@@ -92,7 +92,7 @@ def chain_tasks(pool: int, tasks: int | None = None, cores: int | None = None, k
     ondisk = resolve_kind(kind, n_surv) != "flat" and not use_gpu  # KnnJob.build: else one process adds
     knn = w(n_surv)
     tree = task_plan(cfg, n_rows, cores)
-    tree_w = tree["tasks"] if tree["launcher"] == "local" else 1
+    tree_w = tree["tasks"] if tree["launcher"] in ("local", "srun") else 1
     return {"hash dedup": w(pool), "index train": 1, "index add": knn if ondisk else 1,
             "index merge": 1 if ondisk else 0, "search (dedup)": search_tasks or knn,
             "verification": knn if verify else 0, "grouping": 1,

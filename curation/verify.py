@@ -366,14 +366,14 @@ class PartedVerifier:
 
             from dinopipe.utils.io import atomic_path
 
-            from .steps.runner import run_step
+            from .steps.runner import launch, run_step
 
             os.makedirs(self.parts_dir, exist_ok=True)
             pairs = os.path.join(self.parts_dir, f"call{call}-pairs.npz")
             with atomic_path(pairs, suffix=".npz") as tmp:
                 np.savez(tmp, a=a, b=b)
-            got = run_step(verify_pairs_task, self.num_tasks, "local", pairs=pairs, parts_dir=self.parts_dir,
-                           call=call, factory=self.factory)
+            got = run_step(verify_pairs_task, self.num_tasks, **launch(self.launcher, self.num_tasks), pairs=pairs,
+                           parts_dir=self.parts_dir, call=call, factory=self.factory)
             self.reports += got
             for t, g in enumerate(got):
                 out[self._part(a, t)] = _read_ok(self.parts_dir, call, t, self.num_tasks)

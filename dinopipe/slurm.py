@@ -99,6 +99,10 @@ class CurateStageConfig:
     """Processes (srun --ntasks) of a distributed hierarchical k-means job between decontamination and
     the rebalancing (rebalance.mode=hierarchical; the same selection as in one process, written to
     output.dir/kmeans unless rebalance.kmeans_dir is set); 0 clusters inside the finishing job."""
+    finish_tasks: int = 0
+    """Slurm tasks (--ntasks, possibly on several nodes) of the finishing jobs (index, prepare, finish): curate
+    runs with tasks.launcher=srun tasks.count=N, each sharded step after embedding as one `srun --ntasks=N`
+    step over them; 0: one task, the steps as local processes on its node."""
 
 
 @dataclass
@@ -180,6 +184,8 @@ def validate(cfg: SlurmConfig, overrides: dict[str, list[str]], check_paths: boo
             raise ConfigError(f"{key}: must be >= 1, got {val}")
     if cfg.curate.search_tasks < 0:
         raise ConfigError(f"curate.search_tasks: must be >= 0 (0: kNN in the finishing job), got {cfg.curate.search_tasks}")
+    if cfg.curate.finish_tasks < 0:
+        raise ConfigError(f"curate.finish_tasks: must be >= 0 (0: one task), got {cfg.curate.finish_tasks}")
     if cfg.curate.kmeans_tasks < 0:
         raise ConfigError(f"curate.kmeans_tasks: must be >= 0 (0: k-means in the finishing job), got {cfg.curate.kmeans_tasks}")
     if s.gpus_per_node < 0:
@@ -249,9 +255,13 @@ def build_jobs(cfg: SlurmConfig, overrides: dict[str, list[str]]) -> list[Job]:
         args = ["--config", c.config, *overrides["curate"]]
         add("curate_embed", env, ["--job-name=dinopipe-curate-embed", f"--array=0-{c.tasks - 1}", "--requeue",
                                   *site, f"--output={logs}/%x-%A_%a.out"], "curate.sbatch", args)
+        # the finishing jobs on N Slurm tasks: their steps' tasks as srun steps over them (0: one task)
+        fin = [f"--ntasks={c.finish_tasks}"] if c.finish_tasks else []
+        srun = ["tasks.launcher=srun", f"tasks.count={c.finish_tasks}"] if c.finish_tasks else []
         if c.search_tasks:  # the sharded kNN: index once, then an array searching query chunks
             add("curate_index", {**env, "CURATE_STEPS": "index"},
-                ["--job-name=dinopipe-curate-index", *site, f"--output={logs}/%x-%j.out"], "curate_finish.sbatch", args)
+                ["--job-name=dinopipe-curate-index", *site, *fin, f"--output={logs}/%x-%j.out"],
+                "curate_finish.sbatch", args + srun)
             add("curate_search", {**env, "CURATE_STEP": "search"},
                 ["--job-name=dinopipe-curate-search", f"--array=0-{c.search_tasks - 1}", "--requeue", *site,
                  f"--output={logs}/%x-%A_%a.out"], "curate.sbatch", args)
@@ -261,24 +271,26 @@ def build_jobs(cfg: SlurmConfig, overrides: dict[str, list[str]]) -> list[Job]:
             # (`curate index` adds the retrieval index, the array searches seed chunks; pool chunks on
             # disk are skipped), then the finishing job only merges the retrieval candidates
             add("curate_prepare", {**env, "CURATE_STEPS": "dedup decontaminate"},
-                ["--job-name=dinopipe-curate-prepare", *site, f"--output={logs}/%x-%j.out"], "curate_finish.sbatch", args)
+                ["--job-name=dinopipe-curate-prepare", *site, *fin, f"--output={logs}/%x-%j.out"],
+                "curate_finish.sbatch", args + srun)
             add("curate_retrieval_index", {**env, "CURATE_STEPS": "index"},
-                ["--job-name=dinopipe-curate-retrieval-index", *site, f"--output={logs}/%x-%j.out"],
-                "curate_finish.sbatch", args)
+                ["--job-name=dinopipe-curate-retrieval-index", *site, *fin, f"--output={logs}/%x-%j.out"],
+                "curate_finish.sbatch", args + srun)
             add("curate_retrieval_search", {**env, "CURATE_STEP": "search"},
                 ["--job-name=dinopipe-curate-retrieval-search", f"--array=0-{c.search_tasks - 1}", "--requeue",
                  *site, f"--output={logs}/%x-%A_%a.out"], "curate.sbatch", args)
             finish_env = {**env, "CURATE_STEPS": "rebalance write report"}
         if c.kmeans_tasks:  # survivors known after decontamination -> k-means on N ranks -> select
             add("curate_prepare", {**env, "CURATE_STEPS": "dedup decontaminate"},
-                ["--job-name=dinopipe-curate-prepare", *site, f"--output={logs}/%x-%j.out"], "curate_finish.sbatch", args)
+                ["--job-name=dinopipe-curate-prepare", *site, *fin, f"--output={logs}/%x-%j.out"],
+                "curate_finish.sbatch", args + srun)
             if not any(a.startswith("rebalance.kmeans_dir=") for a in args):
                 args = [*args, "rebalance.kmeans_dir=kmeans"]  # under output.dir
             add("curate_kmeans", env, ["--job-name=dinopipe-curate-kmeans", f"--ntasks={c.kmeans_tasks}", *site,
                                        f"--output={logs}/%x-%j.out"], "curate_kmeans.sbatch", args)
             finish_env = {**env, "CURATE_STEPS": "rebalance write report"}
-        add("curate_finish", finish_env, ["--job-name=dinopipe-curate-finish", *site, f"--output={logs}/%x-%j.out"],
-            "curate_finish.sbatch", args)
+        add("curate_finish", finish_env, ["--job-name=dinopipe-curate-finish", *site, *fin,
+                                          f"--output={logs}/%x-%j.out"], "curate_finish.sbatch", args + srun)
     for stage in ("pretrain", "distill"):
         if stage not in cfg.stages:
             continue

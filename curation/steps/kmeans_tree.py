@@ -6,6 +6,8 @@ split over the tasks, bit-identical for any W), whatever W is, so the decisions 
 * ``tasks.count`` W > 1, ``tasks.launcher=local``: W fresh processes (:func:`curation.steps.runner.run_step`)
   that form a gloo group through a file store in the tree's folder and run :func:`curation.dist_kmeans.run`
   as its ranks -- each holds its blocks of rows, its pieces of each level's centroids and one received piece;
+* ``tasks.launcher=srun``: the W ranks are the W tasks of one ``srun`` job step in the Slurm allocation
+  (possibly on several nodes), the same file store in the tree's folder (on the file system all nodes see);
 * W = 1 or ``launcher=inline``: the same code as one rank in this process (the same tree).
 
 A finished tree for the same rows and settings (kmeans.json, checked by :func:`curation.dist_kmeans.load_tree`)
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist_kmeans import load_tree, run
-from .runner import run_step
+from .runner import launch, run_step
 
 # (imported at the top, not in the task: a task process has torch loaded before its memory is measured)
 
@@ -60,9 +62,9 @@ def fit_tree(out: str, emb_dir: str, rows_idx: np.ndarray, record: dict, tasks: 
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     np.save(os.path.join(out, "rows.npy"), np.asarray(rows_idx, np.int64))
-    w = int(tasks) if launcher == "local" else 1  # inline: one rank here -- the same tree as W ranks
+    w = int(tasks) if launcher in ("local", "srun") else 1  # inline: one rank here -- the same tree as W ranks
     km = {k: record[k] for k in ("niter", "tol", "init", "init_sample", "n_init", "max_points_per_centroid")}
-    res = run_step(tree_task, w, "local", processes=0 if w == 1 else None, emb_dir=emb_dir, out=out,
+    res = run_step(tree_task, w, **launch(launcher, w), emb_dir=emb_dir, out=out,
                    levels=record["levels"], sample_sizes=record["sample_sizes"], steps=record["steps"],
                    seed=record["seed"], block=record["block"], piece_bytes=piece_bytes or _piece_bytes(),
                    record=record, kmeans=km)

@@ -163,7 +163,7 @@ def sharded_pick(labels: np.ndarray, q: np.ndarray, seed: int, folder: str, task
     labels from ``folder/labels.npy``; the merges between the three passes are O(k x 256)."""
     import shutil
 
-    from .runner import BLOCK, part_path, parts, read_part, run_step
+    from .runner import BLOCK, launch, part_path, parts, read_part, run_step
 
     block = block or BLOCK
     if os.path.isdir(folder):
@@ -172,14 +172,14 @@ def sharded_pick(labels: np.ndarray, q: np.ndarray, seed: int, folder: str, task
     labels_path = os.path.join(folder, "labels.npy")
     np.save(labels_path, np.asarray(labels, np.int64))
     k, w = len(q), int(tasks)
-    kw = {"processes": 0 if launcher == "inline" or w == 1 else None, "labels_path": labels_path,
+    kw = {**launch(launcher, w), "labels_path": labels_path,
           "folder": folder, "seed": seed, "block": block}
-    run_step(hist_task, w, "local", k=k, **kw)
+    run_step(hist_task, w, k=k, **kw)
     hist = sum(read_part(p)["hist"] for p in parts(folder, "hist", w))
     byte, need = boundary(hist, np.asarray(q, np.int64))
-    run_step(boundary_task, w, "local", byte=byte, **kw)
+    run_step(boundary_task, w, byte=byte, **kw)
     got = [read_part(p) for p in parts(folder, "boundary", w)]
     thr = thresholds(np.concatenate([g["labels"] for g in got]), np.concatenate([g["keys"] for g in got]), need)
-    run_step(select_task, w, "local", byte=byte, thr=thr, **kw)
+    run_step(select_task, w, byte=byte, thr=thr, **kw)
     rows = [read_part(part_path(folder, "picked", t, w))["rows"] for t in range(w)]
     return np.concatenate(rows) if rows else np.zeros(0, np.int64)

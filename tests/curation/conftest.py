@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from PIL import Image
 
 from tests._photos import COPY_KINDS, encode, make_copy, real_photos, write_pool
 
+CLUSTER = Path(__file__).resolve().parents[2] / "slurm" / "local_cluster.sh"
 N_COPIED = 8  # photos that get planted copies (4 kinds each)
 
 
@@ -60,3 +62,22 @@ def fake_sbatch(tmp_path: Path, reply_suffix: str = "") -> tuple[Path, dict[str,
     fake.write_text(f'#!/bin/bash\necho "$@" >> {log}\nn=$(wc -l < {log}); echo "$((1000 + n)){reply_suffix}"\n')
     fake.chmod(0o755)
     return log, dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """The local Slurm of slurm/local_cluster.sh, started unless it runs (left running afterwards); skipped
+    with the reason where it cannot start (DINOPIPE_REQUIRE_SLURM=1: a failure). Yields the list the test
+    appends its job ids to (cancelled at the end)."""
+    up = subprocess.run([str(CLUSTER), "status"], capture_output=True).returncode == 0
+    if not up:
+        r = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            reason = f"Slurm could not be started here: {(r.stderr or r.stdout).strip()[-500:]}"
+            if os.environ.get("DINOPIPE_REQUIRE_SLURM") == "1":
+                pytest.fail(reason)
+            pytest.skip(reason)
+    jobs: list[str] = []
+    yield jobs
+    if jobs:  # never stop the daemons: other people's jobs may be running
+        subprocess.run(["scancel", *jobs], capture_output=True)

@@ -8,7 +8,6 @@ a failure). A cluster found running is left running; only this test's jobs are c
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -24,27 +23,10 @@ from curation.cli import main
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER = REPO / "slurm" / "local_cluster.sh"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 ENV_SETUP = (f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH PYTHONPATH={shlex.quote(str(REPO))} "
              "PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1")
 CURATE = ["curate:rebalance.mode=none", "curate:knn.chunk_size=6", "curate:knn.batch_size=4", "curate:dedup.index=flat"]
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    up = subprocess.run([str(CLUSTER), "status"], capture_output=True).returncode == 0
-    if not up:
-        r = subprocess.run([str(CLUSTER), "start"], capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            reason = f"Slurm could not be started here: {(r.stderr or r.stdout).strip()[-500:]}"
-            if os.environ.get("DINOPIPE_REQUIRE_SLURM") == "1":
-                pytest.fail(reason)
-            pytest.skip(reason)
-    jobs: list[str] = []
-    yield jobs
-    if jobs:  # never stop the daemons: other people's jobs may be running
-        subprocess.run(["scancel", *jobs], capture_output=True)
 
 
 def _states(job_id: str) -> list[str]:
