@@ -208,9 +208,13 @@ def build_path_table(emb_dir: str, plan: Callable[[int], dict]) -> int:
     rows = [len(p) for p in parts]
     p = plan(sum(rows))
     w = max(1, int(p["tasks"]))
-    # local processes of this node whatever tasks.launcher says: the rank and copy tasks write disjoint
-    # positions of shared memory-mapped files, which is safe on one node's page cache, not across nodes
-    return build_table(emb_dir, metas, rows, w, "inline" if w == 1 or p["launcher"] == "inline" else "local")["tasks"]
+    if p["launcher"] not in ("inline", "local"):
+        # srun / slurm / dist: local processes of this node instead, at most one per core. The rank and copy
+        # tasks write disjoint positions of shared memory-mapped files: safe in one node's page cache, not
+        # promised by every network file system across nodes (the bytes are the same for any W)
+        w = max(1, min(w, os.cpu_count() or 1))
+    launcher = "inline" if w == 1 or p["launcher"] == "inline" else "local"
+    return build_table(emb_dir, metas, rows, w, launcher)["tasks"]
 
 
 def _check_tasks_done(emb_dir: str) -> None:
