@@ -37,6 +37,12 @@ EXAMPLES = [
     ("DINOv3's hierarchical k-means (10M / 500k / 50k / 10k) on 16 nodes x 8 H100, the k-means as 128 ranks",
      "--pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 16 --gpus-per-node 8 --gpu h100 "
      "--pairs-per-image 40 --search-tasks 16 --kmeans-tasks 128 --levels 10M 500k 50k 10k"),
+    ("The same 1.2B pool with pixel verification (40 candidate pairs per image, one core per verification task) "
+     "and the finishing job as 1,280 srun tasks, e.g. the 20 nodes' 64 cores each (submit_curation.sh "
+     "--finish-tasks 1280: tasks.launcher=srun); with the finishing job on one node the verification alone is "
+     "~2,800 h",
+     "--pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100 "
+     "--pairs-per-image 40 --search-tasks 20 --finish-tasks 1280"),
     ("A 10M-tile pathology pool on one 8-GPU node (A100), 40 candidate pairs per tile, three k-means levels",
      "--pool 10M --dim 1024 --index ivf_sq8 --nodes 1 --gpus-per-node 8 --gpu a100 --cpus-per-task 64 "
      "--pairs-per-image 40 --levels 100k 10k 1k --eval 100k"),

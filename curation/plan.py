@@ -111,12 +111,18 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
          scan_rate: float | None = None, embed_rate: float | None = None, levels=None,
          resampling: int = 10, keep_fraction: float = 0.5, sample_size: int = 10, tasks: int | None = None,
          cores: int | None = None, search_tasks: int = 0, kmeans_tasks: int = 0, embed_tasks: int | None = None,
-         rates: dict[str, Rate] | None = None) -> list[Step]:
+         rates: dict[str, Rate] | None = None, finish_tasks: int = 0) -> list[Step]:
     """The steps of the chain on ``pool`` rows: tasks (:func:`chain_tasks`), host / GPU GiB per task, hours.
     ``cores``: CPU cores of the machine running the W local tasks (default ``cpus_per_task``: the finishing
-    job's); ``rates``: curation.plan_rates.load_rates() unless given."""
+    job's); ``rates``: curation.plan_rates.load_rates() unless given. ``finish_tasks``: the finishing job as
+    ``finish_tasks`` Slurm tasks (submit_curation.sh --finish-tasks: ``tasks.launcher=srun tasks.count=N``), each
+    with ``cpus_per_task`` cores of its own and its share of the allocation's GPUs, instead of W processes
+    sharing one machine's ``cores``."""
     R = rates or load_rates()
     cores = cores or cpus_per_task
+    srun = bool(finish_tasks)
+    if srun:
+        tasks = finish_tasks
     gpu_mem, gpu_scan, gpu_gemm, gpu_img = GPUS[gpu] if gpus_per_node else (0, 0, 0, 0)
     gpu_rate = Rate(gpu_gemm, "FLOP/s per GPU")  # the GPU table: ASSUMED
     n_gpus = nodes * gpus_per_node
@@ -126,13 +132,13 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     index_gib = (pool * (code + (8 if kind != "flat" else 0)) + nlist * dim * 4) / GiB
     tw = chain_tasks(pool, tasks, cores, kind, gpus_per_node > 0, keep_fraction=keep_fraction, eval_rows=n_eval,
                      verify=pairs_per_image > 0, hierarchical=bool(levels), search_tasks=search_tasks,
-                     kmeans_tasks=kmeans_tasks)
+                     kmeans_tasks=kmeans_tasks, launcher="srun" if srun else "local")
     W = tw["hash dedup"]
     cpu_scan, cpu_gemm = R["cpu_scan"].value, R["cpu_gemm"].value
     steps = []
 
-    def par(w: int) -> int:  # local tasks at once on the machine's cores (a task: one core at least)
-        return max(1, min(w, cores))
+    def par(w: int) -> int:  # local tasks at once on the machine's cores (a task: one core at least); srun: all
+        return w if srun else max(1, min(w, cores))
 
     # embed: the embedding array (-n), one GPU per task (or a CPU node), images decoded by the task's CPUs
     workers = embed_tasks or n_gpus or nodes
@@ -170,7 +176,11 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
                           f"nlist {nlist:,} (~{pool / nlist:,.0f} per list) on {sample:,} vectors; {qdesc}",
                           _fmt(train_rate)))
     add_w = tw["index add"]
-    add_s = coarse_s(pool, node_gemm, cpu_scan * cores) + pool * dim * 2 / (READ_RATE * par(add_w))
+    if srun and add_w > 1:  # the add tasks' coarse assignment spread over the allocation's tasks (their cores)
+        add_s = (coarse_s(pool, cpu_gemm * cpus_per_task * add_w, cpu_scan * cpus_per_task * add_w)
+                 + pool * dim * 2 / (READ_RATE * add_w))
+    else:
+        add_s = coarse_s(pool, node_gemm, cpu_scan * cores) + pool * dim * 2 / (READ_RATE * par(add_w))
     coarse_gib = (nlist * dim * 4 + (nlist * 2 * HNSW_M * 4 if quantizer == "hnsw" else 0)) / GiB
     steps.append(Step("index add", add_w, index_gib / add_w + coarse_gib + 0.5, 0, add_s / 3600,
                       f"{code} B/vector codes: index {index_gib:,.1f} GiB in {add_w} file(s)"
@@ -188,7 +198,7 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
         per_query += 256 * dim  # the query's lookup tables (inner product: once per query)
     coarse = 0 if kind == "flat" else 2.0 * nlist * dim
     s_w = tw["search (dedup)"]
-    array = bool(search_tasks)
+    array = bool(search_tasks) or srun  # Slurm tasks of their own: the search array or the srun finishing job
     cpus = cpus_per_task if array else cores / s_w  # a local task's share of the machine
     gpus = (n_gpus if array else gpus_per_node) / s_w  # a task's share of the GPUs (< 1: tasks share one)
     g_whole = max(1, int(gpus)) if gpus_per_node else 0
@@ -208,7 +218,7 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     q_gib = chunk * (dim * 4 + (k + 1) * 12) / GiB
     fits = "" if index_gib + q_gib < node_mem_gib else f"; index exceeds {node_mem_gib:g} GiB of host memory"
     steps.append(Step("search (dedup)", s_w, index_gib + q_gib + 1, gpu_gib, search_s / 3600,
-                      ("Slurm array; " if array else "") + where + fits,
+                      ("Slurm array; " if search_tasks else "srun tasks; " if srun else "") + where + fits,
                       _fmt(rate_s, scan_rate) if scan_rate else _fmt(rate_s)))
     # verification: candidate pairs on pixels, W tasks by kept image, one core each, thumbnails decoded once
     if tw["verification"]:
@@ -233,12 +243,12 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
             how = f"IVF eval index ({nl:,} lists, nprobe {EVAL_NPROBE})"
         steps.append(Step("decontaminate", d_w, 1.0 + q_gib, 0, pool * per / d_w / 3600,
                           f"{n_eval:,} eval images; pool rows queried on the {how}, on CPU"
-                          + ("; Slurm array" if array else ""), _fmt(R["cpu_gemm"])))
+                          + ("; Slurm array" if search_tasks else "; srun tasks" if srun else ""), _fmt(R["cpu_gemm"])))
     for li, kc in enumerate(levels or (), start=1):
         pts = pool if li == 1 else levels[li - 2]  # level l clusters level l-1's centroids
         kc = min(kc, pts)
         w = tw["k-means"]  # every level sharded over the same ranks (curation/dist_kmeans.py)
-        local = not kmeans_tasks
+        local = not kmeans_tasks and not srun
         g_rank = (gpus_per_node / w if local else n_gpus / w) if gpus_per_node else 0
         gemm = gpu_gemm * min(g_rank, 1) if g_rank else cpu_gemm * (cores / w if local else cpus_per_task)
         # the chain's level (curation.dist_kmeans.run): Lloyd on <= 256 rows per centroid, an assignment of every
@@ -263,7 +273,8 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
         steps.append(Step(f"k-means level {li} ({kc:,})", w, mem, gpu_k, (lloyd_s + assign_s + comm_s) / 3600,
                           f"{1 + steps_r} k-means of <= {LLOYD_ITERS} Lloyd iterations, {1 + steps_r} assignment "
                           f"passes; rows ({pts:,}) and centroids over {w} ranks "
-                          + ("(Slurm, `curate kmeans`)" if not local else "(local processes, gloo)")
+                          + ("(local processes, gloo)" if local else "(srun tasks of the finishing job)" if
+                             not kmeans_tasks else "(Slurm, `curate kmeans`)")
                           + f" in {-(-kc // piece):,} pieces of {piece:,}; {comm_s / 3600:.2f} h of collectives",
                           _fmt(gpu_rate if g_rank else R["cpu_gemm"]) + (f"; network {_fmt(net)}" if comm_s else "")))
     if tw["sampling"]:
@@ -328,6 +339,9 @@ def main(argv=None) -> int:
     p.add_argument("--kmeans-tasks", type=int, default=0, help="curate kmeans ranks (submit_curation.sh -k); "
                                                                "0: the W local tasks")
     p.add_argument("--embed-tasks", type=int, default=None, help="embedding array tasks (default: one per GPU)")
+    p.add_argument("--finish-tasks", type=int, default=0,
+                   help="the finishing job as N Slurm tasks (submit_curation.sh --finish-tasks: tasks.launcher=srun "
+                        "tasks.count=N), each --cpus-per-task cores; 0: W local tasks on one machine")
     p.add_argument("--node-mem", type=float, default=480, help="host GiB per node")
     p.add_argument("--k", type=int, default=64)
     p.add_argument("--nprobe", type=int, default=16)
@@ -351,6 +365,9 @@ def main(argv=None) -> int:
     if a.index == "ivf_pq" and a.dim % a.pq_m:
         print(f"curate plan: error: --pq-m {a.pq_m} must divide --dim {a.dim}", file=sys.stderr)
         return 2
+    if a.finish_tasks < 0:
+        print(f"curate plan: error: --finish-tasks must be >= 0, got {a.finish_tasks}", file=sys.stderr)
+        return 2
     for name in ("tasks", "cores"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             print(f"curate plan: error: --{name} must be >= 1, got {getattr(a, name)}", file=sys.stderr)
@@ -364,7 +381,8 @@ def main(argv=None) -> int:
                  a.k, a.nprobe, a.nlist, a.eval, pairs_per_image=a.pairs_per_image, scan_rate=a.scan_rate,
                  embed_rate=a.embed_rate, levels=a.levels, resampling=a.resampling, sample_size=a.sample_size,
                  tasks=a.tasks, cores=a.cores,
-                 search_tasks=a.search_tasks, kmeans_tasks=a.kmeans_tasks, embed_tasks=a.embed_tasks, rates=rates)
+                 search_tasks=a.search_tasks, kmeans_tasks=a.kmeans_tasks, embed_tasks=a.embed_tasks, rates=rates,
+                 finish_tasks=a.finish_tasks)
     hw = f"{a.nodes} nodes x {a.gpus_per_node} {a.gpu.upper()}" if a.gpus_per_node else f"{a.nodes} CPU nodes"
     print(render(steps, f"{pool:,} x {a.dim}-d, {a.index}, {hw}"))
     print(render_sources(rates))

@@ -84,6 +84,22 @@ def test_plan_arrays_gpu_and_flat_builds_follow_the_chain():
     assert "index merge" not in {s.name for s in plan(10_000_000, 384, "ivf", gpus_per_node=8, tasks=4)}
 
 
+def test_plan_of_an_srun_finishing_job_gives_every_task_its_own_cores():
+    """--finish-tasks N (submit_curation.sh --finish-tasks: tasks.launcher=srun tasks.count=N): every sharded step
+    of the finishing job runs N tasks, each with --cpus-per-task cores of its own, so the steps that were bound to
+    one machine's cores (verification, hash dedup, shard writing) shrink with N; the k-means tree's ranks are the
+    srun tasks."""
+    kw = dict(gpus_per_node=0, nodes=4, cpus_per_task=8, pairs_per_image=40, levels=[100_000])
+    one = {s.name: s for s in plan(100_000_000, 384, "ivf_sq8", **kw)}
+    srun = {s.name: s for s in plan(100_000_000, 384, "ivf_sq8", finish_tasks=32, **kw)}
+    for name in ("hash dedup", "index add", "verification", "decontaminate", "sampling", "write shards", "decisions"):
+        assert srun[name].tasks == 32, name
+    assert srun["k-means level 1 (100,000)"].tasks == 32 and "srun tasks" in srun["k-means level 1 (100,000)"].note
+    # one machine of 8 cores ran 8 verification tasks at once; 32 tasks with 8 cores each run all 32 at once
+    assert srun["verification"].hours == pytest.approx(one["verification"].hours * 8 / 32)
+    assert main(["plan", "--pool", "1M", "--finish-tasks", "-1"]) == 2
+
+
 def test_rates_measured_from_the_bench_json_else_assumed(tmp_path, capsys):
     """A rate the bench's JSON gives is printed as measured with its source; one it does not give, ASSUMED."""
     run = {"n": 1_000_000, "dim": 384, "tasks": 1, "meta": {"date": "2031-01-02", "machine": "box", "command": "c"},
