@@ -46,8 +46,12 @@ def hash_survivors(out_dir: str, emb: EmbeddingSet, enabled: bool, max_distance:
     return hash_step(out_dir, emb, enabled, max_distance, verify_with, plan)
 
 
-def _digest(positions: np.ndarray) -> str:
-    return hashlib.sha1(np.ascontiguousarray(positions, np.int64).tobytes()).hexdigest()[:16]
+def _digest(positions: np.ndarray, block: int = 1 << 16) -> str:
+    """sha1 of the int64 bytes of ``positions``, fed a block at a time (no whole copy of a mapped array)."""
+    h = hashlib.sha1()
+    for s in range(0, len(positions), block):
+        h.update(np.ascontiguousarray(positions[s:s + block], np.int64).tobytes())
+    return h.hexdigest()[:16]
 
 
 def pool_params(surv: np.ndarray, k: int, threshold: float, index_kind: str, nprobe: int,
@@ -120,10 +124,11 @@ def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: in
 
 
 def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev: EmbeddingSet,
-                         knn: dict | None = None, progress: bool = False, tasks: dict | None = None
-                         ) -> tuple[np.ndarray, np.ndarray]:
+                         knn: dict | None = None, progress: bool = False, tasks: dict | None = None,
+                         stream: bool = False):
     """(max cosine, eval position) of every pool row in ``alive``: exact float64 rescoring of the
-    eval index's nearest candidates, from the saved chunks (searched here when missing)."""
+    eval index's nearest candidates, from the saved chunks (searched here when missing). ``stream``: instead,
+    an iterator of (first position in ``alive``, max cosines, eval positions) a saved chunk at a time."""
     if ev.dim != pool.dim:
         raise ConfigError(f"pool embeddings have {pool.dim} dims but eval embeddings {ev.dim}: "
                          "embed both with the same model / descriptor")
@@ -134,8 +139,10 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
     sources = (_source(out_dir, "eval", _desc_dir(out_dir), alive, "query"),
                RowSource(os.path.join(out_dir, "embeddings", "eval")))
     run_search(out_dir, "eval", "nearest", Rows(pool, alive), Rows(ev), False, tasks, sources)
-    r = job.read(len(alive))
-    return r["sim"], r["idx"]
+    if not stream:
+        r = job.read(len(alive))
+        return r["sim"], r["idx"]
+    return ((s, c["sim"], c["idx"]) for s, c in job.iter(len(alive)))
 
 
 def _survivors(out_dir: str, emb: EmbeddingSet, sources, dedup: DedupConfig, hash_dedup: HashDedupConfig,

@@ -53,12 +53,16 @@ ORCH_HELD_MEASURED = {
     # hash groups + keep, survivors, copy components, status, nn_sim, the merged kNN pairs: whole arrays in
     # pipeline.step_dedup / knn_steps.sharded_copy_dedup. measured 52
     "dedup": 57,
-    # dedup's status (copied: it is updated), the alive rows' components, their sims, nearest eval rows, the
-    # component expansion (pipeline.step_decontaminate; the component array itself is mapped). measured 62
-    "decontaminate": 69,
-    # rebalance_rows (alive, rows_idx, ids), the k-means record, status / cluster / nearest_seed / seed_sim
-    # (pipeline.step_rebalance). measured 68
-    "rebalance": 75,
+    # pipeline.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
+    # positions) and its outputs (status, eval_sim), read and written a block at a time, the kNN chunks one at a
+    # time; left: open_embeddings()'s int32 source_codes (4 B per row, see above) and the blocks. measured 8.8
+    # (62 when it built whole arrays)
+    "decontaminate": 11,
+    # pipeline.step_rebalance maps rebalance_rows (alive, rows_idx) and its outputs (status, cluster,
+    # nearest_seed, seed_sim); left: the selection's result arrays over the kept rows (curation.rebalance:
+    # selected, cluster, nearest_seed, seed_sim) and what hierarchical selection holds per kept row, plus the
+    # int32 source_codes. measured 37.1 (68 when it built whole arrays)
+    "rebalance": 40,
 }
 RETAINED_BLOCKS = 1000
 """allocation blocks a step may leave alive beyond the small pool's (measured growth <= 430)."""
@@ -84,6 +88,8 @@ def _task_peaks(res: dict) -> dict:
     for step, row in res["steps"].items():
         seen: dict = {}
         for run in row["runs"]:
+            if "task_traced_peaks" not in run:
+                continue  # a single-process phase of the step (runner.phase: grouping): the orchestrator's peak
             k = seen[run["fn"]] = seen.get(run["fn"], -1) + 1
             got[(step, run["fn"], k)] = max(run["task_traced_peaks"])
     return got
