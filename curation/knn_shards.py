@@ -181,12 +181,14 @@ def iter_chunks(folder: str, n: int, chunk_size: int):
             yield c * chunk_size, {key: z[key] for key in z.files}
 
 
-def read_chunks(folder: str, n: int, chunk_size: int) -> dict[str, np.ndarray]:
-    """All chunks of [0, n), concatenated per array name; a clear error naming the missing ones."""
+def read_chunks(folder: str, n: int, chunk_size: int, keys=None) -> dict[str, np.ndarray]:
+    """All chunks of [0, n), concatenated per array name (``keys``: only these); a clear error naming the
+    missing ones."""
     parts: dict[str, list] = {}
     for _, chunk in iter_chunks(folder, n, chunk_size):
         for key, a in chunk.items():
-            parts.setdefault(key, []).append(a)
+            if keys is None or key in keys:
+                parts.setdefault(key, []).append(a)
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
@@ -346,11 +348,11 @@ class KnnJob:
         return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
                           task_index, num_tasks, compute, progress)
 
-    def read(self, n_queries: int) -> dict[str, np.ndarray]:
+    def read(self, n_queries: int, keys=None) -> dict[str, np.ndarray]:
         meta = self.meta()
         if meta is None:
             raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
-        return read_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT))
+        return read_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT), keys)
 
     def iter(self, n_queries: int):
         """:meth:`read` a chunk at a time: (first query row, {array name: the chunk's rows})."""

@@ -124,15 +124,26 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
         if dd.verify else None
     d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, _knn(knn), progress,
                            grouping=dd.grouping, tasks=plan, verifier_factory=factory)
-    component = h.group.copy()  # hash duplicates join their kept image's copy component
-    component[surv] = surv[d.component]
-    component = component[component]  # a hash group's kept image may itself be a copy
-    status = np.full(len(emb), KEPT, np.int8)
-    status[~h.keep] = HASH_DUP
-    status[surv[~d.keep]] = COPY_DUP
-    nn_sim = np.full(len(emb), np.nan, np.float32)
-    nn_sim[surv] = d.nn_sim
-    _save_step(out_dir, "dedup", status=status, component=component, nn_sim=nn_sim)
+    # the step's arrays written in place a block at a time (mapped files, not whole arrays in this process)
+    n, out = len(emb), StepWriter(out_dir, "dedup")
+    joined = np.lib.format.open_memmap(os.path.join(out.dir, "joined.scratch.npy"), mode="w+", dtype=np.int64,
+                                       shape=(n,))
+    status = out.array("status", np.int8, n)
+    for s, t in blocks(n):  # hash duplicates join their kept image's copy component
+        joined[s:t] = h.group[s:t]
+        status[s:t] = np.where(h.keep[s:t], KEPT, HASH_DUP)
+    nn_sim = out.array("nn_sim", np.float32, n, fill=np.nan)
+    for s, t in blocks(len(surv)):
+        rows = surv[s:t]
+        joined[rows] = surv[d.component[s:t]]
+        status[rows[~d.keep[s:t]]] = COPY_DUP
+        nn_sim[rows] = d.nn_sim[s:t]
+    component = out.array("component", np.int64, n)
+    for s, t in blocks(n):  # a hash group's kept image may itself be a copy
+        component[s:t] = joined[joined[s:t]]
+    del joined
+    os.remove(os.path.join(out.dir, "joined.scratch.npy"))
+    out.finish()
     return {"hash_duplicates": h.n_duplicates, "copy_duplicates": d.n_duplicates,
             "index": d.index_kind, "candidates": d.n_candidates, "edges": d.n_edges,
             "threshold": threshold, "verify_seconds": round(d.verify_seconds, 2),

@@ -50,9 +50,11 @@ ORCH_HELD = 4
 """bytes per row the orchestrating process may hold (the issue allows 8; the write step streams its selection and
 digests a block at a time over the mapped status array: measured 1.7-2.2, the int32 source_codes included)."""
 ORCH_HELD_MEASURED = {
-    # hash groups + keep, survivors, copy components, status, nn_sim, the merged kNN pairs: whole arrays in
-    # pipeline.step_dedup / knn_steps.sharded_copy_dedup. measured 52
-    "dedup": 57,
+    # pipeline.step_dedup writes status / component / nn_sim in place (mapped, a block at a time) and the grouping
+    # no longer sorts ids already in canonical order (unionfind.id_ranks) nor reads the kNN's nn_idx back; left
+    # (peak inside dedup.star_groups): the hash groups + keep (int64 + bool per row), the survivors and their ids
+    # (int64 each), their nn_sim, the star grouping's rank-space arrays. measured 27.4 (52 before)
+    "dedup": 31,
     # pipeline.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
     # positions) and its outputs (status, eval_sim), read and written a block at a time, the kNN chunks one at a
     # time; left: open_embeddings()'s int32 source_codes (4 B per row, see above) and the blocks. measured 8.8
