@@ -242,9 +242,10 @@ def load_tree(out: str, expected: dict, key: str = "kmeans_dir") -> list[Level]:
         raise InputError(f"{key}={out} was clustered for other rows or settings ({what}): rerun "
                          f"curate kmeans --curate with this config, or unset {key} "
                          f"to cluster in this process")
-    lab = np.load(os.path.join(out, "level1_labels.npy"))
+    # the per-row arrays memory-mapped (read-only): the orchestrator reads them, it need not hold them
+    lab = np.load(os.path.join(out, "level1_labels.npy"), mmap_mode="r")
     levels = [Level(np.load(os.path.join(out, "centroids_level1.npy")), lab,
-                    np.load(os.path.join(out, "level1_dist.npy")),
+                    np.load(os.path.join(out, "level1_dist.npy"), mmap_mode="r"),
                     np.load(os.path.join(out, "sizes_level1.npy")))]
     for li in range(2, len(expected["levels"]) + 1):
         lab = np.load(os.path.join(out, f"labels_level{li}.npy"))

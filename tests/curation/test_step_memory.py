@@ -60,11 +60,11 @@ ORCH_HELD_MEASURED = {
     # time; left: open_embeddings()'s int32 source_codes (4 B per row, see above) and the blocks. measured 8.8
     # (62 when it built whole arrays)
     "decontaminate": 11,
-    # pipeline.step_rebalance maps rebalance_rows (alive, rows_idx) and its outputs (status, cluster,
-    # nearest_seed, seed_sim); left: the selection's result arrays over the kept rows (curation.rebalance:
-    # selected, cluster, nearest_seed, seed_sim) and what hierarchical selection holds per kept row, plus the
-    # int32 source_codes. measured 37.1 (68 when it built whole arrays)
-    "rebalance": 40,
+    # pipeline.step_rebalance maps rebalance_rows (alive, rows_idx), its outputs (status, cluster, nearest_seed,
+    # seed_sim) and the k-means tree's per-row arrays (dist_kmeans.load_tree); left: the selection's result over the
+    # kept rows (curation.rebalance: selected, nearest_seed, seed_sim; cluster is the mapped labels), the picks and
+    # top-level labels of the hierarchical selection, the int32 source_codes. measured 18.5 (68 when built whole)
+    "rebalance": 22,
 }
 RETAINED_BLOCKS = 1000
 """allocation blocks a step may leave alive beyond the small pool's (measured growth <= 430)."""
