@@ -147,9 +147,10 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
             t1 = time.perf_counter()
             root = attach_singletons(root, lo, hi, lambda x, y: verifier(order[x], order[y]))
             seconds += time.perf_counter() - t1
-        component = order[root[rank]]
+        component = root if order is rank else order[root[rank]]  # id_ranks' identity: positions are ranks
     keep = component == np.arange(n)
-    empty_sim, empty_idx = np.full(n, -np.inf, np.float32), np.full(n, -1, np.int64)
+    # read-only placeholders (no memory): the kNN's arrays replace them (copy_dedup, knn_steps.sharded_copy_dedup)
+    empty_sim, empty_idx = np.broadcast_to(np.float32(-np.inf), (n,)), np.broadcast_to(np.int64(-1), (n,))
     return DedupResult(component, keep, empty_sim, empty_idx, len(lo), "none", n_candidates,
                        seconds)
 

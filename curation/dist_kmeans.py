@@ -173,12 +173,26 @@ def _shared(path: str, dtype, shape: tuple, comm: Comm):
 DIGEST_CHUNK = 1 << 22
 
 
+class Gathered:
+    """``base[index]`` read a block at a time (for :func:`rows_digest`): the ids of a subset of rows without a
+    whole gathered copy."""
+
+    def __init__(self, base: np.ndarray, index: np.ndarray) -> None:
+        self.base, self.index, self.dtype = base, index, base.dtype
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        return self.base[self.index[sl]]
+
+
 def rows_digest(ids) -> str:
     """Fingerprint of the rows clustered, in order: sha256 of their int64 input ids (little-endian bytes,
     hashed a chunk of 4M ids at a time: ~1 s per 10^8 rows here, no per-id Python); ids that are not integers
     (strings) are hashed one per line."""
     h = hashlib.sha256()
-    arr = np.asarray(ids) if not isinstance(ids, np.ndarray) else ids
+    arr = np.asarray(ids) if not isinstance(ids, (np.ndarray, Gathered)) else ids
     if arr.dtype.kind in "iu":
         h.update(b"int64le\n")
         for s in range(0, len(arr), DIGEST_CHUNK):
@@ -228,9 +242,10 @@ def load_tree(out: str, expected: dict, key: str = "kmeans_dir") -> list[Level]:
         raise InputError(f"{key}={out} was clustered for other rows or settings ({what}): rerun "
                          f"curate kmeans --curate with this config, or unset {key} "
                          f"to cluster in this process")
-    lab = np.load(os.path.join(out, "level1_labels.npy"))
+    # the per-row arrays memory-mapped (read-only): the orchestrator reads them, it need not hold them
+    lab = np.load(os.path.join(out, "level1_labels.npy"), mmap_mode="r")
     levels = [Level(np.load(os.path.join(out, "centroids_level1.npy")), lab,
-                    np.load(os.path.join(out, "level1_dist.npy")),
+                    np.load(os.path.join(out, "level1_dist.npy"), mmap_mode="r"),
                     np.load(os.path.join(out, "sizes_level1.npy")))]
     for li in range(2, len(expected["levels"]) + 1):
         lab = np.load(os.path.join(out, f"labels_level{li}.npy"))

@@ -167,19 +167,28 @@ def run_chunks(folder: str, n: int, chunk_size: int, task_index: int, num_tasks:
     return {"chunks": len(mine), "computed": len(todo), "skipped": len(mine) - len(todo)}
 
 
-def read_chunks(folder: str, n: int, chunk_size: int) -> dict[str, np.ndarray]:
-    """All chunks of [0, n), concatenated per array name; a clear error naming the missing ones."""
+def iter_chunks(folder: str, n: int, chunk_size: int):
+    """(first query row, {array name: that chunk's rows}) of every chunk of [0, n) in order, one chunk in
+    memory at a time; a clear error naming the missing ones (checked before the first is read)."""
     total = n_chunks(n, chunk_size)
     missing = [c for c in range(total) if not os.path.exists(chunk_path(folder, c))]
     if missing:
         raise FileNotFoundError(
             f"{folder}: {len(missing)} of {total} kNN chunks missing (first: {chunk_path(folder, missing[0])}); "
             "rerun the `curate search` array tasks (finished chunks are skipped)")
-    parts: dict[str, list] = {}
     for c in range(total):
         with np.load(chunk_path(folder, c)) as z:
-            for key in z.files:
-                parts.setdefault(key, []).append(z[key])
+            yield c * chunk_size, {key: z[key] for key in z.files}
+
+
+def read_chunks(folder: str, n: int, chunk_size: int, keys=None) -> dict[str, np.ndarray]:
+    """All chunks of [0, n), concatenated per array name (``keys``: only these); a clear error naming the
+    missing ones."""
+    parts: dict[str, list] = {}
+    for _, chunk in iter_chunks(folder, n, chunk_size):
+        for key, a in chunk.items():
+            if keys is None or key in keys:
+                parts.setdefault(key, []).append(a)
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
@@ -339,11 +348,18 @@ class KnnJob:
         return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
                           task_index, num_tasks, compute, progress)
 
-    def read(self, n_queries: int) -> dict[str, np.ndarray]:
+    def read(self, n_queries: int, keys=None) -> dict[str, np.ndarray]:
         meta = self.meta()
         if meta is None:
             raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
-        return read_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT))
+        return read_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT), keys)
+
+    def iter(self, n_queries: int):
+        """:meth:`read` a chunk at a time: (first query row, {array name: the chunk's rows})."""
+        meta = self.meta()
+        if meta is None:
+            raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
+        return iter_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT))
 
 
 # ------------------------------------------------------------------ the steps as W tasks (runner)

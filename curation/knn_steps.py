@@ -46,8 +46,12 @@ def hash_survivors(out_dir: str, emb: EmbeddingSet, enabled: bool, max_distance:
     return hash_step(out_dir, emb, enabled, max_distance, verify_with, plan)
 
 
-def _digest(positions: np.ndarray) -> str:
-    return hashlib.sha1(np.ascontiguousarray(positions, np.int64).tobytes()).hexdigest()[:16]
+def _digest(positions: np.ndarray, block: int = 1 << 16) -> str:
+    """sha1 of the int64 bytes of ``positions``, fed a block at a time (no whole copy of a mapped array)."""
+    h = hashlib.sha1()
+    for s in range(0, len(positions), block):
+        h.update(np.ascontiguousarray(positions[s:s + block], np.int64).tobytes())
+    return h.hexdigest()[:16]
 
 
 def pool_params(surv: np.ndarray, k: int, threshold: float, index_kind: str, nprobe: int,
@@ -77,7 +81,8 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     candidate pairs and verify + group them (curation.dedup.copy_dedup_from_pairs: depends only on the
     pair set). ``verifier_factory``: a picklable callable building the verifier inside each verification
     task (W local processes); ``verifier``: one built here (the tasks then run in this process).
-    ``verify_tasks``: W of the verification (default: the plan's)."""
+    ``verify_tasks``: W of the verification (default: the plan's). The result's ``nn_index`` is not read
+    back (a read-only -1 placeholder: the chunks on disk hold it; no step keeps it)."""
     n = len(surv)
     ids = emb.ids[surv]
     if n < 2:
@@ -91,7 +96,7 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     if not job.matches(params):
         job.build(rows, params, use_gpu=use_gpu, progress=progress, source=src, tasks=tasks)
     run_search(out_dir, "pool", "pairs", rows, None, use_gpu, tasks, (src, None))  # only chunks not on disk
-    r = job.read(n)
+    r = job.read(n, keys=("a", "b", "sim", "nn_sim"))  # not nn_idx: an int64 per row no step keeps
     a, b, sim = merge_pairs(r["a"], r["b"], r["sim"])
     plan = tasks or {"tasks": 1, "launcher": "inline"}
     vw = int(verify_tasks if verify_tasks is not None else plan["tasks"])
@@ -101,7 +106,7 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
                                            plan["launcher"] if verifier is None else "inline", verifier_factory)
     res = copy_dedup_from_pairs(n, ids, a, b, sim, threshold=threshold, verifier=verifier,
                                 grouping=grouping)
-    res.nn_sim, res.nn_index, res.index_kind = r["nn_sim"], r["nn_idx"], job.meta()["kind"]
+    res.nn_sim, res.index_kind = r["nn_sim"], job.meta()["kind"]  # res.nn_index: the placeholder (-1)
     res.verify_tasks = vw if parted is not None else 0
     return res
 
@@ -120,10 +125,11 @@ def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: in
 
 
 def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev: EmbeddingSet,
-                         knn: dict | None = None, progress: bool = False, tasks: dict | None = None
-                         ) -> tuple[np.ndarray, np.ndarray]:
+                         knn: dict | None = None, progress: bool = False, tasks: dict | None = None,
+                         stream: bool = False):
     """(max cosine, eval position) of every pool row in ``alive``: exact float64 rescoring of the
-    eval index's nearest candidates, from the saved chunks (searched here when missing)."""
+    eval index's nearest candidates, from the saved chunks (searched here when missing). ``stream``: instead,
+    an iterator of (first position in ``alive``, max cosines, eval positions) a saved chunk at a time."""
     if ev.dim != pool.dim:
         raise ConfigError(f"pool embeddings have {pool.dim} dims but eval embeddings {ev.dim}: "
                          "embed both with the same model / descriptor")
@@ -134,8 +140,10 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
     sources = (_source(out_dir, "eval", _desc_dir(out_dir), alive, "query"),
                RowSource(os.path.join(out_dir, "embeddings", "eval")))
     run_search(out_dir, "eval", "nearest", Rows(pool, alive), Rows(ev), False, tasks, sources)
-    r = job.read(len(alive))
-    return r["sim"], r["idx"]
+    if not stream:
+        r = job.read(len(alive))
+        return r["sim"], r["idx"]
+    return ((s, c["sim"], c["idx"]) for s, c in job.iter(len(alive)))
 
 
 def _survivors(out_dir: str, emb: EmbeddingSet, sources, dedup: DedupConfig, hash_dedup: HashDedupConfig,

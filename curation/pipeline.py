@@ -34,15 +34,14 @@ from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConf
                      RebalanceConfig, TasksConfig, WriteConfig, kmeans_dir, knn_kwargs, rebalance_kwargs, task_plan,
                      check_launcher, validate)
 from .dedup import resolve_threshold
-from .decontaminate import expand_to_components
 from .descriptor import DescriptorConfig
 from .embeddings import EmbedTarget, build_path_table, embed_pool, embed_pool_multi, open_embeddings
 from .index import Rows
 from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval, verifier_factory
 from .rebalance import rebalance as select
-from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, _p,  # noqa: F401
-                        _save_step, copy_embedder, get_descriptor, load_step, rebalance_rows, step_exists,
-                        step_path)
+from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, StepWriter,  # noqa: F401
+                        _p, _save_step, blocks, copy_embedder, get_descriptor, load_step, positions_where,
+                        rebalance_rows, step_dir, step_exists, step_path)
 from .decisions import finish_decisions, selection_digest
 from .steps.runner import BLOCK, launch
 from .steps.runner import spool as runner_spool
@@ -126,15 +125,26 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
         if dd.verify else None
     d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, _knn(knn), progress,
                            grouping=dd.grouping, tasks=plan, verifier_factory=factory)
-    component = h.group.copy()  # hash duplicates join their kept image's copy component
-    component[surv] = surv[d.component]
-    component = component[component]  # a hash group's kept image may itself be a copy
-    status = np.full(len(emb), KEPT, np.int8)
-    status[~h.keep] = HASH_DUP
-    status[surv[~d.keep]] = COPY_DUP
-    nn_sim = np.full(len(emb), np.nan, np.float32)
-    nn_sim[surv] = d.nn_sim
-    _save_step(out_dir, "dedup", status=status, component=component, nn_sim=nn_sim)
+    # the step's arrays written in place a block at a time (mapped files, not whole arrays in this process)
+    n, out = len(emb), StepWriter(out_dir, "dedup")
+    joined = np.lib.format.open_memmap(os.path.join(out.dir, "joined.scratch.npy"), mode="w+", dtype=np.int64,
+                                       shape=(n,))
+    status = out.array("status", np.int8, n)
+    for s, t in blocks(n):  # hash duplicates join their kept image's copy component
+        joined[s:t] = h.group[s:t]
+        status[s:t] = np.where(h.keep[s:t], KEPT, HASH_DUP)
+    nn_sim = out.array("nn_sim", np.float32, n, fill=np.nan)
+    for s, t in blocks(len(surv)):
+        rows = surv[s:t]
+        joined[rows] = surv[d.component[s:t]]
+        status[rows[~d.keep[s:t]]] = COPY_DUP
+        nn_sim[rows] = d.nn_sim[s:t]
+    component = out.array("component", np.int64, n)
+    for s, t in blocks(n):  # a hash group's kept image may itself be a copy
+        component[s:t] = joined[joined[s:t]]
+    del joined
+    os.remove(os.path.join(out.dir, "joined.scratch.npy"))
+    out.finish()
     return {"hash_duplicates": h.n_duplicates, "copy_duplicates": d.n_duplicates,
             "index": d.index_kind, "candidates": d.n_candidates, "edges": d.n_edges,
             "threshold": threshold, "verify_seconds": round(d.verify_seconds, 2),
@@ -154,29 +164,48 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     read embeddings/eval/ as it is)."""
     threshold = (decontaminate or DecontaminateConfig()).threshold
     e = embed or EmbedConfig()
+    # every whole-pool array is a mapped file, read and written a block at a time: what this process holds is a
+    # block's temporaries and the copy components of the direct eval matches (few), not O(pool)
     dd = load_step(out_dir, "dedup", keys=("status", "component"), mmap=True)
-    status, component = np.array(dd["status"]), dd["component"]  # component: only the alive rows are read
-    max_sim = np.full(len(status), np.nan, np.float32)
-    n_removed, w = 0, 0
+    prev, component = dd["status"], dd["component"]  # component: only the alive rows are read
+    n_removed, w, chunks = 0, 0, None
     if eval_sources or eval_embedded:
         ev = open_embeddings(_p(out_dir, "embeddings", "eval")) if eval_embedded else \
             embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
         pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-        alive = np.flatnonzero(status != HASH_DUP)  # hash duplicates are gone already
+        scratch = step_dir(out_dir, "decontaminate")
+        os.makedirs(scratch, exist_ok=True)
+        alive_path = os.path.join(scratch, "alive.scratch.npy")  # hash duplicates are gone already
+        alive = positions_where(out_dir, alive_path, prev, lambda b: b != HASH_DUP)
         plan = task_plan(tasks or TasksConfig(), len(alive))
         w = plan["tasks"] if len(ev) and len(alive) else 0
-        sim, nearest = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress, plan)
-                        if len(ev) and len(alive)
-                        else (np.full(len(alive), -np.inf), np.full(len(alive), -1, np.int64)))
-        res = expand_to_components(sim, nearest, threshold, component[alive])
-        max_sim[alive] = res.max_sim
-        # one reason per image, the first step's: a copy duplicate stays a copy duplicate, so the
-        # manifest's counts are the step summaries' (decontaminated = kept images removed here)
-        removed = alive[res.removed]
-        removed = removed[status[removed] == KEPT]
-        status[removed] = DECONTAM
-        n_removed = len(removed)
-    _save_step(out_dir, "decontaminate", status=status, eval_sim=max_sim)
+        chunks = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress, plan, stream=True)
+                  if len(ev) and len(alive) else
+                  ((s, np.full(t - s, -np.inf), np.full(t - s, -1, np.int64)) for s, t in blocks(len(alive))))
+    out = StepWriter(out_dir, "decontaminate")  # after the search: a wrong input leaves the old step as it was
+    status = out.array("status", np.int8, len(prev))
+    max_sim = out.array("eval_sim", np.float32, len(prev), fill=np.nan)
+    for s, t in blocks(len(prev)):
+        status[s:t] = prev[s:t]
+    if chunks is not None:
+        # curation.decontaminate.expand_to_components a chunk at a time: the direct matches' components first
+        hit = []
+        for s, sim, _nearest in chunks:
+            rows = alive[s:s + len(sim)]
+            max_sim[rows] = np.asarray(sim, np.float32)
+            hit.append(np.asarray(component[rows[np.asarray(sim) > threshold]]))
+        hit = np.unique(np.concatenate(hit)) if hit else np.zeros(0, np.int64)
+        # then their whole components. One reason per image, the first step's: a copy duplicate stays a copy
+        # duplicate, so the manifest's counts are the step summaries' (decontaminated = kept images removed here)
+        for s, t in blocks(len(alive)):
+            rows = alive[s:t]
+            removed = rows[np.isin(component[rows], hit)]
+            removed = removed[status[removed] == KEPT]
+            status[removed] = DECONTAM
+            n_removed += len(removed)
+        del alive
+        os.remove(alive_path)
+    out.finish()
     return {"decontaminated": n_removed, "tasks": {"eval_search": w}}
 
 
@@ -208,13 +237,15 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     (curation.knn_steps.sharded_retrieval: the chunks of `curate search` tasks, else searched here)."""
     r = rebalance or RebalanceConfig()
     mode, mode_kwargs = r.mode, rebalance_kwargs(r)
-    space_dir, rows_idx, alive, status = rebalance_rows(out_dir)
+    scratch = step_dir(out_dir, "rebalance")  # the kept rows' positions: mapped scratch files in the step's folder
+    os.makedirs(scratch, exist_ok=True)
+    space_dir, rows_idx, alive, prev = rebalance_rows(out_dir, scratch=scratch)
     space = open_embeddings(space_dir)
     plan = task_plan(tasks or TasksConfig(), len(rows_idx))
     tree_tasks = []
     if mode == "hierarchical":
         from . import kmeans as _km
-        from .dist_kmeans import curate_settings, load_tree
+        from .dist_kmeans import Gathered, curate_settings, load_tree
         from .steps.kmeans_tree import fit_tree
         from .steps.sampling import sharded_pick
 
@@ -222,7 +253,7 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
         mode_kwargs["picker"] = functools.partial(sharded_pick, folder=_p(out_dir, "steps", "sample"),
                                                   tasks=plan["tasks"], launcher=plan["launcher"])
         # the k-means tree: rows and centroids sharded over the W tasks (the same tree for any W)
-        record = curate_settings(len(rows_idx), space.ids[rows_idx], **mode_kwargs, block=_km.BLOCK)
+        record = curate_settings(len(rows_idx), Gathered(space.ids, rows_idx), **mode_kwargs, block=_km.BLOCK)
         if kmeans_dir:
             mode_kwargs["tree"] = load_tree(kmeans_dir, record, "rebalance.kmeans_dir")
         elif len(rows_idx):
@@ -238,24 +269,30 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
             mode_kwargs["candidates"] = sharded_retrieval(out_dir, space, rows_idx, seed_set, r.k, _knn(knn),
                                                           progress, plan, space_dir)
     res = select(mode, Rows(space, rows_idx), seeds, progress=progress, **mode_kwargs)
-    status = status.copy()
-    status[alive[~res.selected]] = NOT_SELECTED
-    n = len(status)
-    cluster = np.full(n, -1, np.int64)
-    nearest_seed = np.full(n, -1, np.int64)  # row of embeddings/seeds (its id through the seeds' path table)
-    seed_sim = np.full(n, np.nan, np.float32)
-    cluster[alive] = res.cluster
-    has_seed = res.nearest_seed >= 0
-    nearest_seed[alive[has_seed]] = res.nearest_seed[has_seed]
-    seed_sim[alive] = res.seed_sim
-    _save_step(out_dir, "rebalance", status=status, cluster=cluster,
-               nearest_seed=nearest_seed, seed_sim=seed_sim)
+    # the step's arrays written in place a block at a time (mapped files, not whole arrays in this process)
+    out, n, n_pool = StepWriter(out_dir, "rebalance"), len(prev), len(rows_idx)
+    status = out.array("status", np.int8, n)
+    cluster = out.array("cluster", np.int64, n, fill=-1)
+    nearest_seed = out.array("nearest_seed", np.int64, n, fill=-1)  # row of embeddings/seeds (its id: seeds' table)
+    seed_sim = out.array("seed_sim", np.float32, n, fill=np.nan)
+    for s, t in blocks(n):
+        status[s:t] = prev[s:t]
+    for s, t in blocks(len(alive)):
+        rows, near = alive[s:t], res.nearest_seed[s:t]
+        status[rows[~res.selected[s:t]]] = NOT_SELECTED
+        cluster[rows] = res.cluster[s:t]
+        nearest_seed[rows[near >= 0]] = near[near >= 0]
+        seed_sim[rows] = res.seed_sim[s:t]
+    del rows_idx, alive
+    for f in ("alive.scratch.npy", "rows.scratch.npy"):
+        os.remove(os.path.join(scratch, f))
+    out.finish()
     if tree_tasks:  # what each k-means task took (curation.steps.runner): its own heap, not the orchestrator's
         res.report["kmeans_tasks"] = [{"task": t["task"], "wall_s": t["wall_s"], "heap_bytes": t["peak_anon"] - t["start_anon"],
                                        **t["result"]} for t in tree_tasks]
     res.report["tasks"] = {"kmeans": len(tree_tasks) or (plan["tasks"] if mode == "hierarchical" else 0),
                            "sample": plan["tasks"] if mode == "hierarchical" else 0}
-    res.report["selection"] = _selection_note(r, len(rows_idx), int(res.selected.sum()))
+    res.report["selection"] = _selection_note(r, n_pool, int(res.selected.sum()))
     write_json_atomic(_p(out_dir, "steps", "rebalance_report.json"), res.report)
     return res.report
 

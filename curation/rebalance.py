@@ -178,7 +178,7 @@ def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
     picked = balanced_sample(tree, min(target, n), strategy=strategy, seed=seed, picker=picker)
     res.selected[:] = False
     res.selected[picked] = True
-    res.cluster = tree[0].labels.copy()
+    res.cluster = np.asarray(tree[0].labels)  # read only (a loaded tree's labels are memory-mapped): no copy
     res.report.update(levels=ks, target_size=target, strategy=strategy,
                       n_resampling_steps=n_resampling_steps, sample_size=sample_size,
                       level1_before=cluster_balance(tree[0].labels, ks[0]),

@@ -66,10 +66,24 @@ def id_ranks(ids) -> tuple[np.ndarray, np.ndarray]:
     """``(order, rank)``: ``order[r]`` is the position of the r-th smallest id, ``rank`` its inverse.
     Integer ids (input ids: ranks of the string ids) sort as numbers, string ids as strings."""
     ids = np.asarray(ids)
+    if ids.dtype.kind in "iu" and _non_decreasing(ids):
+        # the usual case (rows in canonical order: input ids increase): the stable argsort is the identity, one
+        # array serves as both (callers only index with them), no sort and no second int64 per row
+        ident = np.arange(len(ids), dtype=np.intp)
+        return ident, ident
     order = np.argsort(ids if ids.dtype.kind in "iu" else ids.astype(str), kind="stable")
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     return order, rank
+
+
+def _non_decreasing(a: np.ndarray, block: int = 1 << 16) -> bool:
+    """Whether ``a[i] <= a[i + 1]`` everywhere, checked a block at a time (no whole-length temporary)."""
+    for s in range(0, len(a) - 1, block):
+        e = min(s + block, len(a) - 1)
+        if not np.all(a[s + 1:e + 1] >= a[s:e]):
+            return False
+    return True
 
 
 def components_by_smallest_id(n: int, ids, edges_a: np.ndarray, edges_b: np.ndarray

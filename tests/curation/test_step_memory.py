@@ -47,15 +47,21 @@ ORCH_HELD = 4
 digests a block at a time over the mapped status array: measured 1.7-2.2 with the int32 source_codes that
 open_embeddings used to materialise; EmbeddingSet.source_codes now reads the table on demand)."""
 ORCH_HELD_MEASURED = {
-    # hash groups + keep, survivors, copy components, status, nn_sim, the merged kNN pairs: whole arrays in
-    # pipeline.step_dedup / knn_steps.sharded_copy_dedup. measured 52
-    "dedup": 57,
-    # dedup's status (copied: it is updated), the alive rows' components, their sims, nearest eval rows, the
-    # component expansion (pipeline.step_decontaminate; the component array itself is mapped). measured 62
-    "decontaminate": 69,
-    # rebalance_rows (alive, rows_idx, ids), the k-means record, status / cluster / nearest_seed / seed_sim
-    # (pipeline.step_rebalance). measured 68
-    "rebalance": 75,
+    # pipeline.step_dedup writes status / component / nn_sim in place (mapped, a block at a time) and the grouping
+    # no longer sorts ids already in canonical order (unionfind.id_ranks) nor reads the kNN's nn_idx back; left
+    # (peak inside dedup.star_groups): the hash groups + keep (int64 + bool per row), the survivors and their ids
+    # (int64 each), their nn_sim, the star grouping's rank-space arrays. measured 27.4 (52 before)
+    "dedup": 31,
+    # pipeline.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
+    # positions) and its outputs (status, eval_sim), read and written a block at a time, the kNN chunks one at a
+    # time; left: open_embeddings()'s int32 source_codes (4 B per row, see above) and the blocks. measured 8.8
+    # (62 when it built whole arrays)
+    "decontaminate": 11,
+    # pipeline.step_rebalance maps rebalance_rows (alive, rows_idx), its outputs (status, cluster, nearest_seed,
+    # seed_sim) and the k-means tree's per-row arrays (dist_kmeans.load_tree); left: the selection's result over the
+    # kept rows (curation.rebalance: selected, nearest_seed, seed_sim; cluster is the mapped labels), the picks and
+    # top-level labels of the hierarchical selection, the int32 source_codes. measured 18.5 (68 when built whole)
+    "rebalance": 22,
 }
 RETAINED_BLOCKS = 1000
 """allocation blocks a step may leave alive beyond the small pool's (measured growth <= 430)."""
