@@ -35,8 +35,9 @@ TASK_HELD_MEASURED = {
     # the planted verifier gathers the whole planted truth (curation/simulate/chain.py:truth). measured 2.0
     ("dedup", "verify_arrays_task"): 3,
     # inline, the k-means tree runs as ONE rank over all rows (W ranks need W processes: steps/kmeans_tree.py);
-    # its per-rank memory at W local processes: test_run_tasks.py::test_kmeans_tree_task_memory_... measured 9.2
-    ("rebalance", "tree_task"): 11,
+    # its per-rank memory at W local processes: test_run_tasks.py::test_kmeans_tree_task_memory_... measured 5.1
+    # (9.2 with the int32 source_codes)
+    ("rebalance", "tree_task"): 8,
     # the IVF add runs as W tasks only when W > 1 (W = 1 builds the index in the orchestrator), so its whole
     # peak at 4N counts here: one chunk of rows and its codes (O(chunk), not O(N)). measured 13.1
     ("dedup", "add_task"): 15,
@@ -50,18 +51,19 @@ ORCH_HELD_MEASURED = {
     # pipeline.step_dedup writes status / component / nn_sim in place (mapped, a block at a time) and the grouping
     # no longer sorts ids already in canonical order (unionfind.id_ranks) nor reads the kNN's nn_idx back; left
     # (peak inside dedup.star_groups): the hash groups + keep (int64 + bool per row), the survivors and their ids
-    # (int64 each), their nn_sim, the star grouping's rank-space arrays. measured 27.4 (52 before)
-    "dedup": 31,
+    # (int64 each), their nn_sim, the star grouping's rank-space arrays. measured 23.4 (27.4 with the int32
+    # source_codes open_embeddings materialised; 52 before)
+    "dedup": 27,
     # pipeline.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
     # positions) and its outputs (status, eval_sim), read and written a block at a time, the kNN chunks one at a
-    # time; left: open_embeddings()'s int32 source_codes (4 B per row, see above) and the blocks. measured 8.8
-    # (62 when it built whole arrays)
-    "decontaminate": 11,
+    # time; left: the blocks. measured 4.7 (8.8 with the int32 source_codes; 62 when it built whole arrays)
+    "decontaminate": 7,
     # pipeline.step_rebalance maps rebalance_rows (alive, rows_idx), its outputs (status, cluster, nearest_seed,
     # seed_sim) and the k-means tree's per-row arrays (dist_kmeans.load_tree); left: the selection's result over the
     # kept rows (curation.rebalance: selected, nearest_seed, seed_sim; cluster is the mapped labels), the picks and
-    # top-level labels of the hierarchical selection, the int32 source_codes. measured 18.5 (68 when built whole)
-    "rebalance": 22,
+    # top-level labels of the hierarchical selection. measured 14.6 (18.5 with the int32 source_codes; 68 when
+    # built whole)
+    "rebalance": 18,
 }
 RETAINED_BLOCKS = 1000
 """allocation blocks a step may leave alive beyond the small pool's (measured growth <= 430)."""
