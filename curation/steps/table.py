@@ -50,6 +50,17 @@ def _encode(strings: list[str]) -> np.ndarray:
     return np.array([s.encode() for s in strings], dtype="S") if strings else np.zeros(0, "S1")
 
 
+def read_meta(meta_path: str, n_rows: int) -> tuple[dict, list, list]:
+    """(meta, ids, unreadable) of an embedding part's ``.ids.json``, its ids checked against its ``n_rows``."""
+    with open(meta_path) as f:
+        meta = json.load(f)
+    ids, unread = meta["ids"], meta["unreadable"]
+    if len(ids) != n_rows:
+        raise InputError(f"{meta_path}: {len(ids)} ids but {n_rows} embeddings; delete this shard "
+                         f"pair and rerun the embed step to recompute it")
+    return meta, ids, unread
+
+
 def _loc_path(loc) -> str:
     if loc is None:
         return ""
@@ -87,12 +98,7 @@ def run_task(t: int, w: int, work: str, meta_paths: list[str], part_rows: list[i
     reasons: dict[str, int] = {}
     keys, src, is_row, reason, hashes, loc_str, loc_span, row_pos = [], [], [], [], [], [], [], []
     for meta_path, n_rows in zip(meta_paths[p0:p1], part_rows[p0:p1]):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        ids, unread = meta["ids"], meta["unreadable"]
-        if len(ids) != n_rows:
-            raise InputError(f"{meta_path}: {len(ids)} ids but {n_rows} embeddings; delete this shard "
-                             f"pair and rerun the embed step to recompute it")
+        meta, ids, unread = read_meta(meta_path, n_rows)
         n_un = len(unread)
         keys.append(_encode(ids + [u[0] for u in unread]))
         codes = [names.setdefault(s, len(names)) for s in meta["sources"]]

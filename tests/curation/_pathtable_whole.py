@@ -4,12 +4,12 @@ must equal byte for byte, and whose heap the tasks' heap is measured against (te
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 import numpy as np
 
 from curation.pathtable import _VERSION, parts_digest
+from curation.steps.table import _loc_path, _loc_span, read_meta  # the same reading of a part
 from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_open, atomic_write_json
 
@@ -45,12 +45,7 @@ def build_whole(emb_dir: str, meta_paths: list[str], part_rows: list[int], d: st
     reasons: dict[str, int] = {}
     keys, src, is_row, reason, hashes, loc_str, loc_span = [], [], [], [], [], [], []
     for meta_path, n_rows in zip(meta_paths, part_rows):
-        with open(meta_path) as f:
-            meta = json.load(f)
-        ids, unread = meta["ids"], meta["unreadable"]
-        if len(ids) != n_rows:
-            raise InputError(f"{meta_path}: {len(ids)} ids but {n_rows} embeddings; delete this shard "
-                             f"pair and rerun the embed step to recompute it")
+        meta, ids, unread = read_meta(meta_path, n_rows)
         keys.append(_encode(ids + [u[0] for u in unread]))
         codes = [names.setdefault(s, len(names)) for s in meta["sources"]]
         codes += [names.setdefault(u[1], len(names)) for u in unread]
@@ -90,13 +85,3 @@ def build_whole(emb_dir: str, meta_paths: list[str], part_rows: list[int], d: st
         "version": _VERSION, "parts": parts_digest(meta_paths), "ids": digest, "n_inputs": len(key),
         "n_rows": int(is_row.sum()), "sources": list(names), "reasons": list(reasons)})
     return d
-
-
-def _loc_path(loc) -> str:
-    if loc is None:
-        return ""
-    return loc if isinstance(loc, str) else loc[0]
-
-
-def _loc_span(loc) -> tuple[int, int]:
-    return (-1, -1) if loc is None or isinstance(loc, str) else (int(loc[1]), int(loc[2]))
