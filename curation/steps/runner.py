@@ -300,7 +300,7 @@ def phase(name: str):
     t0 = time.perf_counter()
     with PeakMemory() as mem:
         yield
-    _RECORD.append({"fn": name, "tasks": 1, "inline": True, "reports": [{
+    _RECORD.append({"fn": name, "tasks": 1, "inline": True, "phase": True, "reports": [{
         "task": 0, "wall_s": time.perf_counter() - t0, "peak_anon": mem.peak_anon, "start_anon": mem.start_anon,
         "peak_rss": mem.peak_rss, "start_rss": mem.start_rss, "hwm_reset": mem.hwm_reset, "result": {}}]})
 
@@ -331,7 +331,7 @@ def step_log(path: str | None, step: str):
     line = {"step": step, "time": time.strftime("%H:%M:%S"), "wall_s": round(time.perf_counter() - t0, 3),
             "orchestrator_heap_mb": round(max(mem.peak_anon - mem.start_anon, 0) / 2 ** 20, 1),
             "orchestrator_peak_rss_mb": round(mem.peak_rss / 2 ** 20, 1),
-            "runs": [{"fn": r["fn"], "tasks": r["tasks"], "inline": r["inline"],
+            "runs": [{"fn": r["fn"], "tasks": r["tasks"], "inline": r["inline"], "phase": r.get("phase", False),
                       "reports": [task_record(x) for x in r["reports"]]} for r in rec]}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:  # appended as each step ends: a run stopped half-way still says what it measured

@@ -16,7 +16,8 @@ from ..utils.safe_load import CheckpointError
 from ..ssl.adapt import head_warmup_schedules
 from ..ssl.gram import loss_weight_schedules
 from ..ssl.schedules import Piece, build_ssl_schedules, linear_warmup_cosine_decay, piecewise, scaled_lr
-from .dist import DistInfo, LaunchError, all_reduce_max_scalar, barrier, destroy, init_distributed
+from .dist import (DistInfo, LaunchError, all_reduce_max_scalar, barrier, destroy, init_distributed,
+                   launched_world_size)
 from .highres import phase_loader, phase_sizes
 from .knn_probe import build_probe
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
@@ -154,9 +155,11 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
         exit_on_config_error(exc)
     setup_logging()
     clean = False  # every rank got here together: the final barrier is safe
+    done = None
     try:
         rc = run(cfg)
         clean = True
+        done = rc
         return rc
     except (LaunchError, CheckpointError) as exc:  # incl. a checkpoint refused as unsafe: the user's input
         print(f"error: {exc}", file=sys.stderr)
@@ -168,7 +171,21 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NON_FINITE
     finally:
+        ranks = launched_world_size()
         destroy(clean)
+        if done is not None and ranks > 1:
+            _exit_rank(done)
+
+
+def _exit_rank(rc: int) -> None:
+    """End a finished rank now, after its checkpoint, export and the process group's orderly destroy: gloo's worker
+    threads can still hold work objects whose destruction during interpreter finalisation aborts the process
+    ("terminate called without an active exception", SIGABRT) -- seen here after a complete 2-rank run, which
+    torchrun then reported as failed (pytorch/pytorch PR 179291 describes the mechanism). Nothing is left to do."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(int(rc))
 
 
 __all__ = ["phase_steps", "build_schedules", "global_batches", "peak_lrs", "lr_basis", "build_phases", "open_pool",

@@ -168,6 +168,13 @@ def all_reduce_max_scalar(x: float) -> float:
     return float(t.item())
 
 
+def launched_world_size() -> int:
+    """World size when this process is one rank of a torchrun / srun launch (its whole work is the stage it runs),
+    else 1."""
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_PROCID" in os.environ
+    return dist.get_world_size() if launched and dist.is_available() and dist.is_initialized() else 1
+
+
 def destroy(clean: bool = True) -> None:
     """Orderly end of a multi-rank run, once: a last barrier so no rank tears down its connections while
     another still talks to it (a rank that left early made its peer abort in gloo's teardown), then the
@@ -184,4 +191,5 @@ def destroy(clean: bool = True) -> None:
 
 
 __all__ = ["LaunchError", "DistInfo", "init_distributed", "get_info", "use_info", "all_reduce_sum_fn", "barrier",
+           "launched_world_size",
            "broadcast_object", "all_reduce_max_scalar", "destroy"]
