@@ -16,6 +16,8 @@ import os
 import socket
 import sys
 
+from dinopipe.utils.proc import exit_now
+
 from curation.steps.runner import KEY_ENV, Refused, _measured, dump_signed, load_signed, report_path
 
 
@@ -49,4 +51,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # the report is written and closed: end without interpreter finalisation, where the teardown of a task's gloo
+    # group (the k-means tree's ranks) can abort a finished task and fail the srun step
+    exit_now(main())

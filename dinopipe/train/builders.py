@@ -12,6 +12,7 @@ from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
 from ..data.pool_index import Ranks
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
+from ..utils.proc import exit_now
 from ..utils.safe_load import CheckpointError
 from ..ssl.adapt import head_warmup_schedules
 from ..ssl.gram import loss_weight_schedules
@@ -174,18 +175,7 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
         ranks = launched_world_size()
         destroy(clean)
         if done is not None and ranks > 1:
-            _exit_rank(done)
-
-
-def _exit_rank(rc: int) -> None:
-    """End a finished rank now, after its checkpoint, export and the process group's orderly destroy: gloo's worker
-    threads can still hold work objects whose destruction during interpreter finalisation aborts the process
-    ("terminate called without an active exception", SIGABRT) -- seen here after a complete 2-rank run, which
-    torchrun then reported as failed (pytorch/pytorch PR 179291 describes the mechanism). Nothing is left to do."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(int(rc))
+            exit_now(done)  # gloo teardown at interpreter exit can abort a finished rank
 
 
 __all__ = ["phase_steps", "build_schedules", "global_batches", "peak_lrs", "lr_basis", "build_phases", "open_pool",

@@ -20,7 +20,7 @@ from dinopipe.config import InputError
 ROOT = Path(__file__).resolve().parents[2]
 
 # srun's part we use: --ntasks=W and --error=PATTERN (%t: the task), the other flags ignored; the W tasks
-# start at once with SLURM_PROCID / SLURM_NTASKS set; exit 1 if any task failed.
+# start at once with SLURM_PROCID / SLURM_NTASKS set; srun returns when all have ended, 1 if any task failed.
 FAKE_SRUN = r'''
 import os, subprocess, sys
 args, w, err = sys.argv[1:], 1, None
@@ -30,7 +30,7 @@ while args and args[0].startswith("--"):
     if a.startswith("--error="): err = a.split("=", 1)[1]
 procs = [subprocess.Popen(args, env=dict(os.environ, SLURM_PROCID=str(t), SLURM_NTASKS=str(w)),
                           stderr=open(err.replace("%t", str(t)), "w")) for t in range(w)]
-sys.exit(1 if any(p.wait() for p in procs) else 0)
+sys.exit(1 if any([p.wait() for p in procs]) else 0)  # a list: every task waited for, not only up to a failed one
 '''
 
 
