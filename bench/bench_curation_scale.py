@@ -8,7 +8,8 @@ For each N (one after another, W=1 then W=4, the scratch folder deleted between 
 the wall time, the tasks each of its runner calls ran, the peak heap a task allocated (sampled RssAnon above
 the task's start) and the orchestrating process's own peak heap during the step; then the log-log slope of
 the slowest tasks' time against N per step, the W=4 / W=1 per-task peak ratio at the largest N, whether
-decisions.tsv is identical for W=1 and W=4, and the planted recall. Goals (issue 30): slope <= 1.15 for every
+decisions.tsv is identical for W=1 and W=4 (and which step arrays are not bit-identical: a float that moved in the
+last bit shows there before it flips a decision at a larger N), and the planted recall. Goals (issue 30): slope <= 1.15 for every
 step but the kNN's, peak per task at W=4 <= 0.3 x W=1, identical decisions. Printed, never asserted.
 """
 
@@ -25,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.run_meta import run_meta  # noqa: E402
-from curation.simulate.run import render, simulate  # noqa: E402
+from curation.simulate.run import differing, render, simulate  # noqa: E402
 
 
 def slope(ns, ts):
@@ -95,6 +96,11 @@ def summary(results: list[dict]) -> str:
     for n in sorted({r["n"] for r in results}):
         digests = {r["tasks"]: r["decisions_sha256"] for r in results if r["n"] == n}
         lines.append(f"decisions identical for W={sorted(digests)} at N={n:,}: {len(set(digests.values())) == 1}")
+        arrays = [r["arrays_sha256"] for r in results if r["n"] == n and "arrays_sha256" in r]
+        if len(arrays) > 1:
+            diff = differing(arrays)
+            lines.append(f"step arrays bit-identical across W at N={n:,}: {len(arrays[0]) - len(diff)} of "
+                         f"{len(arrays[0])}" + (f"; differing: {', '.join(diff)}" if diff else ""))
     for r in results:
         lines.append(f"recall N={r['n']:,} W={r['tasks']}: " + ", ".join(f"{k} {v:.4f}" for k, v in r["recall"].items()))
     return "\n".join(lines)

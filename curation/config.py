@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dinopipe.config import ConfigError, check_choices, choices
+from dinopipe.utils.proc import usable_cores
 
 from .descriptor import DescriptorConfig
 from .hashdedup import DEFAULT_MAX_DISTANCE
@@ -365,9 +366,10 @@ def knn_kwargs(cfg: CurationConfig) -> dict:
 
 def task_plan(cfg: CurationConfig, n: int = 0, cores: int | None = None) -> dict:
     """``{"tasks": W, "launcher": ...}`` of the sharded steps for ``n`` rows (tasks.count null: auto, from
-    ``cores``: this machine's ``os.cpu_count()`` unless given -- `curate plan` passes the planned machine's)."""
+    ``cores``: the CPUs this process may use -- its affinity, as a Slurm allocation sets it, not the node's count
+    (:func:`dinopipe.utils.proc.usable_cores`) -- unless given: `curate plan` passes the planned machine's)."""
     t = getattr(cfg, "tasks", cfg)
-    cores = cores if cores is not None else (os.cpu_count() or 1)
+    cores = cores if cores is not None else usable_cores()
     if t.count is not None:
         w = t.count
     elif str(t.launcher) == "srun" and os.environ.get("SLURM_NTASKS"):  # the allocation's tasks

@@ -29,7 +29,10 @@ same sharded k-means. Sizes are reduced a piece at a time to the owners, who wri
 
 Same answer for any number of ranks, bit for bit (tested with 1, 2 and 3 gloo processes): the row
 ranges are cut at multiples of ``block`` rows, so every block (hence every BLAS call) is the one a
-single process would make; the per-cluster sums are exact (float64 for the fp16 embeddings, int64
+single process would make, and each row's nearest centroid and distance come from its RERANK candidates'
+distances recomputed in float64 (:class:`curation.kmeans.Nearest`), the same on any thread count -- faiss's
+BLAS distances are not, and W one-thread tasks picked other "closest" rows than one two-thread process until
+then (at 3M rows: other decisions); the per-cluster sums are exact (float64 for the fp16 embeddings, int64
 fixed point for the fp32 centroids of the levels above), so the reduction order cannot change a centroid;
 the objective (used only for the early stop) is summed in float64, where a different order moves it by
 ~1e-16 relative -- it could flip the stop only if the relative change landed that close to ``tol``.

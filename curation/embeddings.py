@@ -32,6 +32,7 @@ from dinopipe.data.decode import DEFAULT_MAX_PIXELS, safe_decode
 from dinopipe.data.sources import ImageRef, MultiSource, as_multi, check_split
 from dinopipe.data.transforms import eval_transform
 from dinopipe.utils.io import atomic_open, atomic_write_json
+from dinopipe.utils.proc import usable_cores
 
 from .descriptor import HASHES
 from .pathtable import PathTable, build_table, fresh_meta, open_table
@@ -212,7 +213,7 @@ def build_path_table(emb_dir: str, plan: Callable[[int], dict]) -> int:
         # srun / slurm / dist: local processes of this node instead, at most one per core. The rank and copy
         # tasks write disjoint positions of shared memory-mapped files: safe in one node's page cache, not
         # promised by every network file system across nodes (the bytes are the same for any W)
-        w = max(1, min(w, os.cpu_count() or 1))
+        w = max(1, min(w, usable_cores()))
     launcher = "inline" if w == 1 or p["launcher"] == "inline" else "local"
     return build_table(emb_dir, metas, rows, w, launcher)["tasks"]
 

@@ -50,12 +50,48 @@ same matrix shapes (BLAS picks kernels by shape: a different blocking can move a
 ulp and flip a tie)."""
 
 
+RERANK = 3
+"""Candidate centroids per row that faiss (CPU) or the matmul (CUDA) proposes; the nearest of them is chosen on
+distances recomputed per row in float64 (:func:`exact_sq_dist`). faiss's flat search is a BLAS product whose
+rounding depends on the thread count and the block shape (measured: 608 of 20,000 rows' distances differ
+between 1 and 2 OpenMP threads, on one block of real shape), so a run with W task processes of one thread and
+one with a single process of two threads picked different "closest" rows and, at 3M rows, different trees.
+The recomputed distance depends only on the row and the centroid."""
+EXACT_ROWS = 4096
+"""Rows per chunk of the float64 recomputation: one EXACT_ROWS x D float64 array at a time (~13 MB at D=384)."""
+
+
+def exact_sq_dist(x: np.ndarray, centroids: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Squared L2 distance of each row of ``x`` (B, D) to its candidate centroids ``centroids[cand]`` (cand:
+    (B, k) int64) -> (B, k) float64: differences, squares and the row sum in float64, one row at a time in
+    numpy's fixed (pairwise) order -- the same value for a row whatever the batch, thread count or device."""
+    out = np.empty(cand.shape, np.float64)
+    for s in range(0, len(x), EXACT_ROWS):
+        xs = np.asarray(x[s:s + EXACT_ROWS], np.float64)
+        for j in range(cand.shape[1]):
+            diff = xs - centroids[cand[s:s + EXACT_ROWS, j]]
+            np.square(diff, out=diff)
+            out[s:s + EXACT_ROWS, j] = diff.sum(axis=1)
+    return out
+
+
+def pick_nearest(cand: np.ndarray, dist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The candidate with the smallest recomputed distance (ties: the lower centroid, whatever order the
+    candidates came in) -> (labels int64, squared distances fp32)."""
+    best = dist.min(axis=1)
+    lab = np.where(dist == best[:, None], cand, np.iinfo(np.int64).max).min(axis=1)
+    return lab.astype(np.int64), best.astype(np.float32)
+
+
 class Nearest:
-    """Nearest centroid of row blocks: faiss IndexFlatL2 on CPU, a torch matmul on CUDA."""
+    """Nearest centroid of row blocks: RERANK candidates from faiss IndexFlatL2 on CPU or a torch matmul on
+    CUDA, the nearest of them by :func:`exact_sq_dist` (the same labels and distances on any thread count,
+    block shape or device, unless more than RERANK centroids lie within BLAS rounding of the nearest)."""
 
     def __init__(self, centroids: np.ndarray, device: str = "auto"):
         self.device = str(pick_device(device, key="device"))
         c = np.ascontiguousarray(centroids, dtype=np.float32)
+        self.c_host, self.k = c, min(RERANK, len(c))
         if self.device.startswith("cuda"):
             self.c = torch.from_numpy(c).to(self.device)
             self.cn = (self.c * self.c).sum(1)
@@ -64,14 +100,15 @@ class Nearest:
             self.index.add(c)
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(B, D) fp32 -> (labels int64, squared L2 distances fp32)."""
+        """(B, D) -> (labels int64, squared L2 distances fp32)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
         if not self.device.startswith("cuda"):
-            d, i = self.index.search(np.ascontiguousarray(x, dtype=np.float32), 1)
-            return i[:, 0], d[:, 0]
-        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(self.device)
-        d, i = (self.cn[None, :] - 2.0 * xt @ self.c.T).min(1)  # ties: lowest index
-        d = (d + (xt * xt).sum(1)).clamp_min_(0)
-        return i.cpu().numpy().astype(np.int64), d.cpu().numpy()
+            _, cand = self.index.search(x, self.k)
+        else:
+            xt = torch.from_numpy(x).to(self.device)
+            cand = torch.topk(self.cn[None, :] - 2.0 * xt @ self.c.T, self.k, dim=1, largest=False).indices
+            cand = cand.cpu().numpy().astype(np.int64)
+        return pick_nearest(cand, exact_sq_dist(x, self.c_host, cand))
 
 
 def assign(data, centroids: np.ndarray, batch_size: int = BLOCK,

@@ -77,7 +77,9 @@ def candidate_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, 
 
     Yields per batch ``{"a", "b", "sim", "nn_sim", "nn_idx"}``: directed pairs (query a, one of its k
     nearest other rows b) whose exact cosine is > ``threshold`` (row positions; sims float64), and
-    each query's nearest other row by the index (for reports). Batches start at ``start``.
+    each query's nearest other row (for reports): the best of the index's k by exact cosine (ties: the
+    smaller position), so its value does not move with the index's thread count or batch shape as faiss's
+    own similarity does. Batches start at ``start``.
     ``positions``: query only these rows (ascending; e.g. a fraction of [start, stop)), in batches of
     ``batch_size`` of them.
     """
@@ -90,14 +92,20 @@ def candidate_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, 
             pos = np.asarray(positions[s:s + batch_size], np.int64)
         sims, idx = index.search(rows.take(pos), kk)
         sims, idx = _drop_self(sims, idx, pos, k)
+        ok = idx >= 0
+        exact = np.full(idx.shape, -np.inf)
+        exact[ok] = exact_cosine(rows, np.repeat(pos, ok.sum(axis=1)), rows, idx[ok])
         if idx.shape[1] == 0:
             nn_sim, nn_idx = np.full(len(pos), -np.inf, np.float32), np.full(len(pos), -1, np.int64)
         else:
-            nn_sim, nn_idx = sims[:, 0].astype(np.float32), idx[:, 0]
-        cand = (idx >= 0) & (sims > threshold - margin)
+            best = np.lexsort((np.where(ok, idx, np.iinfo(np.int64).max), -exact), axis=1)[:, 0]
+            rr = np.arange(len(pos))
+            nn_sim = exact[rr, best].astype(np.float32)
+            nn_idx = np.where(np.isfinite(nn_sim), idx[rr, best], -1)
+        cand = ok & (sims > threshold - margin)
         a = np.repeat(pos, cand.sum(axis=1))
         b = idx[cand]
-        sim = exact_cosine(rows, a, rows, b)
+        sim = exact[cand]
         keep = sim > threshold
         yield {"a": a[keep], "b": b[keep], "sim": sim[keep], "nn_sim": nn_sim, "nn_idx": nn_idx}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import glob
 import hashlib
 import json
 import os
@@ -131,7 +132,7 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
                 f.write(json.dumps({"step": step, "time": time.strftime("%H:%M:%S"), **table[step]}) + "\n")
     return {"n": n, "dim": dim, "tasks": tasks, "chain": list(chain_steps(cfg)), "steps": table,
             "step_results": {s: r for s, r in results.items() if s != "write"},
-            **_score(work, n, block)}
+            "arrays_sha256": step_digests(work), **_score(work, n, block)}
 
 
 def _score(work: str, n: int, block: int) -> dict:
@@ -160,6 +161,26 @@ def _score(work: str, n: int, block: int) -> dict:
                        "eval_overlap": rate(dc["status"][comp[ov]] == DECONTAM)},
             "planted": {"hash": len(tr["hash_src"]), "copies": len(tr["copy_src"]), "overlap": len(ov)},
             "counts": counts, "decisions_sha256": digest.hexdigest()}
+
+
+def step_digests(work: str) -> dict:
+    """sha256 of every array a step wrote (``steps/**.npy``, ``knn/*.npy``; not the generated inputs), by path
+    under ``work``."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(work, "steps", "**", "*.npy"), recursive=True)
+                       + glob.glob(os.path.join(work, "knn", "*.npy"))):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        out[os.path.relpath(path, work)] = h.hexdigest()
+    return out
+
+
+def differing(digests: list[dict]) -> list[str]:
+    """Paths whose digests are not the same in every run (missing in one counts as differing)."""
+    paths = sorted(set().union(*digests)) if digests else []
+    return [p for p in paths if len({d.get(p) for d in digests}) > 1]
 
 
 def render(res: dict) -> str:

@@ -52,6 +52,7 @@ import numpy as np
 from dinopipe.config import InputError
 from dinopipe.utils import debug_hooks
 from dinopipe.utils.io import atomic_path, atomic_write
+from dinopipe.utils.proc import usable_cores
 
 BLOCK = int(debug_hooks.get("curate_block") or 65536)
 """Rows per block: the unit a task owns, reads and (usually) writes (the debug hook ``curate_block``,
@@ -509,7 +510,7 @@ def _run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: 
         ctx = mp.get_context("spawn")
         old = os.environ.get("OMP_NUM_THREADS")
         # the cores shared out between the tasks running at once (faiss / BLAS would each take them all)
-        os.environ["OMP_NUM_THREADS"] = os.environ.get("CURATE_TASK_THREADS") or str(max(1, (os.cpu_count() or 1) // procs))
+        os.environ["OMP_NUM_THREADS"] = os.environ.get("CURATE_TASK_THREADS") or str(max(1, usable_cores() // procs))
         # and the GPUs: each task its share of this process's visible GPUs (none: nothing changes)
         gpus = visible_gpus() if num_tasks > 1 else []
         try:

@@ -1,10 +1,19 @@
-"""Ending a process whose work is done and whose process group is destroyed."""
+"""Processes: the cores this one may use, and ending one whose work is done and whose process group is destroyed."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on: its affinity mask (what a Slurm allocation, taskset or a cgroup cpuset
+    gives it), not the machine's count -- ``os.cpu_count()`` says 128 on a node where a job holds 8 of them."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API on this platform
+        return max(1, os.cpu_count() or 1)
 
 
 def exit_now(rc: int = 0) -> None:
@@ -20,4 +29,4 @@ def exit_now(rc: int = 0) -> None:
     os._exit(int(rc))
 
 
-__all__ = ["exit_now"]
+__all__ = ["usable_cores", "exit_now"]

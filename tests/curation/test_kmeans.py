@@ -273,3 +273,53 @@ def test_rows_digest_hashes_int64_ids_in_chunks(monkeypatch):
     other = ids.copy()
     other[5000] += 1
     assert dist_kmeans.rows_digest(other) != d
+
+
+def photo_patches(n: int = 6000) -> np.ndarray:
+    """Unit-norm 8x8 RGB patches (192 values) of scikit-image's photos: real, correlated rows."""
+    from skimage import data as skdata
+
+    rows = []
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        img = getattr(skdata, name)().astype(np.float32) / 255.0
+        h, w = (img.shape[0] // 8) * 8, (img.shape[1] // 8) * 8
+        p = img[:h, :w].reshape(h // 8, 8, w // 8, 8, 3).transpose(0, 2, 1, 3, 4).reshape(-1, 192)
+        rows.append(p - p.mean(1, keepdims=True))
+    x = np.concatenate(rows)[np.random.default_rng(0).permutation(sum(len(r) for r in rows))[:n]]
+    x /= np.linalg.norm(x, axis=1, keepdims=True) + 1e-6
+    return np.ascontiguousarray(x, np.float32)
+
+
+def test_nearest_centroid_is_the_same_on_any_thread_count_and_block_shape():
+    """The assignment's labels and distances depend only on the row and the centroids: faiss's BLAS distances
+    change with the thread count and block shape (a run with W one-thread tasks picked other "closest" rows
+    than one two-thread process, and at 3M rows another tree); the candidates' distances recomputed in float64
+    equal a float64 brute force."""
+    from curation._faiss import faiss
+    from curation.kmeans import Nearest
+
+    x = photo_patches()
+    c = x[np.random.default_rng(1).choice(len(x), 400, replace=False)] + 1e-3
+    old = faiss.omp_get_max_threads()
+    got, raw = {}, {}
+    try:
+        for threads in (1, 2):
+            faiss.omp_set_num_threads(threads)
+            near = Nearest(c, "cpu")
+            got[threads, "whole"] = near(x)
+            got[threads, "blocks"] = tuple(np.concatenate(v) for v in zip(*(near(x[s:s + 1000])
+                                                                            for s in range(0, len(x), 1000))))
+            index = faiss.IndexFlatL2(c.shape[1])
+            index.add(c)
+            raw[threads] = index.search(x, 1)[0][:, 0]
+    finally:
+        faiss.omp_set_num_threads(old)
+    ref_lab, ref_dist = got[1, "whole"]
+    for key, (lab, dist) in got.items():
+        assert np.array_equal(lab, ref_lab), key
+        assert np.array_equal(dist.view(np.uint32), ref_dist.view(np.uint32)), key
+    full = np.concatenate([((x[s:s + 250, None, :].astype(np.float64) - c[None].astype(np.float64)) ** 2).sum(-1)
+                           for s in range(0, len(x), 250)])  # float64 brute force, 250 rows at a time
+    np.testing.assert_array_equal(ref_lab, full.argmin(1))
+    np.testing.assert_array_equal(ref_dist, full.min(1).astype(np.float32))
+    print(f"faiss's own distances differ on {int((raw[1] != raw[2]).sum())} of {len(x)} rows (1 vs 2 threads)")

@@ -155,7 +155,13 @@ def test_tasks_config_validated_and_auto():
         validate(cfg)
     cfg.tasks.count = None
     assert task_plan(cfg, 1000) == {"tasks": 1, "launcher": "inline"}
-    assert task_plan(cfg, 10_000_000)["tasks"] == min(os.cpu_count() or 1, 8)
+    assert task_plan(cfg, 10_000_000)["tasks"] == min(len(os.sched_getaffinity(0)), 8)
+    # a process allowed one core (as a Slurm allocation or taskset gives it on a bigger node): one task, not
+    # the node's count
+    one = subprocess.run([sys.executable, "-c", "from curation.config import CurationConfig, task_plan; "
+                          "print(task_plan(CurationConfig(), 10_000_000)['tasks'])"], cwd=ROOT, text=True,
+                         capture_output=True, check=True, preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+    assert one.stdout.strip() == "1"
     cfg.tasks.count = 3
     assert task_plan(cfg, 10) == {"tasks": 3, "launcher": "local"}
 

@@ -14,7 +14,7 @@ import pytest
 
 from curation.hashdedup import brute_force_pairs, group_pairs, hash_dedup, merge_pair_parts, near_pairs_task
 from curation.kmeans import lloyd
-from curation.simulate.run import simulate
+from curation.simulate.run import differing, simulate
 from curation.steps import runner
 from dinopipe.utils import debug_hooks
 
@@ -88,6 +88,7 @@ def test_simulate_runs_the_chain_of_curate_run_w1_and_w3_identical_with_planted_
     for fn in ("hash_grouping", "grouping"):
         assert ran.get(fn) == 1, (fn, ran)
     assert one["decisions_sha256"] == three["decisions_sha256"]
+    assert differing([one["arrays_sha256"], three["arrays_sha256"]]) == []  # every step array, bit for bit
     assert one["counts"] == three["counts"]
     for res in (one, three):
         assert min(res["recall"].values()) >= 0.98, res["recall"]
@@ -95,6 +96,21 @@ def test_simulate_runs_the_chain_of_curate_run_w1_and_w3_identical_with_planted_
         assert c["input"] == 6000
         assert c["hash_duplicates"] >= 55 and c["copy_duplicates"] >= 50 and c["decontaminated"] >= 38
         assert 0 < c["not_selected"] and 0 < c["kept"]
+
+
+@pytest.mark.slow
+def test_w3_task_processes_of_one_thread_write_the_arrays_of_one_process_of_all_cores(tmp_path, small_blocks):
+    """W = 1 inline (this process: every core's BLAS / faiss threads) against W = 3 local task processes (one
+    thread each, as the runner shares the cores out): every step array bit-identical, not only decisions.tsv.
+    faiss's similarities move in the last bit with the thread count: the copy search's nn_sim differed here until
+    it was rescored exactly; the k-means assignment's distances (which changed the tree's "closest" rows and, at
+    3M rows, the decisions) need more centroids than this pool's 20 to differ -- test_kmeans.py's
+    nearest-centroid test has them."""
+    one = simulate(str(tmp_path / "w1"), 6000, 32, tasks=1, **SMALL)
+    three = simulate(str(tmp_path / "w3"), 6000, 32, tasks=3, **{**SMALL, "processes": None})
+    assert len(one["arrays_sha256"]) > 20 and any(p.startswith("steps/kmeans/") for p in one["arrays_sha256"])
+    assert differing([one["arrays_sha256"], three["arrays_sha256"]]) == []
+    assert one["decisions_sha256"] == three["decisions_sha256"]
 
 
 def test_killed_task_is_rerun_and_finished_parts_skipped(tmp_path, small_blocks):
