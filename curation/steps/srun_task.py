@@ -1,4 +1,4 @@
-"""One srun task of a runner call (``tasks.launcher=srun``, :func:`curation.steps.runner._run_srun`).
+"""One srun task of a runner call (``tasks.launcher=srun``, :func:`curation.steps.srun._run_srun`).
 
     python -m curation.steps.srun_task SPEC
 
@@ -18,7 +18,8 @@ import sys
 
 from dinopipe.utils.proc import exit_now
 
-from curation.steps.runner import KEY_ENV, Refused, _measured, dump_signed, load_signed, report_path
+from curation.steps.runner import _measured
+from curation.steps.srun import KEY_ENV, Refused, dump_signed, load_signed, report_path
 
 
 def main(argv: list[str] | None = None) -> int:
