@@ -87,8 +87,18 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
 
 
 def _none(n: int) -> RebalanceResult:
-    return RebalanceResult(np.ones(n, bool), np.full(n, -1, np.int64), np.full(n, -1, np.int64),
-                           np.full(n, np.nan, np.float32))
+    """Everything selected, no cluster, no seed: the per-row "none" columns are read-only broadcast views
+    (no memory per row; a mode that fills one makes it an array first: :func:`_filled`)."""
+    return RebalanceResult(np.ones(n, bool), np.broadcast_to(np.int64(-1), (n,)),
+                           np.broadcast_to(np.int64(-1), (n,)), np.broadcast_to(np.float32(np.nan), (n,)))
+
+
+def _filled(res: RebalanceResult, *names: str) -> None:
+    """Make ``res``'s columns ``names`` writable arrays (a copy of their broadcast "none" value)."""
+    for name in names:
+        col = getattr(res, name)
+        if not col.flags.writeable:
+            setattr(res, name, np.array(col))
 
 
 def retrieval_sample_based(pool, seeds, k: int = 4, batch_size: int = 8192,
@@ -114,6 +124,7 @@ def sample_from_candidates(n: int, seed: np.ndarray, pos: np.ndarray, sim: np.nd
     set, not on its order, so 1 and N search tasks select the same."""
     res = _none(n)
     res.selected[:] = False
+    _filled(res, "nearest_seed", "seed_sim")
     if len(pos):
         o = np.lexsort((seed, -sim, pos))  # per position: highest sim first, then smallest seed
         p_o = pos[o]
@@ -198,10 +209,12 @@ def capped_levels(levels: Sequence[int], n: int) -> list[int]:
 
 
 def _top_labels(tree) -> np.ndarray:
-    """Top-level cluster of every point, following labels up the tree."""
+    """Top-level cluster of every point, following labels up the tree; in the smallest integer type that holds
+    the level's clusters (the one array per row the report keeps: 2 bytes per row up to 65,536 clusters)."""
     lab = tree[0].labels
     for lvl in tree[1:]:
-        lab = lvl.labels[lab]
+        dtype = np.min_scalar_type(int(np.max(lvl.labels, initial=0)))
+        lab = np.asarray(lvl.labels).astype(dtype)[lab]
     return lab
 
 
@@ -209,6 +222,7 @@ def _attach_nearest_seed(rows: Rows, seeds, res: RebalanceResult, batch_size: in
     sel = np.flatnonzero(res.selected)
     if not len(sel):
         return
+    _filled(res, "nearest_seed", "seed_sim")
     index = build_index(seeds, kind="flat")
     for pos, sims, idx in iter_knn(index, Rows(rows, sel), 1, batch_size):
         res.nearest_seed[sel[pos]] = idx[:, 0]

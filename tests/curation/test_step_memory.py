@@ -59,11 +59,11 @@ ORCH_HELD_MEASURED = {
     # time; left: the blocks. measured 4.7 (8.8 with the int32 source_codes; 62 when it built whole arrays)
     "decontaminate": 7,
     # pipeline.step_rebalance maps rebalance_rows (alive, rows_idx), its outputs (status, cluster, nearest_seed,
-    # seed_sim) and the k-means tree's per-row arrays (dist_kmeans.load_tree); left: the selection's result over the
-    # kept rows (curation.rebalance: selected, nearest_seed, seed_sim; cluster is the mapped labels), the picks and
-    # top-level labels of the hierarchical selection. measured 14.6 (18.5 with the int32 source_codes; 68 when
-    # built whole)
-    "rebalance": 18,
+    # seed_sim) and the k-means tree's per-row arrays (dist_kmeans.load_tree); the selection's "none" columns
+    # (nearest_seed, seed_sim without seeds) are broadcast views and the top-level labels the smallest integer
+    # type; left per kept row: selected (bool), the picks (int64 per picked row), the top labels (1-2 B) -- at these
+    # pool sizes below the step's constant peak (~2 MB), so measured 0.0 (14.6 when nearest_seed / seed_sim were
+    # int64 / float32 arrays per kept row; 68 when built whole); the default ORCH_HELD bounds it
 }
 RETAINED_BLOCKS = 1000
 """allocation blocks a step may leave alive beyond the small pool's (measured growth <= 430)."""
