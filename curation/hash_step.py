@@ -7,13 +7,15 @@ Output (``<out>/steps/hash/``)::
     parts/pairs-T-of-W.npz      near pairs of the hash buckets task T owns (hashdedup.near_pairs_task)
     verify/call0-part-T-of-W.npz  verdicts of the (kept image, hash duplicate) pairs whose kept image task
                                 T owns (curation.verify.PartedVerifier)
-    result.npz                  group (int64 per row), keep (bool per row), n_pairs
+    group.npy, keep.npy         position of each row's group's kept image (int64), kept or not (bool): memory-mapped
+                                by every reader (``result.npz`` of older runs is still read)
+    result.json                 n_pairs; written last: the step is done
 
 Three task steps: the pairs as W tasks (partitioned by band bucket: ``hashdedup`` module docstring), the
 grouping in one task (union-find over sorted pair arrays: ~16 bytes per row), the pixel verification of
 every hash duplicate against its group's kept image as W tasks (each owning whole kept images, so a kept
 image is decoded once per task: the verifier's feature cache). ``curate index``, every ``curate search``
-task and ``curate dedup`` read ``result.npz``; whichever runs first computes it (parts are atomic, a killed
+task and ``curate dedup`` map ``group.npy`` / ``keep.npy``; whichever runs first computes it (parts are atomic, a killed
 task is rerun and finished parts are skipped). The groups do not depend on W.
 """
 
@@ -70,14 +72,28 @@ def _params(emb, max_distance: int, verify_with) -> dict:
 
 
 def _load(folder: str, params: dict) -> HashDedupResult | None:
+    """The saved result for ``params`` (its arrays memory-mapped), None when there is none."""
     try:
         with open(os.path.join(folder, "hash.json")) as f:
             if json.load(f) != params:
                 return None
-        r = read_part(os.path.join(folder, "result.npz"))
+        if os.path.exists(os.path.join(folder, "result.json")):
+            with open(os.path.join(folder, "result.json")) as f:
+                n_pairs = int(json.load(f)["n_pairs"])
+            return HashDedupResult(np.load(os.path.join(folder, "group.npy"), mmap_mode="r"),
+                                   np.load(os.path.join(folder, "keep.npy"), mmap_mode="r"), n_pairs)
+        r = read_part(os.path.join(folder, "result.npz"))  # written by an older version: whole arrays
     except (OSError, ValueError, KeyError):
         return None
     return HashDedupResult(r["group"], r["keep"], int(r["n_pairs"]))
+
+
+def _save(folder: str, group: np.ndarray, keep: np.ndarray, n_pairs: int) -> None:
+    """The arrays first (atomic each), ``result.json`` last: a killed save leaves no result."""
+    for name, arr in (("group", group), ("keep", keep)):
+        with atomic_path(os.path.join(folder, f"{name}.npy"), suffix=".npy") as tmp:
+            np.save(tmp, arr)
+    _write_json(os.path.join(folder, "result.json"), {"n_pairs": int(n_pairs)})
 
 
 def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAULT_MAX_DISTANCE,
@@ -128,9 +144,9 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
         lone = vb[~ok]
         keep[lone] = True
         group[lone] = lone
-    write_part(os.path.join(folder, "result.npz"), group=group, keep=keep, n_pairs=np.int64(n_pairs))
-    return HashDedupResult(group, keep, n_pairs), {"tasks": w, "reused": False,
-                                                   "pair_tasks": [r["result"] for r in ran]}
+    _save(folder, group, keep, n_pairs)
+    del group, keep  # the readers (and the rest of this step) map the saved arrays
+    return _load(folder, params), {"tasks": w, "reused": False, "pair_tasks": [r["result"] for r in ran]}
 
 
 def _write_json(path: str, obj) -> None:

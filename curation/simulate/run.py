@@ -141,7 +141,7 @@ def _score(work: str, n: int, block: int) -> dict:
     from ..stepfiles import DECONTAM, HASH_DUP, load_step
 
     tr = chain.truth(work, n, block)
-    hg = np.load(os.path.join(work, "steps", "hash", "result.npz"))["group"]
+    hg = np.load(os.path.join(work, "steps", "hash", "group.npy"), mmap_mode="r")
     dd, dc = load_step(work, "dedup", mmap=True), load_step(work, "decontaminate", mmap=True)
     comp = dd["component"]
     digest = hashlib.sha256()

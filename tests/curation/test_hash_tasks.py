@@ -62,11 +62,21 @@ def test_hash_dedup_as_one_and_three_tasks_is_the_same_saved_once_and_a_killed_t
     assert info["reused"] and np.array_equal(again.group, h3.group)
 
     # task 1 was killed before its part was written (the grouping never ran): only it is redone
-    os.remove(os.path.join(hash_dir(str(three)), "result.npz"))
+    os.remove(os.path.join(hash_dir(str(three)), "result.json"))
     os.remove(os.path.join(hash_dir(str(three)), "parts", "pairs-00001-of-00003.npz"))
     h3b, info = _run(three, pool, 3)
     assert [bool(r.get("skipped")) for r in info["pair_tasks"]] == [True, False, True]
     np.testing.assert_array_equal(h3b.group, h1.group)
+    assert isinstance(h3b.group, np.memmap) and isinstance(h3b.keep, np.memmap)  # mapped, not held
+
+    # an output folder of an older version (result.npz, whole arrays) is read, not recomputed
+    folder = hash_dir(str(three))
+    write_part(os.path.join(folder, "result.npz"), group=np.array(h3b.group), keep=np.array(h3b.keep),
+               n_pairs=np.int64(h3b.n_pairs))
+    for f in ("group.npy", "keep.npy", "result.json"):
+        os.remove(os.path.join(folder, f))
+    old, info = _run(three, pool, 3)
+    assert info["reused"] and np.array_equal(old.group, h1.group) and old.n_pairs == h3b.n_pairs
 
 
 def test_index_and_dedup_read_the_saved_hash_dedup(embedded, tmp_path):
@@ -76,15 +86,14 @@ def test_index_and_dedup_read_the_saved_hash_dedup(embedded, tmp_path):
     out = tmp_path / "o"
     shutil.copytree(base, out)
     assert main(_args("index", pool, out, "tasks.count=2")) == 0
-    saved = os.path.join(hash_dir(str(out)), "result.npz")
-    assert sorted(os.listdir(os.path.join(hash_dir(str(out)), "parts"))) == [
-        f"pairs-{t:05d}-of-00002.npz" for t in range(2)]
-    with np.load(saved) as z:
-        group, keep, n_pairs = z["group"], z["keep"], z["n_pairs"]
+    saved = hash_dir(str(out))
+    assert sorted(os.listdir(os.path.join(saved, "parts"))) == [f"pairs-{t:05d}-of-00002.npz" for t in range(2)]
+    group, keep = (np.load(os.path.join(saved, f"{a}.npy")) for a in ("group", "keep"))
     dup = np.flatnonzero(~keep)
     assert len(dup) >= 4
-    keep[dup[0]], group[dup[0]] = True, dup[0]  # planted: dedup must take this file, not recompute it
-    write_part(saved, group=group, keep=keep, n_pairs=n_pairs)
+    keep[dup[0]], group[dup[0]] = True, dup[0]  # planted: dedup must take these files, not recompute them
+    np.save(os.path.join(saved, "group.npy"), group)
+    np.save(os.path.join(saved, "keep.npy"), keep)
     assert main(_args("dedup", pool, out, "tasks.count=2")) == 0
     status = load_step(str(out), "dedup")["status"]
     assert np.array_equal(np.flatnonzero(status == 1), dup[1:])  # HASH_DUP: the saved result's duplicates

@@ -120,7 +120,7 @@ def test_killed_task_is_rerun_and_finished_parts_skipped(tmp_path, small_blocks)
     lost = hparts / "pairs-00001-of-00003.npz"
     lost.unlink()  # task 1 of the hash pairs was killed before its part was written ...
     (hparts / "pairs-00001-of-00003.npz.tmp-999.npz").write_bytes(b"torn")  # ... leaving a torn temp file
-    (work / "steps" / "hash" / "result.npz").unlink()  # and everything after it has to be redone
+    (work / "steps" / "hash" / "result.json").unlink()  # and everything after it has to be redone
     for p in (work / "decisions").glob("part-00002-*"):
         p.unlink()
     kept = {p: p.stat().st_mtime_ns for p in hparts.glob("pairs-*-of-00003.npz")}

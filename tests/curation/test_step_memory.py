@@ -49,11 +49,11 @@ digests a block at a time over the mapped status array: measured 1.7-2.2 with th
 open_embeddings used to materialise; EmbeddingSet.source_codes now reads the table on demand)."""
 ORCH_HELD_MEASURED = {
     # pipeline.step_dedup writes status / component / nn_sim in place (mapped, a block at a time) and the grouping
-    # no longer sorts ids already in canonical order (unionfind.id_ranks) nor reads the kNN's nn_idx back; left
-    # (peak inside dedup.star_groups): the hash groups + keep (int64 + bool per row), the survivors and their ids
-    # (int64 each), their nn_sim, the star grouping's rank-space arrays. measured 23.4 (27.4 with the int32
-    # source_codes open_embeddings materialised; 52 before)
-    "dedup": 27,
+    # no longer sorts ids already in canonical order (unionfind.id_ranks) nor reads the kNN's nn_idx back; the hash
+    # step's group / keep are saved as .npy and mapped (hash_step._load) before the copy grouping; left (peak
+    # inside dedup.star_groups): the survivors and their ids (int64 each), their nn_sim, the star grouping's
+    # rank-space arrays. measured 13.5 (23.4 with the hash result held whole; 52 before)
+    "dedup": 16,
     # pipeline.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
     # positions) and its outputs (status, eval_sim), read and written a block at a time, the kNN chunks one at a
     # time; left: the blocks. measured 4.7 (8.8 with the int32 source_codes; 62 when it built whole arrays)
