@@ -126,7 +126,8 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
     """
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping {grouping!r}: choose one of {GROUPINGS}")
-    ids = np.asarray(ids)
+    if not hasattr(ids, "dtype"):  # a lazy sliceable (knn_steps: the survivors' ids, read a block at a time) stays
+        ids = np.asarray(ids)
     if len(ids) != n:
         raise ValueError(f"copy_dedup_from_pairs got n={n} but {len(ids)} ids")
     order, rank = id_ranks(ids)
@@ -139,7 +140,8 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
     seconds = time.perf_counter() - t0 if verifier is not None else 0.0
     if grouping == "components":
         with phase("grouping"):
-            component = components_by_smallest_id(n, ids, order[lo], order[hi])
+            component = components_by_smallest_id(n, ids if isinstance(ids, np.ndarray) else np.asarray(ids[:]),
+                                                  order[lo], order[hi])
     else:
         with phase("grouping"):
             root = star_groups(n, lo, hi)
@@ -196,17 +198,22 @@ def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     root = np.arange(n, dtype=np.int64)
     if not len(lo):
         return root
-    src = np.concatenate([lo, hi]).astype(np.int64)
-    dst = np.concatenate([hi, lo]).astype(np.int64)
-    degree = np.bincount(src, minlength=n)
-    nodes = np.flatnonzero(degree)
-    nodes = nodes[np.lexsort((nodes, -degree[nodes]))]  # the visiting order
-    prio = np.full(n, len(nodes), np.int64)
-    prio[nodes] = np.arange(len(nodes))
-    state = np.zeros(n, np.int8)  # 0 undecided, 1 kept, 2 claimed
+    # only images with a verified copy take part: every array below is per such image (m of them, in rank
+    # order), not per row of the pool -- the one array per row is ``root``
+    ends = np.unique(np.concatenate([lo, hi]).astype(np.int64))
+    m = len(ends)
+    lo_c, hi_c = np.searchsorted(ends, lo), np.searchsorted(ends, hi)
+    src, dst = np.concatenate([lo_c, hi_c]), np.concatenate([hi_c, lo_c])
+    del lo_c, hi_c
+    degree = np.bincount(src, minlength=m)
+    nodes = np.lexsort((np.arange(m), -degree))  # the visiting order (ties: smaller rank = smaller id)
+    del degree
+    prio = np.empty(m, np.int64)
+    prio[nodes] = np.arange(m)
+    state = np.zeros(m, np.int8)  # 0 undecided, 1 kept, 2 claimed
     es, ed = src, dst  # edges whose two ends are undecided
     for _ in range(ROUNDS_MAX):
-        blocked = np.zeros(n, bool)
+        blocked = np.zeros(m, bool)
         blocked[es[prio[ed] < prio[es]]] = True  # an earlier neighbour still undecided
         new = nodes[(state[nodes] == 0) & ~blocked[nodes]]
         state[new] = 1
@@ -220,7 +227,7 @@ def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     if len(rest):  # a long chain: the greedy visit over what is left (the decided part is already exact)
         srt = np.lexsort((ed, es))
         es, ed = es[srt], ed[srt]
-        starts = np.searchsorted(es, np.arange(n + 1))
+        starts = np.searchsorted(es, np.arange(m + 1))
         for r in rest:
             if state[r]:
                 continue
@@ -228,13 +235,13 @@ def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
             nb = ed[starts[r]:starts[r + 1]]
             state[nb[state[nb] == 0]] = 2
     # every claimed image: its kept neighbour visited first
-    m = (state[src] == 2) & (state[dst] == 1)
-    c, k = src[m], dst[m]
+    keep_edge = (state[src] == 2) & (state[dst] == 1)
+    c, k = src[keep_edge], dst[keep_edge]
     srt = np.lexsort((prio[k], c))
     c, k = c[srt], k[srt]
     first = np.ones(len(c), bool)
     first[1:] = c[1:] != c[:-1]
-    root[c[first]] = k[first]
+    root[ends[c[first]]] = ends[k[first]]
     return root
 
 

@@ -83,8 +83,10 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     task (W local processes); ``verifier``: one built here (the tasks then run in this process).
     ``verify_tasks``: W of the verification (default: the plan's). The result's ``nn_index`` is not read
     back (a read-only -1 placeholder: the chunks on disk hold it; no step keeps it)."""
+    from .dist_kmeans import Gathered
+
     n = len(surv)
-    ids = emb.ids[surv]
+    ids = Gathered(emb.ids, surv)  # read a block at a time by the grouping (no int64 per survivor held)
     if n < 2:
         return DedupResult(np.arange(n, dtype=np.int64), np.ones(n, bool), np.full(n, -np.inf, np.float32),
                            np.full(n, -1, np.int64), 0, "none")

@@ -64,13 +64,17 @@ class UnionFind:
 
 def id_ranks(ids) -> tuple[np.ndarray, np.ndarray]:
     """``(order, rank)``: ``order[r]`` is the position of the r-th smallest id, ``rank`` its inverse.
-    Integer ids (input ids: ranks of the string ids) sort as numbers, string ids as strings."""
-    ids = np.asarray(ids)
+    Integer ids (input ids: ranks of the string ids) sort as numbers, string ids as strings. ``ids`` may be a
+    lazy sliceable with a dtype (:class:`curation.dist_kmeans.Gathered`): read a block at a time, and gathered
+    whole only when they are not already in order."""
+    if not hasattr(ids, "dtype"):
+        ids = np.asarray(ids)
     if ids.dtype.kind in "iu" and _non_decreasing(ids):
         # the usual case (rows in canonical order: input ids increase): the stable argsort is the identity, one
         # array serves as both (callers only index with them), no sort and no second int64 per row
         ident = np.arange(len(ids), dtype=np.intp)
         return ident, ident
+    ids = ids if isinstance(ids, np.ndarray) else np.asarray(ids[:])
     order = np.argsort(ids if ids.dtype.kind in "iu" else ids.astype(str), kind="stable")
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
