@@ -50,9 +50,11 @@ open_embeddings used to materialise; EmbeddingSet.source_codes now reads the tab
 ORCH_HELD_MEASURED = {
     # pipeline.step_dedup writes status / component / nn_sim in place (mapped, a block at a time) and the grouping
     # no longer sorts ids already in canonical order (unionfind.id_ranks) nor reads the kNN's nn_idx back; the hash
-    # step's group / keep are saved as .npy and mapped (hash_step._load) before the copy grouping; left (peak
-    # inside dedup.star_groups): the survivors and their ids (int64 each), their nn_sim, the star grouping's
-    # rank-space arrays. measured 13.5 (23.4 with the hash result held whole; 52 before)
+    # step's group / keep are mapped (hash_step._load), the survivors' ids read a block at a time (Gathered) and the
+    # star grouping's arrays are per image with a copy, not per row. Left per survivor: its position, root /
+    # component (int64 each), nn_sim (float32), keep (bool). The 20k run (W = 1) builds the IVF in this process,
+    # the 80k run (W = 4) in tasks, so this difference is now negative (-6.9): its large-pool peak fell from
+    # 5.64 MB (23.4 B/row, the hash result held and the grouping per row) to 3.60 MB. Bound kept at 16.
     "dedup": 16,
     # pipeline.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
     # positions) and its outputs (status, eval_sim), read and written a block at a time, the kNN chunks one at a
@@ -61,9 +63,9 @@ ORCH_HELD_MEASURED = {
     # pipeline.step_rebalance maps rebalance_rows (alive, rows_idx), its outputs (status, cluster, nearest_seed,
     # seed_sim) and the k-means tree's per-row arrays (dist_kmeans.load_tree); the selection's "none" columns
     # (nearest_seed, seed_sim without seeds) are broadcast views and the top-level labels the smallest integer
-    # type; left per kept row: selected (bool), the picks (int64 per picked row), the top labels (1-2 B) -- at these
-    # pool sizes below the step's constant peak (~2 MB), so measured 0.0 (14.6 when nearest_seed / seed_sim were
-    # int64 / float32 arrays per kept row; 68 when built whole); the default ORCH_HELD bounds it
+    # type; left per kept row: selected (bool), the picks (int64 per picked row) and their labels in the balance
+    # report. measured 12.9 (14.6 with int64 / float32 "none" columns; 68 when built whole)
+    "rebalance": 16,
 }
 RETAINED_BLOCKS = 1000
 """allocation blocks a step may leave alive beyond the small pool's (measured growth <= 430)."""
