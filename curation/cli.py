@@ -139,8 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _kmeans(argv: list[str]) -> int:
     """The distributed k-means under training's launcher (one process group setup, with the srun-step guard)."""
-    from dinopipe.train.dist import LaunchError, destroy, init_distributed, launched_world_size
-    from dinopipe.utils.proc import exit_now
+    from dinopipe.train.dist import LaunchError, end_rank, init_distributed
 
     from .dist_kmeans import main as kmeans_main
 
@@ -155,10 +154,7 @@ def _kmeans(argv: list[str]) -> int:
         ok = True
         return code
     finally:
-        ranks = launched_world_size()
-        destroy(clean=ok)
-        if ok and ranks > 1:  # gloo's teardown at interpreter exit can abort a finished rank
-            exit_now(code)
+        end_rank(ok, code if ok else None)
 
 
 if __name__ == "__main__":

@@ -140,8 +140,7 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
     seconds = time.perf_counter() - t0 if verifier is not None else 0.0
     if grouping == "components":
         with phase("grouping"):
-            component = components_by_smallest_id(n, ids if isinstance(ids, np.ndarray) else np.asarray(ids[:]),
-                                                  order[lo], order[hi])
+            component = components_by_smallest_id(n, np.asarray(ids), order[lo], order[hi])
     else:
         with phase("grouping"):
             root = star_groups(n, lo, hi)

@@ -177,8 +177,8 @@ DIGEST_CHUNK = 1 << 22
 
 
 class Gathered:
-    """``base[index]`` read a block at a time (for :func:`rows_digest`): the ids of a subset of rows without a
-    whole gathered copy."""
+    """``base[index]`` read a block at a time (for :func:`rows_digest`, :func:`curation.unionfind.id_ranks`): the
+    ids of a subset of rows without a whole gathered copy; ``np.asarray`` gathers it whole where one is needed."""
 
     def __init__(self, base: np.ndarray, index: np.ndarray) -> None:
         self.base, self.index, self.dtype = base, index, base.dtype
@@ -188,6 +188,10 @@ class Gathered:
 
     def __getitem__(self, sl: slice) -> np.ndarray:
         return self.base[self.index[sl]]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.base[self.index]
+        return out if dtype is None else out.astype(dtype)
 
 
 def rows_digest(ids) -> str:

@@ -74,7 +74,7 @@ def id_ranks(ids) -> tuple[np.ndarray, np.ndarray]:
         # array serves as both (callers only index with them), no sort and no second int64 per row
         ident = np.arange(len(ids), dtype=np.intp)
         return ident, ident
-    ids = ids if isinstance(ids, np.ndarray) else np.asarray(ids[:])
+    ids = np.asarray(ids)
     order = np.argsort(ids if ids.dtype.kind in "iu" else ids.astype(str), kind="stable")
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))

@@ -12,13 +12,11 @@ from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
 from ..data.pool_index import Ranks
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
-from ..utils.proc import exit_now
 from ..utils.safe_load import CheckpointError
 from ..ssl.adapt import head_warmup_schedules
 from ..ssl.gram import loss_weight_schedules
 from ..ssl.schedules import Piece, build_ssl_schedules, linear_warmup_cosine_decay, piecewise, scaled_lr
-from .dist import (DistInfo, LaunchError, all_reduce_max_scalar, barrier, destroy, init_distributed,
-                   launched_world_size)
+from .dist import DistInfo, LaunchError, all_reduce_max_scalar, barrier, end_rank, init_distributed
 from .highres import phase_loader, phase_sizes
 from .knn_probe import build_probe
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
@@ -172,10 +170,7 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NON_FINITE
     finally:
-        ranks = launched_world_size()
-        destroy(clean)
-        if done is not None and ranks > 1:
-            exit_now(done)  # gloo teardown at interpreter exit can abort a finished rank
+        end_rank(clean, done)
 
 
 __all__ = ["phase_steps", "build_schedules", "global_batches", "peak_lrs", "lr_basis", "build_phases", "open_pool",

@@ -19,6 +19,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from ..utils.proc import exit_now
+
 
 @dataclass
 class DistInfo:
@@ -190,6 +192,16 @@ def destroy(clean: bool = True) -> None:
     _INFO = None
 
 
+def end_rank(clean: bool, rc: int | None) -> None:
+    """:func:`destroy`, then -- for a finished rank (``rc`` not None) of a torchrun / srun launch of more than one
+    rank -- exit with ``rc`` at once (:func:`dinopipe.utils.proc.exit_now`): gloo's teardown at interpreter exit
+    can abort a rank whose work is complete. A failed rank (``rc`` None) leaves by the normal path."""
+    ranks = launched_world_size()
+    destroy(clean)
+    if rc is not None and ranks > 1:
+        exit_now(rc)
+
+
 __all__ = ["LaunchError", "DistInfo", "init_distributed", "get_info", "use_info", "all_reduce_sum_fn", "barrier",
-           "launched_world_size",
+           "launched_world_size", "end_rank",
            "broadcast_object", "all_reduce_max_scalar", "destroy"]
