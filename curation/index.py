@@ -94,18 +94,104 @@ def check_gpu_limit(name: str, value: int, on_gpu: bool) -> None:
                          f"{name} (DINOv2 uses k=64), or search on CPU (use_gpu=False)")
 
 
+COARSE_RERANK = 3
+"""Extra lists the coarse quantizer proposes per vector beyond the ones used (1 when adding, nprobe when
+searching); the used ones are then chosen by inner products recomputed in float64 (:class:`ExactCoarse`)."""
+EXACT_ROWS = 1024
+"""Rows per chunk of the float64 recomputation (EXACT_ROWS x D float64 arrays: 3 MB each at D=384)."""
+
+
+def exact_ip(x: np.ndarray, centroids: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Inner product of each row of ``x`` (B, D) with its candidates ``centroids[cand]`` (cand (B, k) int64,
+    -1: none) -> (B, k) float64 (-inf where none): the products in float64 (exact for float32 inputs), each row
+    summed by numpy in its fixed order (as ``knn_shards.exact_cosine``), so the value is the same for a row
+    whatever the batch, thread count or process. Temporaries: EXACT_ROWS x D float64, three of them."""
+    out = np.full(cand.shape, -np.inf)
+    for s in range(0, len(x), EXACT_ROWS):
+        xs = np.asarray(x[s:s + EXACT_ROWS], np.float64)
+        cs = cand[s:s + EXACT_ROWS]
+        buf = np.empty_like(xs)
+        for j in range(cand.shape[1]):
+            ok = cs[:, j] >= 0
+            if ok.all():
+                np.multiply(xs, centroids[cs[:, j]], out=buf)
+                out[s:s + EXACT_ROWS, j] = buf.sum(axis=1)
+            elif ok.any():
+                out[s:s + EXACT_ROWS, j][ok] = (xs[ok] * centroids[cs[ok, j]]).sum(axis=1)
+    return out
+
+
+class ExactCoarse:
+    """The coarse step of a CPU inner-product IVF (the lists a stored vector goes to, the lists a query probes),
+    independent of the thread count and batch shape.
+
+    faiss's coarse quantizer is a BLAS product (flat) or a graph walk over such distances (HNSW); the flat one's
+    rounding depends on the OpenMP thread count and the block shape, as curation.kmeans.Nearest measured for
+    k-means. A run of W task processes of one thread and one of a single process of all cores then put some
+    rows in other lists or probed other lists, and the copy search's ``nn_sim`` (2M simulated rows) differed
+    between W = 1 and W = 4. Here the quantizer proposes ``n + COARSE_RERANK`` lists, their inner products with
+    the vector are recomputed in float64 (:func:`exact_ip`), and the best ``n`` are taken (ties: the lower
+    list); faiss then adds (``add_core``) or scans (``search_preassigned``) exactly those lists, the scan
+    starting from these coarse values. The centroids are read in place from the quantizer (no copy)."""
+
+    def __init__(self, ivf):
+        self.ivf = ivf
+        q = faiss.downcast_index(ivf.quantizer)
+        flat = faiss.downcast_index(q.storage) if isinstance(q, faiss.IndexHNSW) else q
+        self.nlist, d = int(flat.ntotal), int(flat.d)
+        self.centroids = faiss.rev_swig_ptr(flat.get_xb(), self.nlist * d).reshape(self.nlist, d)
+
+    @staticmethod
+    def applies(index, on_gpu: bool) -> bool:
+        """A CPU IVF (not wrapped) over inner products whose quantizer stores its centroids as floats."""
+        if on_gpu or not isinstance(index, faiss.IndexIVF) or index.metric_type != faiss.METRIC_INNER_PRODUCT:
+            return False
+        q = faiss.downcast_index(index.quantizer)
+        return isinstance(q, faiss.IndexFlat) or (isinstance(q, faiss.IndexHNSW)
+                                                  and isinstance(faiss.downcast_index(q.storage), faiss.IndexFlat))
+
+    def __call__(self, x: np.ndarray, n: int, with_dis: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+        """(B, D) fp32 -> (coarse inner products (B, n) fp32 or None, lists (B, n) int64; -1 / -inf where fewer).
+        Temporaries are EXACT_ROWS rows long; the results B x n."""
+        n = min(n, self.nlist)
+        dis = np.empty((len(x), n), np.float32) if with_dis else None
+        lists = np.empty((len(x), n), np.int64)
+        for s in range(0, len(x), EXACT_ROWS):  # temporaries of EXACT_ROWS rows, whatever the block
+            xs = x[s:s + EXACT_ROWS]
+            _, cand = self.ivf.quantizer.search(xs, min(n + COARSE_RERANK, self.nlist))
+            cand = cand.astype(np.int64, copy=False)
+            sim = exact_ip(xs, self.centroids, cand)
+            order = np.lexsort((np.where(cand >= 0, cand, np.iinfo(np.int64).max), -sim), axis=1)[:, :n]
+            best = np.take_along_axis(sim, order, axis=1)
+            lists[s:s + EXACT_ROWS] = np.where(np.isfinite(best), np.take_along_axis(cand, order, axis=1), -1)
+            if dis is not None:
+                dis[s:s + EXACT_ROWS] = best
+        return dis, lists
+
+    def add(self, x: np.ndarray, ids: np.ndarray) -> None:
+        """``add_with_ids`` with each vector in its exact nearest list."""
+        lists = self(x, 1, with_dis=False)[1].reshape(-1)
+        ids = np.ascontiguousarray(ids, np.int64)
+        self.ivf.add_core(len(x), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists))
+
+
 class KnnIndex:
-    """A built faiss index plus the knobs needed to query it."""
+    """A built faiss index plus the knobs needed to query it. A CPU IVF adds and searches through
+    :class:`ExactCoarse` (the same lists and results on any thread count or batch shape)."""
 
     def __init__(self, index, kind: str, ntotal: int, nprobe: int, on_gpu: bool):
         self.index, self.kind, self.ntotal, self.nprobe, self.on_gpu = index, kind, ntotal, nprobe, on_gpu
         self._next_id = index.ntotal
+        self.coarse = ExactCoarse(index) if ExactCoarse.applies(index, on_gpu) else None
 
     def add(self, x: np.ndarray) -> None:
         """Append rows; their ids continue from the rows already there (any number of calls)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
+        ids = np.arange(self._next_id, self._next_id + len(x), dtype=np.int64)
         if isinstance(self.index, faiss.IndexShards):  # sharded flat: explicit ids, see sharded_flat
-            self.index.add_with_ids(x, np.arange(self._next_id, self._next_id + len(x), dtype=np.int64))
+            self.index.add_with_ids(x, ids)
+        elif self.coarse is not None:
+            self.coarse.add(x, ids)
         else:
             self.index.add(x)
         self._next_id += len(x)
@@ -117,8 +203,16 @@ class KnnIndex:
         if k <= 0:
             return np.zeros((len(x), 0), np.float32), np.zeros((len(x), 0), np.int64)
         check_gpu_limit("k", k, self.on_gpu)
-        sims, idx = self.index.search(np.ascontiguousarray(x, dtype=np.float32), k)
-        return sims, idx
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if self.coarse is not None:
+            nprobe = int(self.index.nprobe)  # what set_nprobe gave the index (faiss wants that many columns)
+            dq, iq = self.coarse(x, nprobe)
+            if iq.shape[1] < nprobe:  # nprobe > nlist: the missing lists as faiss marks them
+                pad = nprobe - iq.shape[1]
+                dq = np.pad(dq, ((0, 0), (0, pad)), constant_values=-np.inf)
+                iq = np.pad(iq, ((0, 0), (0, pad)), constant_values=-1)
+            return self.index.search_preassigned(x, k, iq, dq)
+        return self.index.search(x, k)
 
     def __repr__(self) -> str:
         return f"KnnIndex(kind={self.kind}, n={self.ntotal}, nprobe={self.nprobe}, gpu={self.on_gpu})"
@@ -407,15 +501,16 @@ def train_ondisk(rows: Rows, path: str, kind: str = "ivf_sq8", nlist: int | None
 def add_part(trained_path: str, rows: Rows, lo: int, hi: int, path: str, block: int = 65536,
              timings: dict | None = None) -> int:
     """Add rows [lo, hi) (ids = row positions) to a copy of the trained index; write it to ``path``.
-    Rerun-safe: an existing part is kept. The two halves of an IVF add run as separate calls (faiss's
-    ``quantizer.assign`` then ``add_core`` with the precomputed lists, the pattern of its distributed
-    benchmarks), so ``timings`` (if given) gets ``assign_s`` -- the coarse quantizer, whose cost per
+    Rerun-safe: an existing part is kept. The two halves of an IVF add run as separate calls (the exact
+    coarse assignment, :class:`ExactCoarse`, then faiss's ``add_core`` with the precomputed lists, the pattern
+    of its distributed benchmarks): a row lands in the same list whichever task adds it; and ``timings`` (if given) gets ``assign_s`` -- the coarse quantizer, whose cost per
     vector grows with nlist (IVF cost model, docs/curation-scale.md) -- and ``encode_s`` (encoding and
     appending: constant per vector)."""
     if os.path.exists(path):
         return 0
     index = faiss.read_index(trained_path)
-    ivf = index if isinstance(index, faiss.IndexIVF) else None  # a wrapped IVF (pre-transform): faiss's add
+    ivf = index if ExactCoarse.applies(index, False) else None  # a wrapped IVF (pre-transform): faiss's add
+    coarse = ExactCoarse(ivf) if ivf is not None else None
     t_assign = t_encode = 0.0
     for s in range(lo, hi, block):
         e = min(s + block, hi)
@@ -427,7 +522,7 @@ def add_part(trained_path: str, rows: Rows, lo: int, hi: int, path: str, block: 
             t_encode += time.perf_counter() - t0
             continue
         t0 = time.perf_counter()
-        lists = ivf.quantizer.assign(x, 1).reshape(-1).astype(np.int64)
+        lists = coarse(x, 1, with_dis=False)[1].reshape(-1)
         t1 = time.perf_counter()
         ivf.add_core(len(x), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists))
         t_assign, t_encode = t_assign + t1 - t0, t_encode + time.perf_counter() - t1
