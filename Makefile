@@ -12,7 +12,8 @@ FLOOR_PINS := torch==2.9.1 torchvision==0.24.1
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS := tests/train/test_fsdp_matrix.py tests/train/test_mixed_precision.py tests/train/test_pretrain_resume.py \
 	tests/train/test_checkpoint_manager.py tests/test_hub.py tests/test_hub_dinov3.py tests/test_export_hf.py \
-	tests/test_export_onnx.py tests/test_export_roundtrip.py tests/utils/test_torch_compat.py
+	tests/test_export_onnx.py tests/test_export_roundtrip.py tests/utils/test_torch_compat.py \
+	tests/ssl/test_adamw_local.py
 
 .PHONY: venv venv-floor test test-floor test-fast bench curation-tables quickstart gpu-check gpu-bench official-src gpu-bench-wheels clean
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..models import DINOHead
+from .adamw import ShardLocalAdamW
 from .config import HeadConfig
 from .ema import ema_update_
 from .losses import koleo_loss, koleo_loss_distributed
@@ -205,14 +206,15 @@ class TeacherStudentTask(nn.Module):
     def build_optimizer(self, param_groups_fn: Callable[[nn.Module], list[dict]],
                         betas: tuple[float, float] = (0.9, 0.999)) -> MultiOptimizer:
         """AdamW per trained group (students must not share moments), each group's lr scaled by ``lr_scales``;
-        fused on CUDA, foreach elsewhere (:func:`adamw_impl`)."""
+        fused on CUDA, foreach elsewhere (:func:`adamw_impl`), its update run on the local shards of FSDP2's
+        DTensors (:class:`~dinopipe.ssl.adamw.ShardLocalAdamW`: no DTensor dispatch per op and group)."""
         scales = self.lr_scales()
         for name, group in self.trained_groups().items():
             groups = param_groups_fn(group)
             for g in groups:
                 g["lr_multiplier"] *= scales.get(name, 1.0)
             device = next(group.parameters()).device
-            self.optimizers[name] = torch.optim.AdamW(groups, betas=betas, **adamw_impl(device))
+            self.optimizers[name] = ShardLocalAdamW(groups, betas=betas, **adamw_impl(device))
         return MultiOptimizer(self.optimizers)
 
     # -- loop interface -----------------------------------------------------------------------------------
