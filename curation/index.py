@@ -503,7 +503,8 @@ def add_part(trained_path: str, rows: Rows, lo: int, hi: int, path: str, block: 
     """Add rows [lo, hi) (ids = row positions) to a copy of the trained index; write it to ``path``.
     Rerun-safe: an existing part is kept. The two halves of an IVF add run as separate calls (the exact
     coarse assignment, :class:`ExactCoarse`, then faiss's ``add_core`` with the precomputed lists, the pattern
-    of its distributed benchmarks): a row lands in the same list whichever task adds it; and ``timings`` (if given) gets ``assign_s`` -- the coarse quantizer, whose cost per
+    of its distributed benchmarks): a row lands in the same list whichever task adds it; and ``timings`` (if
+    given) gets ``assign_s`` -- the coarse quantizer, whose cost per
     vector grows with nlist (IVF cost model, docs/curation-scale.md) -- and ``encode_s`` (encoding and
     appending: constant per vector)."""
     if os.path.exists(path):

@@ -121,7 +121,8 @@ def test_ivf_lists_and_results_are_the_same_on_any_thread_count_batch_shape_and_
     finally:
         faiss.omp_set_num_threads(old)
     ref_sims, ref_idx = got["inline", 1, len(x)]
-    assert (ref_idx[:, 0] == np.arange(len(x))).mean() > 0.95  # a working index: rows find themselves (photos repeat some patches)
+    # a working index: rows find themselves (the photos repeat some patches)
+    assert (ref_idx[:, 0] == np.arange(len(x))).mean() > 0.95
     for key, (sims, idx) in got.items():
         assert np.array_equal(idx, ref_idx), key
         assert np.array_equal(sims.view(np.uint32), ref_sims.view(np.uint32)), key

@@ -82,14 +82,17 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         (ms, os_), (ml, ol) = trained["stock"], trained["local"]
         same_w = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ms.parameters(), ml.parameters()))
         pairs = [(a, b) for a, b in zip(ms.parameters(), ml.parameters()) if os_.state.get(a)]  # trained ones
-        same_m = len(pairs) > 10 and all(len(ol.state[b]) == 3 and torch.equal(os_.state[a][k].to_local(), ol.state[b][k].to_local())
-                                         for a, b in pairs for k in ("exp_avg", "exp_avg_sq"))
+        same_m = len(pairs) > 10 and all(
+            len(ol.state[b]) == 3 and torch.equal(os_.state[a][k].to_local(), ol.state[b][k].to_local())
+            for a, b in pairs for k in ("exp_avg", "exp_avg_sq"))
         dtensor_state = all(isinstance(ol.state[b][k], DTensor) for _, b in pairs for k in ("exp_avg", "exp_avg_sq"))
         # DCP's optimizer state dict (what a checkpoint holds) is the stock one: same keys, same sharded values.
         sd_s, sd_l = get_optimizer_state_dict(ms, os_), get_optimizer_state_dict(ml, ol)
+        def local(t):
+            return getattr(t, "_local_tensor", t)
+
         same_sd = sd_s["state"].keys() == sd_l["state"].keys() and all(
-            type(v) is type(sd_l["state"][n][k]) and torch.equal(getattr(v, "_local_tensor", v),
-                                                                 getattr(sd_l["state"][n][k], "_local_tensor", sd_l["state"][n][k]))
+            type(v) is type(sd_l["state"][n][k]) and torch.equal(local(v), local(sd_l["state"][n][k]))
             for n, st in sd_s["state"].items() for k, v in st.items())
         result[impl] = torch.tensor([same_w, same_m, dtensor_state, same_sd])
     torch.save(result, f"{out}.{rank}")
