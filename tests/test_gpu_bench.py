@@ -50,3 +50,17 @@ def test_cpu_smoke_all_cases(tmp_path):
             assert case[side]["images_per_s"] > 0, case[side]
         assert "xformers" in rep["official_shims"]
         assert f"vit_test_b4: {rep['ratios']['vit_test_b4']:.2f}" in r.stdout
+
+
+def test_step_levers_cpu_smoke(tmp_path):
+    """bench/gpu_step_levers.py (the next GPU session's breakdown of the step) runs each kind of variant; on CPU
+    with vit_test, b=4, no profiler kernel times."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + sys.path), OMP_WAIT_POLICY="PASSIVE")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_step_levers.py"), str(tmp_path), "--steps", "2",
+                        "--variants", "fsdp-eager,fsdp-eager-stockopt,fsdp-eager-noopt,single-eager-dp0"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads((tmp_path / "levers.json").read_text())
+    assert set(rep["variants"]) == {"fsdp-eager", "fsdp-eager-stockopt", "fsdp-eager-noopt", "single-eager-dp0"}
+    for name, v in rep["variants"].items():
+        assert v["images_per_s"] > 0 and v["step_s"] > 0, (name, v)
