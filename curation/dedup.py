@@ -23,7 +23,7 @@ import numpy as np
 
 from .index import Rows, build_index, iter_knn
 from .steps.runner import phase
-from .unionfind import components_by_smallest_id, id_ranks
+from .unionfind import _non_decreasing, components_by_smallest_id, id_ranks
 
 GROUPINGS = ("star", "components")
 # kNN cosine above which a pair is a candidate. DINOv2's 0.6 when the descriptor decides alone;
@@ -130,46 +130,59 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
         ids = np.asarray(ids)
     if len(ids) != n:
         raise ValueError(f"copy_dedup_from_pairs got n={n} but {len(ids)} ids")
-    order, rank = id_ranks(ids)
-    lo, hi, s = canonical_pairs(rank, a, b, sim, threshold)
+    # rows in canonical order (input ids increase: the usual case): positions are ranks, no array per row for the
+    # mapping; otherwise id_ranks' permutation and its inverse
+    order, rank = (None, None) if ids.dtype.kind in "iu" and _non_decreasing(ids) else id_ranks(ids)
+
+    def pos(r):  # ranks -> positions
+        return r if order is None else order[r]
+
+    lo, hi, s = canonical_pairs(rank, a, b, sim, threshold, n=n)
     n_candidates = len(lo)
     t0 = time.perf_counter()
     if verifier is not None and len(lo):
-        ok = np.asarray(verifier(order[lo], order[hi]), bool)  # positions, smaller id first
+        ok = np.asarray(verifier(pos(lo), pos(hi)), bool)  # positions, smaller id first
         lo, hi = lo[ok], hi[ok]
     seconds = time.perf_counter() - t0 if verifier is not None else 0.0
     if grouping == "components":
         with phase("grouping"):
-            component = components_by_smallest_id(n, np.asarray(ids), order[lo], order[hi])
+            component = components_by_smallest_id(n, np.asarray(ids), pos(lo), pos(hi))
     else:
         with phase("grouping"):
             root = star_groups(n, lo, hi)
         if verifier is not None and len(lo):
             t1 = time.perf_counter()
-            root = attach_singletons(root, lo, hi, lambda x, y: verifier(order[x], order[y]))
+            root = attach_singletons(root, lo, hi, lambda x, y: verifier(pos(x), pos(y)))
             seconds += time.perf_counter() - t1
-        component = root if order is rank else order[root[rank]]  # id_ranks' identity: positions are ranks
-    keep = component == np.arange(n)
+        component = root if order is None else order[root[rank]]
+    keep = np.empty(n, bool)  # component == arange(n), a block at a time (no int64 per row beside component)
+    for s0 in range(0, n, KEEP_BLOCK):
+        keep[s0:s0 + KEEP_BLOCK] = component[s0:s0 + KEEP_BLOCK] == np.arange(s0, min(s0 + KEEP_BLOCK, n))
     # read-only placeholders (no memory): the kNN's arrays replace them (copy_dedup, knn_steps.sharded_copy_dedup)
     empty_sim, empty_idx = np.broadcast_to(np.float32(-np.inf), (n,)), np.broadcast_to(np.int64(-1), (n,))
     return DedupResult(component, keep, empty_sim, empty_idx, len(lo), "none", n_candidates,
                        seconds)
 
 
-def canonical_pairs(rank: np.ndarray, a, b, sim, threshold: float):
-    """Unique unordered pairs above ``threshold`` in rank space: (lo, hi, max cosine), sorted."""
+KEEP_BLOCK = 1 << 20
+
+
+def canonical_pairs(rank: np.ndarray | None, a, b, sim, threshold: float, n: int | None = None):
+    """Unique unordered pairs above ``threshold`` in rank space: (lo, hi, max cosine), sorted. ``rank`` None:
+    positions are ranks (rows in canonical order; then ``n``, the number of rows)."""
     a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
     sim = np.asarray(sim, np.float32)
     hit = (sim > threshold) & (a != b) & (a >= 0) & (b >= 0)
-    ra, rb, s = rank[a[hit]], rank[b[hit]], sim[hit]
+    ra, rb, s = (a[hit], b[hit], sim[hit]) if rank is None else (rank[a[hit]], rank[b[hit]], sim[hit])
+    n = len(rank) if rank is not None else int(n)
     lo, hi = np.minimum(ra, rb), np.maximum(ra, rb)
-    key = lo * len(rank) + hi
+    key = lo * n + hi
     srt = np.lexsort((-s, key))  # by pair, largest cosine first
     key, s = key[srt], s[srt]
     first = np.ones(len(key), bool)
     first[1:] = key[1:] != key[:-1]
     key, s = key[first], s[first]
-    return key // len(rank), key % len(rank), s
+    return key // n, key % n, s
 
 
 ROUNDS_MAX = 64
@@ -250,16 +263,23 @@ def attach_singletons(root: np.ndarray, lo: np.ndarray, hi: np.ndarray, verify) 
     K if ``verify`` confirms C against K itself (each C: the smallest such K); otherwise O
     leaves K's group and keeps C as its copy (the smallest such O). Either way as many images
     are removed as before, each still verified against the image its group keeps, and C ends
-    in one group with its original. Ranks; pairs go to ``verify`` smaller first.
+    in one group with its original. Ranks; pairs go to ``verify`` smaller first. ``root`` is updated in place
+    (and returned).
     """
     n = len(root)
-    size = np.bincount(root, minlength=n)
     src, dst = np.concatenate([lo, hi]), np.concatenate([hi, lo])
-    m = (root[src] != src) & (root[dst] == dst) & (size[dst] == 1)
+    if not len(src):
+        return root
+    # group sizes of the images with an edge only (every member of a group of two or more has one; an image
+    # without an edge is its own group of one): no count per row of the pool
+    ends = np.unique(src)
+    roots_e, sizes_e = np.unique(root[ends], return_counts=True)
+    at = np.minimum(np.searchsorted(roots_e, dst), len(roots_e) - 1)
+    size_dst = np.where(roots_e[at] == dst, sizes_e[at], 0)
+    m = (root[src] != src) & (root[dst] == dst) & (size_dst == 1)
     o, c = src[m], dst[m]  # C alone, O removed (every verified neighbour of a lone C is)
     if not len(o):
         return root
-    root = root.copy()
     key = np.unique(root[o] * n + c)  # distinct (keeper of O, lone image) pairs
     k, kc = key // n, key % n
     ok = np.asarray(verify(np.minimum(k, kc), np.maximum(k, kc)), bool)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .unionfind import UnionFind, id_ranks
+from .unionfind import UnionFind, _non_decreasing, id_ranks
 
 # pHash copies measured on real photos: resized / recompressed copies differ by <= 4 bits,
 # 5%-cropped ones by up to ~20, and distinct photos by >= 18. 4 keeps this pass "near-exact";
@@ -157,16 +157,22 @@ def merge_pair_parts(parts) -> tuple[np.ndarray, np.ndarray]:
 def group_pairs(n: int, a: np.ndarray, b: np.ndarray, ids=None) -> tuple[np.ndarray, np.ndarray]:
     """``(group, keep)`` from pair arrays: components, each kept image the smallest id (position when
     ``ids`` is None, i.e. rows already in canonical order)."""
-    if ids is None:
+    if ids is not None and not hasattr(ids, "dtype"):
+        ids = np.asarray(ids)
+    if ids is None or (ids.dtype.kind in "iu" and _non_decreasing(ids)):  # positions are ranks: no mapping arrays
         uf = UnionFind(n)
         uf.union(a, b)
-        group = uf.roots()
+        group = uf.roots(copy=False)
     else:
         order, rank = id_ranks(ids)
         uf = UnionFind(n)
         uf.union(rank[a], rank[b])
-        group = order[uf.roots()[rank]]
-    return group, group == np.arange(n)
+        group = order[uf.roots(copy=False)[rank]]
+    del uf
+    keep = np.empty(n, bool)  # group == arange(n), a block at a time
+    for s in range(0, n, 1 << 20):
+        keep[s:s + (1 << 20)] = group[s:s + (1 << 20)] == np.arange(s, min(s + (1 << 20), n))
+    return group, keep
 
 
 def hash_dedup(hashes: np.ndarray, ids, max_distance: int = DEFAULT_MAX_DISTANCE,

@@ -196,6 +196,46 @@ def iter_chunks(folder: str, n: int, chunk_size: int):
             yield c * chunk_size, {key: z[key] for key in z.files}
 
 
+class ChunkColumn:
+    """One array of the chunk files as a read-only column of ``n`` rows, read a chunk at a time (the last chunk
+    read is kept): what a block loop over the rows needs, without the whole column in memory (copy dedup's
+    ``nn_sim``, 4 B per survivor otherwise). ``np.asarray`` reads it whole where one is needed."""
+
+    def __init__(self, folder: str, n: int, chunk_size: int, key: str) -> None:
+        self.folder, self.n, self.chunk_size, self.key = folder, n, chunk_size, key
+        self._cached: tuple[int, np.ndarray] | None = None
+        missing = [c for c in range(n_chunks(n, chunk_size)) if not os.path.exists(chunk_path(folder, c))]
+        if missing:
+            raise FileNotFoundError(f"{folder}: {len(missing)} kNN chunks missing (first: "
+                                    f"{chunk_path(folder, missing[0])}); rerun the `curate search` array tasks")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _chunk(self, c: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != c:
+            with np.load(chunk_path(self.folder, c)) as z:
+                self._cached = (c, z[self.key])
+        return self._cached[1]
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        start, stop, step = sl.indices(self.n)
+        if step != 1:
+            raise IndexError("ChunkColumn reads contiguous slices")
+        parts = []
+        while start < stop:
+            c = start // self.chunk_size
+            lo = c * self.chunk_size
+            end = min(stop, lo + self.chunk_size)
+            parts.append(self._chunk(c)[start - lo:end - lo])
+            start = end
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[0:self.n]
+        return out if dtype is None else out.astype(dtype)
+
+
 def read_chunks(folder: str, n: int, chunk_size: int, keys=None) -> dict[str, np.ndarray]:
     """All chunks of [0, n), concatenated per array name (``keys``: only these); a clear error naming the
     missing ones."""
@@ -368,6 +408,13 @@ class KnnJob:
         if meta is None:
             raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
         return read_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT), keys)
+
+    def column(self, n_queries: int, key: str) -> ChunkColumn:
+        """One array of the chunks as a column read a chunk at a time (:class:`ChunkColumn`)."""
+        meta = self.meta()
+        if meta is None:
+            raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
+        return ChunkColumn(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT), key)
 
     def iter(self, n_queries: int):
         """:meth:`read` a chunk at a time: (first query row, {array name: the chunk's rows})."""

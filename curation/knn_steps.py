@@ -81,8 +81,9 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     candidate pairs and verify + group them (curation.dedup.copy_dedup_from_pairs: depends only on the
     pair set). ``verifier_factory``: a picklable callable building the verifier inside each verification
     task (W local processes); ``verifier``: one built here (the tasks then run in this process).
-    ``verify_tasks``: W of the verification (default: the plan's). The result's ``nn_index`` is not read
-    back (a read-only -1 placeholder: the chunks on disk hold it; no step keeps it)."""
+    ``verify_tasks``: W of the verification (default: the plan's). The result's ``nn_sim`` is read from the
+    chunks a chunk at a time (knn_shards.ChunkColumn: sliced by the caller's blocks, no whole column held),
+    its ``nn_index`` not at all (a read-only -1 placeholder: the chunks on disk hold it; no step keeps it)."""
     from .dist_kmeans import Gathered
 
     n = len(surv)
@@ -98,7 +99,7 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     if not job.matches(params):
         job.build(rows, params, use_gpu=use_gpu, progress=progress, source=src, tasks=tasks)
     run_search(out_dir, "pool", "pairs", rows, None, use_gpu, tasks, (src, None))  # only chunks not on disk
-    r = job.read(n, keys=("a", "b", "sim", "nn_sim"))  # not nn_idx: an int64 per row no step keeps
+    r = job.read(n, keys=("a", "b", "sim"))  # the pairs; nn_sim is read a chunk at a time, nn_idx not at all
     a, b, sim = merge_pairs(r["a"], r["b"], r["sim"])
     plan = tasks or {"tasks": 1, "launcher": "inline"}
     vw = int(verify_tasks if verify_tasks is not None else plan["tasks"])
@@ -108,7 +109,7 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
                                            plan["launcher"] if verifier is None else "inline", verifier_factory)
     res = copy_dedup_from_pairs(n, ids, a, b, sim, threshold=threshold, verifier=verifier,
                                 grouping=grouping)
-    res.nn_sim, res.index_kind = r["nn_sim"], job.meta()["kind"]  # res.nn_index: the placeholder (-1)
+    res.nn_sim, res.index_kind = job.column(n, "nn_sim"), job.meta()["kind"]  # res.nn_index: the placeholder
     res.verify_tasks = vw if parted is not None else 0
     return res
 

@@ -119,7 +119,9 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     verify_with = (sources, dd.verify_size, dd.verify_threshold) if dd.verify and make_verifier is None else None
     h, hinfo = hash_survivors(out_dir, emb, hc.enabled, hc.max_distance, verify_with,
                               task_plan(tasks or TasksConfig(), len(emb)))
-    surv = np.flatnonzero(h.keep)
+    # the survivors' positions: a mapped int64 file written a block at a time (not an array in this process)
+    surv_path = os.path.join(step_dir(out_dir, "dedup"), "survivors.scratch.npy")
+    surv = positions_where(out_dir, surv_path, h.keep, lambda b: b)
     plan = task_plan(tasks or TasksConfig(), len(surv))
     factory = (make_verifier or verifier_factory)(out_dir, sources, surv, dd.verify_size, dd.verify_threshold) \
         if dd.verify else None
@@ -142,8 +144,9 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     component = out.array("component", np.int64, n)
     for s, t in blocks(n):  # a hash group's kept image may itself be a copy
         component[s:t] = joined[joined[s:t]]
-    del joined
+    del joined, surv
     os.remove(os.path.join(out.dir, "joined.scratch.npy"))
+    os.remove(surv_path)
     out.finish()
     return {"hash_duplicates": h.n_duplicates, "copy_duplicates": d.n_duplicates,
             "index": d.index_kind, "candidates": d.n_candidates, "edges": d.n_edges,

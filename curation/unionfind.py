@@ -47,19 +47,24 @@ class UnionFind:
             # preserving parent[x] <= x; the loop re-checks edges whose hook lost the race.
             np.minimum.at(self.parent, hi, lo)
 
-    def compress(self) -> None:
+    def compress(self, block: int = 1 << 16) -> None:
+        """Every element points at its root: pointer jumping ``p = p[p]`` in place, a block at a time (no
+        whole-length copy per pass; reading a value already updated in this pass only jumps further up)."""
         p = self.parent
-        while True:
-            pp = p[p]
-            if np.array_equal(pp, p):
-                break
-            p = pp
-        self.parent = p
+        changed = True
+        while changed:
+            changed = False
+            for s in range(0, len(p), block):
+                new = p[p[s:s + block]]
+                if not changed and not np.array_equal(new, p[s:s + block]):
+                    changed = True
+                p[s:s + block] = new
 
-    def roots(self) -> np.ndarray:
-        """Root (smallest member) of every element."""
+    def roots(self, copy: bool = True) -> np.ndarray:
+        """Root (smallest member) of every element (``copy=False``: the parent array itself, for a caller done
+        with the structure)."""
         self.compress()
-        return self.parent.copy()
+        return self.parent.copy() if copy else self.parent
 
 
 def id_ranks(ids) -> tuple[np.ndarray, np.ndarray]:

@@ -56,7 +56,10 @@ ORCH_HELD_MEASURED = {
     # star grouping's arrays are per image with a copy, not per row. Left per survivor: its position, root /
     # component (int64 each), nn_sim (float32), keep (bool). The 20k run (W = 1) builds the IVF in this process,
     # the 80k run (W = 4) in tasks, so this difference is now negative (-6.9): its large-pool peak fell from
-    # 5.64 MB (23.4 B/row, the hash result held and the grouping per row) to 3.60 MB. Bound kept at 16.
+    # 5.64 MB (23.4 B/row, the hash result held and the grouping per row) to 3.60 MB. Then: the hash grouping's
+    # union-find compressed in place with no rank arrays for rows in canonical order, the survivors' positions
+    # mapped, nn_sim read a chunk at a time, the star grouping's sizes over the images with a copy, keep a block
+    # at a time: 2.25 MB (-26.8 here; between 80k and 320k rows at W = 4, 37.9 -> 18.4 B/row). Bound kept at 16.
     "dedup": 16,
     # pipeline.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
     # positions) and its outputs (status, eval_sim), read and written a block at a time, the kNN chunks one at a
