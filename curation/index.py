@@ -205,12 +205,11 @@ class KnnIndex:
         check_gpu_limit("k", k, self.on_gpu)
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self.coarse is not None:
-            nprobe = int(self.index.nprobe)  # what set_nprobe gave the index (faiss wants that many columns)
-            dq, iq = self.coarse(x, nprobe)
-            if iq.shape[1] < nprobe:  # nprobe > nlist: the missing lists as faiss marks them
-                pad = nprobe - iq.shape[1]
-                dq = np.pad(dq, ((0, 0), (0, pad)), constant_values=-np.inf)
-                iq = np.pad(iq, ((0, 0), (0, pad)), constant_values=-1)
+            if self.index.nprobe > self.coarse.nlist:
+                # faiss probes at most nlist lists and lays the preassigned lists out nlist to a row then, while
+                # its Python wrapper wants nprobe columns: a larger nprobe gave wrong rows (recall 0.03)
+                self.index.nprobe = self.coarse.nlist
+            dq, iq = self.coarse(x, int(self.index.nprobe))
             return self.index.search_preassigned(x, k, iq, dq)
         return self.index.search(x, k)
 
@@ -416,7 +415,7 @@ def set_nprobe(index, nprobe: int, on_gpu: bool) -> None:
         faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", nprobe)
     else:
         ivf = faiss.extract_index_ivf(index)
-        ivf.nprobe = nprobe
+        ivf.nprobe = min(nprobe, ivf.nlist)  # faiss probes at most nlist lists (ExactCoarse lays out this many)
         q = faiss.downcast_index(ivf.quantizer)
         if isinstance(q, faiss.IndexHNSW):  # the graph must return nprobe good lists
             q.hnsw.efSearch = max(q.hnsw.efSearch, nprobe)

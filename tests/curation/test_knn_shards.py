@@ -128,6 +128,23 @@ def test_ivf_lists_and_results_are_the_same_on_any_thread_count_batch_shape_and_
         assert np.array_equal(sims.view(np.uint32), ref_sims.view(np.uint32)), key
 
 
+def test_ivf_nprobe_above_nlist_probes_every_list():
+    """nprobe larger than the lists there are (a small pool with DINOv2's nprobe): every list is probed, as with
+    nprobe = nlist (the exact coarse step once laid out more columns than faiss reads: recall 0.03 in gpu-check)."""
+    from curation.index import build_index
+
+    x, _ = clustered(100, 20, d=64)
+    got = {}
+    for nprobe in (10_000, None):
+        knn = build_index(x, kind="ivf", nprobe=nprobe or 1, batch_size=500)
+        if nprobe is None:
+            set_nprobe(knn.index, knn.index.nlist, False)
+        got[nprobe] = knn.search(np.asarray(x[:300], np.float32), 10)
+    assert knn.index.nlist < 10_000
+    assert np.array_equal(got[10_000][1], got[None][1]) and np.array_equal(got[10_000][0], got[None][0])
+    assert (got[10_000][1][:, 0] == np.arange(300)).mean() > 0.95
+
+
 def test_sharded_flat_accepts_many_adds():
     """index_cpu_to_all_gpus(IndexFlat, shard=True) builds IndexShards(successive_ids=True), which
     takes a single add(): reproduced on CPU, then the fix (explicit ids over IndexIDMap shards)."""
