@@ -23,7 +23,7 @@ import numpy as np
 
 from .index import Rows, build_index, iter_knn
 from .steps.runner import phase
-from .unionfind import _non_decreasing, components_by_smallest_id, id_ranks
+from .unionfind import components_by_smallest_id, id_ranks, in_id_order, is_root
 
 GROUPINGS = ("star", "components")
 # kNN cosine above which a pair is a candidate. DINOv2's 0.6 when the descriptor decides alone;
@@ -132,7 +132,7 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
         raise ValueError(f"copy_dedup_from_pairs got n={n} but {len(ids)} ids")
     # rows in canonical order (input ids increase: the usual case): positions are ranks, no array per row for the
     # mapping; otherwise id_ranks' permutation and its inverse
-    order, rank = (None, None) if ids.dtype.kind in "iu" and _non_decreasing(ids) else id_ranks(ids)
+    order, rank = (None, None) if in_id_order(ids) else id_ranks(ids)
 
     def pos(r):  # ranks -> positions
         return r if order is None else order[r]
@@ -155,16 +155,11 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
             root = attach_singletons(root, lo, hi, lambda x, y: verifier(pos(x), pos(y)))
             seconds += time.perf_counter() - t1
         component = root if order is None else order[root[rank]]
-    keep = np.empty(n, bool)  # component == arange(n), a block at a time (no int64 per row beside component)
-    for s0 in range(0, n, KEEP_BLOCK):
-        keep[s0:s0 + KEEP_BLOCK] = component[s0:s0 + KEEP_BLOCK] == np.arange(s0, min(s0 + KEEP_BLOCK, n))
+    keep = is_root(component)
     # read-only placeholders (no memory): the kNN's arrays replace them (copy_dedup, knn_steps.sharded_copy_dedup)
     empty_sim, empty_idx = np.broadcast_to(np.float32(-np.inf), (n,)), np.broadcast_to(np.int64(-1), (n,))
     return DedupResult(component, keep, empty_sim, empty_idx, len(lo), "none", n_candidates,
                        seconds)
-
-
-KEEP_BLOCK = 1 << 20
 
 
 def canonical_pairs(rank: np.ndarray | None, a, b, sim, threshold: float, n: int | None = None):

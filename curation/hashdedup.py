@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .unionfind import UnionFind, _non_decreasing, id_ranks
+from .unionfind import UnionFind, id_ranks, in_id_order, is_root
 
 # pHash copies measured on real photos: resized / recompressed copies differ by <= 4 bits,
 # 5%-cropped ones by up to ~20, and distinct photos by >= 18. 4 keeps this pass "near-exact";
@@ -159,7 +159,7 @@ def group_pairs(n: int, a: np.ndarray, b: np.ndarray, ids=None) -> tuple[np.ndar
     ``ids`` is None, i.e. rows already in canonical order)."""
     if ids is not None and not hasattr(ids, "dtype"):
         ids = np.asarray(ids)
-    if ids is None or (ids.dtype.kind in "iu" and _non_decreasing(ids)):  # positions are ranks: no mapping arrays
+    if ids is None or in_id_order(ids):  # positions are ranks: no mapping arrays
         uf = UnionFind(n)
         uf.union(a, b)
         group = uf.roots(copy=False)
@@ -169,10 +169,7 @@ def group_pairs(n: int, a: np.ndarray, b: np.ndarray, ids=None) -> tuple[np.ndar
         uf.union(rank[a], rank[b])
         group = order[uf.roots(copy=False)[rank]]
     del uf
-    keep = np.empty(n, bool)  # group == arange(n), a block at a time
-    for s in range(0, n, 1 << 20):
-        keep[s:s + (1 << 20)] = group[s:s + (1 << 20)] == np.arange(s, min(s + (1 << 20), n))
-    return group, keep
+    return group, is_root(group)
 
 
 def hash_dedup(hashes: np.ndarray, ids, max_distance: int = DEFAULT_MAX_DISTANCE,

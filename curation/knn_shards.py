@@ -182,15 +182,21 @@ def run_chunks(folder: str, n: int, chunk_size: int, task_index: int, num_tasks:
     return {"chunks": len(mine), "computed": len(todo), "skipped": len(mine) - len(todo)}
 
 
-def iter_chunks(folder: str, n: int, chunk_size: int):
-    """(first query row, {array name: that chunk's rows}) of every chunk of [0, n) in order, one chunk in
-    memory at a time; a clear error naming the missing ones (checked before the first is read)."""
+def _check_chunks(folder: str, n: int, chunk_size: int) -> int:
+    """The number of chunks of [0, n); a clear error naming the missing ones."""
     total = n_chunks(n, chunk_size)
     missing = [c for c in range(total) if not os.path.exists(chunk_path(folder, c))]
     if missing:
         raise FileNotFoundError(
             f"{folder}: {len(missing)} of {total} kNN chunks missing (first: {chunk_path(folder, missing[0])}); "
             "rerun the `curate search` array tasks (finished chunks are skipped)")
+    return total
+
+
+def iter_chunks(folder: str, n: int, chunk_size: int):
+    """(first query row, {array name: that chunk's rows}) of every chunk of [0, n) in order, one chunk in
+    memory at a time; a clear error naming the missing ones (checked before the first is read)."""
+    total = _check_chunks(folder, n, chunk_size)
     for c in range(total):
         with np.load(chunk_path(folder, c)) as z:
             yield c * chunk_size, {key: z[key] for key in z.files}
@@ -204,10 +210,7 @@ class ChunkColumn:
     def __init__(self, folder: str, n: int, chunk_size: int, key: str) -> None:
         self.folder, self.n, self.chunk_size, self.key = folder, n, chunk_size, key
         self._cached: tuple[int, np.ndarray] | None = None
-        missing = [c for c in range(n_chunks(n, chunk_size)) if not os.path.exists(chunk_path(folder, c))]
-        if missing:
-            raise FileNotFoundError(f"{folder}: {len(missing)} kNN chunks missing (first: "
-                                    f"{chunk_path(folder, missing[0])}); rerun the `curate search` array tasks")
+        _check_chunks(folder, n, chunk_size)
 
     def __len__(self) -> int:
         return self.n
@@ -403,25 +406,22 @@ class KnnJob:
         return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
                           task_index, num_tasks, compute, progress)
 
-    def read(self, n_queries: int, keys=None) -> dict[str, np.ndarray]:
+    def _chunk_size(self) -> int:
         meta = self.meta()
         if meta is None:
             raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
-        return read_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT), keys)
+        return meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT)
+
+    def read(self, n_queries: int, keys=None) -> dict[str, np.ndarray]:
+        return read_chunks(self.chunks_dir, n_queries, self._chunk_size(), keys)
 
     def column(self, n_queries: int, key: str) -> ChunkColumn:
         """One array of the chunks as a column read a chunk at a time (:class:`ChunkColumn`)."""
-        meta = self.meta()
-        if meta is None:
-            raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
-        return ChunkColumn(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT), key)
+        return ChunkColumn(self.chunks_dir, n_queries, self._chunk_size(), key)
 
     def iter(self, n_queries: int):
         """:meth:`read` a chunk at a time: (first query row, {array name: the chunk's rows})."""
-        meta = self.meta()
-        if meta is None:
-            raise FileNotFoundError(f"{self.dir}: no saved index; run `curate index` first")
-        return iter_chunks(self.chunks_dir, n_queries, meta["params"].get("chunk_size", CHUNK_SIZE_DEFAULT))
+        return iter_chunks(self.chunks_dir, n_queries, self._chunk_size())
 
 
 # ------------------------------------------------------------------ the steps as W tasks (runner)

@@ -74,7 +74,7 @@ def id_ranks(ids) -> tuple[np.ndarray, np.ndarray]:
     whole only when they are not already in order."""
     if not hasattr(ids, "dtype"):
         ids = np.asarray(ids)
-    if ids.dtype.kind in "iu" and _non_decreasing(ids):
+    if in_id_order(ids):
         # the usual case (rows in canonical order: input ids increase): the stable argsort is the identity, one
         # array serves as both (callers only index with them), no sort and no second int64 per row
         ident = np.arange(len(ids), dtype=np.intp)
@@ -84,6 +84,24 @@ def id_ranks(ids) -> tuple[np.ndarray, np.ndarray]:
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     return order, rank
+
+
+def in_id_order(ids) -> bool:
+    """Rows in canonical order: integer ids that never decrease (positions are then ranks, and a grouping needs no
+    mapping arrays). ``ids``: an array or a lazy sliceable with a dtype, read a block at a time."""
+    return ids.dtype.kind in "iu" and _non_decreasing(ids)
+
+
+IS_ROOT_BLOCK = 1 << 20
+
+
+def is_root(group: np.ndarray) -> np.ndarray:
+    """``group == arange(len(group))`` (the kept image of each group: its own root), a block at a time: no int64
+    per row beside ``group``."""
+    keep = np.empty(len(group), bool)
+    for s in range(0, len(group), IS_ROOT_BLOCK):
+        keep[s:s + IS_ROOT_BLOCK] = group[s:s + IS_ROOT_BLOCK] == np.arange(s, min(s + IS_ROOT_BLOCK, len(group)))
+    return keep
 
 
 def _non_decreasing(a: np.ndarray, block: int = 1 << 16) -> bool:
