@@ -40,7 +40,7 @@ TASK_HELD_MEASURED = {
     ("rebalance", "tree_task"): 8,
     # the IVF add runs as W tasks only when W > 1 (W = 1 builds the index in the orchestrator), so its whole
     # peak at 4N counts here: one chunk of rows and its codes (O(chunk), not O(N)), and since the exact coarse
-    # assignment (index.ExactCoarse) its float64 recomputation of 1,024 rows (three 1,024 x 32 float64 arrays
+    # assignment (exact_coarse.ExactCoarse) its float64 recomputation of 1,024 rows (three 1,024 x 32 float64 arrays
     # here: ~0.4 MB, the same at any N). measured 13.1 before it, 19.9 with it
     ("dedup", "add_task"): 24,
 }
