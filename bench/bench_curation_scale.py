@@ -47,7 +47,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--processes", type=int, default=None, help="local task processes at a time (0: inline)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folders")
+    p.add_argument("--query-fraction", nargs="+", default=[], metavar="N=F",
+                   help="per size, the fraction of rows that query the copy search (every row is indexed; "
+                        "e.g. 10000000=0.01); default 1")
     a = p.parse_args(argv)
+    fractions = {int(x.split("=")[0]): float(x.split("=")[1]) for x in a.query_fraction}
     results = []
     if a.json and os.path.exists(a.json):
         with open(a.json) as f:
@@ -58,7 +62,7 @@ def main(argv=None) -> int:
                 continue
             work = os.path.join(a.work, f"n{n}-w{w}")
             t0 = time.perf_counter()
-            res = simulate(work, n, a.dim, w, processes=a.processes,
+            res = simulate(work, n, a.dim, w, processes=a.processes, query_fraction=fractions.get(n, 1.0),
                            progress=(a.json or os.path.join(a.work, "bench")) + f".n{n}-w{w}.progress.jsonl")
             res["total_s"] = time.perf_counter() - t0
             res["meta"] = run_meta(argv)  # date, machine, command: what bench/rates_from_bench.py cites

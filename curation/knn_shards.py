@@ -117,6 +117,47 @@ def candidate_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, 
         yield {"a": a[keep], "b": b[keep], "sim": sim[keep], "nn_sim": nn_sim, "nn_idx": nn_idx}
 
 
+QUERY_SALT = 0x51E5
+"""Seed of the per-row key that picks a query fraction's rows (:func:`queried`)."""
+
+
+def queried(rows: Rows, start: int, stop: int, fraction: float) -> np.ndarray | None:
+    """The positions in [start, stop) of ``rows`` that query the index at ``fraction`` (None: all of them).
+
+    A row queries iff the splitmix64 key of its row in the embeddings folder (``rows.indices``, else its
+    position) falls under ``fraction`` of 2^64: a function of the row alone, the same rows for any W, chunk
+    or batch. ``curate simulate --query-fraction`` (the growth bench at sizes whose full search this machine
+    cannot run in a session) searches such a fraction; `curate run` queries every row."""
+    if fraction >= 1.0:
+        return None
+    pos = np.arange(start, stop, dtype=np.int64)
+    return pos[is_queried(pos if rows.indices is None else rows.indices[start:stop], fraction)]
+
+
+def is_queried(pool_rows: np.ndarray, fraction: float) -> np.ndarray:
+    """Whether each row (of the embeddings folder) queries at this query fraction (:func:`queried`)."""
+    from .steps.sampling import row_keys
+
+    return row_keys(np.asarray(pool_rows, np.int64), QUERY_SALT) < np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
+
+
+def fraction_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, threshold: float,
+                   batch_size: int, margin: float, fraction: float) -> dict:
+    """One chunk of :func:`candidate_pairs`: its query rows (all, or those of a query ``fraction``), the
+    pairs concatenated, ``nn_sim`` / ``nn_idx`` for every row of the chunk (-inf / -1 where a row did not
+    query)."""
+    pos = queried(rows, start, stop, fraction)
+    parts = list(candidate_pairs(index, rows, start, stop, k, threshold, batch_size, margin, positions=pos))
+    out = {"a": np.zeros(0, np.int64), "b": np.zeros(0, np.int64), "sim": np.zeros(0, np.float64)}
+    out.update({key: np.concatenate([q[key] for q in parts]) for key in parts[0]} if parts else {})
+    if pos is not None:
+        nn_sim, nn_idx = np.full(stop - start, -np.inf, np.float32), np.full(stop - start, -1, np.int64)
+        if parts:
+            nn_sim[pos - start], nn_idx[pos - start] = out["nn_sim"], out["nn_idx"]
+        out["nn_sim"], out["nn_idx"] = nn_sim, nn_idx
+    return out
+
+
 def nearest_exact(index: KnnIndex, queries: Rows, targets: Rows, start: int, stop: int,
                   k: int = 4, batch_size: int = BATCH_DEFAULT) -> Iterator[dict]:
     """Best target of query rows [start, stop): the index's k nearest rescored exactly (float64);
@@ -367,9 +408,8 @@ class KnnJob:
         margin = p.get("margin") or (MARGIN_EXACT if meta["kind"] in ("flat", "ivf") else MARGIN_LOSSY)
 
         def compute(start, stop):
-            parts = list(candidate_pairs(index, rows, start, stop, p["k"], p["threshold"],
-                                         p.get("batch_size", BATCH_DEFAULT), margin))
-            return {key: np.concatenate([q[key] for q in parts]) for key in parts[0]}
+            return fraction_pairs(index, rows, start, stop, p["k"], p["threshold"],
+                                  p.get("batch_size", BATCH_DEFAULT), margin, p.get("query_fraction", 1.0))
 
         return run_chunks(self.chunks_dir, len(rows), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
                           task_index, num_tasks, compute, progress)

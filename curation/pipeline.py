@@ -98,11 +98,16 @@ class ChainInputs:
     pixel verifier (hash duplicates are then not verified again); None: pixels of ``input.paths``."""
     eval_embedded: bool = False
     """embeddings/eval/ is there already (generated): decontaminate reads it instead of embedding eval_paths."""
+    query_fraction: float = 1.0
+    """< 1: only this fraction of the rows queries the copy search (curation.knn_shards.queried: a per-row key;
+    every row is indexed) -- the growth bench's stand-in for a search this machine cannot run whole at 10M
+    rows, said beside its figures; `curate run` queries every row."""
 
 
 def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashDedupConfig | None = None,
                knn: KnnConfig | None = None, sources=None, progress: bool = True,
-               tasks: TasksConfig | None = None, make_verifier: Callable | None = None) -> dict:
+               tasks: TasksConfig | None = None, make_verifier: Callable | None = None,
+               query_fraction: float = 1.0) -> dict:
     """Hash pre-dedup (unless ``hash_dedup.enabled`` is False), then copy dedup of the hash survivors:
     kNN candidates on the copy descriptors through the sharded kNN (curation.knn_steps: the saved
     index and the chunks of `curate search` array tasks are reused, whatever is missing is computed
@@ -125,7 +130,8 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     plan = task_plan(tasks or TasksConfig(), len(surv))
     factory = (make_verifier or verifier_factory)(out_dir, sources, surv, dd.verify_size, dd.verify_threshold) \
         if dd.verify else None
-    d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, _knn(knn), progress,
+    knn_d = _knn(knn) if query_fraction >= 1.0 else {**(_knn(knn) or {}), "query_fraction": float(query_fraction)}
+    d = sharded_copy_dedup(out_dir, emb, surv, dd.k, threshold, dd.index, dd.nprobe, knn_d, progress,
                            grouping=dd.grouping, tasks=plan, verifier_factory=factory)
     # the step's arrays written in place a block at a time (mapped files, not whole arrays in this process)
     n, out = len(emb), StepWriter(out_dir, "dedup")
@@ -440,7 +446,8 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
         return step_embed(cfg.input.paths, out, e, cfg.descriptor, dd, embedder, prog, cfg.tasks)
     if step == "dedup":  # after an array of embedding tasks (or a simulation's generated parts): the tables first
         w = build_tables(out, cfg.tasks)
-        res = step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks, inputs.verifier)
+        res = step_dedup(out, dd, cfg.hash_dedup, knn, cfg.input.paths, prog, cfg.tasks, inputs.verifier,
+                         inputs.query_fraction)
         return {**res, "tasks": {**res["tasks"], "table": w}} if w else res  # (after `curate run`'s embed: 0)
     if step == "decontaminate":
         return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks,

@@ -100,10 +100,12 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
              overlap: int = 1000, copy_rate: float = 0.01, hash_rate: float = 0.01, max_distance: int = 4,
              nlist: int | None = None, nprobe: int = 8, k: int = 4, threshold: float = 0.9,
              levels=(1000, 100, 10), seed: int = 0, processes: int | None = None,
-             progress: str | None = None, chunk_size: int | None = None) -> dict:
+             progress: str | None = None, chunk_size: int | None = None, query_fraction: float = 1.0) -> dict:
     """Generate the pool in ``work`` (existing parts are reused: a rerun skips finished tasks), then run
     `curate run`'s steps after embedding on it with ``tasks.count=tasks`` (``processes=0``: the tasks inline,
-    one after another in this process; else local processes). ``progress``: one JSON line per finished step."""
+    one after another in this process; else local processes). ``progress``: one JSON line per finished step.
+    ``query_fraction`` < 1: only that fraction of the rows queries the copy search (every row is indexed;
+    :class:`curation.pipeline.ChainInputs`); the copies' recall then counts the planted pairs with a queried end."""
     from ..config import TasksConfig
     from ..pipeline import ChainInputs, build_tables, run_steps
 
@@ -120,7 +122,8 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
     table["generate"] = _row(rec, time.perf_counter() - t0, mem, traced)
     cfg = chain_config(work, tasks, "inline" if processes == 0 else "local", max_distance, nlist, nprobe, k,
                        threshold, levels, seed, chunk_size)
-    inputs = ChainInputs(verifier=chain.planted_factory(work, n, block), eval_embedded=True)
+    inputs = ChainInputs(verifier=chain.planted_factory(work, n, block), eval_embedded=True,
+                         query_fraction=query_fraction)
     results = {}
     for step in chain_steps(cfg):
         t0 = time.perf_counter()
@@ -130,12 +133,12 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
         if progress:  # a run stopped half-way still says what it measured
             with open(progress, "a") as f:
                 f.write(json.dumps({"step": step, "time": time.strftime("%H:%M:%S"), **table[step]}) + "\n")
-    return {"n": n, "dim": dim, "tasks": tasks, "chain": list(chain_steps(cfg)), "steps": table,
-            "step_results": {s: r for s, r in results.items() if s != "write"},
-            "arrays_sha256": step_digests(work), **_score(work, n, block)}
+    return {"n": n, "dim": dim, "tasks": tasks, "query_fraction": query_fraction, "chain": list(chain_steps(cfg)),
+            "steps": table, "step_results": {s: r for s, r in results.items() if s != "write"},
+            "arrays_sha256": step_digests(work), **_score(work, n, block, query_fraction)}
 
 
-def _score(work: str, n: int, block: int) -> dict:
+def _score(work: str, n: int, block: int, query_fraction: float = 1.0) -> dict:
     """Recall of the planted answer, counts (the manifest's, read from the decisions parts) and a digest of
     decisions.tsv (to compare W=1 with W=4)."""
     from ..stepfiles import DECONTAM, HASH_DUP, load_step
@@ -150,6 +153,12 @@ def _score(work: str, n: int, block: int) -> dict:
             digest.update(chunk)
     with open(os.path.join(work, "manifest.json")) as f:
         counts = json.load(f)["counts"]
+    src, dst = tr["copy_src"], tr["copy_dst"]
+    if query_fraction < 1.0:  # a planted copy can be found when one of its rows queried the index
+        from ..knn_shards import is_queried
+
+        asked = is_queried(src, query_fraction) | is_queried(dst, query_fraction)
+        src, dst = src[asked], dst[asked]
     ov = tr["overlap"]
     ov = ov[dd["status"][ov] != HASH_DUP]  # a hash duplicate left before decontamination
 
@@ -157,9 +166,10 @@ def _score(work: str, n: int, block: int) -> dict:
         return float(np.mean(x)) if len(x) else 1.0
 
     return {"recall": {"hash_near_duplicates": rate(hg[tr["hash_src"]] == hg[tr["hash_dst"]]),
-                       "copies": rate(comp[tr["copy_src"]] == comp[tr["copy_dst"]]),
+                       "copies": rate(comp[src] == comp[dst]),
                        "eval_overlap": rate(dc["status"][comp[ov]] == DECONTAM)},
-            "planted": {"hash": len(tr["hash_src"]), "copies": len(tr["copy_src"]), "overlap": len(ov)},
+            "planted": {"hash": len(tr["hash_src"]), "copies": len(tr["copy_src"]), "overlap": len(ov),
+                        **({"copies_with_a_queried_end": len(src)} if query_fraction < 1.0 else {})},
             "counts": counts, "decisions_sha256": digest.hexdigest()}
 
 
@@ -184,8 +194,10 @@ def differing(digests: list[dict]) -> list[str]:
 
 
 def render(res: dict) -> str:
+    qf = res.get("query_fraction", 1.0)
     lines = [f"simulate: N={res['n']:,} D={res['dim']} W={res['tasks']} (the chain of `curate run`: "
-             f"{' -> '.join(res['chain'])})",
+             f"{' -> '.join(res['chain'])})" + (f"; copy search: a query fraction of {qf:g} (every row indexed; "
+                                                f"recall over the planted copies with a queried end)" if qf < 1 else ""),
              f"{'step':<15} {'tasks':>5} {'wall s':>9} {'task s':>9} {'task heap MB':>13} {'orch. heap MB':>14}"]
     for name, r in res["steps"].items():
         lines.append(f"{name:<15} {r['tasks']:>5} {r['wall_s']:>9.1f} {r['task_s']:>9.1f} {r['task_heap_mb']:>13.0f} "
@@ -218,16 +230,19 @@ def main(argv=None) -> int:
     p.add_argument("--nprobe", type=int, default=8)
     p.add_argument("--levels", type=int, nargs="+", default=[1000, 100, 10])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--query-fraction", type=float, default=1.0,
+                   help="only this fraction of the rows queries the copy search (a per-row key; every row is "
+                        "indexed): the search's cost at sizes this machine cannot search whole")
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--progress", default=None, help="append one JSON line per finished step here")
     p.add_argument("--clean", action="store_true", help="delete --work afterwards")
     a = p.parse_args(argv)
-    if a.n < 2 or a.tasks < 1 or a.dim < 8:
-        print("curate simulate: need --n >= 2, --tasks >= 1, --dim >= 8", file=sys.stderr)
+    if a.n < 2 or a.tasks < 1 or a.dim < 8 or not 0.0 < a.query_fraction <= 1.0:
+        print("curate simulate: need --n >= 2, --tasks >= 1, --dim >= 8, 0 < --query-fraction <= 1", file=sys.stderr)
         return 2
     res = simulate(a.work, a.n, a.dim, a.tasks, a.clusters, min(a.n_eval, a.n), min(a.overlap, a.n_eval, a.n),
                    nlist=a.nlist, nprobe=a.nprobe, levels=tuple(a.levels), seed=a.seed, processes=a.processes,
-                   progress=a.progress)
+                   progress=a.progress, query_fraction=a.query_fraction)
     print(render(res))
     if a.json:
         with open(a.json, "w") as f:
