@@ -22,7 +22,7 @@ EXACT_ROWS = 1024
 def exact_ip(x: np.ndarray, centroids: np.ndarray, cand: np.ndarray) -> np.ndarray:
     """Inner product of each row of ``x`` (B, D) with its candidates ``centroids[cand]`` (cand (B, k) int64,
     -1: none) -> (B, k) float64 (-inf where none): the products in float64 (exact for float32 inputs), each row
-    summed by numpy in its fixed order (as ``knn_shards.exact_cosine``), so the value is the same for a row
+    summed by numpy in its fixed order (as ``knn_candidates.exact_cosine``), so the value is the same for a row
     whatever the batch, thread count or process. Temporaries: EXACT_ROWS x D float64, three of them."""
     out = np.full(cand.shape, -np.inf)
     for s in range(0, len(x), EXACT_ROWS):

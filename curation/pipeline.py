@@ -99,7 +99,7 @@ class ChainInputs:
     eval_embedded: bool = False
     """embeddings/eval/ is there already (generated): decontaminate reads it instead of embedding eval_paths."""
     query_fraction: float = 1.0
-    """< 1: only this fraction of the rows queries the copy search (curation.knn_shards.queried: a per-row key;
+    """< 1: only this fraction of the rows queries the copy search (curation.knn_candidates.queried: a per-row key;
     every row is indexed) -- the growth bench's stand-in for a search this machine cannot run whole at 10M
     rows, said beside its figures; `curate run` queries every row."""
 

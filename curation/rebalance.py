@@ -105,7 +105,7 @@ def retrieval_sample_based(pool, seeds, k: int = 4, batch_size: int = 8192,
                            index_kind: str = "auto", nprobe: int = 64) -> RebalanceResult:
     """Each seed retrieves its k nearest pool images; a pool image retrieved by several seeds
     records the most similar one (exact float64 cosine, as the sharded path scores them)."""
-    from .knn_shards import retrieval_candidates
+    from .knn_candidates import retrieval_candidates
 
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     seed_rows = seeds if isinstance(seeds, Rows) else Rows(seeds)

@@ -155,7 +155,7 @@ def _score(work: str, n: int, block: int, query_fraction: float = 1.0) -> dict:
         counts = json.load(f)["counts"]
     src, dst = tr["copy_src"], tr["copy_dst"]
     if query_fraction < 1.0:  # a planted copy can be found when one of its rows queried the index
-        from ..knn_shards import is_queried
+        from ..knn_candidates import is_queried
 
         asked = is_queried(src, query_fraction) | is_queried(dst, query_fraction)
         src, dst = src[asked], dst[asked]

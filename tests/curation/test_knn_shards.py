@@ -17,7 +17,8 @@ from tests.curation.test_index_dedup import clustered
 
 from curation.cli import main
 from curation.index import GPU_MAX_K, KnnIndex, Rows, iter_knn, set_nprobe, sharded_flat
-from curation.knn_shards import KnnJob, chunk_path, exact_cosine, merge_pairs
+from curation.knn_candidates import exact_cosine
+from curation.knn_shards import KnnJob, chunk_path, merge_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
@@ -235,3 +236,42 @@ def test_one_and_three_search_workers_give_identical_decisions(pool_dir, photos,
     assert d1 == d3
     statuses = [line.split("\t")[2] for line in d1.splitlines()[1:]]
     assert statuses.count("decontaminated") >= 3 and statuses.count("copy_duplicates") >= 1
+
+
+def test_a_query_fraction_searches_the_same_rows_for_any_tasks_and_finds_their_pairs_of_a_full_search(tmp_path):
+    """`curate simulate --query-fraction` (the growth bench's 10M stand-in): the rows that query are a function of
+    the row alone (the same for 1 or 3 tasks and any chunk size), every row stays indexed, and the pairs found
+    are exactly the full search's pairs whose query end is such a row."""
+    from curation.knn_candidates import queried
+
+    x, _ = clustered(750, 2, d=64)
+    n = len(x)
+    rows = Rows(np.concatenate([np.zeros((3, 64), np.float16), x]), np.arange(3, 3 + n))  # a view, as survivors are
+    full, one, three = (KnnJob(str(tmp_path / s)) for s in ("full", "one", "three"))
+    full.build(rows, {**PARAMS, "kind": "ivf"}, use_gpu=False)
+    for job, chunk in ((one, 500), (three, 300)):
+        shutil.copytree(full.dir, job.dir)  # the same trained index; the fraction is a search parameter
+        meta = job.meta()
+        meta["params"].update(query_fraction=0.3, chunk_size=chunk)
+        (Path(job.meta_path)).write_text(__import__("json").dumps(meta))
+    full.search_pairs(rows, 0, 1)
+    one.search_pairs(rows, 0, 1)
+    for t in range(3):
+        three.search_pairs(rows, t, 3)
+    asked = queried(rows, 0, len(rows), 0.3)
+    np.testing.assert_array_equal(asked, np.concatenate([queried(rows, s, min(s + 300, n), 0.3)
+                                                         for s in range(0, n, 300)]))
+    assert 350 < len(asked) < 550  # ~30% of 1,500
+    a, b, s = _pairs(full, n)
+    r = full.read(n)
+    is_asked = np.isin(np.arange(n), asked)
+    want_a, want_b = r["a"][is_asked[r["a"]]], r["b"][is_asked[r["a"]]]
+    want = merge_pairs(want_a, want_b, r["sim"][is_asked[r["a"]]])
+    for job in (one, three):
+        got = _pairs(job, n)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        nn = job.read(n, keys=("nn_sim",))["nn_sim"]
+        np.testing.assert_array_equal(nn[asked], r["nn_sim"][asked])
+        assert np.isneginf(nn[~is_asked]).all()
+    assert len(want[0]) < len(a)

@@ -98,6 +98,17 @@ def test_simulate_runs_the_chain_of_curate_run_w1_and_w3_identical_with_planted_
         assert 0 < c["not_selected"] and 0 < c["kept"]
 
 
+def test_simulate_with_a_query_fraction_finds_the_planted_copies_that_have_a_queried_end(tmp_path, small_blocks):
+    """The growth bench's 10M stand-in (`curate simulate --query-fraction`): the same chain, only a fraction of
+    the rows query the copy search; the planted copies with a queried end are found, about 1 - (1 - F)^2 of all."""
+    res = simulate(str(tmp_path / "f"), 6000, 32, tasks=2, query_fraction=0.3, **SMALL)
+    assert res["query_fraction"] == 0.3 and res["recall"]["copies"] >= 0.98, res["recall"]
+    p = res["planted"]
+    assert 0.40 * p["copies"] < p["copies_with_a_queried_end"] < 0.62 * p["copies"]  # 1 - 0.7^2 = 0.51
+    assert res["counts"]["copy_duplicates"] <= p["copies_with_a_queried_end"] + 5
+    assert res["step_results"]["dedup"]["tasks"]["knn"] == 2
+
+
 @pytest.mark.slow
 def test_w3_task_processes_of_one_thread_write_the_arrays_of_one_process_of_all_cores(tmp_path, small_blocks):
     """W = 1 inline (this process: every core's BLAS / faiss threads) against W = 3 local task processes (one

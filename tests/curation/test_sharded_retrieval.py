@@ -15,7 +15,7 @@ from tests._photos import encode, make_copy
 from curation.cli import main
 from curation.embeddings import open_embeddings
 from curation.index import Rows
-from curation.knn_shards import exact_cosine
+from curation.knn_candidates import exact_cosine
 from curation.rebalance import rebalance
 from curation.stepfiles import load_step
 
