@@ -56,7 +56,7 @@ import numpy as np
 from numpy.lib.format import open_memmap
 
 from dinopipe.config import InputError
-from .embeddings import open_embeddings
+from .embstore import open_embeddings
 from .index import Rows
 from .kmeans import (BLOCK, INITS, KMEANSPP_MAX_K, KMeansResult, Level, _sample_positions, resample_positions,
                      seed_centroids, work_positions)

@@ -33,7 +33,6 @@ from dinopipe.utils.io import atomic_path
 from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, group_pairs, merge_pair_parts, near_pairs_task
 from .steps.runner import launch as run_launch
 from .steps.runner import part_done, part_path, parts, phase, read_part, run_step, write_part
-from .verify import PartedVerifier, pixel_verifier
 
 
 def hash_dir(out_dir: str) -> str:
@@ -60,7 +59,8 @@ def pairs_task(t: int, w: int, folder: str, max_distance: int = DEFAULT_MAX_DIST
 def pixel_verifier_of(sources, emb_dir: str, rows_path: str | None, size: int, threshold: float):
     """A picklable verifier factory's body: the pixel verifier over rows ``rows_path`` (None: all) of the
     embeddings in ``emb_dir``, built inside the task that uses it (curation.verify.pixel_verifier)."""
-    from .embeddings import open_embeddings
+    from .embstore import open_embeddings
+    from .verify import pixel_verifier  # torch: only in the tasks that verify pixels
 
     rows = None if rows_path is None else np.load(rows_path, mmap_mode="r")
     return pixel_verifier(sources, open_embeddings(emb_dir), rows, size, threshold)
@@ -134,6 +134,8 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
     del a, b
     dup = np.flatnonzero(~keep)
     if verify_with is not None and len(dup):
+        from .verify import PartedVerifier
+
         sources, size, threshold = verify_with
         order = np.lexsort((dup, group[dup]))  # by kept image: its pairs come together (decoded once)
         va, vb = group[dup][order], dup[order]

@@ -344,7 +344,7 @@ class RowSource:
         return cls(emb_dir, path)
 
     def open(self) -> Rows:
-        from .embeddings import open_embeddings
+        from .embstore import open_embeddings
 
         emb = open_embeddings(self.emb_dir)
         return Rows(emb, None if self.positions is None else np.load(self.positions))

@@ -19,7 +19,8 @@ from dinopipe.config import ConfigError
 
 from .config import DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig, knn_kwargs, task_plan
 from .dedup import DedupResult, copy_dedup_from_pairs, resolve_threshold
-from .embeddings import EmbeddingSet, embed_pool, open_embeddings
+from .embeddings import embed_pool
+from .embstore import EmbeddingSet, open_embeddings
 from .hash_step import hash_step, pixel_verifier_of
 from .hashdedup import HashDedupResult
 from .index import Rows

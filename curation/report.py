@@ -26,7 +26,7 @@ from dinopipe.data.decode import safe_decode  # noqa: E402
 from dinopipe.data.sources import as_multi  # noqa: E402
 from dinopipe.utils.io import atomic_write  # noqa: E402
 
-from .embeddings import open_embeddings  # noqa: E402
+from .embstore import open_embeddings  # noqa: E402
 from .stepfiles import _STATUS_NAMES, KEPT, NOT_SELECTED, load_step  # noqa: E402
 from .write import STATUSES  # noqa: E402
 

@@ -17,8 +17,7 @@ import numpy as np
 from dinopipe.config import ConfigError
 from dinopipe.utils.io import atomic_path, atomic_write_json
 
-from .descriptor import DescriptorConfig, PCADescriptor, fit_descriptor
-from .embeddings import open_embeddings
+from .embstore import open_embeddings
 from .steps.runner import BLOCK
 
 KEPT, HASH_DUP, COPY_DUP, DECONTAM, NOT_SELECTED = 0, 1, 2, 3, 4
@@ -162,9 +161,11 @@ def load_step(out_dir: str, name: str, keys=None, mmap: bool = False) -> dict:
         return {k: z[k] for k in z.files if keys is None or k in keys}
 
 
-def get_descriptor(out_dir: str, sources=None, config: DescriptorConfig | None = None
-                   ) -> PCADescriptor:
-    """Load ``descriptor.npz``, or build/fit and save it (so every array task uses the same)."""
+def get_descriptor(out_dir: str, sources=None, config=None):
+    """Load ``descriptor.npz``, or build/fit and save it (so every array task uses the same); a
+    curation.descriptor.PCADescriptor (torch: imported here, not by the tasks that read step files)."""
+    from .descriptor import PCADescriptor, fit_descriptor
+
     path = _p(out_dir, "descriptor.npz")
     if os.path.exists(path):
         return PCADescriptor.load(path)
@@ -174,7 +175,7 @@ def get_descriptor(out_dir: str, sources=None, config: DescriptorConfig | None =
     return desc
 
 
-def copy_embedder(out_dir: str, sources=None, config: DescriptorConfig | None = None,
+def copy_embedder(out_dir: str, sources=None, config=None,
                   model: str | None = None, image_size: int = 224, device: str = "auto",
                   precision: str = "auto", trust_code: bool = False):
     """``(embed_fn, transform)`` of the copy space: the copy model recorded in ``out_dir`` (or

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from ..embeddings import _mark_task_done, open_embeddings, save_shard
+from ..embstore import _mark_task_done, open_embeddings, save_shard
 from ..steps.runner import BLOCK, part_done, part_path, parts, read_part, task_blocks, write_part
 from . import generate as gen
 

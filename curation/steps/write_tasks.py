@@ -19,7 +19,7 @@ from dinopipe.config import InputError
 from dinopipe.data.sources import as_multi
 
 from ..decisions import decisions_task
-from ..embeddings import open_embeddings
+from ..embstore import open_embeddings
 from ..stepfiles import KEPT, _p, load_step, step_path
 from ..write import write_shard_task
 from .runner import BLOCK
