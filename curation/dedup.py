@@ -23,7 +23,7 @@ import numpy as np
 
 from .index import Rows, build_index, iter_knn
 from .steps.runner import phase
-from .unionfind import components_by_smallest_id, id_ranks, in_id_order, is_root
+from .unionfind import SparseRoots, components_by_smallest_id, id_ranks, in_id_order, is_root
 
 GROUPINGS = ("star", "components")
 # kNN cosine above which a pair is a candidate. DINOv2's 0.6 when the descriptor decides alone;
@@ -53,11 +53,12 @@ class DedupResult:
 
     @property
     def n_duplicates(self) -> int:
-        return int((~self.keep).sum())
+        removed = getattr(self.keep, "n_removed", None)  # unionfind.RootMask: counted over the copied images
+        return int(removed) if removed is not None else int((~np.asarray(self.keep)).sum())
 
     def component_sizes(self) -> np.ndarray:
         """Sizes of all groups (singletons included)."""
-        return np.bincount(np.unique(self.component, return_inverse=True)[1].ravel())
+        return np.bincount(np.unique(np.asarray(self.component), return_inverse=True)[1].ravel())
 
 
 def candidate_pairs(rows: Rows, k: int, threshold: float, index_kind: str = "auto",
@@ -108,6 +109,7 @@ def copy_dedup(embeddings, ids, k: int = 64, threshold: float = 0.6, index_kind:
         rows, k, threshold, index_kind, nprobe, batch_size, use_gpu, flat_max, progress)
     res = copy_dedup_from_pairs(n, ids, a, b, sim, threshold=threshold, verifier=verifier,
                                 grouping=grouping)
+    res.component, res.keep = np.asarray(res.component), np.asarray(res.keep)  # in memory: whole arrays
     res.nn_sim, res.nn_index, res.index_kind = nn_sim, nn_index, kind
     return res
 
@@ -185,8 +187,9 @@ ROUNDS_MAX = 64
 whose order forces one decision per round) are finished one by one."""
 
 
-def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Group root (in rank space) of every rank: star clustering of the verified-copy graph.
+def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> SparseRoots:
+    """Group root (in rank space) of every rank: star clustering of the verified-copy graph (a
+    :class:`curation.unionfind.SparseRoots`: stored for the images with a verified copy only).
 
     Images with copies are visited by decreasing number of verified copies (ties: smaller id
     first); an unclaimed one keeps itself and claims its unclaimed neighbours; claimed images
@@ -202,12 +205,12 @@ def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     After :data:`ROUNDS_MAX` rounds the rest (a chain) is finished in order, as the greedy visit would. A
     removed image's root is its kept neighbour visited first (the one that claimed it).
     """
-    root = np.arange(n, dtype=np.int64)
     if not len(lo):
-        return root
+        return SparseRoots(n, np.zeros(0, np.int64))
     # only images with a verified copy take part: every array below is per such image (m of them, in rank
-    # order), not per row of the pool -- the one array per row is ``root``
+    # order), not per row of the pool, and so is the result (unionfind.SparseRoots: identity elsewhere)
     ends = np.unique(np.concatenate([lo, hi]).astype(np.int64))
+    root = SparseRoots(n, ends)
     m = len(ends)
     lo_c, hi_c = np.searchsorted(ends, lo), np.searchsorted(ends, hi)
     src, dst = np.concatenate([lo_c, hi_c]), np.concatenate([hi_c, lo_c])
@@ -248,7 +251,7 @@ def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     c, k = c[srt], k[srt]
     first = np.ones(len(c), bool)
     first[1:] = c[1:] != c[:-1]
-    root[ends[c[first]]] = ends[k[first]]
+    root.roots[c[first]] = ends[k[first]]
     return root
 
 

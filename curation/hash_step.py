@@ -32,7 +32,8 @@ from dinopipe.utils.io import atomic_path
 
 from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, group_pairs, merge_pair_parts, near_pairs_task
 from .steps.runner import launch as run_launch
-from .steps.runner import part_done, part_path, parts, phase, read_part, run_step, write_part
+from .steps.runner import BLOCK, part_done, part_path, parts, phase, read_part, run_step, write_part
+from .unionfind import SparseRoots
 
 
 def hash_dir(out_dir: str) -> str:
@@ -88,11 +89,19 @@ def _load(folder: str, params: dict) -> HashDedupResult | None:
     return HashDedupResult(r["group"], r["keep"], int(r["n_pairs"]))
 
 
-def _save(folder: str, group: np.ndarray, keep: np.ndarray, n_pairs: int) -> None:
-    """The arrays first (atomic each), ``result.json`` last: a killed save leaves no result."""
-    for name, arr in (("group", group), ("keep", keep)):
+def _save(folder: str, group, n_pairs: int, block: int = BLOCK) -> None:
+    """``group`` and ``keep`` (= its own root) written a block at a time from ``group`` (an array or a
+    unionfind.SparseRoots: no whole array made), atomic each; ``result.json`` last: a killed save leaves no
+    result."""
+    n = len(group)
+    for name, dtype in (("group", np.int64), ("keep", bool)):
         with atomic_path(os.path.join(folder, f"{name}.npy"), suffix=".npy") as tmp:
-            np.save(tmp, arr)
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n,))
+            for s in range(0, n, block):
+                g = np.asarray(group[s:s + block])
+                out[s:s + block] = g if name == "group" else g == np.arange(s, s + len(g))
+            out.flush()
+            del out
     _write_json(os.path.join(folder, "result.json"), {"n_pairs": int(n_pairs)})
 
 
@@ -127,12 +136,12 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
     ran = launch(pairs_task, plan, folder=folder, max_distance=max_distance)
     a, b = merge_pair_parts([(r["a"], r["b"]) for r in map(read_part, parts(os.path.join(folder, "parts"),
                                                                                 "pairs", w))])
-    with phase("hash_grouping"):
-        group, keep = group_pairs(n, a, b, emb.ids)
+    with phase("hash_grouping"):  # rows in canonical order: stored for the images with a pair only
+        group, keep = group_pairs(n, a, b, emb.ids, sparse=True)
     hashes = np.load(hashes_path, mmap_mode="r")
     n_pairs = int(np.count_nonzero(hashes[a] != hashes[b]))
     del a, b
-    dup = np.flatnonzero(~keep)
+    dup = group.non_roots() if isinstance(group, SparseRoots) else np.flatnonzero(~keep)
     if verify_with is not None and len(dup):
         from .verify import PartedVerifier
 
@@ -144,9 +153,8 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
         ok = PartedVerifier(None, os.path.join(folder, "verify"), w, (plan or {}).get("launcher", "inline"),
                             factory)(va, vb)
         lone = vb[~ok]
-        keep[lone] = True
-        group[lone] = lone
-    _save(folder, group, keep, n_pairs)
+        group[lone] = lone  # kept again (keep is written from group)
+    _save(folder, group, n_pairs)
     del group, keep  # the readers (and the rest of this step) map the saved arrays
     return _load(folder, params), {"tasks": w, "reused": False, "pair_tasks": [r["result"] for r in ran]}
 

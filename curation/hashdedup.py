@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .unionfind import UnionFind, id_ranks, in_id_order, is_root
+from .unionfind import SparseRoots, UnionFind, id_ranks, in_id_order, is_root
 
 # pHash copies measured on real photos: resized / recompressed copies differ by <= 4 bits,
 # 5%-cropped ones by up to ~20, and distinct photos by >= 18. 4 keeps this pass "near-exact";
@@ -154,15 +154,16 @@ def merge_pair_parts(parts) -> tuple[np.ndarray, np.ndarray]:
     return pairs[:, 0], pairs[:, 1]
 
 
-def group_pairs(n: int, a: np.ndarray, b: np.ndarray, ids=None) -> tuple[np.ndarray, np.ndarray]:
+def group_pairs(n: int, a: np.ndarray, b: np.ndarray, ids=None, sparse: bool = False):
     """``(group, keep)`` from pair arrays: components, each kept image the smallest id (position when
-    ``ids`` is None, i.e. rows already in canonical order)."""
+    ``ids`` is None, i.e. rows already in canonical order). For rows in canonical order the union-find runs over
+    the images with a pair only (unionfind.SparseRoots); ``sparse``: return it and its RootMask (nothing per
+    row: the hash step writes them a block at a time), else whole arrays."""
     if ids is not None and not hasattr(ids, "dtype"):
         ids = np.asarray(ids)
     if ids is None or in_id_order(ids):  # positions are ranks: no mapping arrays
-        uf = UnionFind(n)
-        uf.union(a, b)
-        group = uf.roots(copy=False)
+        group = SparseRoots.from_pairs(n, a, b)
+        return (group, is_root(group)) if sparse else (np.asarray(group), np.asarray(is_root(group)))
     else:
         order, rank = id_ranks(ids)
         uf = UnionFind(n)

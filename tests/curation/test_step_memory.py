@@ -59,8 +59,11 @@ ORCH_HELD_MEASURED = {
     # 5.64 MB (23.4 B/row, the hash result held and the grouping per row) to 3.60 MB. Then: the hash grouping's
     # union-find compressed in place with no rank arrays for rows in canonical order, the survivors' positions
     # mapped, nn_sim read a chunk at a time, the star grouping's sizes over the images with a copy, keep a block
-    # at a time: 2.25 MB (-26.8 here; between 80k and 320k rows at W = 4, 37.9 -> 18.4 B/row). Bound kept at 16.
-    "dedup": 16,
+    # at a time: 2.25 MB (-26.8 here; between 80k and 320k rows at W = 4, 37.9 -> 18.4 B/row). Then the hash
+    # grouping's union-find and the star grouping's roots held for the images with a pair only
+    # (unionfind.SparseRoots; keep = its RootMask) and the hash result written a block at a time: 80k -> 320k
+    # rows at W = 4, 18.4 -> 0.5 B/row. Bound: the general one.
+    "dedup": ORCH_HELD,
     # pipeline.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
     # positions) and its outputs (status, eval_sim), read and written a block at a time, the kNN chunks one at a
     # time; left: the blocks. measured 4.7 (8.8 with the int32 source_codes; 62 when it built whole arrays)

@@ -96,3 +96,43 @@ def test_flood_of_identical_hashes_collapses_to_one_group():
     h[::1000] = np.arange(200, dtype=np.uint64) * 0x0101010101010101
     res = hash_dedup(h, [f"{i:07d}" for i in range(len(h))], max_distance=3)
     assert res.keep[0] and res.n_duplicates >= 199_000 - 200
+
+
+def test_sparse_roots_are_the_union_find_of_the_pool_stored_for_the_images_with_a_pair():
+    """The hash step's and the star grouping's roots (unionfind.SparseRoots): the same components as a union-find
+    over every row, read by blocks, integer or boolean indices as an array is, written only where a row has a
+    pair; its RootMask is ``group == arange``; the arrays it holds are per image with a pair, not per row."""
+    from curation.unionfind import RootMask, SparseRoots, is_root
+
+    rng = np.random.default_rng(3)
+    n = 50_000
+    a, b = rng.integers(0, n, 600), rng.integers(0, n, 600)
+    uf = UnionFind(n)
+    uf.union(a, b)
+    want = uf.roots()
+    got = SparseRoots.from_pairs(n, a, b)
+    assert len(got.ends) <= 1200 and len(got) == n
+    np.testing.assert_array_equal(np.asarray(got), want)
+    for s, t in ((0, 4096), (4096, 50_000), (49_990, 60_000), (7, 7)):
+        np.testing.assert_array_equal(got[s:t], want[s:t])
+    idx = rng.integers(0, n, 5000)
+    np.testing.assert_array_equal(got[idx], want[idx])
+    mask = rng.random(n) < 0.1
+    np.testing.assert_array_equal(got[mask], want[mask])
+    assert got[int(a[0])] == want[a[0]]
+    keep = is_root(got)
+    assert isinstance(keep, RootMask) and keep.n_removed == int((want != np.arange(n)).sum())
+    np.testing.assert_array_equal(np.asarray(keep), want == np.arange(n))
+    np.testing.assert_array_equal(keep[100:9000], (want == np.arange(n))[100:9000])
+    np.testing.assert_array_equal(got.non_roots(), np.flatnonzero(want != np.arange(n)))
+    moved = got.non_roots()[:3]
+    got[moved] = moved  # e.g. a hash duplicate whose pixels did not verify: kept again
+    want[moved] = moved
+    np.testing.assert_array_equal(np.asarray(got), want)
+    lone = np.setdiff1d(np.arange(n), got.ends)[0]
+    try:
+        got[[lone]] = 0
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("a row without a pair changed its root")
