@@ -66,6 +66,8 @@ def scale_rates(runs: list[dict]) -> dict:
         w = int(calls[0]["tasks"])
         seconds = sum(float(c["task_s"]) for c in calls)
         rows = _rows(run, which)
+        if name == "search":  # a query fraction F < 1 (curate simulate --query-fraction): F of the rows queried
+            rows = int(rows * float(run.get("query_fraction", 1.0)))
         if seconds <= 0 or rows <= 0:
             continue
         meta = run.get("meta") or {}
@@ -75,7 +77,7 @@ def scale_rates(runs: list[dict]) -> dict:
             "command": meta.get("command", "not recorded"),
             "label": f"N={int(run['n']):,} W={w}",
             "run": f"N={int(run['n']):,} W={w}, {'+'.join(fns)} {seconds:.1f} s over {rows:,} rows, "
-                   f"D={run.get('dim', '?')}"}}
+                   f"D={run.get('dim', '?')}, query fraction {float(run.get('query_fraction', 1.0)):g}"}}
     return out
 
 

@@ -54,7 +54,8 @@ STEP_LABELS = {"pool_task": "generate", "pairs_task": "hash pairs", "add_task": 
                "hist_task": "sampling: histogram", "boundary_task": "sampling: boundary",
                "select_task": "sampling: select", "_decisions_part_task": "decisions parts",
                "index_train": "index train (one process)", "index_merge": "index merge (one process)",
-               "hash_grouping": "hash grouping (one process)", "grouping": "copy grouping (one process)"}
+               "hash_grouping": "hash grouping (one process)", "grouping": "copy grouping (one process)",
+               "run_task": "path table: runs", "rank_task": "path table: ranks", "copy_task": "path table: strings"}
 
 
 def replace_region(text: str, name: str, content: str) -> str:
@@ -141,6 +142,8 @@ def growth_table(runs: list[dict]) -> str:
     def row(name, vals):
         lines.append("| " + " | ".join([name] + vals + [""] * extra) + " |")
 
+    row("rows: dim / copy-search query fraction", [f"{r.get('dim', '?')} / {r.get('query_fraction', 1.0):g}"
+                                                    for r in runs])
     row("total wall", [f"{r['total_s'] / 60:.1f} min" if r.get("total_s") else "" for r in runs])
     row("recall hash / copies / overlap", [" / ".join(f"{v:.3f}" for v in r["recall"].values()) for r in runs])
     row("decisions sha256", [r["decisions_sha256"][:12] for r in runs])
@@ -267,11 +270,14 @@ def plan_section(rates: str | None = None) -> str:
     return "\n".join(out)
 
 
-def render(paths: list[str], rates: str | None = None, doc: str = DOC, readme: str = README) -> list[str]:
-    """Rewrite the marked regions of ``doc`` and ``readme``; returns the files changed."""
+def render(paths: list[str], rates: str | None = None, doc: str = DOC, readme: str = README,
+           check_paths: list[str] | None = None) -> list[str]:
+    """Rewrite the marked regions of ``doc`` and ``readme``; returns the files changed. ``check_paths``: the runs
+    the plan is checked against (default ``paths``: those the rates file was taken from)."""
     runs = load_runs(paths)
+    checked = load_runs(check_paths) if check_paths else runs
     changed = []
-    for path, regions in ((doc, {"scale-table": scale_section(runs), "plan-check": check_section(runs, rates),
+    for path, regions in ((doc, {"scale-table": scale_section(runs), "plan-check": check_section(checked, rates),
                                  "plan-tables": plan_section(rates)}),
                           (readme, {"readme-scale-table": readme_table(runs)})):
         with open(path) as f:
@@ -293,11 +299,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", nargs="+", required=True, help="JSON of bench/bench_curation_scale.py --json")
     p.add_argument("--rates", default=None, help="rates file for the plan (default bench/rates.json)")
+    p.add_argument("--check", nargs="+", default=None,
+                   help="JSON of the runs the plan is checked against (default: --scale; give the files "
+                        "bench/rates.json was taken from when --scale holds runs of another dimension)")
     p.add_argument("--doc", default=DOC)
     p.add_argument("--readme", default=README)
     a = p.parse_args(argv)
     try:
-        changed = render(a.scale, a.rates, a.doc, a.readme)
+        changed = render(a.scale, a.rates, a.doc, a.readme, a.check)
     except (OSError, ValueError, KeyError) as e:
         print(f"render_tables: error: {e}", file=sys.stderr)
         return 2
