@@ -173,7 +173,7 @@ def _shared(path: str, dtype, shape: tuple, comm: Comm):
     return open_memmap(path, "r+")
 
 
-DIGEST_CHUNK = 1 << 22
+DIGEST_CHUNK = 1 << 18  # ids hashed at a time (2 MB of int64 and its copy: a constant, whatever N)
 
 
 class Gathered:
@@ -196,7 +196,7 @@ class Gathered:
 
 def rows_digest(ids) -> str:
     """Fingerprint of the rows clustered, in order: sha256 of their int64 input ids (little-endian bytes,
-    hashed a chunk of 4M ids at a time: ~1 s per 10^8 rows here, no per-id Python); ids that are not integers
+    hashed DIGEST_CHUNK ids at a time: ~1 s per 10^8 rows here, no per-id Python); ids that are not integers
     (strings) are hashed one per line."""
     h = hashlib.sha256()
     arr = np.asarray(ids) if not isinstance(ids, (np.ndarray, Gathered)) else ids

@@ -410,9 +410,21 @@ def _members(labels: np.ndarray, k: int) -> list[np.ndarray]:
     return [order[bounds[c]:bounds[c + 1]] for c in range(k)]
 
 
-def cluster_balance(labels: np.ndarray, k: int) -> dict:
-    """How even the cluster sizes are: entropy (nats), entropy / log(k) (1 = uniform), ..."""
-    counts = np.bincount(np.asarray(labels, np.int64), minlength=k).astype(np.float64)
+def label_counts(labels, k: int, rows: np.ndarray | None = None, block: int = 1 << 16) -> np.ndarray:
+    """``bincount(labels[rows])`` (``rows`` None: every row) over ``k`` labels, a block at a time: no int64
+    copy of the labels (a memory-mapped level of the k-means tree) or of the gathered rows."""
+    counts = np.zeros(k, np.int64)
+    total = len(labels) if rows is None else len(rows)
+    for s in range(0, total, block):
+        lab = labels[s:s + block] if rows is None else labels[np.asarray(rows[s:s + block])]
+        counts += np.bincount(np.asarray(lab, np.int64), minlength=k)[:k]
+    return counts
+
+
+def cluster_balance(labels: np.ndarray, k: int, rows: np.ndarray | None = None) -> dict:
+    """How even the cluster sizes are (of ``labels[rows]``; ``rows`` None: all): entropy (nats), entropy / log(k)
+    (1 = uniform), ... -- counted a block at a time (:func:`label_counts`)."""
+    counts = label_counts(labels, k, rows).astype(np.float64)
     total = counts.sum()
     if total == 0:
         return {"n": 0, "entropy": 0.0, "normalised_entropy": 0.0, "nonempty_clusters": 0,

@@ -193,7 +193,7 @@ def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
     res.report.update(levels=ks, target_size=target, strategy=strategy,
                       n_resampling_steps=n_resampling_steps, sample_size=sample_size,
                       level1_before=cluster_balance(tree[0].labels, ks[0]),
-                      level1_after=cluster_balance(tree[0].labels[picked], ks[0]))
+                      level1_after=cluster_balance(tree[0].labels, ks[0], picked))
     # Balance is reported on the top level: the clusters the target was split evenly over.
     res.report["_labels_k"] = (_top_labels(tree), ks[-1])
     return res
