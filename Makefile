@@ -75,11 +75,14 @@ bench: venv
 
 # bench/rates.json and the curation tables of docs/curation-scale.md and README.md, from the growth bench's JSON
 # (bench/bench_curation_scale.py --json; several files: SCALE_JSON="a.json b.json"); VERIFY_JSON: bench_verify --json.
-SCALE_JSON ?= bench/results/scale_1m.json
+# RATES_JSON: the runs the planner's rates are taken from (and checked against): 384-d runs with a whole search,
+# since the plan has no per-dimension rate; SCALE_JSON: the growth table (the 10M run is 128-d, 1% of rows queried).
+SCALE_JSON ?= bench/results/scale_10m_d128.json
+RATES_JSON ?= bench/results/scale_1m.json bench/results/scale_3m.json
 VERIFY_JSON ?=
 curation-tables: venv
-	$(BIN)/python bench/rates_from_bench.py --scale $(SCALE_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out bench/rates.json
-	$(BIN)/python bench/render_tables.py --scale $(SCALE_JSON) --rates bench/rates.json
+	$(BIN)/python bench/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out bench/rates.json
+	$(BIN)/python bench/render_tables.py --scale $(SCALE_JSON) --rates bench/rates.json --check $(RATES_JSON)
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache

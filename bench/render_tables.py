@@ -154,14 +154,17 @@ def growth_table(runs: list[dict]) -> str:
 
 def provenance(runs: list[dict]) -> str:
     """Where the runs were measured (the JSON's meta), one line per distinct source."""
-    seen = []
+    seen: dict[str, list[str]] = {}
     for r in runs:
         m = r.get("meta") or {}
+        machine, _, load = m.get("machine", "machine not recorded").partition(", load ")
         line = (f"{os.path.basename(r['_file'])}: {m.get('date', 'date not recorded')}, "
-                f"{m.get('machine', 'machine not recorded')}; `{m.get('command', 'command not recorded')}`")
-        if line not in seen:
-            seen.append(line)
-    return "\n".join(f"* {s}" for s in seen)
+                f"{machine}{{loads}}; `{m.get('command', 'command not recorded')}`")
+        seen.setdefault(line, [])
+        if load:
+            seen[line].append(load)
+    return "\n".join("* " + s.replace("{loads}", f", load {' / '.join(ld)} (per run)" if ld else "")
+                     for s, ld in seen.items())
 
 
 def scale_section(runs: list[dict]) -> str:
