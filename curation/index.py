@@ -430,27 +430,58 @@ def add_part(trained_path: str, rows: Rows, lo: int, hi: int, path: str, block: 
         return 0
     index = faiss.read_index(trained_path)
     ivf = index if ExactCoarse.applies(index, False) else None  # a wrapped IVF (pre-transform): faiss's add
-    coarse = ExactCoarse(ivf) if ivf is not None else None
     t_assign = t_encode = 0.0
-    for s in range(lo, hi, block):
-        e = min(s + block, hi)
-        x = np.ascontiguousarray(rows.take(np.arange(s, e)), np.float32)
-        ids = np.arange(s, e, dtype=np.int64)
-        if ivf is None:
+    if ivf is None:
+        for s in range(lo, hi, block):
+            e = min(s + block, hi)
             t0 = time.perf_counter()
-            index.add_with_ids(x, ids)
+            index.add_with_ids(np.ascontiguousarray(rows.take(np.arange(s, e)), np.float32),
+                               np.arange(s, e, dtype=np.int64))
             t_encode += time.perf_counter() - t0
-            continue
+    else:
         t0 = time.perf_counter()
-        lists = coarse(x, 1, with_dis=False)[1].reshape(-1)
-        t1 = time.perf_counter()
-        ivf.add_core(len(x), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists))
-        t_assign, t_encode = t_assign + t1 - t0, t_encode + time.perf_counter() - t1
+        lists = _assign(ExactCoarse(ivf), rows, lo, hi, block)
+        t_assign = time.perf_counter() - t0
+        _reserve(ivf, lists)
+        t0 = time.perf_counter()
+        for s in range(lo, hi, block):
+            e = min(s + block, hi)
+            x = np.ascontiguousarray(rows.take(np.arange(s, e)), np.float32)
+            ids = np.arange(s, e, dtype=np.int64)
+            li = np.ascontiguousarray(lists[s - lo:e - lo], np.int64)
+            ivf.add_core(len(x), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(li))
+        t_encode = time.perf_counter() - t0
+        del lists
     with atomic_path(path) as tmp:
         faiss.write_index(index, tmp)
     if timings is not None:
         timings.update(assign_s=t_assign, encode_s=t_encode)
     return hi - lo
+
+
+def _assign(coarse: ExactCoarse, rows: Rows, lo: int, hi: int, block: int) -> np.ndarray:
+    """The list of each row of [lo, hi) (int32: 4 bytes a row), a block at a time."""
+    lists = np.empty(hi - lo, np.int32 if coarse.nlist < 2**31 else np.int64)
+    for s in range(lo, hi, block):
+        e = min(s + block, hi)
+        x = np.ascontiguousarray(rows.take(np.arange(s, e)), np.float32)
+        lists[s - lo:e - lo] = coarse(x, 1, with_dis=False)[1].reshape(-1)
+    return lists
+
+
+def _reserve(ivf, lists: np.ndarray) -> None:
+    """Give each inverted list its final capacity before the add (faiss's ``ArrayInvertedLists`` grows a list
+    one entry at a time, a std::vector doubling: up to 2x the codes, and freed halves the allocator keeps;
+    measured 3.1 GB for 2.6 GB of codes at 10M x 128 fp16). A resize to the final size and back to 0 leaves the
+    vectors' capacity (std::vector never shrinks on resize), so the add appends without reallocating."""
+    inv = faiss.downcast_InvertedLists(ivf.invlists)
+    if not isinstance(inv, faiss.ArrayInvertedLists):
+        return
+    counts = np.bincount(lists[lists >= 0], minlength=ivf.nlist)
+    for li in np.flatnonzero(counts):
+        n = int(counts[li]) + int(inv.list_size(int(li)))
+        inv.resize(int(li), n)
+        inv.resize(int(li), n - int(counts[li]))
 
 
 def merge_parts(trained_path: str, part_paths: list[str], path: str) -> int:

@@ -42,7 +42,7 @@ import numpy as np
 from dinopipe.config import InputError
 from dinopipe.utils import debug_hooks
 from dinopipe.utils.io import atomic_path
-from dinopipe.utils.proc import usable_cores
+from dinopipe.utils.proc import map_large_allocations, usable_cores
 
 # the srun launcher; its names stay importable from here
 from .srun import KEY_ENV, Refused, _run_srun, dump_signed, load_signed, report_path, spool, srun_tasks  # noqa: F401
@@ -240,6 +240,7 @@ def task_gpus(gpus: list[str], task_index: int, num_tasks: int) -> list[str]:
 def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict, gpus: list[str] | None = None) -> dict:
     if gpus:  # a fresh task process, CUDA not yet initialised: it sees only its share
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(task_gpus(gpus, task_index, num_tasks))
+    map_large_allocations()  # a freed array's pages go back at once (the task holds its live arrays only)
     t0 = time.perf_counter()
     traced = TracedPeak() if tracing_tasks() else None
     with PeakMemory() as mem, (traced or contextlib.nullcontext()):
@@ -336,6 +337,7 @@ def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: i
              **kw) -> list[dict]:
     """Run ``fn`` as ``num_tasks`` tasks; per task: wall time, peak memory and ``fn``'s result
     (recorded by :func:`recording`)."""
+    map_large_allocations()  # the orchestrator too: it merges the parts
     res = _run_step(fn, num_tasks, launcher, processes, **kw)
     if _RECORD is not None:
         _RECORD.append({"fn": getattr(fn, "__name__", str(fn)), "tasks": num_tasks,
