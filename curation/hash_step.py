@@ -32,7 +32,7 @@ from dinopipe.utils.io import atomic_path
 
 from .hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, group_pairs, merge_pair_parts, near_pairs_task
 from .steps.runner import launch as run_launch
-from .steps.runner import BLOCK, part_done, part_path, parts, phase, read_part, run_step, write_part
+from .steps.runner import BLOCK, part_done, part_path, parts, phase, read_part, run_step, save_blocks, write_part
 from .unionfind import SparseRoots
 
 
@@ -93,15 +93,8 @@ def _save(folder: str, group, n_pairs: int, block: int = BLOCK) -> None:
     """``group`` and ``keep`` (= its own root) written a block at a time from ``group`` (an array or a
     unionfind.SparseRoots: no whole array made), atomic each; ``result.json`` last: a killed save leaves no
     result."""
-    n = len(group)
-    for name, dtype in (("group", np.int64), ("keep", bool)):
-        with atomic_path(os.path.join(folder, f"{name}.npy"), suffix=".npy") as tmp:
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n,))
-            for s in range(0, n, block):
-                g = np.asarray(group[s:s + block])
-                out[s:s + block] = g if name == "group" else g == np.arange(s, s + len(g))
-            out.flush()
-            del out
+    save_blocks(os.path.join(folder, "group.npy"), group, np.int64, block)
+    save_blocks(os.path.join(folder, "keep.npy"), group, bool, block, fn=lambda g, s: g == np.arange(s, s + len(g)))
     _write_json(os.path.join(folder, "result.json"), {"n_pairs": int(n_pairs)})
 
 
@@ -131,8 +124,7 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
     _write_json(os.path.join(folder, "hash.json"), params)
     hashes_path = os.path.join(folder, "hashes.npy")
     if not os.path.exists(hashes_path):
-        with atomic_path(hashes_path, suffix=".npy") as tmp:
-            np.save(tmp, np.asarray(emb.hashes, np.uint64))
+        save_blocks(hashes_path, emb.hashes, np.uint64)  # a block at a time (the embeddings' hashes are mapped)
     ran = launch(pairs_task, plan, folder=folder, max_distance=max_distance)
     a, b = merge_pair_parts([(r["a"], r["b"]) for r in map(read_part, parts(os.path.join(folder, "parts"),
                                                                                 "pairs", w))])

@@ -410,9 +410,12 @@ def _members(labels: np.ndarray, k: int) -> list[np.ndarray]:
     return [order[bounds[c]:bounds[c + 1]] for c in range(k)]
 
 
-def label_counts(labels, k: int, rows: np.ndarray | None = None, block: int = 1 << 16) -> np.ndarray:
+def label_counts(labels, k: int, rows: np.ndarray | None = None, block: int | None = None) -> np.ndarray:
     """``bincount(labels[rows])`` (``rows`` None: every row) over ``k`` labels, a block at a time: no int64
     copy of the labels (a memory-mapped level of the k-means tree) or of the gathered rows."""
+    from .steps.runner import BLOCK as ROWS_BLOCK  # the step block (its debug hook: tests see the per-row cost)
+
+    block = block or ROWS_BLOCK
     counts = np.zeros(k, np.int64)
     total = len(labels) if rows is None else len(rows)
     for s in range(0, total, block):

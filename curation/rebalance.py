@@ -208,14 +208,23 @@ def capped_levels(levels: Sequence[int], n: int) -> list[int]:
     return ks
 
 
-def _top_labels(tree) -> np.ndarray:
-    """Top-level cluster of every point, following labels up the tree; in the smallest integer type that holds
-    the level's clusters (the one array per row the report keeps: 2 bytes per row up to 65,536 clusters)."""
-    lab = tree[0].labels
-    for lvl in tree[1:]:
-        dtype = np.min_scalar_type(int(np.max(lvl.labels, initial=0)))
-        lab = np.asarray(lvl.labels).astype(dtype)[lab]
-    return lab
+def _top_labels(tree, block: int | None = None) -> np.ndarray:
+    """Top-level cluster of every point, following labels up the tree a block of points at a time; in the
+    smallest integer type that holds the top level's clusters (the one array per row the report keeps: 2 bytes
+    per row up to 65,536 clusters; no int64 index array per row is made on the way)."""
+    from .steps.runner import BLOCK
+
+    block, lab0 = block or BLOCK, tree[0].labels
+    if len(tree) == 1:
+        return lab0
+    ups = [np.asarray(lvl.labels) for lvl in tree[1:]]  # one label per cluster of the level below: small
+    out = np.empty(len(lab0), np.min_scalar_type(int(np.max(ups[-1], initial=0))))
+    for s in range(0, len(lab0), block):
+        lab = np.asarray(lab0[s:s + block])
+        for up in ups:
+            lab = up[lab]
+        out[s:s + block] = lab
+    return out
 
 
 def _attach_nearest_seed(rows: Rows, seeds, res: RebalanceResult, batch_size: int) -> None:

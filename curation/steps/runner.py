@@ -97,6 +97,22 @@ def write_part(path: str, **arrays) -> None:
         np.savez(tmp, **arrays)
 
 
+def save_blocks(path: str, values, dtype=None, block: int | None = None, fn=None) -> None:
+    """``values`` (any sliceable of rows: an array, a memory-mapped one, unionfind.SparseRoots) saved as a (n,)
+    ``.npy`` at ``path``, atomically (a killed write leaves no file), copied a block at a time: this process holds
+    one block, never the whole array. ``fn(block, start)``: what is stored for a block (default: the block);
+    ``dtype``: the file's type (default: ``values``' own)."""
+    n, block = len(values), block or BLOCK
+    dtype = np.dtype(dtype or values.dtype)
+    with atomic_path(path, suffix=".npy") as tmp:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n,))
+        for s in range(0, n, block):
+            v = np.asarray(values[s:s + block])
+            out[s:s + len(v)] = v if fn is None else fn(v, s)
+        out.flush()
+        del out
+
+
 def read_part(path: str) -> dict:
     with np.load(path, allow_pickle=False) as z:
         return {k: z[k] for k in z.files}

@@ -125,52 +125,64 @@ def pick(labels: np.ndarray, q: np.ndarray, seed: int) -> np.ndarray:
 
 
 def _own(labels_path: str, t: int, w: int, block: int, seed: int):
-    from .runner import task_rows
+    """This task's rows a block at a time: ``(first row, labels (int64), keys)`` -- a task holds one block's
+    temporaries and its outputs, whatever its share of the rows."""
+    from .runner import task_blocks
 
     lab = np.load(labels_path, mmap_mode="r")
-    lo, hi = task_rows(len(lab), t, w, block)
-    return lo, np.asarray(lab[lo:hi], np.int64), row_keys(np.arange(lo, hi), seed)
+    for lo, hi in task_blocks(len(lab), t, w, block):
+        yield lo, np.asarray(lab[lo:hi], np.int64), row_keys(np.arange(lo, hi), seed)
 
 
 def hist_task(t, w, labels_path, folder, k, seed, block):
     from .runner import part_path, write_part
 
-    _, lab, keys = _own(labels_path, t, w, block, seed)
-    write_part(part_path(folder, "hist", t, w), hist=histogram(lab, keys, k))
+    hist = np.zeros((k, BINS), np.int64)
+    for _, lab, keys in _own(labels_path, t, w, block, seed):
+        hist += histogram(lab, keys, k)
+    write_part(part_path(folder, "hist", t, w), hist=hist)
     return {}
 
 
 def boundary_task(t, w, labels_path, folder, byte, seed, block):
     from .runner import part_path, write_part
 
-    _, lab, keys = _own(labels_path, t, w, block, seed)
-    lb, kb = in_boundary(lab, keys, byte)
-    write_part(part_path(folder, "boundary", t, w), labels=lb, keys=kb)
+    got = [in_boundary(lab, keys, byte) for _, lab, keys in _own(labels_path, t, w, block, seed)]
+    write_part(part_path(folder, "boundary", t, w), labels=_cat([g[0] for g in got], np.int64),
+               keys=_cat([g[1] for g in got], np.uint64))
     return {}
 
 
 def select_task(t, w, labels_path, folder, byte, thr, seed, block):
     from .runner import part_path, write_part
 
-    lo, lab, keys = _own(labels_path, t, w, block, seed)
-    write_part(part_path(folder, "picked", t, w), rows=np.flatnonzero(selected(lab, keys, byte, thr)) + lo)
-    return {}
+    rows = [np.flatnonzero(selected(lab, keys, byte, thr)) + lo for lo, lab, keys in _own(labels_path, t, w, block,
+                                                                                            seed)]
+    rows = _cat(rows, np.int64)
+    write_part(part_path(folder, "picked", t, w), rows=rows)
+    return {"picked": int(len(rows))}
+
+
+def _cat(arrays: list, dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
 
 
 def sharded_pick(labels: np.ndarray, q: np.ndarray, seed: int, folder: str, tasks: int = 1,
                  launcher: str = "inline", block: int | None = None) -> np.ndarray:
     """:func:`pick` as W tasks of the runner (curation.steps.runner): each task reads its blocks of the
-    labels from ``folder/labels.npy``; the merges between the three passes are O(k x 256)."""
+    labels from ``folder/labels.npy``; the merges between the three passes are O(k x 256). The labels are
+    written there a block at a time and the picked rows come back memory-mapped (``folder/picked.npy``,
+    written a part at a time): this process holds no array per row."""
     import shutil
 
-    from .runner import BLOCK, launch, part_path, parts, read_part, run_step
+    from .runner import BLOCK, launch, parts, read_part, run_step, save_blocks
 
     block = block or BLOCK
     if os.path.isdir(folder):
         shutil.rmtree(folder)  # the parts of an earlier selection
     os.makedirs(folder)
     labels_path = os.path.join(folder, "labels.npy")
-    np.save(labels_path, np.asarray(labels, np.int64))
+    save_blocks(labels_path, labels if hasattr(labels, "dtype") else np.asarray(labels), block=block)
     k, w = len(q), int(tasks)
     kw = {**launch(launcher, w), "labels_path": labels_path,
           "folder": folder, "seed": seed, "block": block}
@@ -180,6 +192,17 @@ def sharded_pick(labels: np.ndarray, q: np.ndarray, seed: int, folder: str, task
     run_step(boundary_task, w, byte=byte, **kw)
     got = [read_part(p) for p in parts(folder, "boundary", w)]
     thr = thresholds(np.concatenate([g["labels"] for g in got]), np.concatenate([g["keys"] for g in got]), need)
-    run_step(select_task, w, byte=byte, thr=thr, **kw)
-    rows = [read_part(part_path(folder, "picked", t, w))["rows"] for t in range(w)]
-    return np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    del got
+    ran = {r["task"]: r["result"].get("picked") for r in run_step(select_task, w, byte=byte, thr=thr, **kw)}
+    paths = parts(folder, "picked", w)
+    sizes = [ran[t] if ran.get(t) is not None else len(read_part(p)["rows"]) for t, p in enumerate(paths)]
+    out_path = os.path.join(folder, "picked.npy")
+    out = np.lib.format.open_memmap(out_path, mode="w+", dtype=np.int64, shape=(sum(sizes),))
+    at = 0
+    for p, size in zip(paths, sizes):
+        out[at:at + size] = read_part(p)["rows"]  # one task's rows at a time
+        at += size
+    out.flush()
+    del out
+    return np.load(out_path, mmap_mode="r")
+

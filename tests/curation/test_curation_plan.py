@@ -190,6 +190,43 @@ def test_tables_render_deterministically_into_their_markers_only(tmp_path):
         render_tables.render([str(scale)], rates, str(tmp_path / "plain.md"), str(readme))
 
 
+def test_the_task_memory_table_judges_each_call_against_the_goals(tmp_path):
+    """render_tables --tasks-memory: at the largest N, a call split over W tasks meets the goal when its largest
+    task at W = 4 holds <= 0.3 x W = 1's heap; a one-process phase when it holds <= 8 B per row; the pool generator
+    (the simulation's input) is left out; the region is written between its markers."""
+    runs = json.loads((ROOT / "bench" / "results" / "scale_10m_d128.json").read_text())["runs"]
+    w1, w4 = (next(r for r in runs if r["tasks"] == w and r["n"] == 10**7) for w in (1, 4))
+
+    def call(run, step, fn):
+        return next(c for c in run["steps"][step]["runs"] if c["fn"] == fn)
+
+    call(w1, "dedup", "pairs_task")["task_heap_mb"], call(w4, "dedup", "pairs_task")["task_heap_mb"] = 1000.0, 290.0
+    call(w1, "dedup", "add_task")["task_heap_mb"], call(w4, "dedup", "add_task")["task_heap_mb"] = 1000.0, 310.0
+    for r, mb in ((w1, 70.0), (w4, 100.0)):  # 100 MB at 10M rows: 10.5 B per row
+        call(r, "dedup", "grouping")["task_heap_mb"] = mb
+    path = tmp_path / "tasks.json"
+    path.write_text(json.dumps({"runs": [w1, w4]}))
+    table = render_tables.task_memory_table(rates_from_bench.load_runs([str(path)]))
+    row = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in table.splitlines()
+           if ln.startswith("| ") and not ln.startswith("| step")}
+    assert row["dedup: hash pairs"] == ["1,000 MB", "290 MB", "0.29", "yes"]
+    assert row["dedup: index add"] == ["1,000 MB", "310 MB", "0.31", "no"]
+    assert row["dedup: copy grouping (one process)"][2:] == ["10.5 B/row", "no"]
+    assert not any(k.startswith("generate: generate") for k in row)
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- begin: task-memory-table -->\n<!-- end: task-memory-table -->\n"
+                   + "".join(f"<!-- begin: {r} -->\n<!-- end: {r} -->\n" for r in ("scale-table", "plan-check",
+                                                                                   "plan-tables")))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- begin: readme-scale-table -->\n<!-- end: readme-scale-table -->\n")
+    rates = str(tmp_path / "rates.json")
+    assert rates_from_bench.main(["--scale", str(path), "--out", rates]) == 0
+    render_tables.render([str(path)], rates, str(doc), str(readme), task_paths=[str(path)])
+    assert "| dedup: hash pairs | 1,000 MB | 290 MB | 0.29 | yes |" in doc.read_text()
+    with pytest.raises(ValueError, match="W = 1 and W > 1"):
+        render_tables.task_memory_table([w1])
+
+
 @pytest.mark.slow
 def test_curate_run_runs_the_task_counts_the_plan_predicts(pool_dir, tmp_path, capsys):
     """End to end: `curate run` on a small pool with tasks.count=2 logs, per step, the task counts `curate plan`

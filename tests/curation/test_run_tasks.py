@@ -265,3 +265,27 @@ def test_kmeans_tree_task_memory_follows_rows_per_task_not_n(photos, tmp_path):
     # 64 centroids in 4 pieces of 16: its pieces + one received piece (fp32) + one piece of sums (8 B a value)
     assert small[0]["held"] == (64 + 16 * 3) * 48 * 4
     assert {t["held"] for t in big} == {(16 + 16 * 3) * 48 * 4}
+
+
+def test_save_blocks_writes_the_array_a_block_at_a_time_and_a_failed_write_leaves_no_file(tmp_path):
+    """runner.save_blocks: the same .npy as np.save (from a mapped array, in any block size, with a per-block
+    transform), and a write that fails half-way leaves no file at the path (the readers take a file as done)."""
+    from curation.steps.runner import save_blocks
+
+    src = tmp_path / "src.npy"
+    np.save(src, np.arange(2500, dtype=np.int64)[::-1].copy())
+    mapped = np.load(src, mmap_mode="r")
+    for block in (1000, 4096):
+        save_blocks(str(tmp_path / "copy.npy"), mapped, block=block)
+        assert np.array_equal(np.load(tmp_path / "copy.npy"), np.load(src))
+        save_blocks(str(tmp_path / "odd.npy"), mapped, bool, block, fn=lambda v, s: v % 2 == 1)
+        assert np.array_equal(np.load(tmp_path / "odd.npy"), np.load(src) % 2 == 1)
+
+    def fail(v, s):
+        if s >= 1000:
+            raise OSError("disk full")
+        return v
+
+    with pytest.raises(OSError):
+        save_blocks(str(tmp_path / "half.npy"), mapped, block=1000, fn=fail)
+    assert not (tmp_path / "half.npy").exists()

@@ -72,8 +72,12 @@ ORCH_HELD_MEASURED = {
     # seed_sim) and the k-means tree's per-row arrays (dist_kmeans.load_tree); the selection's "none" columns
     # (nearest_seed, seed_sim without seeds) are broadcast views and the top-level labels the smallest integer
     # type; left per kept row: selected (bool), the picks (int64 per picked row) and their labels in the balance
-    # report. measured 12.9 (14.6 with int64 / float32 "none" columns; 68 when built whole)
-    "rebalance": 16,
+    # report. measured 12.9 (14.6 with int64 / float32 "none" columns; 68 when built whole); then the blocks of the
+    # rows' digest, the label counts and the top-level labels (made a block at a time, no int64 index per row) sized
+    # by the step block (so this test sees them per row: at 20k / 80k rows a fixed 65k-row block looked like 16 B per
+    # row), the pick's labels written and its picks read back a block at a time (mapped): measured 3.9. Left: the
+    # selection (bool) and the top-level labels (smallest type) per kept row
+    "rebalance": 6,
 }
 RETAINED_BLOCKS = 1000
 """allocation blocks a step may leave alive beyond the small pool's (measured growth <= 430)."""
