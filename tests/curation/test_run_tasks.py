@@ -73,7 +73,7 @@ def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch, caps
         assert meta["kind"] == "ivf" and meta["ondisk"] and meta["add_tasks"] == w
         assert (out / "knn" / "pool" / "index.faiss.ivfdata").exists()
         assert not (out / "knn" / "pool" / "add").exists()  # parts merged, then removed
-    assert len(os.listdir(three / "steps" / "sample")) == 1 + 3 * 3  # labels + 3 passes x 3 parts
+    assert len(os.listdir(three / "steps" / "sample")) == 2 + 3 * 3  # labels, picks + 3 passes x 3 parts
     # the k-means tree: 3 gloo ranks in local processes, the same files as one rank
     report = json.loads((three / "steps" / "rebalance_report.json").read_text())
     assert [t["task"] for t in report["kmeans_tasks"]] == [0, 1, 2]
