@@ -80,12 +80,12 @@ bench: venv
 SCALE_JSON ?= bench/results/scale_10m_d128.json
 RATES_JSON ?= bench/results/scale_1m.json bench/results/scale_3m.json
 # TASKS_JSON: runs at W = 1 and W = 4 of one N, the per-task memory table (docs/curation-scale.md).
-TASKS_JSON ?= bench/results/scale_10m_d128_tasks.json
+TASKS_JSON ?= $(wildcard bench/results/scale_10m_d128_tasks.json)
 VERIFY_JSON ?=
 curation-tables: venv
 	$(BIN)/python bench/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out bench/rates.json
 	$(BIN)/python bench/render_tables.py --scale $(SCALE_JSON) --rates bench/rates.json --check $(RATES_JSON) \
-		--tasks-memory $(TASKS_JSON)
+		$(if $(TASKS_JSON),--tasks-memory $(TASKS_JSON))
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache
