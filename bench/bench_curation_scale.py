@@ -4,7 +4,8 @@ steps of curation.pipeline.run_steps on generated embeddings, hashes and planted
     nice -n 10 python bench/bench_curation_scale.py --sizes 1000000 3000000 10000000 --work /tmp/scale \\
         --json scale.json
 
-For each N (one after another, W=1 then W=4, the scratch folder deleted between runs) it prints per step
+For each N (one after another, W=1 then W=4, the scratch folder deleted between runs; every task in a fresh
+process, W=1's too -- tasks.isolate -- so each task's peak is its own, unless --processes 0) it prints per step
 the wall time, the tasks each of its runner calls ran, the peak heap a task allocated (sampled RssAnon above
 the task's start) and the orchestrating process's own peak heap during the step; then the log-log slope of
 the slowest tasks' time against N per step, the W=4 / W=1 per-task peak ratio at the largest N, whether
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
             work = os.path.join(a.work, f"n{n}-w{w}")
             t0 = time.perf_counter()
             res = simulate(work, n, a.dim, w, processes=a.processes, query_fraction=fractions.get(n, 1.0),
+                           isolate=a.processes != 0,  # W = 1 in a fresh process too: its peak is its own
                            progress=(a.json or os.path.join(a.work, "bench")) + f".n{n}-w{w}.progress.jsonl")
             res["total_s"] = time.perf_counter() - t0
             res["meta"] = run_meta(argv)  # date, machine, command: what bench/rates_from_bench.py cites

@@ -156,8 +156,12 @@ class TasksConfig:
     --finish-tasks W), each step's W tasks run as one ``srun --ntasks=W`` job step across the allocation's nodes
     (cores: SLURM_CPUS_PER_TASK each; the call handed over as an HMAC-authenticated spec file in the output
     folder; the k-means tree's W tasks form the gloo group), while this process -- the batch script's --
-    orchestrates; null count: SLURM_NTASKS. W = 1 always runs inline. Slurm arrays / torchrun: the per-step
-    commands (`curate search` tasks, `curate kmeans`)."""
+    orchestrates; null count: SLURM_NTASKS. W = 1 runs inline unless ``isolate``. Slurm arrays / torchrun: the
+    per-step commands (`curate search` tasks, `curate kmeans`)."""
+    isolate: bool = False
+    """true: with W = 1 too, each step's task runs in a fresh process (launcher local), as the W > 1 tasks do:
+    this process never holds a task's arrays, and each task's peak memory is its own (the growth bench's W = 1
+    baseline, bench/bench_curation_scale.py). false: W = 1 runs inline (no process start)."""
 
 
 @dataclass
@@ -376,7 +380,9 @@ def task_plan(cfg: CurationConfig, n: int = 0, cores: int | None = None) -> dict
         w = 1 if n <= 65536 else int(os.environ["SLURM_NTASKS"])
     else:
         w = 1 if n <= 65536 else min(cores, 8)
-    return {"tasks": int(w), "launcher": "inline" if w == 1 else str(t.launcher)}
+    if w == 1:  # nothing to spread: inline, or (isolate) one fresh local process
+        return {"tasks": 1, "launcher": "local" if t.isolate and str(t.launcher) != "inline" else "inline"}
+    return {"tasks": int(w), "launcher": str(t.launcher)}
 
 
 def _check_model(model: str, image_size: int) -> None:

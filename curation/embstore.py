@@ -210,7 +210,7 @@ def build_path_table(emb_dir: str, plan: Callable[[int], dict]) -> int:
         # tasks write disjoint positions of shared memory-mapped files: safe in one node's page cache, not
         # promised by every network file system across nodes (the bytes are the same for any W)
         w = max(1, min(w, usable_cores()))
-    launcher = "inline" if w == 1 or p["launcher"] == "inline" else "local"
+    launcher = "inline" if p["launcher"] == "inline" else "local"  # W = 1: the plan says inline, or local (isolate)
     return build_table(emb_dir, metas, rows, w, launcher)["tasks"]
 
 

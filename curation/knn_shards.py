@@ -39,11 +39,11 @@ import numpy as np
 from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_path, atomic_write_json
 
-from .index import (KnnIndex, Rows, add_part, build_index, default_nlist, gpus_for, load_index, merge_parts,
-                    resolve_kind, save_index, train_ondisk)
+from .index import KnnIndex, Rows, build_index, default_nlist, gpus_for, load_index, resolve_kind, save_index
+from .index_ondisk import add_part, merge_parts, train_ondisk
 from .knn_candidates import (BATCH_DEFAULT, MARGIN_EXACT, MARGIN_LOSSY, fraction_pairs, nearest_exact,
                              retrieval_candidates)
-from .steps.runner import launch, phase, run_step, task_rows
+from .steps.runner import inline as runs_inline, launch, phase, run_step, task_rows
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
 
@@ -238,7 +238,7 @@ class KnnJob:
                          params.get("seed", 0), params.get("pq_m", 0), params.get("quantizer", "auto"))
         names = [os.path.join(self.dir, "add", f"part-{t:05d}-of-{w:05d}.index") for t in range(w)]
         os.makedirs(os.path.join(self.dir, "add"), exist_ok=True)
-        inline = plan["launcher"] == "inline" or w == 1
+        inline = runs_inline(plan["launcher"], w)
         run_step(add_task, w, **launch(plan["launcher"], w), trained=trained,
                  rows=rows if inline else _need_source(source), names=names,
                  block=params.get("chunk_size", CHUNK_SIZE_DEFAULT))
@@ -347,7 +347,8 @@ class RowSource:
         from .embstore import open_embeddings
 
         emb = open_embeddings(self.emb_dir)
-        return Rows(emb, None if self.positions is None else np.load(self.positions))
+        # memory-mapped: a task reads the positions of its own rows (N int64 loaded whole: 80 MB a task at 10M)
+        return Rows(emb, None if self.positions is None else np.load(self.positions, mmap_mode="r"))
 
 
 def _open(rows) -> Rows:
@@ -386,7 +387,7 @@ def run_search(out_dir: str, name: str, mode: str, queries, targets=None, use_gp
     hence the pairs, are the same for any W (see the module docstring)."""
     plan = tasks or {"tasks": 1, "launcher": "inline"}
     w = int(plan["tasks"])
-    inline = plan["launcher"] == "inline" or w == 1
+    inline = runs_inline(plan["launcher"], w)
     if not inline:
         queries = _need_source(sources[0])
         targets = targets if targets is None else _need_source(sources[1])

@@ -361,7 +361,7 @@ class PartedVerifier:
         a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
         out = np.zeros(len(a), bool)
         call, self.calls = self.calls, self.calls + 1
-        if self.num_tasks > 1 and self.launcher != "inline" and self.factory is not None:
+        if self.launcher != "inline" and self.factory is not None:  # W processes (W = 1: tasks.isolate)
             import os
 
             from dinopipe.utils.io import atomic_path

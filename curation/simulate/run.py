@@ -35,14 +35,14 @@ from . import chain
 
 
 def chain_config(work: str, tasks: int, launcher: str, max_distance: int, nlist: int | None, nprobe: int, k: int,
-                 threshold: float, levels, seed: int, chunk_size: int | None = None):
+                 threshold: float, levels, seed: int, chunk_size: int | None = None, isolate: bool = False):
     """The `curate run` config of the simulation: its chain's settings, decisions-only writing."""
     from ..config import CurationConfig
 
     cfg = CurationConfig()
     cfg.input.paths = [os.path.join(work, "no-pixels")]  # never read: planted verifier, write.shards=false
     cfg.output.dir, cfg.progress = work, False
-    cfg.tasks.count, cfg.tasks.launcher = tasks, launcher
+    cfg.tasks.count, cfg.tasks.launcher, cfg.tasks.isolate = tasks, launcher, isolate
     cfg.hash_dedup.max_distance = max_distance
     cfg.dedup.threshold, cfg.dedup.k, cfg.dedup.nprobe, cfg.dedup.verify = threshold, k, nprobe, True
     cfg.knn.nlist, cfg.knn.seed = nlist, seed
@@ -100,10 +100,12 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
              overlap: int = 1000, copy_rate: float = 0.01, hash_rate: float = 0.01, max_distance: int = 4,
              nlist: int | None = None, nprobe: int = 8, k: int = 4, threshold: float = 0.9,
              levels=(1000, 100, 10), seed: int = 0, processes: int | None = None,
-             progress: str | None = None, chunk_size: int | None = None, query_fraction: float = 1.0) -> dict:
+             progress: str | None = None, chunk_size: int | None = None, query_fraction: float = 1.0,
+             isolate: bool = False) -> dict:
     """Generate the pool in ``work`` (existing parts are reused: a rerun skips finished tasks), then run
     `curate run`'s steps after embedding on it with ``tasks.count=tasks`` (``processes=0``: the tasks inline,
-    one after another in this process; else local processes). ``progress``: one JSON line per finished step.
+    one after another in this process; else local processes; ``isolate``: W = 1 too, ``tasks.isolate``).
+    ``progress``: one JSON line per finished step.
     ``query_fraction`` < 1: only that fraction of the rows queries the copy search (every row is indexed;
     :class:`curation.pipeline.ChainInputs`); the copies' recall then counts the planted pairs with a queried end."""
     from ..config import TasksConfig
@@ -117,11 +119,11 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
                         n_clusters=n_clusters, seed=seed, copy_rate=copy_rate, hash_rate=hash_rate,
                         max_distance=max_distance, block=block)
         # the path table as W tasks right after the pool's parts, as the embed step does after embedding
-        build_tables(work, TasksConfig(count=tasks, launcher="inline" if processes == 0 else "local"))
+        build_tables(work, TasksConfig(count=tasks, launcher="inline" if processes == 0 else "local", isolate=isolate))
         chain.write_eval(work, n, dim, n_clusters, n_eval, overlap, seed)
     table["generate"] = _row(rec, time.perf_counter() - t0, mem, traced)
     cfg = chain_config(work, tasks, "inline" if processes == 0 else "local", max_distance, nlist, nprobe, k,
-                       threshold, levels, seed, chunk_size)
+                       threshold, levels, seed, chunk_size, isolate)
     inputs = ChainInputs(verifier=chain.planted_factory(work, n, block), eval_embedded=True,
                          query_fraction=query_fraction)
     results = {}
@@ -233,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--query-fraction", type=float, default=1.0,
                    help="only this fraction of the rows queries the copy search (a per-row key; every row is "
                         "indexed): the search's cost at sizes this machine cannot search whole")
+    p.add_argument("--isolate", action="store_true",
+                   help="W = 1 too: each task in a fresh process (tasks.isolate; its peak memory is its own)")
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--progress", default=None, help="append one JSON line per finished step here")
     p.add_argument("--clean", action="store_true", help="delete --work afterwards")
@@ -242,7 +246,7 @@ def main(argv=None) -> int:
         return 2
     res = simulate(a.work, a.n, a.dim, a.tasks, a.clusters, min(a.n_eval, a.n), min(a.overlap, a.n_eval, a.n),
                    nlist=a.nlist, nprobe=a.nprobe, levels=tuple(a.levels), seed=a.seed, processes=a.processes,
-                   progress=a.progress, query_fraction=a.query_fraction)
+                   progress=a.progress, query_fraction=a.query_fraction, isolate=a.isolate)
     print(render(res))
     if a.json:
         with open(a.json, "w") as f:

@@ -363,12 +363,18 @@ def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: i
 
 def launch(launcher: str, num_tasks: int) -> dict:
     """:func:`run_step`'s ``launcher`` / ``processes`` for ``tasks.launcher`` (the plan's, curation.config.task_plan)
-    and W: inline or one task -> one after another in this process; srun -> W srun tasks; local -> W processes."""
-    if launcher == "inline" or num_tasks == 1:
+    and W: inline, or one srun task -> one after another in this process; srun -> W srun tasks; local -> W fresh
+    processes (one too: the plan says local at W = 1 only under ``tasks.isolate``)."""
+    if launcher == "inline" or (num_tasks == 1 and launcher != "local"):
         return {"launcher": "local", "processes": 0}
     if launcher == "srun":
         return {"launcher": "srun"}
     return {"launcher": "local", "processes": None}
+
+
+def inline(launcher: str, num_tasks: int) -> bool:
+    """Whether :func:`launch` runs the tasks in this process (else they reopen their inputs from files)."""
+    return launch(launcher, num_tasks).get("processes") == 0
 
 
 def _run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: int | None = None,

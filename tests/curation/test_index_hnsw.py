@@ -9,6 +9,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 from curation import index as ix
+from curation import index_ondisk as ixd
 from curation.index import Rows, build_index, ivf_nlist, resolve_quantizer, train_cpu_index
 from curation.knn_shards import KnnJob, run_search
 
@@ -101,9 +102,9 @@ def test_add_in_two_timed_halves_equals_faiss_add(digits, tmp_path, quantizer):
     every list holds the same ids and codes as faiss's own add_with_ids of the same rows."""
     rows = Rows(digits[0])
     trained = str(tmp_path / "trained.index")
-    ix.train_ondisk(rows, trained, "ivf_sq8", 24, None, 0, quantizer=quantizer)
+    ixd.train_ondisk(rows, trained, "ivf_sq8", 24, None, 0, quantizer=quantizer)
     times: dict = {}
-    assert ix.add_part(trained, rows, 100, len(rows), str(tmp_path / "part.index"), block=500, timings=times) \
+    assert ixd.add_part(trained, rows, 100, len(rows), str(tmp_path / "part.index"), block=500, timings=times) \
         == len(rows) - 100
     assert set(times) == {"assign_s", "encode_s"} and times["assign_s"] > 0 and times["encode_s"] > 0
     ref = ix.faiss.read_index(trained)

@@ -91,7 +91,8 @@ def test_ivf_lists_and_results_are_the_same_on_any_thread_count_batch_shape_and_
     coarse step every result is bit-identical: one thread or two, whole or 1,000-row blocks, rows added in one
     process or by three add tasks merged on disk (the sharded build)."""
     from curation._faiss import faiss
-    from curation.index import add_part, load_ondisk, merge_parts, train_ondisk
+    from curation.index import load_ondisk
+    from curation.index_ondisk import add_part, merge_parts, train_ondisk
     from tests.curation.test_kmeans import photo_patches
 
     x = photo_patches(14000)

@@ -164,6 +164,13 @@ def test_tasks_config_validated_and_auto():
     assert one.stdout.strip() == "1"
     cfg.tasks.count = 3
     assert task_plan(cfg, 10) == {"tasks": 3, "launcher": "local"}
+    # tasks.isolate: W = 1 in one fresh process (launcher local), not inline; launcher=inline stays inline
+    cfg.tasks.count, cfg.tasks.isolate = 1, True
+    assert task_plan(cfg, 10_000_000) == {"tasks": 1, "launcher": "local"}
+    assert runner.launch("local", 1) == {"launcher": "local", "processes": None}
+    cfg.tasks.launcher = "inline"
+    assert task_plan(cfg, 10_000_000) == {"tasks": 1, "launcher": "inline"}
+    assert runner.launch("inline", 1)["processes"] == 0 and runner.launch("srun", 1)["processes"] == 0
 
 
 @pytest.mark.slow

@@ -122,6 +122,17 @@ def test_w3_task_processes_of_one_thread_write_the_arrays_of_one_process_of_all_
     assert len(one["arrays_sha256"]) > 20 and any(p.startswith("steps/kmeans/") for p in one["arrays_sha256"])
     assert differing([one["arrays_sha256"], three["arrays_sha256"]]) == []
     assert one["decisions_sha256"] == three["decisions_sha256"]
+    # tasks.isolate (the growth bench's W = 1 baseline): the one task of every runner call in a fresh process of
+    # all cores, reopening its inputs from files as W processes do; the same arrays again
+    alone = simulate(str(tmp_path / "i1"), 6000, 32, tasks=1, **{**SMALL, "processes": None}, isolate=True)
+    runs = [r for step in alone["steps"].values() for r in step["runs"]]
+    tasked = [r for r in runs if r["fn"] not in ("hash_grouping", "grouping", "index_train", "index_merge")]
+    assert {r["tasks"] for r in runs} == {1} and len(tasked) > 8
+    # inline only: the small generated eval set's path table, built where the chain first opens it (one task)
+    assert sorted(r["fn"] for r in tasked if r["inline"]) == ["copy_task", "rank_task", "run_task"]
+    assert sum(not r["inline"] for r in tasked) > 8
+    assert differing([one["arrays_sha256"], alone["arrays_sha256"]]) == []
+    assert one["decisions_sha256"] == alone["decisions_sha256"]
 
 
 def test_killed_task_is_rerun_and_finished_parts_skipped(tmp_path, small_blocks):
