@@ -204,6 +204,14 @@ def test_the_task_memory_table_judges_each_call_against_the_goals(tmp_path):
     call(w1, "dedup", "add_task")["task_heap_mb"], call(w4, "dedup", "add_task")["task_heap_mb"] = 1000.0, 310.0
     for r, mb in ((w1, 70.0), (w4, 100.0)):  # 100 MB at 10M rows: 10.5 B per row
         call(r, "dedup", "grouping")["task_heap_mb"] = mb
+    # an inline W = 1 call's small heap is no baseline (it reused heap freed by an earlier call); a fresh process's
+    # (tasks.isolate) is
+    call(w1, "dedup", "search_task")["task_heap_mb"], call(w4, "dedup", "search_task")["task_heap_mb"] = 30.0, 100.0
+    call(w1, "dedup", "search_task")["inline"] = True
+    isolated = json.loads(json.dumps(w1))
+    call(isolated, "dedup", "search_task")["inline"] = False
+    table = render_tables.task_memory_table([{**w4, "_file": "w4.json"}, {**isolated, "_file": "isolated.json"}])
+    assert "| dedup: copy search | 30 MB | 100 MB | 3.33 | no |" in table
     path = tmp_path / "tasks.json"
     path.write_text(json.dumps({"runs": [w1, w4]}))
     table = render_tables.task_memory_table(rates_from_bench.load_runs([str(path)]))
@@ -212,6 +220,7 @@ def test_the_task_memory_table_judges_each_call_against_the_goals(tmp_path):
     assert row["dedup: hash pairs"] == ["1,000 MB", "290 MB", "0.29", "yes"]
     assert row["dedup: index add"] == ["1,000 MB", "310 MB", "0.31", "no"]
     assert row["dedup: copy grouping (one process)"][2:] == ["10.5 B/row", "no"]
+    assert row["dedup: copy search"][3].startswith("not measured at W = 1 (inline, 30.0 MB")
     assert not any(k.startswith("generate: generate") for k in row)
     doc = tmp_path / "doc.md"
     doc.write_text("<!-- begin: task-memory-table -->\n<!-- end: task-memory-table -->\n"
