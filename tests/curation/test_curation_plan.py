@@ -212,6 +212,16 @@ def test_the_task_memory_table_judges_each_call_against_the_goals(tmp_path):
     call(isolated, "dedup", "search_task")["inline"] = False
     table = render_tables.task_memory_table([{**w4, "_file": "w4.json"}, {**isolated, "_file": "isolated.json"}])
     assert "| dedup: copy search | 30 MB | 100 MB | 3.33 | no |" in table
+    # above the ratio, but no growth from 1M rows at the same W (10x fewer rows per task): a per-task constant
+    small = json.loads(json.dumps(next(r for r in runs if r["tasks"] == 4 and r["n"] == 10**6)))
+    for r, mb in ((isolated, 100.0), (w4, 90.0), (small, 85.0)):
+        call(r, "decontaminate", "search_task")["task_heap_mb"] = mb
+    table = render_tables.task_memory_table([{**r, "_file": f"{i}.json"} for i, r in enumerate((isolated, w4, small))])
+    assert ("| decontaminate: eval search | 100 MB | 90 MB | 0.90 | yes: constant per task, not rows (85 MB at "
+            "1,000,000 rows, 10x fewer, same W) |") in table
+    call(small, "decontaminate", "search_task")["task_heap_mb"] = 60.0  # grew 1.5x with 10x the rows: not constant
+    table = render_tables.task_memory_table([{**r, "_file": f"{i}.json"} for i, r in enumerate((isolated, w4, small))])
+    assert "| decontaminate: eval search | 100 MB | 90 MB | 0.90 | no |" in table
     path = tmp_path / "tasks.json"
     path.write_text(json.dumps({"runs": [w1, w4]}))
     table = render_tables.task_memory_table(rates_from_bench.load_runs([str(path)]))
