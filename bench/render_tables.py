@@ -58,6 +58,15 @@ STEP_LABELS = {"pool_task": "generate", "pairs_task": "hash pairs", "add_task": 
                "run_task": "path table: runs", "rank_task": "path table: ranks", "copy_task": "path table: strings"}
 
 
+def _label(step: str, fn: str) -> str:
+    """A runner call's row label: STEP_LABELS, the searches by step, and decontaminate's path-table calls named the
+    eval set's (its small table, built where the step first opens it; the pool's is built under generate)."""
+    if fn == "search_task":
+        return {"decontaminate": "eval search", "dedup": "copy search"}.get(step, STEP_LABELS[fn])
+    label = STEP_LABELS.get(fn, fn)
+    return "eval " + label if step == "decontaminate" and label.startswith("path table") else label
+
+
 def replace_region(text: str, name: str, content: str) -> str:
     """``text`` with what lies between ``<!-- begin: name -->`` and ``<!-- end: name -->`` replaced by
     ``content`` (the markers kept); a missing or repeated marker is an error."""
@@ -89,11 +98,7 @@ def _rows(run: dict) -> dict:
         out[(step, "")] = (float(r["task_s"]), float(r["task_heap_mb"]), float(r["wall_s"]))
         seen = {}
         for c in r["runs"]:
-            label = STEP_LABELS.get(c["fn"], c["fn"])
-            if step == "decontaminate" and c["fn"] == "search_task":
-                label = "eval search"
-            elif step == "dedup" and c["fn"] == "search_task":
-                label = "copy search"
+            label = _label(step, c["fn"])
             s, h = seen.get(label, (0.0, 0.0))
             seen[label] = (s + float(c["task_s"]), max(h, float(c["task_heap_mb"])))
         if len(seen) > 1:
@@ -109,10 +114,7 @@ def _inline_calls(run: dict) -> set:
     for step, r in run["steps"].items():
         for c in r["runs"]:
             if c.get("inline", True) and c["fn"] not in ONE_PROCESS:
-                label = STEP_LABELS.get(c["fn"], c["fn"])
-                if c["fn"] == "search_task":
-                    label = {"decontaminate": "eval search", "dedup": "copy search"}.get(step, label)
-                out |= {(step, label), (step, "")}
+                out |= {(step, _label(step, c["fn"])), (step, "")}
     return out
 
 
