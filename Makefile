@@ -79,8 +79,9 @@ bench: venv
 # since the plan has no per-dimension rate; SCALE_JSON: the growth table (the 10M run is 128-d, 1% of rows queried).
 SCALE_JSON ?= bench/results/scale_10m_d128.json
 RATES_JSON ?= bench/results/scale_1m.json bench/results/scale_3m.json
-# TASKS_JSON: runs at W = 1 and W = 4 of one N, the per-task memory table (docs/curation-scale.md).
-TASKS_JSON ?= $(wildcard bench/results/scale_10m_d128_tasks.json)
+# TASKS_JSON: runs at W = 1 and W = 4 (at the largest N; a smaller N at W = 4 shows a per-task constant), the
+# per-task memory table (docs/curation-scale.md).
+TASKS_JSON ?= bench/results/scale_10m_d128.json
 VERIFY_JSON ?=
 curation-tables: venv
 	$(BIN)/python bench/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out bench/rates.json
