@@ -60,8 +60,9 @@ def build_copy_embedder(path: str, image_size: int = 224, device: str = "auto",
 
 
 def save_record(out_dir: str, path: str | None, image_size: int, trust_code: bool = False) -> None:
-    """Remember which copy model embedded the pool (None: the descriptor) and whether the user trusted its
-    code (later steps embed eval / seed images with it); refuse a switch of model."""
+    """Remember which copy model embedded the pool (None: the descriptor; later steps embed eval / seed images
+    with it); refuse a switch of model. ``trust_code`` is written as provenance only (``trust_code_given``): it is
+    never read back as permission -- a folder someone hands over must not run its model's code on its own say."""
     rec_path = os.path.join(out_dir, RECORD)
     new = {"model": os.path.abspath(path) if path else None, "image_size": image_size}
     old = load_record(out_dir)
@@ -70,7 +71,20 @@ def save_record(out_dir: str, path: str | None, image_size: int, trust_code: boo
                           f"output.dir (or delete embeddings/ to re-embed)")
     os.makedirs(out_dir, exist_ok=True)
     with open(rec_path, "w") as f:
-        json.dump({**new, "trust_code": True} if trust_code else new, f)
+        json.dump({**new, "trust_code_given": bool(trust_code)}, f)
+
+
+def check_record_trust(out_dir: str, trust_code: bool) -> None:
+    """Before a step writes anything: the copy model this folder's record names runs only with the opt-in given to
+    *this* run (``dedup.trust_code=true``), whatever the record says (ConfigError naming the file and the key)."""
+    rec = load_record(out_dir)
+    path = (rec or {}).get("model")
+    if isinstance(path, str) and os.path.exists(path) and is_torchscript(path):
+        try:
+            require_trust(path, f"a TorchScript copy model (named by {os.path.join(out_dir, RECORD)})",
+                          trust_code, "dedup.trust_code=true")
+        except UntrustedCodeError as exc:
+            raise ConfigError(f"dedup.trust_code: {exc}") from None
 
 
 def load_record(out_dir: str) -> dict | None:

@@ -116,12 +116,12 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
 
 
 def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: int = 2,
-               progress: bool = False) -> EmbeddingSet:
+               progress: bool = False, trust_code: bool = False) -> EmbeddingSet:
     """Eval images in the pool's copy space (the copy model recorded in ``out_dir``, else the
-    descriptor; resumable: finished shards are skipped)."""
+    descriptor; resumable: finished shards are skipped). ``trust_code``: this run's ``dedup.trust_code``."""
     from .stepfiles import copy_embedder
 
-    fn, tf = copy_embedder(out_dir)
+    fn, tf = copy_embedder(out_dir, trust_code=trust_code)
     eval_dir = os.path.join(out_dir, "embeddings", "eval")
     embed_pool(eval_sources, fn, eval_dir, batch_size=batch_size, num_workers=num_workers,
                transform=tf, hash_name=None, progress=progress)
@@ -199,7 +199,7 @@ def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, kn
             tasks=None if tasks is None else task_plan(tasks, len(surv)))
         out.update(kind=meta["kind"], index_bytes=meta["index_bytes"])
     if eval_sources:
-        ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
+        ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress, dedup.trust_code)
         job = KnnJob(out_dir, "eval")
         params = {**eval_params(ev, knn), "pool_rows": _digest(surv)}
         if len(ev) and not job.matches(params):

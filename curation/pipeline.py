@@ -166,7 +166,8 @@ def _knn(knn: KnnConfig | None) -> dict | None:
 
 def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: DecontaminateConfig | None = None,
                        embed: EmbedConfig | None = None, knn: KnnConfig | None = None,
-                       progress: bool = True, tasks: TasksConfig | None = None, eval_embedded: bool = False) -> dict:
+                       progress: bool = True, tasks: TasksConfig | None = None, eval_embedded: bool = False,
+                       trust_code: bool = False) -> dict:
     """Drop the copy component of every pool image with cosine > ``decontaminate.threshold`` to an
     eval image (eval images embedded with ``embed.batch_size`` / ``embed.num_workers``; ``eval_embedded``:
     read embeddings/eval/ as it is)."""
@@ -179,7 +180,7 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     n_removed, w, chunks = 0, 0, None
     if eval_sources or eval_embedded:
         ev = open_embeddings(_p(out_dir, "embeddings", "eval")) if eval_embedded else \
-            embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress)
+            embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress, trust_code)
         pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
         scratch = step_dir(out_dir, "decontaminate")
         os.makedirs(scratch, exist_ok=True)
@@ -283,6 +284,13 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     memory (`curate run --progress FILE`; :func:`curation.steps.runner.step_log`)."""
     out = cfg.output.dir
     check_launcher(cfg, steps)  # tasks.launcher=srun: inside an allocation of enough tasks, before writing
+    from .copymodel import check_record_trust  # torch: not imported by the array tasks that never embed
+
+    if _embeds_copy_space(cfg, steps):  # the folder's copy model runs only with this run's own opt-in
+        try:
+            check_record_trust(out, cfg.dedup.trust_code)
+        except ConfigError as exc:
+            raise StepError(command, exc) from exc
     save_config(cfg, out, header=f"resolved config of `curate {command}`")  # array tasks may race: atomic
     results = {}
     for step in steps:
@@ -302,6 +310,12 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
         if echo is not None:
             echo(step, result)
     return results
+
+
+def _embeds_copy_space(cfg: CurationConfig, steps: Sequence[str]) -> bool:
+    """Whether ``steps`` embed images with the folder's copy model (the pool, eval or seed images)."""
+    return "embed" in steps or (bool(cfg.input.eval_paths) and bool({"index", "decontaminate"} & set(steps))) or (
+        bool(cfg.input.seed_paths) and bool({"index", "rebalance"} & set(steps)))
 
 
 def run_curation(cfg: CurationConfig, embedder=None, echo: Callable[[str, object], None] | None = None) -> dict:
@@ -352,10 +366,10 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
         return {**res, "tasks": {**res["tasks"], "table": w}} if w else res  # (after `curate run`'s embed: 0)
     if step == "decontaminate":
         return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks,
-                                  inputs.eval_embedded)
+                                  inputs.eval_embedded, cfg.dedup.trust_code)
     if step == "rebalance":
         return step_rebalance(out, cfg.rebalance, cfg.input.seed_paths or None, embedder, e, knn, prog,
-                              kmeans_dir=kmeans_dir(cfg), tasks=cfg.tasks)
+                              kmeans_dir=kmeans_dir(cfg), tasks=cfg.tasks, trust_code=cfg.dedup.trust_code)
     if step == "write":
         return step_write(cfg.input.paths, out, cfg.write, progress=prog, tasks=cfg.tasks, extra={
             "params": _params(cfg), "steps": _load_summaries(out)})
@@ -379,7 +393,7 @@ def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
         res["table_tasks"] = w
     if _retrieval(cfg) and step_exists(out, "decontaminate"):
         # rerun after decontaminate (the pool/eval indexes are reused): the retrieval index
-        embed_seeds(out, cfg.input.seed_paths, embedder, cfg.embed, prog)
+        embed_seeds(out, cfg.input.seed_paths, embedder, cfg.embed, prog, cfg.dedup.trust_code)
         res.update(step_retrieval_index(out, cfg.rebalance.k, knn_kwargs(cfg), prog))
     return res
 

@@ -21,15 +21,16 @@ from .write import write_json_atomic
 
 
 def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, embed: EmbedConfig | None = None,
-                progress: bool = True):
-    """Seed images in the rebalance space (the model's, else the copy space), resumable."""
+                progress: bool = True, trust_code: bool = False):
+    """Seed images in the rebalance space (the model's, else the copy space), resumable. ``trust_code``: this
+    run's ``dedup.trust_code`` (a TorchScript copy model named by the folder runs only with it)."""
     e = embed or EmbedConfig()
     use_model = os.path.isdir(_p(out_dir, "embeddings", "model"))
     seed_dir = _p(out_dir, "embeddings", "seeds")
     if use_model and embedder is None:
         raise ConfigError("seed images must be embedded with the same model as the pool: "
                          "pass the embedder (embed.model) the pool was embedded with")
-    fn, tf = (embedder, getattr(embedder, "transform", None)) if use_model else copy_embedder(out_dir)
+    fn, tf = (embedder, getattr(embedder, "transform", None)) if use_model else copy_embedder(out_dir, trust_code=trust_code)
     embed_pool(seed_sources, fn, seed_dir, batch_size=e.batch_size, num_workers=e.num_workers,
                transform=tf, hash_name=None, progress=progress)
     return open_embeddings(seed_dir)
@@ -38,7 +39,7 @@ def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, em
 def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_sources=None,
                    embedder: Callable | None = None, embed: EmbedConfig | None = None,
                    knn: KnnConfig | None = None, progress: bool = True, kmeans_dir: str | None = None,
-                   tasks: TasksConfig | None = None) -> dict:
+                   tasks: TasksConfig | None = None, trust_code: bool = False) -> dict:
     """Rebalance the survivors on model embeddings (descriptors when no model was embedded).
 
     ``kmeans_dir``: mode=hierarchical takes its k-means tree from there (written by
@@ -72,7 +73,7 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
                                                        plan["tasks"], plan["launcher"])
     seeds = None
     if seed_sources:
-        seed_set = embed_seeds(out_dir, seed_sources, embedder, embed, progress)
+        seed_set = embed_seeds(out_dir, seed_sources, embedder, embed, progress, trust_code)
         seeds = Rows(seed_set)
         if mode == "sample" and len(seed_set) and len(rows_idx):
             from .knn_steps import sharded_retrieval

@@ -179,14 +179,15 @@ def copy_embedder(out_dir: str, sources=None, config=None,
                   model: str | None = None, image_size: int = 224, device: str = "auto",
                   precision: str = "auto", trust_code: bool = False):
     """``(embed_fn, transform)`` of the copy space: the copy model recorded in ``out_dir`` (or
-    given as ``model``), else the descriptor. Eval and seed images must be embedded alike."""
+    given as ``model``), else the descriptor. Eval and seed images must be embedded alike. ``trust_code`` is this
+    run's own opt-in (``dedup.trust_code``): the record says which model, never whether its code may run."""
     from .copymodel import build_copy_embedder, load_record, save_record
 
     rec = load_record(out_dir)
     if model is not None:
         save_record(out_dir, model, image_size, trust_code)
-    elif rec is not None and rec["model"]:  # the user's opt-in for this model, recorded with it
-        model, image_size, trust_code = rec["model"], rec["image_size"], bool(rec.get("trust_code", False))
+    elif rec is not None and rec["model"]:  # which model embedded the pool; the permission is not in the file
+        model, image_size = rec["model"], rec["image_size"]
     if model is None:
         desc = get_descriptor(out_dir, sources, config)
         return desc, desc.transform()

@@ -184,7 +184,7 @@ def test_torchscript_copy_model_replaces_the_descriptor(pool_dir, tmp_path):
     net = torch.jit.load(str(path))
     step_dedup(str(out), progress=False, sources=[str(root)])
     # later steps embed eval images with the same model, found through copy_model.json
-    step_decontaminate(str(out), [str(root)], embed=EmbedConfig(num_workers=0), progress=False)
+    step_decontaminate(str(out), [str(root)], embed=EmbedConfig(num_workers=0), progress=False, trust_code=True)
     ev = open_embeddings(str(out / "embeddings" / "eval"))
     assert ev.dim == 32
     ref = net(torch.zeros(1, 3, 64, 64))
