@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from dinopipe.config import ConfigError, exit_on_config_error, load_config, report_bug
+from dinopipe.config import ConfigError, exit_on_config_error, load_config
 from dinopipe.logs import setup_logging
 
 # .config and .pipeline import torch (~300 MB): imported where used, so that the task processes that
@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
+    from dinopipe.utils.exits import run_command  # one contract for every command: docs/exit-codes.md
+
+    return run_command(f"curate {argv[0]}" if argv and not argv[0].startswith("-") else "curate", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["plan"]:
         from .plan import main as plan_main
 
@@ -128,8 +134,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StepError as exc:  # e.g. a step not run yet, an input that cannot be read: the user's to fix
         print(exc, file=sys.stderr)
         return 2
-    except Exception:  # anything else is a bug: exit 1, never 2
-        return report_bug(f"curate {args.command}")
     out = cfg.output.dir
     if "write" in steps or (args.command == "report" and os.path.exists(os.path.join(out, "manifest.json"))):
         if _all_unreadable(_print_manifest(out), cfg.input.paths, out):
