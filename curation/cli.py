@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from dinopipe.config import ConfigError, exit_on_config_error, load_config
 from dinopipe.logs import setup_logging
+from dinopipe.utils.exits import check_writable
 
 # .config and .pipeline import torch (~300 MB): imported where used, so that the task processes that
 # `curate simulate` / `curate run` spawn (which import this module as their __main__) do not carry it
@@ -120,6 +121,7 @@ def _main(argv: list[str]) -> int:
     try:
         cfg = load_config(CurationConfig, args.config, args.overrides)
         validate(cfg, args.command)
+        check_writable(cfg.output.dir, "output.dir")  # a file where the folder goes, a read-only disk: before work
         check_launcher(cfg, steps_of(args.command, cfg))  # tasks.launcher=srun: inside a big enough allocation
         if args.command in ("run", "embed"):
             check_inputs(cfg.input.paths)

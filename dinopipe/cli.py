@@ -68,6 +68,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"error: --image-size only applies to --format onnx | pt2 (weights in the '{args.format}' "
               f"layout have no input size); drop it", file=sys.stderr)
         return 2
+    from .utils.exits import check_writable
+
+    check_writable(args.out, "--out")  # before the model is read: a file where the folder goes, a read-only disk
     try:
         model = load(args.model, num_heads=args.num_heads, which=args.which)
     except (CheckpointError, OSError) as exc:  # nothing there, or nothing dinopipe can read: the user's to fix

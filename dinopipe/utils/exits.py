@@ -49,6 +49,20 @@ def writing(path: Any) -> Iterator[None]:
         raise OutputError(f"cannot write '{path}': {reason}" + (f" ({where})" if where else "")) from None
 
 
+def check_writable(path: Any, key: str) -> None:
+    """Before any work: ``path`` (a file or folder to be written) can be created -- its nearest existing ancestor
+    is a writable folder and ``path`` itself, if there, is not a file where a folder is expected. ConfigError
+    naming ``key`` otherwise (a typo'd mount, a file where the folder should be, a read-only disk)."""
+    p = os.path.abspath(os.fspath(path))
+    up = p
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if up != p and not os.path.isdir(up):
+        raise OutputError(f"{key}: cannot create '{path}': '{up}' is a file, not a folder")
+    if not os.access(up if os.path.isdir(up) else os.path.dirname(up), os.W_OK):
+        raise OutputError(f"{key}: cannot write '{path}': '{up}' is not writable")
+
+
 def run_command(command: str, body: Callable[..., int], *args: Any, **kwargs: Any) -> int:
     """Run a command's ``body`` under the contract above; returns its exit code. ``command``: how the user typed
     it (``"dinopipe eval"``, ``"curate index"``), the first word of every line printed here."""
@@ -65,5 +79,6 @@ def run_command(command: str, body: Callable[..., int], *args: Any, **kwargs: An
         return report_bug(command)
 
 
-__all__ = ["EXIT_BUG", "EXIT_CONFIG_ERROR", "EXIT_UNFINISHED", "OutputError", "UnfinishedError", "run_command",
+__all__ = ["EXIT_BUG", "EXIT_CONFIG_ERROR", "EXIT_UNFINISHED", "OutputError", "UnfinishedError", "check_writable",
+           "run_command",
            "writing"]
