@@ -36,3 +36,11 @@ def test_no_import_cycle_in_dinopipe():
     gone = [" <-> ".join(sorted(c)) for c in set(KNOWN) - found]
     assert not new, "import cycles (move the shared part to a module both can import):\n" + "\n".join(new)
     assert not gone, "a known cycle is gone: remove it from KNOWN in this file:\n" + "\n".join(gone)
+
+
+def test_the_pretraining_schema_and_its_checks_import_one_way():
+    """ssl/config_checks.py needs the schema's names (for annotations only); ssl/config.py must not import the
+    checks back (it re-exported them: a circle that only deferred imports kept from failing)."""
+    graph = import_graph()
+    assert "dinopipe.ssl.config_checks" not in graph["dinopipe.ssl.config"]
+    assert "dinopipe.ssl.config" not in graph["dinopipe.ssl.config_checks"]

@@ -16,7 +16,8 @@ def main(argv=None) -> int:
     import argparse
 
     from ..config import ConfigError, exit_on_config_error, load_config
-    from ..ssl.config import PretrainConfig, validate
+    from ..ssl.config import PretrainConfig
+    from ..ssl.config_checks import validate
     from ..train.checks import check_backbone
 
     import dataclasses
@@ -60,10 +61,10 @@ def main(argv=None) -> int:
         # the checks `dinopipe pretrain` runs on the config alone; planning needs no data.paths (none are read)
         validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, paths=cfg.data.paths or ["-"])))
         check_backbone(cfg)
+        # a ValueError / KeyError from the planner is its own bug (exit 1), never "your mistake"
+        r = plan(cfg, args.gpus, args.gpu_mem_gb, args.gpu_tflops, args.mfu, args.margin, args.overhead_gb)
     except ConfigError as exc:
         exit_on_config_error(exc)
-    # any ValueError / KeyError from here on is the planner's own: a bug (exit 1), never "your mistake"
-    r = plan(cfg, args.gpus, args.gpu_mem_gb, args.gpu_tflops, args.mfu, args.margin, args.overhead_gb)
     print(format_report(r))
     if args.trace:
         import json
@@ -126,9 +127,9 @@ def _main_distill(args) -> int:
         except TypeError as exc:
             raise ConfigError(f"overrides {args.overrides}: {exc}") from None
         check_students(cfg)  # unknown timm names and crops below a CNN's stride: exit 2, as `dinopipe distill`
-    except ConfigError as exc:
+        r = plan_distill(cfg, args.gpus, args.gpu_mem_gb)  # a ValueError / KeyError here is a bug: exit 1
+    except ConfigError as exc:  # e.g. teacher_model.path that names nothing
         exit_on_config_error(exc)
-    r = plan_distill(cfg, args.gpus, args.gpu_mem_gb)  # a ValueError / KeyError here is the planner's bug: exit 1
     print(format_distill_report(r))
     return 0
 
