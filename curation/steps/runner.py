@@ -286,6 +286,8 @@ def env_task(launcher: str) -> tuple[int, int]:
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
+# Kept process-wide (issue 38): run_step is called many frames below the `with recording()` that wants its reports
+# (simulate -> run_steps -> a step -> knn -> run_step), set only inside that block and restored on exit.
 _RECORD: list | None = None
 
 
