@@ -23,8 +23,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from dinopipe.config import ConfigError, exit_on_config_error, load_config, report_bug
+from dinopipe.config import ConfigError, exit_on_config_error, load_config
 from dinopipe.logs import setup_logging
+from dinopipe.utils.exits import check_writable
 
 # .config and .pipeline import torch (~300 MB): imported where used, so that the task processes that
 # `curate simulate` / `curate run` spawn (which import this module as their __main__) do not carry it
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
+    from dinopipe.utils.exits import run_command  # one contract for every command: docs/exit-codes.md
+
+    return run_command(f"curate {argv[0]}" if argv and not argv[0].startswith("-") else "curate", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["plan"]:
         from .plan import main as plan_main
 
@@ -114,6 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load_config(CurationConfig, args.config, args.overrides)
         validate(cfg, args.command)
+        check_writable(cfg.output.dir, "output.dir")  # a file where the folder goes, a read-only disk: before work
         check_launcher(cfg, steps_of(args.command, cfg))  # tasks.launcher=srun: inside a big enough allocation
         if args.command in ("run", "embed"):
             check_inputs(cfg.input.paths)
@@ -128,8 +136,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StepError as exc:  # e.g. a step not run yet, an input that cannot be read: the user's to fix
         print(exc, file=sys.stderr)
         return 2
-    except Exception:  # anything else is a bug: exit 1, never 2
-        return report_bug(f"curate {args.command}")
     out = cfg.output.dir
     if "write" in steps or (args.command == "report" and os.path.exists(os.path.join(out, "manifest.json"))):
         if _all_unreadable(_print_manifest(out), cfg.input.paths, out):

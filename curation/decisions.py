@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from dinopipe.config import InputError
+from dinopipe.utils.exits import UnfinishedError  # a killed task, not a mistake: exit 75
 from dinopipe.utils.io import atomic_open, atomic_write_json
 
 # status codes of the step arrays (curation.pipeline), and the one only this table knows
@@ -118,7 +118,7 @@ def finish_decisions(out_dir: str, num_tasks: int, merged: bool = True) -> tuple
     have = {int(_PART.search(p).group(1)) for p in parts}
     missing = sorted(set(range(num_tasks)) - have)
     if missing:
-        raise InputError(f"decisions parts {missing} of {num_tasks} are not written yet: rerun those tasks")
+        raise UnfinishedError(f"decisions parts {missing} of {num_tasks} are not written yet: rerun those tasks")
     for p in glob.glob(os.path.join(out_dir, "decisions", "part-*")):
         m = re.search(r"-of-(\d{5})\.", p)
         if m and int(m.group(1)) != num_tasks:

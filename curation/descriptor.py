@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_path
 
 # ----------------------------------------------------------------------------- thumbnails
@@ -136,9 +137,9 @@ class PCADescriptor:
             return self
         x = self._prior_features(thumbs).astype(np.float64)
         if len(x) < 2 * x.shape[1]:
-            raise ValueError(
-                f"pool PCA whitening needs at least {2 * x.shape[1]} images to fit, got {len(x)}; "
-                f"set pool_whiten=0 (the prior-only descriptor) for small pools"
+            raise InputError(  # data too small for a setting: the user's to change (exit 2), not a bug
+                f"descriptor.pool_whiten={c.pool_whiten}: pool PCA whitening needs at least {2 * x.shape[1]} "
+                f"images to fit, got {len(x)}; set pool_whiten=0 (the prior-only descriptor) for small pools"
             )
         mean = x.mean(axis=0)
         _, s, vt = np.linalg.svd(x - mean, full_matrices=False)

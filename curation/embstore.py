@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dinopipe.config import InputError
+from dinopipe.utils.exits import UnfinishedError
 from dinopipe.data.sources import ImageRef
 from dinopipe.utils.io import atomic_open, atomic_write_json
 from dinopipe.utils.proc import usable_cores
@@ -217,7 +218,7 @@ def build_path_table(emb_dir: str, plan: Callable[[int], dict]) -> int:
 def _check_tasks_done(emb_dir: str) -> None:
     done = glob.glob(os.path.join(emb_dir, "task-*-of-*.json"))
     if not done:
-        raise FileNotFoundError(f"{emb_dir}: no task has finished embedding yet")
+        raise UnfinishedError(f"{emb_dir}: no task has finished embedding yet")
     totals = {int(re.search(r"-of-(\d+)", p).group(1)) for p in done}
     if len(totals) > 1:
         raise InputError(f"{emb_dir} holds runs split into {sorted(totals)} tasks; use a fresh "
@@ -226,7 +227,7 @@ def _check_tasks_done(emb_dir: str) -> None:
     have = {int(re.search(r"task-(\d+)-of", p).group(1)) for p in done}
     missing = sorted(set(range(total)) - have)
     if missing:
-        raise InputError(
+        raise UnfinishedError(  # a killed or not yet run array task: exit 75, not the user's mistake
             f"{emb_dir}: embedding tasks {missing} of {total} have not finished; rerun them "
             f"(completed shards are skipped) before deduplicating"
         )

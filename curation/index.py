@@ -193,7 +193,8 @@ def factory_string(kind: str, d: int, nlist: int, pq_m: int = 0, quantizer: str 
     if codes is None:  # ivf_pq
         m = pq_m or max(1, d // 16)
         if d % m:
-            raise ValueError(f"ivf_pq: pq_m={m} must divide the dimension {d}")
+            raise InputError(f"knn.pq_m={m} must divide the embedding dimension {d} (index kind ivf_pq; 0 picks "
+                             f"{max(1, d // 16)})")
         codes = f"PQ{m}"
     q = f"_HNSW{HNSW_M}" if resolve_quantizer(quantizer, nlist) == "hnsw" else ""
     return f"IVF{nlist}{q},{codes}"

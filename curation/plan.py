@@ -362,6 +362,11 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"curate plan: error: --pool {a.pool!r} is not a count like 142M or 1.2B", file=sys.stderr)
         return 2
+    for name in ("dim", "pq_m", "nodes", "cpus_per_task", "k", "nprobe"):  # counts of which 0 means nothing to plan
+        if getattr(a, name) < 1:
+            print(f"curate plan: error: --{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}",
+                  file=sys.stderr)
+            return 2
     if a.index == "ivf_pq" and a.dim % a.pq_m:
         print(f"curate plan: error: --pq-m {a.pq_m} must divide --dim {a.dim}", file=sys.stderr)
         return 2

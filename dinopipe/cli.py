@@ -68,18 +68,24 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"error: --image-size only applies to --format onnx | pt2 (weights in the '{args.format}' "
               f"layout have no input size); drop it", file=sys.stderr)
         return 2
+    from .utils.exits import check_writable
+
+    check_writable(args.out, "--out")  # before the model is read: a file where the folder goes, a read-only disk
     try:
         model = load(args.model, num_heads=args.num_heads, which=args.which)
     except (CheckpointError, OSError) as exc:  # nothing there, or nothing dinopipe can read: the user's to fix
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        if args.format in ("onnx", "pt2"):  # deployable graphs (dinopipe/export/onnx.py), not weight layouts
-            from .export.onnx import export_onnx, export_program
+    from .utils.exits import writing
 
-            out = (export_onnx if args.format == "onnx" else export_program)(model, args.out, args.image_size)
-        else:
-            out = export(model, args.format, args.out)
+    try:
+        with writing(args.out):  # a full disk or a read-only folder: exit 2 naming --out, not a bug
+            if args.format in ("onnx", "pt2"):  # deployable graphs (dinopipe/export/onnx.py), not weight layouts
+                from .export.onnx import export_onnx, export_program
+
+                out = (export_onnx if args.format == "onnx" else export_program)(model, args.out, args.image_size)
+            else:
+                out = export(model, args.format, args.out)
     except ValueError as exc:  # e.g. a layout that cannot hold this architecture: choose another format
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -219,15 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
-    if argv and argv[0] in STAGES:
-        return _stage(argv[0])(argv[1:])
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except Exception:  # the commands return 2 for the user's mistakes; anything escaping is a bug (exit 1)
-        from .config import report_bug
+    from .utils.exits import run_command  # one contract for every command: docs/exit-codes.md
 
-        return report_bug(f"dinopipe {argv[0] if argv else ''}".strip())
+    if argv and argv[0] in STAGES:
+        return run_command(f"dinopipe {argv[0]}", _stage(argv[0]), argv[1:])
+    args = build_parser().parse_args(argv)
+    return run_command(f"dinopipe {args.command}", args.func, args)
 
 
 if __name__ == "__main__":

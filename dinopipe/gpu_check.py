@@ -252,11 +252,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--cpu", action="store_true", help="CPU smoke subset (small shapes, no CUDA)")
     p.add_argument("--only", default=None, help="comma-separated subset of checks")
     args = p.parse_args(argv)
+    from .config import ConfigError
+    from .utils.exits import check_writable
+
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if not args.cpu and not torch.cuda.is_available():
-        raise SystemExit("error: no CUDA device visible; run on a GPU node, or use --cpu for the CPU smoke subset")
+    if not args.cpu and not torch.cuda.is_available():  # the machine, not a failed check: exit 2
+        raise ConfigError("no CUDA device visible; run on a GPU node, or use --cpu for the CPU smoke subset")
     dev = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
     only = [s for s in args.only.split(",") if s] if args.only else None
+    unknown = sorted(set(only or ()) - set(_checks()))
+    if unknown:
+        raise ConfigError(f"--only: no check named {', '.join(unknown)} (checks: {', '.join(_checks())})")
+    check_writable(args.out, "--out")
     report = run_checks(dev, Path(args.out), only)
     print(f"report: {Path(args.out) / 'report.json'}; failed: {report['failed'] or 'none'}", flush=True)
     return 1 if report["failed"] else 0

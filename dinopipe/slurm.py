@@ -200,7 +200,8 @@ def validate(cfg: SlurmConfig, overrides: dict[str, list[str]], check_paths: boo
                 if c.input.paths:
                     check(c, "embed" if check_paths else "dedup")  # `dedup` does not look at input.paths
             elif stage == "pretrain":
-                from .ssl.config import PretrainConfig, validate as check
+                from .ssl.config import PretrainConfig
+                from .ssl.config_checks import validate as check
 
                 check(load_config(PretrainConfig, path, overrides[stage]))
             else:

@@ -46,8 +46,10 @@ def _targets(mod: str, is_pkg: bool, node, mods: dict) -> set[str]:
     return out | {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods}
 
 
-def import_graph(root: Path = REPO, pkg: str = "dinopipe") -> dict[str, set[str]]:
-    mods = _modules(root, pkg)
+def import_graph(root: Path = REPO, pkg: str | tuple[str, ...] = "dinopipe") -> dict[str, set[str]]:
+    """Module -> the modules it imports. ``pkg``: one package, or several read as one graph (edges between them
+    included: a cycle through dinopipe and curation is found too)."""
+    mods = {m: p for one in ((pkg,) if isinstance(pkg, str) else pkg) for m, p in _modules(root, one).items()}
     graph = {}
     for mod, path in mods.items():
         deps = set()

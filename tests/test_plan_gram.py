@@ -60,7 +60,7 @@ def test_gram_flops_count_only_the_anchored_steps():
 def test_dinov3_recipes_validate_and_plan(name):
     from pathlib import Path
 
-    from dinopipe.ssl.config import validate
+    from dinopipe.ssl.config_checks import validate
 
     cfg = load_config(PretrainConfig, Path(__file__).parents[1] / "configs/pretrain" / f"{name}.yaml")
     validate(cfg)

@@ -40,6 +40,7 @@ from typing import Callable
 import numpy as np
 
 from dinopipe.config import InputError
+from dinopipe.utils.exits import UnfinishedError
 from dinopipe.utils import debug_hooks
 from dinopipe.utils.io import atomic_path
 from dinopipe.utils.proc import map_large_allocations, usable_cores
@@ -119,11 +120,12 @@ def read_part(path: str) -> dict:
 
 
 def parts(folder: str, name: str, num_tasks: int) -> list[str]:
-    """All part files of a step; a missing one is an error naming it (a task that did not finish)."""
+    """All part files of a step; a missing one is an error naming it (a task that did not finish: exit 75, rerun;
+    not the user's mistake, so not a FileNotFoundError, which the steps report as one)."""
     paths = [part_path(folder, name, t, num_tasks) for t in range(num_tasks)]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
-        raise FileNotFoundError(f"{len(missing)} of {num_tasks} parts of '{name}' are missing "
+        raise UnfinishedError(f"{len(missing)} of {num_tasks} parts of '{name}' are missing "
                                 f"(first: {missing[0]}): rerun those tasks")
     return paths
 
@@ -284,6 +286,8 @@ def env_task(launcher: str) -> tuple[int, int]:
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
+# Kept process-wide (issue 38): run_step is called many frames below the `with recording()` that wants its reports
+# (simulate -> run_steps -> a step -> knn -> run_step), set only inside that block and restored on exit.
 _RECORD: list | None = None
 
 

@@ -26,6 +26,8 @@ from dinopipe.utils.io import atomic_write
 
 KEY_ENV = "CURATE_SRUN_KEY"
 """The environment variable that carries a call's key (hex) from the orchestrator to its srun tasks."""
+# Kept process-wide (issue 38): srun calls sit many frames below run_steps' `with spool(...)`, which alone sets it
+# (and restores it on exit); outside one, the environment / working directory decide as before.
 _SPOOL: str | None = None
 
 

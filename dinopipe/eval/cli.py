@@ -4,13 +4,15 @@ SRC is a folder of class sub-folders or webdataset .tar shards with a label per 
 dinopipe.eval.data). PATH is anything dinopipe.load accepts. Results are printed as a table and, with
 --out, written as JSON. For seg SRC is a dense set, images/X.jpg + masks/X.png (class indices,
 255 = ignore; see dinopipe.eval.dense_data), and the probe is linear on frozen patch tokens (mIoU).
-Exit codes: 0 done, 1 the model cannot be loaded, 2 bad data arguments.
+Exit codes (docs/exit-codes.md): 0 done, 2 a mistake in the arguments, the data or the model file (one line),
+1 a bug to report.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -141,6 +143,9 @@ def run(args: argparse.Namespace) -> dict:
     kw = dict(img_size=args.img_size, batch_size=args.batch_size, num_workers=args.workers, device=device,
               avgpool=args.avgpool, normalize=args.task == "knn")
     f_train, f_val = extract_features(model, train, **kw), extract_features(model, val, **kw)
+    for flag, d, f in (("--train", train, f_train), ("--val", val, f_val)):
+        if len(d) and f.unreadable >= len(d):  # a broken mount or files that are not images: not a result
+            raise LabelError(f"{flag}: none of the {len(d)} images in {d.source} could be read as an image")
     out = {
         "task": args.task, "model": str(args.model), "device": str(device),
         "feature": "cls+avgpool" if args.avgpool else "cls",
@@ -163,15 +168,55 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Counts, sizes and rates that cannot work, and an --out that cannot be written: ConfigError naming the flag,
+    before any image is read."""
+    from ..config import ConfigError
+
+    def need(ok: bool, flag: str, what: str, got) -> None:
+        if not ok:
+            raise ConfigError(f"{flag}: must be {what}, got {got}")
+
+    need(args.batch_size >= 1, "--batch-size", ">= 1", args.batch_size)
+    if hasattr(args, "epochs"):  # linear, seg
+        need(args.epochs >= 1, "--epochs", ">= 1", args.epochs)
+    need(args.img_size is None or args.img_size >= 1, "--img-size", ">= 1", args.img_size)
+    need(getattr(args, "workers", 0) >= 0, "--workers", ">= 0", getattr(args, "workers", None))
+    if args.task == "knn":
+        need(min(args.k) >= 1, "--k", ">= 1 each", args.k)
+        need(args.temperature > 0, "--temperature", "> 0", args.temperature)
+    elif args.task == "linear":
+        need(args.probe_batch_size >= 1, "--probe-batch-size", ">= 1", args.probe_batch_size)
+        need(0 < args.holdout < 1, "--holdout", "in (0, 1)", args.holdout)
+        need(args.lrs is None or min(args.lrs) > 0, "--lrs", "> 0 each", args.lrs)
+        need(min(args.wds) >= 0, "--wds", ">= 0 each", args.wds)
+    else:
+        need(args.lr > 0, "--lr", "> 0", args.lr)
+    if args.out:
+        out = Path(args.out)
+        if out.is_dir():
+            raise ConfigError(f"--out: '{out}' is a folder; give a file name (results.json)")
+        parent = next((q for q in (out.parent, *out.parent.parents) if q.exists()), Path("."))
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ConfigError(f"--out: cannot write '{out}' ('{parent}' is not a writable folder)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
-    from ..config import ConfigError
-    from ..hub import CheckpointError
+    from ..utils.exits import run_command
 
+    return run_command(f"dinopipe eval {args.task}", _main, args)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from ..hub import CheckpointError
+    from ..utils.exits import writing
+
+    check_args(args)
     try:
         out = run_seg(args) if args.task == "seg" else run(args)
-    except (LabelError, FileNotFoundError, ConfigError) as exc:
+    except (LabelError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except CheckpointError as exc:
@@ -181,8 +226,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{out['train']['classes']} classes, feature {out['feature']} at {out['img_size']} px")
     {"knn": _print_knn, "linear": _print_linear, "seg": _print_seg}[args.task](out[args.task])
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2))
+        with writing(args.out):  # a full disk or a folder made read-only meanwhile: exit 2 naming it
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(out, indent=2))
         print(f"results written to {args.out}")
     return 0
 

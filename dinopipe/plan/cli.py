@@ -17,7 +17,10 @@ def main(argv=None) -> int:
 
     from ..config import ConfigError, exit_on_config_error, load_config
     from ..ssl.config import PretrainConfig
+    from ..ssl.config_checks import validate
+    from ..train.checks import check_backbone
 
+    import dataclasses
     import inspect
 
     p = argparse.ArgumentParser(prog="dinopipe plan", description=inspect.cleandoc(main.__doc__ or ""),
@@ -42,6 +45,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from .distill import is_distill_config
 
+    check_args(args)
     if is_distill_config(args.config):  # students (ViT or timm:NAME) + teacher: parameters, state, FLOPs
         return _main_distill(args)
     try:
@@ -54,15 +58,15 @@ def main(argv=None) -> int:
         names = [ph.name for ph in cfg.phases]
         if args.phase is not None and args.phase not in names:  # before the planner or the trace runs
             raise ConfigError(f"--phase: no phase '{args.phase}' in {args.config} (phases: {', '.join(names)})")
+        # the checks `dinopipe pretrain` runs on the config alone; planning needs no data.paths (none are read)
+        validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, paths=cfg.data.paths or ["-"])))
+        check_backbone(cfg)
+        # a ValueError / KeyError from the planner is its own bug (exit 1), never "your mistake"
         r = plan(cfg, args.gpus, args.gpu_mem_gb, args.gpu_tflops, args.mfu, args.margin, args.overhead_gb)
     except ConfigError as exc:
         exit_on_config_error(exc)
-    except (ValueError, KeyError) as exc:
-        print(f"error: {exc}", file=__import__("sys").stderr)
-        return 2
     print(format_report(r))
     if args.trace:
-        import dataclasses
         import json
 
         from .trace import trace
@@ -71,10 +75,39 @@ def main(argv=None) -> int:
         print()
         print(t.report())
         if args.json:
-            with open(args.json, "w") as f:
+            from ..utils.exits import writing
+
+            with writing(args.json), open(args.json, "w") as f:
                 json.dump({**dataclasses.asdict(t), "planner_over_trace": t.planner_ratio,
                            "comm_over_fp32": t.comm_ratio}, f, indent=1)
     return 0
+
+
+def check_args(args) -> None:
+    """The numbers of the command line and --json's folder, before the config is read: exit 2 naming the flag."""
+    import os
+    from pathlib import Path
+
+    from ..config import ConfigError, exit_on_config_error
+
+    bad = [(flag, got, want) for flag, got, ok, want in (
+        ("--gpus", args.gpus, args.gpus >= 1, ">= 1"), ("--gpu-mem-gb", args.gpu_mem_gb, args.gpu_mem_gb > 0, "> 0"),
+        ("--gpu-tflops", args.gpu_tflops, args.gpu_tflops is None or args.gpu_tflops > 0, "> 0"),
+        ("--mfu", args.mfu, 0 < args.mfu <= 1, "in (0, 1]"), ("--margin", args.margin, 0 <= args.margin < 1, "in [0, 1)"),
+        ("--overhead-gb", args.overhead_gb, args.overhead_gb >= 0, ">= 0"), ("--steps", args.steps, args.steps >= 1, ">= 1"),
+    ) if not ok]
+    try:
+        if bad:
+            flag, got, want = bad[0]
+            raise ConfigError(f"{flag}: must be {want}, got {got}")
+        if args.json is not None and not args.trace:
+            raise ConfigError("--json: writes the traced figures; give --trace too")
+        if args.json is not None:
+            parent = Path(args.json).parent
+            if Path(args.json).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+                raise ConfigError(f"--json: cannot write '{args.json}' (its folder must exist and be writable)")
+    except ConfigError as exc:
+        exit_on_config_error(exc)
 
 
 def _main_distill(args) -> int:
@@ -94,12 +127,9 @@ def _main_distill(args) -> int:
         except TypeError as exc:
             raise ConfigError(f"overrides {args.overrides}: {exc}") from None
         check_students(cfg)  # unknown timm names and crops below a CNN's stride: exit 2, as `dinopipe distill`
-        r = plan_distill(cfg, args.gpus, args.gpu_mem_gb)
-    except ConfigError as exc:
+        r = plan_distill(cfg, args.gpus, args.gpu_mem_gb)  # a ValueError / KeyError here is a bug: exit 1
+    except ConfigError as exc:  # e.g. teacher_model.path that names nothing
         exit_on_config_error(exc)
-    except (ValueError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     print(format_distill_report(r))
     return 0
 

@@ -21,12 +21,15 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch.optim import adam as _adam_mod
 
+from ..utils import torch_compat as compat
 from .ema import local_tensor
 
-_ADAM_ARGS = set(inspect.signature(_adam_mod.adam).parameters)
-_INIT_ARGS = list(inspect.signature(torch.optim.Adam._init_group).parameters)
+try:  # torch's private Adam internals, through torch_compat; missing -> the stock step runs
+    _ADAM_ARGS = set(inspect.signature(compat.functional_adam()).parameters)
+    _INIT_ARGS = list(inspect.signature(compat.adam_init_group()).parameters)
+except compat.TorchCompatError:
+    _ADAM_ARGS, _INIT_ARGS = set(), []
 SUPPORTED = ("decoupled_weight_decay" in _ADAM_ARGS
              and _INIT_ARGS[:8] == ["self", "group", "params_with_grad", "grads", "exp_avgs", "exp_avg_sqs",
                                     "max_exp_avg_sqs", "state_steps"])
@@ -51,10 +54,10 @@ class ShardLocalAdamW(torch.optim.AdamW):
                 loss = closure()
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = [], [], [], [], [], []
-            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                           state_steps)
+            has_complex = compat.adam_init_group()(self, group, params, grads, exp_avgs, exp_avg_sqs,
+                                                   max_exp_avg_sqs, state_steps)
             beta1, beta2 = group["betas"]
-            _adam_mod.adam(
+            compat.functional_adam()(
                 _local(params), _local(grads), _local(exp_avgs), _local(exp_avg_sqs), _local(max_exp_avg_sqs),
                 state_steps, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2,
                 lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],

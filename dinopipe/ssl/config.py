@@ -1,5 +1,6 @@
 """Pretraining config schema (defaults = DINOv2's ``ssl_default_config.yaml`` where it has one). The checks
-(``validate`` and its parts) are in ``config_checks.py`` and importable from here."""
+(``validate`` and its parts) are in ``config_checks.py``, which imports this schema (for annotations only); this
+module imports nothing of it, so the two form no circle."""
 
 from __future__ import annotations
 
@@ -7,9 +8,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..config import ModelConfig, ParallelConfig, choices
-# the cross-field checks live in config_checks.py; importers keep using dinopipe.ssl.config
-from .config_checks import (check_channels, check_dinov3_keys, check_ranges, data_reader, validate, validate_continue,
-                            validate_gram, validate_knn, validate_sizes)
 
 
 LastLayer = choices("LastLayer", ("weight_norm", "weight_norm_fixed", "linear"), __name__)
@@ -350,6 +348,4 @@ class PretrainConfig:
     knn: KnnProbeConfig = field(default_factory=KnnProbeConfig)
 
 
-__all__ = ["check_channels", "data_reader", "PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig",
-           "KnnProbeConfig", "validate", "validate_continue", "validate_gram", "validate_knn", "check_ranges",
-           "check_dinov3_keys", "validate_sizes"]
+__all__ = ["PretrainConfig", "PhaseConfig", "CropSizeConfig", "GramConfig", "KnnProbeConfig"]

@@ -78,7 +78,7 @@ class DistillConfig:
 
 
 def validate(cfg: DistillConfig) -> None:
-    from .config import validate as validate_common
+    from .config_checks import validate as validate_common
 
     validate_common(cfg)  # enum fields (mode, feature.loss, ...), phases, data paths, mask ratios
     names = [s.name for s in cfg.students]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..utils.torch_compat import norm_base
+
 
 def _is_fsdp(module: nn.Module) -> bool:
     """An FSDP2-sharded module (``fully_shard`` swaps its class for one with ``unshard`` / ``reshard``)."""
@@ -81,7 +83,7 @@ def _ema_norm_stats_(target: nn.Module, source: nn.Module, momentum: float) -> N
     buffers, so this is a no-op for them. FSDP2 does not shard buffers: they are full tensors on every rank."""
     t_mods = dict(target.named_modules())
     for name, src in source.named_modules():
-        if not isinstance(src, nn.modules.batchnorm._NormBase) or not src.track_running_stats:
+        if not isinstance(src, norm_base()) or not src.track_running_stats:
             continue
         dst = t_mods[name]
         for key in ("running_mean", "running_var"):

@@ -20,9 +20,11 @@ from typing import Optional
 
 from torch import nn
 
+from ..utils.torch_compat import norm_base
+
 _WRAPPER_TOKENS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
 _TOKEN_NAMES = ("cls_token", "pos_embed", "register_tokens", "storage_tokens", "mask_token")
-_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, norm_base())
 _BLOCK_RE = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 
 

@@ -9,6 +9,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
+from ..utils.exits import check_writable
 from ..data.pool_index import Ranks
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
@@ -150,6 +151,8 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
     try:
         cfg = load_config(schema, args.config, args.overrides)
         validate(cfg)
+        key = "train.output_dir" if hasattr(cfg, "train") else "output_dir"  # pretrain / distill, pipeline
+        check_writable(cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir, key)
     except ConfigError as exc:
         exit_on_config_error(exc)
     setup_logging()

@@ -9,7 +9,8 @@ from ..config import ConfigError
 from ..hub import CheckpointError, check_backbone_file
 from ..models import list_models, model_defaults
 from .knn_probe import LabelError, check_sets
-from ..ssl.config import PretrainConfig, validate
+from ..ssl.config import PretrainConfig
+from ..ssl.config_checks import validate
 
 
 def check_backbone(cfg: PretrainConfig) -> None:

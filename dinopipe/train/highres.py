@@ -16,7 +16,7 @@ from ..data.gpu_augment import EncodedCollator, EncodedCrops, GpuMultiCrop, reso
 from ..data.loader import DataPosition, build_train_loader
 from ..data.multires import GramCropAugmentation, GramCropCollator, build_multisize_loader
 from ..data.transforms import MultiCropAugmentation
-from ..ssl.config import data_reader
+from ..ssl.config_checks import data_reader
 from .dist import DistInfo
 from .signals import worker_ignore_signals
 

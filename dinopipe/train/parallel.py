@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ParallelConfig, check_parallel_config, reduce_dtypes
+from ..utils import torch_compat as compat
 from .dist import DistInfo
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,12 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 
-def _batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+def _batchnorms(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if isinstance(m, compat.batchnorm_base()) and m.track_running_stats]
 
 
 @contextlib.contextmanager
-def _running_stats_frozen(bns: list[nn.modules.batchnorm._BatchNorm]):
+def _running_stats_frozen(bns: list[nn.Module]):
     """The recomputation of a checkpointed block must not update BatchNorm running statistics a second time:
     momentum 0 keeps running_mean / running_var as they are (the same kernel runs, so the recompute saves the
     same tensors as the forward did and the checkpoint's checks hold), and the step counter is put back."""
@@ -104,11 +105,11 @@ def sync_batchnorm_(modules: list[nn.Module], info: DistInfo) -> int:
         return 0
     n = 0
     for m in modules:
-        bns = [b for b in m.modules() if isinstance(b, nn.modules.batchnorm._BatchNorm)
+        bns = [b for b in m.modules() if isinstance(b, compat.batchnorm_base())
                and not isinstance(b, nn.SyncBatchNorm)]
         if not bns:
             continue
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, compat.batchnorm_base()):
             raise TypeError("sync_batchnorm_ converts the BatchNorm layers inside a module, not a bare BatchNorm")
         nn.SyncBatchNorm.convert_sync_batchnorm(m)  # children replaced in place; m itself is not a BatchNorm
         n += len(bns)
@@ -155,7 +156,7 @@ def device_mesh(info: DistInfo):
     fake-tensor mode: building a mesh reads tensor values, which fake tensors do not have)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = (info.device.type, info.world_size, id(torch.distributed.distributed_c10d._get_default_group()))
+    key = (info.device.type, info.world_size, id(compat.default_process_group()))
     if key not in _MESHES:
         _MESHES.clear()
         _MESHES[key] = init_device_mesh(info.device.type, (info.world_size,))

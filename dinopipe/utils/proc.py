@@ -35,6 +35,8 @@ __all__ = ["usable_cores", "exit_now"]
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 MAP_ABOVE = 1 << 20
 """Allocations of at least this many bytes get their own mapping (:func:`map_large_allocations`)."""
+# Kept process-wide (issue 38): glibc has one allocator per process, so the setting is the process's by nature; it is
+# made only by curation's task runner (each task process, and the orchestrator that merges their parts), never on import.
 _mapped_above: int | None = None
 
 

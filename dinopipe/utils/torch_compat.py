@@ -223,6 +223,44 @@ def dcp_set_element(root: dict, path: Any, value: Any) -> None:
     _attr("torch.distributed.checkpoint._traverse", "set_element", "loading a DCP checkpoint")(root, path, value)
 
 
+# -- optimizer internals (ssl/adamw.py: AdamW on each rank's local shards) ------------------------------------
+
+def functional_adam() -> Callable:
+    """torch's functional Adam/AdamW update (``torch.optim.adam.adam``: fused, foreach or per tensor), which
+    :class:`~dinopipe.ssl.adamw.ShardLocalAdamW` hands the local shards."""
+    return _attr("torch.optim.adam", "adam", "AdamW on the local shards (ssl/adamw.py)")
+
+
+def adam_init_group() -> Callable:
+    """``Adam._init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)``:
+    fills the lists for one param group and creates the state (moments, step) a parameter does not have yet."""
+    adam = _attr("torch.optim", "Adam", "AdamW on the local shards (ssl/adamw.py)")
+    fn = getattr(adam, "_init_group", None)
+    if fn is None:
+        raise _missing("torch.optim.Adam._init_group", "AdamW on the local shards (ssl/adamw.py)")
+    return fn
+
+
+# -- process groups, norm layers -------------------------------------------------------------------------------
+
+def default_process_group() -> Any:
+    """The default (world) process group object of this process (``distributed_c10d._get_default_group``):
+    its identity tells one ``init_process_group`` from the next (train/parallel.py's mesh cache)."""
+    return _attr("torch.distributed.distributed_c10d", "_get_default_group", "caching the FSDP device mesh")()
+
+
+def batchnorm_base() -> type:
+    """The base class of every BatchNorm (1d/2d/3d, SyncBatchNorm, lazy ones): ``nn.modules.batchnorm._BatchNorm``
+    (running statistics that FSDP and the EMA teacher must treat as buffers, train/parallel.py)."""
+    return _attr("torch.nn.modules.batchnorm", "_BatchNorm", "handling BatchNorm running statistics")
+
+
+def norm_base() -> type:
+    """The base class of BatchNorm and InstanceNorm (``nn.modules.batchnorm._NormBase``): the layers with
+    optional running statistics (the EMA teacher copies them; their weights get no weight decay)."""
+    return _attr("torch.nn.modules.batchnorm", "_NormBase", "handling norm layers' statistics and weight decay")
+
+
 # -- copying modules -------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -256,4 +294,5 @@ __all__ = ["TorchCompatError", "SUPPORTED", "torch_dispatch_mode_cls", "device_c
            "function_mode_stack", "storage_key", "tensor_version", "tree_flatten", "tree_map", "local_shape_and_global_offset",
            "fake_store", "fake_tensor_mode", "own_fake_mode_for_sharding_propagation", "fsdp_mem_tracker",
            "dynamo_counters", "inductor_fallback_random", "dcp_set_element", "deepcopies_share_parameters",
-           "wrapper_tensor", "disabled_torch_function"]
+           "wrapper_tensor", "disabled_torch_function", "functional_adam", "adam_init_group", "default_process_group",
+           "batchnorm_base", "norm_base"]

@@ -136,7 +136,7 @@ def test_steps_alone_as_a_slurm_array_then_the_rest(pool, tmp_path, capsys):
     extra = ("rebalance.mode=none", "embed.num_tasks=2")
     assert main(_args("embed", root, out, *extra, "embed.task_index=1")) == 0
     capsys.readouterr()
-    assert main(_args("dedup", root, out, *extra)) == 2  # task 0 has not embedded yet
+    assert main(_args("dedup", root, out, *extra)) == 75  # task 0 has not embedded yet: rerun, not a mistake
     assert "tasks [0] of 2 have not finished" in capsys.readouterr().err
     assert main(_args("embed", root, out, *extra, "embed.task_index=0")) == 0
     for step in ("dedup", "decontaminate", "rebalance", "write", "report"):

@@ -16,6 +16,7 @@ from curation.hashdedup import brute_force_pairs, group_pairs, hash_dedup, merge
 from curation.kmeans import lloyd
 from curation.simulate.run import differing, simulate
 from curation.steps import runner
+from dinopipe.utils.exits import UnfinishedError
 from dinopipe.utils import debug_hooks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,6 +164,7 @@ from curation.knn_steps import _source
 from curation.pipeline import _decisions_part_task
 from curation.simulate.run import simulate
 from curation.steps import runner
+from dinopipe.utils.exits import UnfinishedError
 work, n, w = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 simulate(work, n, 32, tasks=w, n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=512, processes=0,
          chunk_size=n // w)  # the same rows per search task at N, W=1 and 4N, W=4
@@ -241,6 +243,6 @@ def test_slurm_array_task_runs_its_own_part_only(tmp_path, monkeypatch):
     assert res["task"] == 2 and sorted(os.listdir(tmp_path)) == ["rec-00002-of-00003.npz"]
     with pytest.raises(RuntimeError, match="has 3 tasks, the step was asked for 4"):
         runner.run_step(_record, 4, launcher="slurm", folder=str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="2 of 3 parts of 'rec' are missing"):
+    with pytest.raises(UnfinishedError, match="2 of 3 parts of 'rec' are missing"):  # a killed task: exit 75
         runner.parts(str(tmp_path), "rec", 3)
     assert [runner.task_rows(10, t, 3, block=2) for t in range(3)] == [(0, 2), (2, 6), (6, 10)]

@@ -9,7 +9,8 @@ from dinopipe.config import ConfigError, load_config
 from dinopipe.data.multires import GramCropAugmentation, GramCropCollator, SizedBatchSampler, choose_size
 from dinopipe.data.loader import DataPosition
 from dinopipe.models import create_model
-from dinopipe.ssl.config import GramConfig, PretrainConfig, validate
+from dinopipe.ssl.config import GramConfig, PretrainConfig
+from dinopipe.ssl.config_checks import validate
 from dinopipe.ssl.gram import GramTeacher, gram_loss, gram_schedules, refresh_steps, resample_patch_grid
 
 

@@ -14,7 +14,8 @@ import torch
 
 from dinopipe.config import load_config  # noqa: E402
 from dinopipe.hub import load  # noqa: E402
-from dinopipe.ssl.config import PretrainConfig, validate  # noqa: E402
+from dinopipe.ssl.config import PretrainConfig  # noqa: E402
+from dinopipe.ssl.config_checks import validate  # noqa: E402
 from dinopipe.train.dist import destroy, get_info, init_distributed  # noqa: E402
 from dinopipe.train.metrics import read_metrics  # noqa: E402
 from dinopipe.train.pretrain import run  # noqa: E402

@@ -15,7 +15,8 @@ from dinopipe.config import ConfigError, load_config
 from dinopipe.data.transforms import MultiCropAugmentation, MultiCropCollator
 from dinopipe.models import create_model
 from dinopipe.ssl.adapt import check_heads, head_warmup_schedules
-from dinopipe.ssl.config import PretrainConfig, validate
+from dinopipe.ssl.config import PretrainConfig
+from dinopipe.ssl.config_checks import validate
 from dinopipe.ssl.distill_config import DistillConfig
 from dinopipe.ssl.distill_config import validate as validate_distill
 from dinopipe.ssl.param_groups import apply_optim_schedules, build_param_groups

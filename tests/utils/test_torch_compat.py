@@ -205,3 +205,38 @@ def test_a_wrapper_tensor_has_a_shape_and_its_class_sees_every_op():
     assert isinstance(t, Probe) and t.shape == (2, 3) and t.dtype == torch.float16 and t.device.type == "cpu"
     out = t + 1
     assert type(out) is torch.Tensor and torch.equal(out, torch.ones(2, 3)) and seen == [torch.ops.aten.add.Tensor]
+
+
+def test_adams_private_pair_takes_one_adamw_step_as_torchs_adamw_does():
+    """``Adam._init_group`` fills the lists (and creates the moments), the functional ``adam`` updates them: the
+    pair ssl/adamw.py drives gives the stock AdamW's weights bit for bit."""
+    torch.manual_seed(0)
+    w0, g = torch.randn(5, 3), torch.randn(5, 3)
+    ref, mine = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    ref.grad, mine.grad = g.clone(), g.clone()
+    stock = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.05)
+    stock.step()
+    opt = torch.optim.AdamW([mine], lr=0.1, weight_decay=0.05)
+    (group,) = opt.param_groups
+    lists = [[] for _ in range(6)]  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+    has_complex = compat.adam_init_group()(opt, group, *lists)
+    assert lists[0] == [mine] and set(opt.state[mine]) >= {"exp_avg", "exp_avg_sq", "step"}
+    beta1, beta2 = group["betas"]
+    with torch.no_grad():
+        compat.functional_adam()(*lists, amsgrad=False, has_complex=has_complex, beta1=beta1, beta2=beta2, lr=0.1,
+                                 weight_decay=0.05, eps=group["eps"], maximize=False, foreach=group["foreach"],
+                                 capturable=False, differentiable=False, fused=group["fused"], grad_scale=None,
+                                 found_inf=None, decoupled_weight_decay=True)
+    assert torch.equal(mine.detach(), ref.detach()) and not torch.equal(mine.detach(), w0)
+
+
+def test_the_default_process_group_is_the_world_group(fake_group):
+    assert compat.default_process_group() is dist.group.WORLD
+
+
+def test_norm_base_classes_tell_norms_with_running_statistics_apart():
+    bn, sync, inorm, ln = nn.BatchNorm2d(3), nn.SyncBatchNorm(3), nn.InstanceNorm2d(3), nn.LayerNorm(3)
+    assert all(isinstance(m, compat.batchnorm_base()) for m in (bn, sync, nn.BatchNorm1d(3)))
+    assert not isinstance(inorm, compat.batchnorm_base()) and not isinstance(ln, compat.batchnorm_base())
+    assert all(isinstance(m, compat.norm_base()) for m in (bn, sync, inorm))
+    assert not isinstance(ln, compat.norm_base()) and not isinstance(nn.GroupNorm(1, 3), compat.norm_base())
