@@ -76,6 +76,9 @@ _REDUCE = {"native_layer_norm", "native_layer_norm_backward", "_softmax", "_log_
            "_log_softmax_backward_data", "sum", "mean", "amax", "amin", "max", "min", "norm", "linalg_vector_norm",
            "var", "var_mean", "std", "logsumexp", "argmax", "argmin", "cumsum", "sort", "topk", "prod", "any", "all",
            "nll_loss_forward", "nll_loss_backward", "native_group_norm", "native_group_norm_backward"}
+# ops that read only their first argument's metadata (shape, dtype, device), not its data
+_META_SELF = {"new_full", "new_zeros", "new_ones", "new_empty", "new_empty_strided", "zeros_like", "ones_like",
+              "full_like", "empty_like", "rand_like", "randn_like", "randint_like"}
 # CUDA multi_tensor_apply: tensors per launch by the number of tensor lists (depth_to_max_tensors), blocks per launch
 _MTA_TENSORS = (110, 64, 48, 36, 30)
 _MTA_BLOCKS, _MTA_CHUNK = 320, 65536
@@ -189,9 +192,14 @@ class CostRecorder(compat.torch_dispatch_mode_cls()):
         if ns == "prim" or name in _FREE or getattr(func, "is_view", False) or name.startswith("sym_"):
             return None
         outs = _tensors(out)
-        if "out" in kwargs:
-            outs += _tensors(kwargs["out"])
+        # mutated arguments are written (in-place ops, ``out=``, foreach ops that return nothing)
+        for a, v in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in
+                                                            func._schema.arguments[len(args):]]):
+            if a.alias_info is not None and a.alias_info.is_write:
+                outs += _tensors(v)
         ins = _tensors(args) + _tensors({k: v for k, v in kwargs.items() if k != "out"})
+        if name in _META_SELF and args:
+            ins = _tensors(args[1:]) + _tensors({k: v for k, v in kwargs.items() if k != "out"})
         if name in _WRITE_ONLY_SELF and args:
             first = {id(t) for t in _tensors(args[0])}
             ins = [t for t in ins if id(t) not in first]
@@ -273,9 +281,11 @@ def top_ops(ops: list[OpCost], gpu: GPU, n: int = 12) -> list[dict]:
             for k, v in rows]
 
 
-def calibrate(pairs: list[tuple[float, int, float]]) -> tuple[float, float]:
-    """Fit ``measured_s = scale * roofline_s + gap_s * kernels`` (least squares on relative error, both >= 0)
-    over ``pairs`` of (roofline seconds, kernels, measured seconds). Returns (scale, gap_s)."""
+def calibrate(pairs: list[tuple[float, int, float]], min_scale: float = 1.0) -> tuple[float, float]:
+    """Fit ``measured_s = scale * roofline_s + gap_s * kernels`` (least squares on relative error, gap >= 0,
+    scale >= ``min_scale``: the roofline is a lower bound of the device's time, so a fit that would run the
+    device faster than it is a fit of noise) over ``pairs`` of (roofline seconds, kernels, measured seconds).
+    Returns (scale, gap_s)."""
     rows = [(r / m, k / m) for r, k, m in pairs]
     a11 = sum(x * x for x, _ in rows)
     a12 = sum(x * y for x, y in rows)
@@ -284,15 +294,15 @@ def calibrate(pairs: list[tuple[float, int, float]]) -> tuple[float, float]:
     det = a11 * a22 - a12 * a12
     if det > 0:
         scale, gap = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
-        if scale >= 0 and gap >= 0:
+        if scale >= min_scale and gap >= 0:
             return scale, gap
-    # one of the two at zero: the better single-term fit
-    only_scale = (b1 / a11, 0.0)
-    only_gap = (0.0, b2 / a22)
+    # a bound active: the best gap at scale = min_scale, or the best scale without gap
+    at_min = (min_scale, max(0.0, (b2 - min_scale * a12) / a22))
+    only_scale = (max(min_scale, b1 / a11), 0.0)
 
     def err(p):
         return sum((p[0] * x + p[1] * y - 1) ** 2 for x, y in rows)
-    return min(only_scale, only_gap, key=err)
+    return min(at_min, only_scale, key=err)
 
 
 def calibrated_seconds(roofline_s: float, kernels: int, scale: float, gap: float) -> float:
