@@ -135,6 +135,8 @@ class TeacherCentering(nn.Module):
         """(M, K) teacher logits -> (M, K) float32 target distributions."""
         if self.mode == "sinkhorn_knopp":
             return sinkhorn_knopp(teacher_logits, teacher_temp, self.sk_iterations, self.all_reduce_fn)
+        # fp32 once: the softmax and the centre's update both read it (two casts of an (M, 65536) matrix before)
+        teacher_logits = teacher_logits.float()
         probs = self.ema.softmax(teacher_logits, teacher_temp)
         if update:
             self.ema.update(teacher_logits, self.all_reduce_fn)
