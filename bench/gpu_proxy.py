@@ -41,6 +41,7 @@ from dinopipe.plan import gpu_cost as gc  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "gpu_proxy.json"
 OFFICIAL = REPO / ".official" / "dinov2"
+BEFORE = REPO / "bench" / "results" / "gpu_proxy_before.json"
 # Every training step timed on a GPU so far (docs/gpu.md, "Measured"), images/s: (gpu, model, b, code, images/s, note)
 MEASURED = [
     ("H200", "vit_s14", 64, "dinopipe", 441.0, "2026-11-27, compiled, main after issue 29's step changes"),
@@ -196,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--official", default=str(OFFICIAL), help="the official source (make official-src)")
     ap.add_argument("--render", action="store_true", help="write docs/gpu.md and README.md tables from --json")
     ap.add_argument("--json", default=str(OUT))
+    ap.add_argument("--calibration-from", default=str(BEFORE),
+                    help="take scale and gap from this JSON (the estimate of the code the GPU timed), not this run")
     args = ap.parse_args(argv)
     if args.render:
         import gpu_proxy_tables
@@ -222,6 +225,11 @@ def main(argv=None) -> int:
         cases[name] = {"dinopipe": case_summary(d_ops, d_extra), "official": case_summary(o_ops, o_extra),
                        "trace_s": round(time.perf_counter() - t0, 1)}
     cal = {} if args.small else calibrate(cases)
+    ref = Path(args.calibration_from) if args.calibration_from else None
+    if cal and ref is not None and ref.is_file() and ref.resolve() != Path(args.out).resolve():
+        # the constants fitted once, on the estimate of the code the GPU measured; this run's own fit is kept beside
+        fixed = json.loads(ref.read_text())["calibration"]
+        cal = {**fixed, "from": str(ref.relative_to(REPO) if ref.is_relative_to(REPO) else ref), "own_fit": cal}
     derive(cases, cal)
     for name, c in cases.items():
         print_case(name, c, cal)
