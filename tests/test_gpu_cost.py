@@ -105,3 +105,25 @@ def test_gpu_proxy_smoke_writes_both_steps_costs(tmp_path):
         # the same model, heads and crops: the same GEMM work within the heads' small differences
     g_d, g_o = (case[s]["H200"]["categories"]["gemm"]["gflop"] for s in ("dinopipe", "official"))
     assert g_d == pytest.approx(g_o, rel=0.2)
+
+
+def test_profile_groups_kernels_by_the_estimates_categories(tmp_path):
+    """bench/gpu_profile_step.py names the launching op's category as the estimate does; its CPU smoke runs the
+    eager and official kinds (official only where its source is here) and writes per-category figures."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_profile_step import op_category
+
+    assert [op_category(n) for n in ("aten::mm", "aten::_fused_adamw_", "aten::cat", "aten::index_add",
+                                     "c10d::allreduce_", "triton_poi_fused_add_0", "aten::native_layer_norm")] == [
+        "gemm", "optimizer", "copy/cast/cat", "index", "comm", "fused", "reduce/norm"]
+    kinds = "vit_s14:64:eager" + (",vit_s14:64:official" if HAVE_OFFICIAL else "")
+    r = subprocess.run([sys.executable, "-W", "ignore", str(REPO / "bench" / "gpu_profile_step.py"), str(tmp_path),
+                        "--cpu", "--cases", kinds], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "profile.json").read_text())
+    for name in ["vit_test_b4_eager"] + (["vit_test_b4_official"] if HAVE_OFFICIAL else []):
+        case = rep["cases"][name]
+        assert {"gemm", "attention"} <= set(case["categories"]) and case["kernel_ms"] > 0, case
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_profile_step.py"), str(tmp_path / "x"),
+                          "--cases", "vit_s14:64:fast"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert bad.returncode == 2 and "kind" in bad.stderr and not (tmp_path / "x").exists()
