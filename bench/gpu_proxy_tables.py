@@ -21,6 +21,11 @@ BEFORE = REPO / "bench" / "results" / "gpu_proxy_before.json"
 TITLES = {"vit_s14_b64": "ViT-S/14 b=64", "vit_l14_b32": "ViT-L/14 b=32"}
 
 
+def _names(report: dict) -> list[str]:
+    """The cases in TITLES' order, then any other."""
+    return sorted(report["cases"], key=lambda n: (list(TITLES).index(n) if n in TITLES else len(TITLES), n))
+
+
 def _cell(c: dict) -> str:
     return f"{c['ms']:.2f} / {c['kernels']:,} / {c['gb']:.1f}"
 
@@ -50,7 +55,8 @@ def ratio_table(after: dict, before: dict | None) -> str:
     rows = ["| case | GPU (datasheet) | speed ratio, roofline | speed ratio, calibrated | images/s calibrated, "
             "dinopipe / official | kernels, dinopipe / official | bytes, dinopipe / official | MFU (roofline), "
             "dinopipe / official |", "|---|---|---|---|---|---|---|---|"]
-    for name, c in after["cases"].items():
+    for name in _names(after):
+        c = after["cases"][name]
         for g in ("H100", "H200", "A100"):
             d, o, r = c["dinopipe"][g]["total"], c["official"][g]["total"], c["ratio"][g]
             prev = ""
@@ -71,7 +77,8 @@ def calibration_table(after: dict) -> str:
     src = f", fitted on `{cal['from']}`" if cal.get("from") else ""
     rows = [f"measured step = {cal['scale']:.2f} × roofline + {cal['gap_us']:.1f} µs × kernels{src}; "
             f"rms error {cal['rms_error']:.1%}", "",
-            "| GPU | case | code | measured images/s | estimated | error | what was measured |", "|---|---|---|---|---|---|---|"]
+            "| GPU | case | code | measured images/s | estimated | step time error | what was measured |",
+            "|---|---|---|---|---|---|---|"]
     for p in cal["pairs"]:
         rows.append(f"| {p['gpu']} | {TITLES.get(p['case'], p['case'])} | {p['code']} | {p['measured_images_per_s']:.0f} | "
                     f"{p['estimated_images_per_s']:.0f} | {p['error']:+.1%} | {p['note']} |")
@@ -80,7 +87,7 @@ def calibration_table(after: dict) -> str:
 
 def doc_section(after: dict, before: dict | None) -> str:
     parts = [ratio_table(after, before), ""]
-    for name in after["cases"]:
+    for name in _names(after):
         parts += [f"**{TITLES.get(name, name)}**, per category:", "", category_table(name, after, before), ""]
     parts += ["Calibration:", "", calibration_table(after)]
     return "\n".join(parts)
@@ -89,8 +96,8 @@ def doc_section(after: dict, before: dict | None) -> str:
 def readme_table(after: dict) -> str:
     rows = ["| case | speed dinopipe / official, H200 roofline (calibrated) | H100 | kernels | bytes |",
             "|---|---|---|---|---|"]
-    for name, c in after["cases"].items():
-        h2, h1 = c["ratio"]["H200"], c["ratio"]["H100"]
+    for name in _names(after):
+        h2, h1 = after["cases"][name]["ratio"]["H200"], after["cases"][name]["ratio"]["H100"]
         rows.append(f"| {TITLES.get(name, name)} | {h2['roofline']:.2f} ({h2.get('calibrated', float('nan')):.2f}) | "
                     f"{h1['roofline']:.2f} ({h1.get('calibrated', float('nan')):.2f}) | {h2['kernels']:.2f}× | "
                     f"{h2['bytes']:.2f}× |")
