@@ -15,7 +15,7 @@ FLOOR_TESTS := tests/train/test_fsdp_matrix.py tests/train/test_mixed_precision.
 	tests/test_export_onnx.py tests/test_export_roundtrip.py tests/utils/test_torch_compat.py \
 	tests/ssl/test_adamw_local.py
 
-.PHONY: venv venv-floor test test-floor test-fast bench curation-tables quickstart gpu-check gpu-bench official-src gpu-bench-wheels clean
+.PHONY: venv venv-floor test test-floor test-fast bench curation-tables quickstart gpu-check gpu-bench gpu-proxy official-src gpu-bench-wheels clean
 
 venv: $(STAMP)
 
@@ -63,6 +63,13 @@ gpu-check:
 OFFICIAL_SRC ?= https://github.com/facebookresearch/dinov2
 gpu-bench:
 	OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) bench/gpu_bench.py --out gpu-bench $(GPU_BENCH_ARGS)
+
+# dinopipe's step and the official one, their GPU cost estimated on this CPU (bench/gpu_proxy.py: fake tensors, datasheet
+# rooflines, calibrated on the GPU runs of docs/gpu.md); JSON in bench/results/gpu_proxy.json, tables in docs/gpu.md
+# and README.md. Needs `make official-src`.
+gpu-proxy: venv
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/gpu_proxy.py
+	$(BIN)/python bench/gpu_proxy.py --render
 
 official-src:
 	bench/fetch_official.sh $(OFFICIAL_SRC) .official/dinov2

@@ -118,10 +118,15 @@ def dinopipe_step(task, opt, batch, values, clip: float) -> None:
 def run_dinopipe(dcfg, info, dev, n, deadline) -> dict:
     from dinopipe.plan.trace import synthetic_batch
 
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # dynamo's graphs and breaks of this case only
     task, opt, values = build_dinopipe(dcfg, info)
     batch = _on_device(synthetic_batch(dcfg, dcfg.phases[0], task.data_patch_size), dev)
     res = _time_steps(lambda: dinopipe_step(task, opt, batch, values, dcfg.optim.clip_grad), dev, n, deadline)
-    res.update(compile=bool(dcfg.parallel.compile), param_dtype=str(dcfg.parallel.param_dtype))
+    res.update(compile=bool(dcfg.parallel.compile), param_dtype=str(dcfg.parallel.param_dtype),
+               dynamo_graphs=int(counters["stats"]["unique_graphs"]),
+               graph_breaks=int(sum(counters["graph_break"].values())))
     return res
 
 
@@ -220,7 +225,8 @@ def main(argv=None) -> int:
             case[side] = r
             log(f"{name} {side}: {r['images_per_s']:.1f} images/s, step {r['step_s'] * 1e3:.1f} ms, "
                 f"first step {r.get('first_step_s', float('nan')):.1f} s, MFU {r.get('mfu_vs_measured_gemm', float('nan')):.3f}, "
-                f"peak {r.get('peak_memory_gib', float('nan')):.2f} GiB")
+                f"peak {r.get('peak_memory_gib', float('nan')):.2f} GiB"
+                + (f", {r['dynamo_graphs']} graphs / {r['graph_breaks']} breaks" if "dynamo_graphs" in r else ""))
         except Exception as exc:
             case[side] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
             log(f"{name} {side}: FAILED {type(exc).__name__}: {exc}")

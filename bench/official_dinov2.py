@@ -16,6 +16,9 @@ shims that make it run are applied here, each recorded in ``SHIMS`` (the bench w
   torch's FSDP1; it keeps its ``torch.cuda.synchronize()`` (first step only) and drops the stream sharing.
 - ``dinov2.distributed``: local rank 0 of 1 set as its ``enable()`` would for one process (the bench initialises
   the 1-rank process group itself, as for dinopipe).
+- ``fvcore``: when it is not installed (the CPU estimate, bench/gpu_proxy.py), ``fvcore.common.checkpoint``'s
+  ``Checkpointer`` / ``PeriodicCheckpointer`` (imported at module level, never called by the step) are empty
+  stand-ins for the import; the GPU bench carries the real wheel (``make gpu-bench-wheels``).
 - CPU smoke only (``cpu=True``): ``Tensor.cuda`` is the identity and ``torch.cuda.synchronize`` a no-op inside
   the step, FSDP1 is given the CPU device (no state sync: W = 1), and a ``vit_test`` arch (dinopipe's dims) is registered.
 """
@@ -58,6 +61,7 @@ def import_official(src: Path, cpu: bool = False):
     if str(src) not in sys.path:
         sys.path.insert(0, str(src))
     tf32 = torch.backends.cuda.matmul.allow_tf32
+    _stub_fvcore()
     try:
         from xformers.ops import fmha  # noqa: F401
         SHIMS["xformers"] = "real xformers"
@@ -108,6 +112,21 @@ def import_official(src: Path, cpu: bool = False):
     if cpu:
         _cpu_shims()
     return train_mod
+
+
+def _stub_fvcore() -> None:
+    try:
+        import fvcore.common.checkpoint  # noqa: F401
+        return
+    except ImportError:
+        pass
+    mods = {n: types.ModuleType(n) for n in ("fvcore", "fvcore.common", "fvcore.common.checkpoint")}
+    ck = mods["fvcore.common.checkpoint"]
+    ck.Checkpointer = type("Checkpointer", (), {})
+    ck.PeriodicCheckpointer = type("PeriodicCheckpointer", (), {})
+    mods["fvcore"].common, mods["fvcore.common"].checkpoint = mods["fvcore.common"], ck
+    sys.modules.update(mods)
+    SHIMS["fvcore"] = "absent: empty Checkpointer / PeriodicCheckpointer stand-ins (not used by the step)"
 
 
 def _cpu_shims() -> None:

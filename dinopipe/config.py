@@ -290,7 +290,8 @@ class ParallelConfig:
     """Per-block torch.compile(fullgraph=True) (useful on CUDA; slow to compile on CPU)."""
     reshard_after_forward: bool = True
     """Student only: free the gathered parameters after forward (re-gather in backward). Frozen models
-    (teachers, EMAs) always reshard."""
+    (teachers, EMAs) always reshard. At one rank nothing is freed (the shard is the whole parameter), so the
+    student keeps its gathered parameters there whatever this says."""
     sync_batchnorm: bool = True
     """Trained models with BatchNorm (timm CNN students) use SyncBatchNorm over all ranks on CUDA (batch statistics
     of the global batch). torch has no CPU kernel for it: on CPU (gloo) each rank normalises its own images."""

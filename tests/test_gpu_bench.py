@@ -32,6 +32,7 @@ def test_cpu_smoke_dinopipe_step(tmp_path):
     r, rep = _run(tmp_path, "--skip-official", "--no-e2e")
     d = rep["cases"]["vit_test_b4"]["dinopipe"]
     assert d["steps"] == 2 and d["images_per_s"] > 0 and d["achieved_tflops"] > 0
+    assert d["dynamo_graphs"] == 0 and d["graph_breaks"] == 0  # the smoke runs eager: dynamo counts nothing
     assert set(rep["cases"]["vit_test_b4"]) >= {"dinopipe", "model_tflop_per_step"}
     assert "official" not in rep["cases"]["vit_test_b4"] and rep["official"].startswith("skipped")
 

@@ -164,7 +164,9 @@ class Attention(nn.Module):
             return self.proj(out.reshape(T, D))
         outs = []
         for chunk, (b, n) in zip(qkv.split([b * n for b, n in shapes]), shapes):
-            q, k, v = chunk.view(b, n, 3, H, hd).permute(2, 0, 3, 1, 4)  # each (b, H, n, hd)
+            # unbind, then transpose (not one permute): the backward then stacks dq, dk, dv straight into qkv's
+            # (b, n, 3, H, hd) layout, where the permute's backward needs a contiguous copy of all three
+            q, k, v = (t.transpose(1, 2) for t in chunk.view(b, n, 3, H, hd).unbind(2))  # each (b, H, n, hd)
             if backend == "sdpa":
                 o = F.scaled_dot_product_attention(q, k, v)
             else:

@@ -180,9 +180,11 @@ def planner_figures(cfg: Any, world_size: int, phase: Any, n_masked: int) -> dic
 
 
 def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None, seed: int = 0,
-          comm_debug: bool = True) -> TraceResult:
+          comm_debug: bool = True, recorder: Any = None) -> TraceResult:
     """Run ``steps`` real training steps of the PretrainConfig ``cfg`` as rank 0 of ``world_size`` ranks.
-    ``comm_debug``: also attach torch's ``CommDebugMode`` (op counts; the byte counter runs regardless)."""
+    ``comm_debug``: also attach torch's ``CommDebugMode`` (op counts; the byte counter runs regardless).
+    ``recorder``: a dispatch mode (plan/gpu_cost.py's ``CostRecorder``) entered innermost, its ``active`` set
+    for the last step only (the first one also creates the optimizer's state)."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -239,8 +241,11 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             per_step: list[dict[str, int]] = []
             per_step32: list[dict[str, int]] = []
             calls: list[dict[str, int]] = []
-            with compat.own_fake_mode_for_sharding_propagation(), tracker, comm, counter:
+            rec = recorder if recorder is not None else contextlib.nullcontext()
+            with compat.own_fake_mode_for_sharding_propagation(), tracker, comm, counter, rec:
                 for k in range(steps):
+                    if recorder is not None:
+                        recorder.active = k == steps - 1
                     before, before_calls = dict(counter.bytes), dict(counter.calls)
                     before32 = dict(counter.fp32_bytes)
                     s = min(first + k, len(sched["lr"]) - 1)

@@ -91,13 +91,16 @@ class EMACenter(nn.Module):
         self.register_buffer("center", torch.zeros(1, dim))
 
     def softmax(self, teacher_logits: Tensor, teacher_temp: float) -> Tensor:
-        return F.softmax((teacher_logits.float() - self.center) / teacher_temp, dim=-1)
+        # bf16 logits minus the fp32 (1, K) centre: promoted to fp32 inside the subtraction, no separate cast pass
+        return F.softmax((teacher_logits - self.center) / teacher_temp, dim=-1)
 
     @torch.no_grad()
     def update(self, teacher_logits: Tensor, all_reduce_fn: Optional[AllReduceFn] = None) -> None:
-        x = teacher_logits.float()
-        count = x.new_full((1,), float(x.shape[0]))  # a fill on the device, not a host-to-device copy
-        stats = all_reduce_sum(torch.cat([x.sum(dim=0), count]), all_reduce_fn)  # one reduction
+        x = teacher_logits
+        # a fill on the device, not a host-to-device copy
+        count = x.new_full((1,), float(x.shape[0]), dtype=torch.float32)
+        # summed in fp32 from the logits as they are (no fp32 copy of the whole matrix first)
+        stats = all_reduce_sum(torch.cat([x.sum(dim=0, dtype=torch.float32), count]), all_reduce_fn)  # one reduction
         total = stats[-1]
         batch_center = (stats[:-1] / total.clamp_min(1.0)).unsqueeze(0)
         new_center = self.center * self.momentum + batch_center * (1.0 - self.momentum)

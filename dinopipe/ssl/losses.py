@@ -25,7 +25,10 @@ from .centering import AllReduceFn, TeacherCentering
 
 
 def _log_softmax32(student_logits: Tensor, student_temp: float) -> Tensor:
-    return F.log_softmax(student_logits.float() / student_temp, dim=-1)
+    # bf16 logits over an fp32 temperature *tensor*: type promotion does the division in fp32 in one pass, where
+    # ``.float() / t`` first writes an fp32 copy of the whole (M, K) matrix (K = 65,536 prototypes)
+    temp = student_logits.new_full((1,), student_temp, dtype=torch.float32)
+    return F.log_softmax(student_logits / temp, dim=-1)
 
 
 class _TeacherTargetLoss(nn.Module):

@@ -195,7 +195,9 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
 
     mesh = device_mesh(info)
     backbone_reduce, head_reduce = reduce_dtypes(cfg)
-    reshard = True if frozen else cfg.reshard_after_forward
+    # One rank: the shard is the whole parameter, so resharding after forward frees nothing and costs a second
+    # unshard in backward (a cast and a copy per parameter); the official recipe's SHARD_GRAD_OP keeps them too.
+    reshard = True if frozen else (cfg.reshard_after_forward and info.world_size > 1)
     for m in modules:
         blocks = _blocks(m)
         # Per part, as DINOv2's config: a backbone's gradients (the bulk of the bytes) in ``reduce_dtype``, a

@@ -1,0 +1,254 @@
+"""``make gpu-proxy``: the GPU cost of dinopipe's training step and of the official DINOv2 step, estimated on a CPU.
+
+Both steps run for real on fake tensors (no storage, no compute) at the sizes ``make gpu-bench`` times --
+ViT-S/14 b=64 and ViT-L/14 b=32, 2x224 + 8x98 crops, bf16, one rank -- under dinopipe.plan.gpu_cost's
+``CostRecorder``, which records every aten op's FLOPs, bytes and kernels; each op is then costed on the H100,
+H200 and A100 datasheets (plan/gpu_cost.py says how and what it cannot see).
+
+- dinopipe: ``plan.trace`` (the trainer's ``build_task`` on meta, ``parallelize_task`` = FSDP2 + mixed precision
+  over a fake one-rank process group, the loop's step order), AdamW fused as on CUDA (``ssl.base.adamw_impl``);
+- official: ``SSLMetaArch`` (``make official-src``; bench/official_dinov2.py's config and shims) built on meta,
+  materialised on fake tensors, FSDP1-wrapped by its own ``prepare_for_distributed_training``, stepped as its
+  ``train.py`` loop body (schedules, forward_backward, per-module clip, AdamW with foreach as on CUDA, EMA).
+
+The second of two steps is recorded (the first creates the optimizer state). The roofline sum is then calibrated
+once against every step measured on a GPU (:data:`MEASURED`: ``measured = scale * roofline + gap * kernels``),
+and each case prints the calibration error beside its figures. Writes ``bench/results/gpu_proxy.json``;
+``--render`` writes the tables of docs/gpu.md and README.md from that JSON (between their markers).
+
+    python bench/gpu_proxy.py [--out bench/results/gpu_proxy.json] [--cases vit_s14:64,vit_l14:32] [--small]
+    python bench/gpu_proxy.py --render [--json bench/results/gpu_proxy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import torch  # noqa: E402
+
+from dinopipe.plan import gpu_cost as gc  # noqa: E402
+
+OUT = REPO / "bench" / "results" / "gpu_proxy.json"
+OFFICIAL = REPO / ".official" / "dinov2"
+BEFORE = REPO / "bench" / "results" / "gpu_proxy_before.json"
+# Every training step timed on a GPU so far (docs/gpu.md, "Measured"), images/s: (gpu, model, b, code, images/s, note)
+MEASURED = [
+    ("H200", "vit_s14", 64, "dinopipe", 441.0, "2026-11-27, compiled, main after issue 29's step changes"),
+    ("H200", "vit_s14", 64, "official", 526.0, "2026-11-27, eager, no xformers"),
+    ("H200", "vit_l14", 32, "dinopipe", 100.0, "2026-11-27, compiled, code BEFORE issue 29's step changes"),
+    ("H200", "vit_l14", 32, "official", 144.0, "2026-11-27, eager, no xformers"),
+]
+
+
+def record_dinopipe(model: str, b: int, small: bool = False) -> tuple[list, dict]:
+    """dinopipe's real step under the recorder; (ops, extra figures)."""
+    from dinopipe.gpu_check_train import _task_config
+    from dinopipe.plan.trace import trace
+    from dinopipe.ssl import base
+
+    cfg = _task_config(small, False, model=model, batch=b)
+    saved = base.adamw_impl
+    base.adamw_impl = lambda device: {"fused": True}  # what the trainer picks on CUDA (the fake device is cpu)
+    rec = gc.CostRecorder()
+    try:
+        res = trace(cfg, 1, steps=2, comm_debug=False, recorder=rec)
+    finally:
+        base.adamw_impl = saved
+    return rec.ops, {"peak_gib": res.peak_bytes / 2**30}
+
+
+def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIAL) -> tuple[list, dict]:
+    """The official SSLMetaArch step under the recorder; (ops, extra figures)."""
+    import torch.distributed as dist
+
+    import official_dinov2 as off
+    from dinopipe.gpu_check_train import _task_config
+    from dinopipe.utils import torch_compat as compat
+
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=1)
+    try:
+        train_mod = off.import_official(src, cpu=True)
+        from dinov2.train.ssl_meta_arch import SSLMetaArch
+
+        dcfg = _task_config(small, False, model=model, batch=b)
+        cfg = off.official_config(dcfg, model, b, "bf16")
+        if small:
+            for k in ("dino", "ibot"):
+                cfg[k].head_n_prototypes, cfg[k].head_hidden_dim, cfg[k].head_bottleneck_dim = 128, 64, 32
+        batch = off.official_batch(cfg, b, torch.bfloat16)
+        with torch.device("meta"):
+            m = SSLMetaArch(cfg)
+        fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
+        rec = gc.CostRecorder()
+        # peak memory: torch's MemTracker registers grad hooks on every parameter and FSDP1's frozen teacher
+        # refuses them, so the official side's traced peak is not available here (gpu-bench measures both)
+        peak = None
+        with off.cpu_step_shims(True), fake:
+            m.to_empty(device="cpu")  # materialised without values (its init_weights reads them)
+            m.prepare_for_distributed_training()
+            m.train()
+            opt = train_mod.build_optimizer(cfg, m.get_params_groups())
+            for g in opt.param_groups:
+                g["foreach"] = True  # torch's AdamW default on CUDA tensors (the fake device is cpu)
+            fb = {k: fake.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
+            with rec:
+                for k in range(2):
+                    rec.active = k == 1
+                    train_mod.apply_optim_scheduler(opt, 1e-4, 0.04, 1e-4)
+                    opt.zero_grad(set_to_none=True)
+                    m.forward_backward(fb, teacher_temp=0.07)
+                    for v in m.student.values():
+                        v.clip_grad_norm_(cfg.optim.clip_grad)
+                    opt.step()
+                    m.update_teacher(0.994)
+        return rec.ops, {"peak_gib": peak, "shims": dict(off.SHIMS)}
+    finally:
+        dist.destroy_process_group()
+
+
+def case_summary(ops: list, extra: dict) -> dict:
+    out = {g: gc.summarise(ops, gpu) for g, gpu in gc.GPUS.items()}
+    out["top_h200"] = gc.top_ops(ops, gc.GPUS["H200"])
+    out.update(extra)
+    return out
+
+
+def calibrate(cases: dict) -> dict:
+    """Fit scale and gap to :data:`MEASURED` (pairs whose case was estimated) on their GPU's roofline."""
+    pairs, rows = [], []
+    for gpu, model, b, code, ips, note in MEASURED:
+        c = cases.get(f"{model}_b{b}")
+        if c is None:
+            continue
+        t = c[code][gpu]["total"]
+        pairs.append((t["ms"] / 1e3, t["kernels"], b / ips))
+        rows.append({"gpu": gpu, "case": f"{model}_b{b}", "code": code, "measured_images_per_s": ips, "note": note})
+    if not pairs:
+        return {}
+    scale, gap = gc.calibrate(pairs)
+    for row, (r, k, m) in zip(rows, pairs):
+        est = gc.calibrated_seconds(r, k, scale, gap)
+        row.update(estimated_images_per_s=round(row_b(row) / est, 1), error=round(gc.rel_error(est, m), 4))
+    return {"scale": scale, "gap_us": gap * 1e6, "pairs": rows,
+            "rms_error": (sum(r["error"] ** 2 for r in rows) / len(rows)) ** 0.5}
+
+
+def row_b(row: dict) -> int:
+    return int(row["case"].rsplit("_b", 1)[1])
+
+
+def derive(cases: dict, cal: dict) -> None:
+    """Per case and GPU: calibrated step time, images/s, the ratio dinopipe / official (speed), MFU."""
+    for name, c in cases.items():
+        b = int(name.rsplit("_b", 1)[1])
+        c["ratio"] = {}
+        for g, gpu in gc.GPUS.items():
+            for code in ("dinopipe", "official"):
+                t = c[code][g]["total"]
+                if cal:
+                    s = gc.calibrated_seconds(t["ms"] / 1e3, t["kernels"], cal["scale"], cal["gap_us"] / 1e6)
+                    t["calibrated_ms"] = s * 1e3
+                    t["images_per_s"] = b / s
+                    t["calibrated_mfu"] = t["mfu"] * t["ms"] / (s * 1e3)
+            d, o = c["dinopipe"][g]["total"], c["official"][g]["total"]
+            c["ratio"][g] = {"roofline": o["ms"] / d["ms"], "kernels": d["kernels"] / o["kernels"],
+                             "bytes": d["gb"] / o["gb"]}
+            if cal:
+                c["ratio"][g]["calibrated"] = o["calibrated_ms"] / d["calibrated_ms"]
+
+
+def print_case(name: str, c: dict, cal: dict) -> None:
+    print(f"== {name} (H200 datasheet; roofline ms / kernels / GFLOP / GB, dinopipe | official)")
+    dc, oc = c["dinopipe"]["H200"]["categories"], c["official"]["H200"]["categories"]
+    for cat in gc.CATEGORIES:
+        d, o = dc[cat], oc[cat]
+        print(f"  {cat:14s} {d['ms']:7.2f} {d['kernels']:5d} {d['gflop']:8.0f} {d['gb']:6.1f} | "
+              f"{o['ms']:7.2f} {o['kernels']:5d} {o['gflop']:8.0f} {o['gb']:6.1f}")
+    for g in gc.GPUS:
+        d, o, r = c["dinopipe"][g]["total"], c["official"][g]["total"], c["ratio"][g]
+        line = (f"  {g}: roofline {d['ms']:.1f} vs {o['ms']:.1f} ms (speed ratio {r['roofline']:.2f}), kernels "
+                f"{d['kernels']} vs {o['kernels']} ({r['kernels']:.2f}), GB {d['gb']:.1f} vs {o['gb']:.1f} "
+                f"({r['bytes']:.2f}), MFU {d['mfu']:.1%} vs {o['mfu']:.1%}")
+        if cal:
+            line += (f"; calibrated {d['calibrated_ms']:.0f} vs {o['calibrated_ms']:.0f} ms = {d['images_per_s']:.0f} vs "
+                     f"{o['images_per_s']:.0f} img/s, ratio {r['calibrated']:.2f} (calibration rms error "
+                     f"{cal['rms_error']:.0%})")
+        print(line)
+    print(f"  traced peak GiB: dinopipe {c['dinopipe'].get('peak_gib') or float('nan'):.2f}, official "
+          f"{c['official'].get('peak_gib') or float('nan'):.2f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--cases", default="vit_s14:64,vit_l14:32")
+    ap.add_argument("--small", action="store_true", help="vit_test, b=4, tiny heads (the smoke; no calibration)")
+    ap.add_argument("--official", default=str(OFFICIAL), help="the official source (make official-src)")
+    ap.add_argument("--render", action="store_true", help="write docs/gpu.md and README.md tables from --json")
+    ap.add_argument("--json", default=str(OUT))
+    ap.add_argument("--calibration-from", default=str(BEFORE),
+                    help="take scale and gap from this JSON (the estimate of the code the GPU timed), not this run")
+    args = ap.parse_args(argv)
+    if args.render:
+        import gpu_proxy_tables
+
+        return gpu_proxy_tables.render(Path(args.json))
+    src = Path(args.official)
+    if not (src / "dinov2").is_dir():
+        print(f"error: no official dinov2 source at {src}: run `make official-src` first", file=sys.stderr)
+        return 2
+    try:
+        cases_arg = [(m, int(b)) for m, b in (c.split(":") for c in args.cases.split(","))]
+    except ValueError:
+        print(f"error: --cases wants model:batch[,model:batch], got {args.cases!r}", file=sys.stderr)
+        return 2
+    if args.small:
+        cases_arg = [("vit_test", 4)]
+    warnings.filterwarnings("ignore")
+    cases: dict = {}
+    for model, b in cases_arg:
+        t0 = time.perf_counter()
+        name = f"{model}_b{b}"
+        d_ops, d_extra = record_dinopipe(model, b, args.small)
+        o_ops, o_extra = record_official(model, b, args.small, src)
+        cases[name] = {"dinopipe": case_summary(d_ops, d_extra), "official": case_summary(o_ops, o_extra),
+                       "trace_s": round(time.perf_counter() - t0, 1)}
+    cal = {} if args.small else calibrate(cases)
+    ref = Path(args.calibration_from) if args.calibration_from else None
+    if cal and ref is not None and ref.is_file() and ref.resolve() != Path(args.out).resolve():
+        # the constants fitted once, on the estimate of the code the GPU measured; this run's own fit is kept beside
+        fixed = json.loads(ref.read_text())["calibration"]
+        cal = {**fixed, "from": str(ref.relative_to(REPO) if ref.is_relative_to(REPO) else ref), "own_fit": cal}
+    derive(cases, cal)
+    for name, c in cases.items():
+        print_case(name, c, cal)
+    if cal:
+        print(f"calibration (H200 measured, {len(cal['pairs'])} steps): measured = {cal['scale']:.2f} x roofline + "
+              f"{cal['gap_us']:.1f} us x kernels; rms error {cal['rms_error']:.1%}")
+        for p in cal["pairs"]:
+            print(f"  {p['case']} {p['code']:8s} measured {p['measured_images_per_s']:.0f} img/s, estimated "
+                  f"{p['estimated_images_per_s']:.0f} ({p['error']:+.1%}): {p['note']}")
+    report = {"torch": torch.__version__, "gpus": {k: vars(v) for k, v in gc.GPUS.items()}, "eff": gc.EFF,
+              "floor_us": gc.FLOOR_S * 1e6, "measured": [dict(zip(("gpu", "model", "b", "code", "images_per_s", "note"),
+                                                                   m)) for m in MEASURED],
+              "calibration": cal, "cases": cases}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,318 @@
+"""A training step's GPU cost, estimated on a CPU from its aten op stream (``make gpu-proxy``).
+
+A :class:`CostRecorder` (a ``TorchDispatchMode``) sits under a step that runs on fake tensors (no storage, no
+compute) and records, per aten op that reaches the dispatcher:
+
+- FLOPs from ``torch.utils.flop_counter``'s registry (GEMMs, convolutions, attention), with the CPU SDPA kernels
+  registered under the CUDA flash formulas (same math; the CPU kernel is what runs under fake tensors on ``cpu``);
+- bytes read and written: every tensor argument read, every returned tensor (and ``out=``) written; views and
+  metadata ops move nothing; a broadcast (stride 0) dimension is read once;
+- kernels: one per op that moves data, none for views; multi-tensor ``_foreach_*`` and fused optimizer ops as
+  CUDA's ``multi_tensor_apply`` launches them (a launch per 320 blocks of 64 Ki elements or per 36..110 tensors,
+  by the number of tensor lists); FSDP2's custom copy ops as their CUDA implementations launch.
+
+:func:`estimate` costs each op on a datasheet roofline -- ``max(FLOPs / (eff * peak), bytes / (eff * bandwidth),
+floor)`` -- for the GPUs of :data:`GPUS` and sums per category. What it cannot see (host time between launches,
+the CUDA caching allocator, inductor's fusion, small-GEMM efficiency below the datasheet) is what
+:func:`calibrate` folds into two constants fitted to measured steps: ``measured = scale * roofline + gap *
+kernels``. The ranking of two codes comes from the ops; the absolute figure from the calibration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from typing import Any, Iterable, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from ..utils import torch_compat as compat
+
+CATEGORIES = ("gemm", "attention", "copy/cast/cat", "index", "elementwise", "reduce/norm", "optimizer", "comm")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    name: str
+    bf16_tflops: float
+    """Dense bf16 tensor-core peak (datasheet, SXM)."""
+    tb_per_s: float
+    """HBM bandwidth (datasheet)."""
+
+
+GPUS = {
+    "H100": GPU("H100 SXM 80GB", 989.0, 3.35),
+    "H200": GPU("H200 SXM 141GB", 989.0, 4.8),
+    "A100": GPU("A100 SXM 80GB", 312.0, 2.039),
+}
+# Fractions of the datasheet a well-shaped kernel reaches (CUTLASS/cuBLAS bf16 GEMMs, flash attention, streaming
+# elementwise kernels), and the shortest kernel (launch to completion on the device).
+EFF = {"gemm": 0.70, "attention": 0.45, "memory": 0.80}
+FLOOR_S = 2.5e-6
+
+# -- what an op does ---------------------------------------------------------------------------------------------
+
+_FREE = {"_unsafe_view", "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh",
+         "set_", "resize_", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+         "is_same_size", "_has_compatible_shallow_copy_type", "record_stream", "_to_copy_noop", "wait_tensor",
+         "_reshape_alias", "resize_storage_bytes_", "dim", "is_nonzero", "equal"}
+# ops whose first (mutated) argument is written, not read
+_WRITE_ONLY_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
+                    "index_copy_", "_foreach_copy_", "_foreach_zero_"}
+_GEMM = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_convolution", "convolution_backward",
+         "cudnn_convolution", "convolution_overrideable", "_slow_conv2d_forward", "_slow_conv2d_backward", "addbmm"}
+_COPY = {"copy_", "_to_copy", "clone", "cat", "stack", "split_with_sizes_copy", "_chunk_cat", "chunk_cat",
+         "constant_pad_nd", "all_gather_copy_in", "contiguous", "_foreach_copy_", "unsafe_split", "repeat",
+         "slice_backward", "select_backward", "new_zeros", "zeros_like", "zeros", "fill_", "zero_", "full",
+         "new_full", "ones", "ones_like", "full_like", "expand_copy", "permute_copy", "transpose_copy", "flip"}
+_INDEX = {"index_select", "index_add", "index_add_", "index_copy", "index_copy_", "index", "index_put",
+          "index_put_", "_index_put_impl_", "gather", "scatter", "scatter_add", "scatter_add_", "embedding",
+          "embedding_dense_backward", "masked_select", "nonzero", "randperm", "masked_scatter", "take",
+          "index_fill", "index_fill_", "masked_fill_", "masked_fill", "where"}
+_REDUCE = {"native_layer_norm", "native_layer_norm_backward", "_softmax", "_log_softmax", "_softmax_backward_data",
+           "_log_softmax_backward_data", "sum", "mean", "amax", "amin", "max", "min", "norm", "linalg_vector_norm",
+           "var", "var_mean", "std", "logsumexp", "argmax", "argmin", "cumsum", "sort", "topk", "prod", "any", "all",
+           "nll_loss_forward", "nll_loss_backward", "native_group_norm", "native_group_norm_backward"}
+# ops that read only their first argument's metadata (shape, dtype, device), not its data
+_META_SELF = {"new_full", "new_zeros", "new_ones", "new_empty", "new_empty_strided", "zeros_like", "ones_like",
+              "full_like", "empty_like", "rand_like", "randn_like", "randint_like"}
+# CUDA multi_tensor_apply: tensors per launch by the number of tensor lists (depth_to_max_tensors), blocks per launch
+_MTA_TENSORS = (110, 64, 48, 36, 30)
+_MTA_BLOCKS, _MTA_CHUNK = 320, 65536
+
+
+def multi_tensor_launches(numels: Iterable[int], depth: int) -> int:
+    """Kernel launches of one CUDA ``multi_tensor_apply`` call over tensors of ``numels`` with ``depth`` lists."""
+    max_t = _MTA_TENSORS[min(max(depth, 1), len(_MTA_TENSORS)) - 1]
+    launches, tensors, blocks = 0, 0, 0
+    for n in numels:
+        if n == 0:
+            continue
+        tensors += 1
+        chunks = -(-n // _MTA_CHUNK)
+        for c in range(chunks):
+            blocks += 1
+            last = c == chunks - 1
+            if (tensors == max_t and last) or blocks == _MTA_BLOCKS:
+                launches += 1
+                blocks = 0
+                tensors = 0 if last else 1
+    return launches + (1 if blocks else 0)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches for ``t``: its elements, a broadcast (stride 0) dimension once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def category(name: str, namespace: str) -> str:
+    if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+        return "comm"
+    if name in _GEMM:
+        return "gemm"
+    if "attention" in name or name.startswith("_flash") or name.startswith("_efficient"):
+        return "attention"
+    if name.startswith("_fused_adam") or name.startswith("_fused_sgd") or (
+            name.startswith("_foreach_") and name != "_foreach_copy_"):
+        return "optimizer"
+    if name in _COPY:
+        return "copy/cast/cat"
+    if name in _INDEX:
+        return "index"
+    if name in _REDUCE:
+        return "reduce/norm"
+    return "elementwise"
+
+
+def _cpu_sdpa(q, k, v, *a, out_val=None, **kw) -> int:
+    return sdpa_flop_count(q.shape, k.shape, v.shape)
+
+
+def _cpu_sdpa_backward(grad, q, k, v, *a, out_val=None, **kw) -> int:
+    return sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+
+
+def flop_formulas() -> dict:
+    """torch's FLOP registry plus the CPU SDPA kernels under the CUDA flash formulas (forward, backward)."""
+    reg = dict(flop_registry)
+    aten = torch.ops.aten
+    for name, fn in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa),
+                     ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward)):
+        if hasattr(aten, name):
+            reg[getattr(aten, name)] = fn
+    return reg
+
+
+@dataclasses.dataclass
+class OpCost:
+    name: str
+    category: str
+    flops: int
+    read: int
+    written: int
+    kernels: int
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.written
+
+
+class CostRecorder(compat.torch_dispatch_mode_cls()):
+    """Records an :class:`OpCost` per aten op while ``active`` (see the module's text)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[OpCost] = []
+        self.active = True
+        self._flops = flop_formulas()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.active:
+            cost = self.cost(func, args, kwargs, out)
+            if cost is not None:
+                self.ops.append(cost)
+        return out
+
+    def cost(self, func, args, kwargs, out) -> Optional[OpCost]:
+        name = func._schema.name.split("::")[-1]
+        ns = getattr(func, "namespace", "")
+        if ns == "prim" or name in _FREE or getattr(func, "is_view", False) or name.startswith("sym_"):
+            return None
+        outs = _tensors(out)
+        # mutated arguments are written (in-place ops, ``out=``, foreach ops that return nothing)
+        for a, v in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in
+                                                            func._schema.arguments[len(args):]]):
+            if a.alias_info is not None and a.alias_info.is_write:
+                outs += _tensors(v)
+        ins = _tensors(args) + _tensors({k: v for k, v in kwargs.items() if k != "out"})
+        if name in _META_SELF and args:
+            ins = _tensors(args[1:]) + _tensors({k: v for k, v in kwargs.items() if k != "out"})
+        if name in _WRITE_ONLY_SELF and args:
+            first = {id(t) for t in _tensors(args[0])}
+            ins = [t for t in ins if id(t) not in first]
+            outs = outs or _tensors(args[0])
+        if name == "all_gather_copy_in":  # returns (the gather input: a view into the output, the output)
+            outs = outs[-1:]
+        written = sum(tensor_bytes(t) for t in {id(t): t for t in outs}.values())
+        read = sum(tensor_bytes(t) for t in ins)
+        packet = func._overloadpacket
+        flops = 0
+        fn = self._flops.get(packet) or self._flops.get(func)
+        if fn is not None:
+            flops = int(fn(*args, **kwargs, out_val=out))
+        cat = category(name, ns)
+        kernels = self._kernels(name, ns, args, ins, outs)
+        if kernels == 0 and written == 0 and flops == 0:
+            return None
+        return OpCost(name if ns == "aten" else f"{ns}.{name}", cat, flops, read, written, kernels)
+
+    @staticmethod
+    def _kernels(name: str, ns: str, args, ins, outs) -> int:
+        if not ins and not outs:
+            return 0
+        if name.startswith("_foreach_") or name.startswith("_fused_"):
+            lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+            if not lists:
+                return 1
+            depth = len(lists) + (0 if name.endswith("_") else 1)
+            n = multi_tensor_launches((t.numel() for t in lists[0]), depth)
+            return n + (1 if name == "_foreach_norm" else 0)  # norm: the per-chunk partials, then one cleanup
+        if name == "all_gather_copy_in":  # FSDP2: a foreach copy of the shards into the gather buffer
+            return multi_tensor_launches((t.numel() for t in _tensors(args[0])), 2)
+        if name == "split_with_sizes_copy":  # CUDA: one kernel for all outputs
+            return 1
+        if ns in ("c10d", "_c10d_functional") and not any(k in name for k in ("gather", "scatter", "reduce",
+                                                                              "broadcast", "all_to_all")):
+            return 0  # wait, barrier, ...
+        return 1
+
+
+# -- costing ----------------------------------------------------------------------------------------------------
+
+
+def op_seconds(op: OpCost, gpu: GPU, eff: Optional[dict] = None, floor: float = FLOOR_S) -> float:
+    if op.kernels == 0:
+        return 0.0
+    e = eff or EFF
+    compute = 0.0
+    if op.flops:
+        compute = op.flops / ((e["attention"] if op.category == "attention" else e["gemm"]) * gpu.bf16_tflops * 1e12)
+    memory = op.bytes / (e["memory"] * gpu.tb_per_s * 1e12)
+    return max(compute, memory, floor * op.kernels)
+
+
+def summarise(ops: list[OpCost], gpu: GPU) -> dict:
+    """Per category: ms, kernels, GFLOP, GB; and the totals."""
+    cats: dict[str, dict] = {c: {"ms": 0.0, "kernels": 0, "gflop": 0.0, "gb": 0.0} for c in CATEGORIES}
+    for op in ops:
+        c = cats[op.category]
+        c["ms"] += op_seconds(op, gpu) * 1e3
+        c["kernels"] += op.kernels
+        c["gflop"] += op.flops / 1e9
+        c["gb"] += op.bytes / 1e9
+    total = {k: sum(c[k] for c in cats.values()) for k in ("ms", "kernels", "gflop", "gb")}
+    model_flops = sum(op.flops for op in ops if op.category in ("gemm", "attention"))
+    total["mfu"] = model_flops / (total["ms"] / 1e3) / (gpu.bf16_tflops * 1e12) if total["ms"] else 0.0
+    return {"categories": cats, "total": total}
+
+
+def top_ops(ops: list[OpCost], gpu: GPU, n: int = 12) -> list[dict]:
+    agg: dict[tuple, list] = defaultdict(lambda: [0.0, 0, 0])
+    for op in ops:
+        a = agg[(op.name, op.category)]
+        a[0] += op_seconds(op, gpu) * 1e3
+        a[1] += op.kernels
+        a[2] += op.bytes
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"op": k[0], "category": k[1], "ms": round(v[0], 3), "kernels": v[1], "gb": round(v[2] / 1e9, 3)}
+            for k, v in rows]
+
+
+def calibrate(pairs: list[tuple[float, int, float]], min_scale: float = 1.0) -> tuple[float, float]:
+    """Fit ``measured_s = scale * roofline_s + gap_s * kernels`` (least squares on relative error, gap >= 0,
+    scale >= ``min_scale``: the roofline is a lower bound of the device's time, so a fit that would run the
+    device faster than it is a fit of noise) over ``pairs`` of (roofline seconds, kernels, measured seconds).
+    Returns (scale, gap_s)."""
+    rows = [(r / m, k / m) for r, k, m in pairs]
+    a11 = sum(x * x for x, _ in rows)
+    a12 = sum(x * y for x, y in rows)
+    a22 = sum(y * y for _, y in rows)
+    b1, b2 = sum(x for x, _ in rows), sum(y for _, y in rows)
+    det = a11 * a22 - a12 * a12
+    if det > 0:
+        scale, gap = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+        if scale >= min_scale and gap >= 0:
+            return scale, gap
+    # a bound active: the best gap at scale = min_scale, or the best scale without gap
+    at_min = (min_scale, max(0.0, (b2 - min_scale * a12) / a22))
+    only_scale = (max(min_scale, b1 / a11), 0.0)
+
+    def err(p):
+        return sum((p[0] * x + p[1] * y - 1) ** 2 for x, y in rows)
+    return min(at_min, only_scale, key=err)
+
+
+def calibrated_seconds(roofline_s: float, kernels: int, scale: float, gap: float) -> float:
+    return scale * roofline_s + gap * kernels
+
+
+def rel_error(estimate: float, measured: float) -> float:
+    return estimate / measured - 1.0 if measured else math.nan
+
+
+__all__ = ["CostRecorder", "OpCost", "GPU", "GPUS", "EFF", "CATEGORIES", "category", "multi_tensor_launches",
+           "tensor_bytes", "flop_formulas", "op_seconds", "summarise", "top_ops", "calibrate",
+           "calibrated_seconds", "rel_error"]
