@@ -197,6 +197,9 @@ def read_range(url: str, offset: int, size: int, etag: Optional[str] = None, obj
     """
     fs, path = filesystem(url)
     end = None if size < 0 else offset + size
+    if end is not None and object_size is not None and end > object_size:
+        count(f"unreadable/{TRUNCATED_OBJECT}")  # the listing itself says the bytes are not there: no retry
+        raise Unreadable(url, TRUNCATED_OBJECT, f"bytes {offset}-{end} of a {object_size}-byte object")
 
     def get() -> bytes:
         if etag and protocol(url) in ("s3", "s3a"):
