@@ -87,6 +87,13 @@ class _Proxy(BaseHTTPRequestHandler):
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that hangs up (a killed data worker) is not the proxy's error
+
+
 class S3Server:
     """moto on loopback + the fault proxy; ``endpoint`` is the proxy's URL, ``direct`` moto's own."""
 
@@ -98,8 +105,7 @@ class S3Server:
         self.moto.start()
         host, port = self.moto.get_host_and_port()
         self.direct = f"http://{host}:{port}"
-        self.proxy = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
-        self.proxy.daemon_threads = True
+        self.proxy = _Server(("127.0.0.1", 0), _Proxy)
         self.proxy.upstream, self.proxy.faults, self.proxy.fired = (host, port), [], {}
         self.proxy.lock = threading.Lock()
         self._thread = threading.Thread(target=self.proxy.serve_forever, daemon=True)
