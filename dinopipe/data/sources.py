@@ -382,7 +382,11 @@ class RemoteSource(ImageSource):
         return out
 
     def read(self, ref: ImageRef) -> bytes | None:
-        url, offset, size, etag, object_size = ref.loc
+        # A ref rebuilt from a curation path table carries (url, offset, size) or the url alone: no ETag check then.
+        loc = (ref.loc, 0, -1) if isinstance(ref.loc, str) else tuple(ref.loc)
+        url, offset, size, etag, object_size = (*loc, None, -1)[:5] if len(loc) == 3 else loc
+        if offset < 0 and isinstance(ref.loc, str):
+            offset, size = 0, -1
         if offset < 0:
             return None
         try:
