@@ -223,6 +223,13 @@ def dcp_set_element(root: dict, path: Any, value: Any) -> None:
     _attr("torch.distributed.checkpoint._traverse", "set_element", "loading a DCP checkpoint")(root, path, value)
 
 
+def dcp_fsspec_classes() -> tuple[type, type]:
+    """(FsspecWriter, FsspecReader): DCP over any fsspec URL (checkpoints in object storage)."""
+    where = "torch.distributed.checkpoint._fsspec_filesystem"
+    need = "checkpoints at a URL (train.checkpoint_dir=s3://...)"
+    return _attr(where, "FsspecWriter", need), _attr(where, "FsspecReader", need)
+
+
 # -- copying modules -------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
