@@ -9,6 +9,8 @@ Both sides go through the training pool (:func:`dinopipe.data.pool_index.open_po
 one thread, the pool's images in a random order:
 
 * read only: bytes of every image;
+* S3 twice: through s3fs (the default) and through AWS's CRT client (``DINOPIPE_S3_READER=crt``, when
+  s3torchconnectorclient is installed);
 * read + decode + crops: the training sample (``ImagePoolDataset``: safe decode with draft, DINOv2 multi-crop
   2 x 224 + 8 x 98).
 
@@ -162,14 +164,20 @@ def main(argv=None) -> int:
             index_s = time.perf_counter() - t
             order = np.random.default_rng(0).permutation(len(local))
             out = {"images": len(local), "shards": len(paths), "index_build_s3_s": round(index_s, 2)}
+            sides = [("local", local, "s3fs"), ("s3", remote, "s3fs")]
+            if _has_crt():
+                sides.append(("s3_crt", remote, "crt"))  # DINOPIPE_S3_READER=crt: AWS's CRT client
             for name, fn in (("read", measure_reads), ("read_decode_crops", measure_train)):
-                for side, pool in (("local", local), ("s3", remote)):
+                for side, pool, reader in sides:
+                    os.environ["DINOPIPE_S3_READER"] = reader
                     runs = [fn(pool, order) for _ in range(args.repeat)]
                     out[f"{name}_{side}"] = max(runs, key=lambda r: r["images_per_cpu_s"])
-                out[f"{name}_s3_over_local_per_cpu"] = round(
-                    out[f"{name}_s3"]["images_per_cpu_s"] / out[f"{name}_local"]["images_per_cpu_s"], 3)
-                out[f"{name}_s3_over_local_wall"] = round(
-                    out[f"{name}_s3"]["images_per_s_wall"] / out[f"{name}_local"]["images_per_s_wall"], 3)
+                for side, _, _ in sides[1:]:
+                    out[f"{name}_{side}_over_local_per_cpu"] = round(
+                        out[f"{name}_{side}"]["images_per_cpu_s"] / out[f"{name}_local"]["images_per_cpu_s"], 3)
+                    out[f"{name}_{side}_over_local_wall"] = round(
+                        out[f"{name}_{side}"]["images_per_s_wall"] / out[f"{name}_local"]["images_per_s_wall"], 3)
+            os.environ["DINOPIPE_S3_READER"] = "s3fs"
             out["retries"] = storage.take_counts()
         if args.list_shards:
             out["listing"] = measure_listing("s3://bench/many", args.list_shards)
@@ -182,6 +190,14 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def _has_crt() -> bool:
+    try:
+        import s3torchconnectorclient  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _cpu_name() -> str:

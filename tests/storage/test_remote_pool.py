@@ -163,3 +163,18 @@ def test_any_fsspec_protocol_goes_through_the_generic_layer(tmp_path):
     mem.rm("/generic/shards/shard-000001.tar")  # deleted after listing: counted, not fatal
     assert _epoch(remote)[2] == {"missing": sum(1 for i in range(len(remote))
                                                 if remote[i].path.endswith("shard-000001.tar"))}
+
+
+def test_the_crt_reader_reads_the_same_bytes(s3, shards, tmp_path, monkeypatch):
+    """DINOPIPE_S3_READER=crt (s3torchconnectorclient, the [s3-crt] extra): the same images; a deleted object is
+    still counted as missing (its own retries are not counted, and it has no If-Match: docs/storage.md)."""
+    pytest.importorskip("s3torchconnectorclient")
+    monkeypatch.setenv("DINOPIPE_S3_READER", "crt")
+    local_dir, _ = shards
+    url = upload(s3, str(local_dir), "crt")
+    local, remote = _pool([local_dir], tmp_path / "a"), _pool([url], tmp_path / "b")
+    assert [remote.read(remote[i]) for i in range(len(remote))] == [local.read(local[i]) for i in range(len(local))]
+    s3.client().rm("pool/crt/shard-000002.tar")
+    n_gone = sum(1 for i in range(len(remote)) if remote[i].path.endswith("shard-000002.tar"))
+    keys, _, corrupt, _ = _epoch(remote)
+    assert corrupt == {"missing": n_gone} and len(keys) == len(set(keys)) == len(remote) // 4 * 4 - n_gone
