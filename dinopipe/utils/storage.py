@@ -293,6 +293,21 @@ def put_tree(local_dir: str, url: str, marker: Optional[str] = None) -> int:
     return n
 
 
+def register_webdataset_openers(protocols: tuple[str, ...] = ("s3", "s3a", "gs", "gcs")) -> None:
+    """Make ``webdataset.WebDataset("s3://...")`` stream shards through fsspec (this module's clients, endpoint and
+    credential chain) instead of shelling out to ``aws s3 cp`` / ``gsutil`` (broken pipes: webdataset #473)."""
+    import importlib
+
+    gopen = importlib.import_module("webdataset.gopen")  # the module (the package re-exports a function of that name)
+
+    def open_with_fsspec(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any):
+        fs, path = filesystem(url)
+        return call(lambda: fs.open(path, mode, block_size=max(bufsize, 8 << 20), cache_type="readahead"), url)
+
+    for proto in protocols:
+        gopen.gopen_schemes[proto] = open_with_fsspec
+
+
 # ------------------------------------------------------------------------------------------------- listing
 def etag_pack(etag: Optional[str]) -> tuple[bytes, int]:
     """An S3 ETag as 16 bytes + a part count: ``"<md5 hex>"`` -> (md5, 0), ``"<hex>-N"`` (multipart) -> (hex, N).
@@ -399,4 +414,4 @@ def list_prefix(url: str, recursive: bool = True, suffixes: Optional[tuple[str, 
 
 __all__ = ["is_url", "protocol", "join", "filesystem", "classify", "call", "read_range", "put_atomic", "put_tree",
            "take_counts", "count", "COUNTS", "RetryPolicy", "Unreadable", "MISSING", "CHANGED", "TRUNCATED_OBJECT",
-           "READ_ERROR", "Listing", "list_prefix", "etag_pack", "etag_unpack"]
+           "READ_ERROR", "register_webdataset_openers", "Listing", "list_prefix", "etag_pack", "etag_unpack"]

@@ -178,3 +178,20 @@ def test_the_crt_reader_reads_the_same_bytes(s3, shards, tmp_path, monkeypatch):
     n_gone = sum(1 for i in range(len(remote)) if remote[i].path.endswith("shard-000002.tar"))
     keys, _, corrupt, _ = _epoch(remote)
     assert corrupt == {"missing": n_gone} and len(keys) == len(set(keys)) == len(remote) // 4 * 4 - n_gone
+
+
+def test_webdataset_streams_bucket_shards_through_fsspec(s3, shards):
+    """webdataset's own reader on s3:// URLs, through the registered fsspec opener (no `aws s3 cp` pipe)."""
+    import webdataset as wds
+
+    from dinopipe.utils import storage
+
+    storage.register_webdataset_openers()
+    local_dir, url = shards
+    names = sorted(os.listdir(local_dir))[:2]
+
+    def samples(urls):
+        return [(s["__key__"], s["jpg"]) for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False)]
+
+    got = samples([f"{url}/{n}" for n in names])
+    assert got and got == samples([str(local_dir / n) for n in names])
