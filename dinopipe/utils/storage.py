@@ -256,7 +256,8 @@ def _crt_client():
 
 def _why_unreadable(fs, path: str, etag: Optional[str], object_size: int) -> str:
     try:
-        info = fs.info(path, refresh=True) if "refresh" in fs.info.__code__.co_varnames else fs.info(path)
+        fs.invalidate_cache(path)  # the answer must come from the store, not from a listing cached earlier
+        info = fs.info(path)
     except FileNotFoundError:
         return MISSING
     except Exception:  # noqa: BLE001 - the store is not answering: the read error stands
