@@ -158,7 +158,7 @@ def build_index(source: ImageSource):
         rels = [r.id[len(source.name) + 1:] for r in refs]  # the id is <name>/<path under root>
         header = {"kind": "folder", "root": root, "fingerprint": _dir_fingerprint(root)}
     elif isinstance(source, FileListSource):
-        rels, root = [os.path.abspath(r.loc) for r in refs], ""
+        rels, root = [r.loc if storage.is_url(r.loc) else os.path.abspath(r.loc) for r in refs], ""
         header = {"kind": "filelist", "root": root, "list": os.path.abspath(source.list_path),
                   "fingerprint": _file_fingerprint(source.list_path)}
     else:

@@ -167,7 +167,7 @@ class FileListSource(ImageSource):
             seen.add(path)
             image_id = f"{self.name}/{path.lstrip('/')}"
             if in_split(image_id, task_index, num_tasks):
-                full = path if os.path.isabs(path) else str(self.root / path)
+                full = path if os.path.isabs(path) or storage.is_url(path) else str(self.root / path)
                 out.append(ImageRef(image_id, self.name, full))
         return out
 

@@ -195,3 +195,19 @@ def test_webdataset_streams_bucket_shards_through_fsspec(s3, shards):
 
     got = samples([f"{url}/{n}" for n in names])
     assert got and got == samples([str(local_dir / n) for n in names])
+
+
+def test_a_file_list_of_urls_reads_each_object(s3, tmp_path):
+    """input.paths=[list.txt] whose lines are s3:// URLs: one whole-object GET each; a missing one is unreadable."""
+    from dinopipe.data.sources import FileListSource
+
+    client = s3.client()
+    client.pipe_file("pool/listed/a.jpg", b"\xff\xd8first")
+    client.pipe_file("pool/listed/b.jpg", b"\xff\xd8second")
+    lst = tmp_path / "urls.txt"
+    lst.write_text("s3://pool/listed/a.jpg\ns3://pool/listed/b.jpg\ns3://pool/listed/gone.jpg\n")
+    src = FileListSource(lst)
+    got = {r.id.rsplit("/", 1)[-1]: src.read(r) for r in src.refs()}
+    assert got == {"a.jpg": b"\xff\xd8first", "b.jpg": b"\xff\xd8second", "gone.jpg": None}
+    pool = _pool([lst], tmp_path / "idx")  # the training pool of the same list: the same objects, by URL
+    assert sorted(pool.read(pool[i]) for i in range(2)) == [b"\xff\xd8first", b"\xff\xd8second"]
