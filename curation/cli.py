@@ -116,10 +116,14 @@ def _main(argv: list[str]) -> int:
         return _kmeans(argv[1:])
     from .config import CurationConfig, check_launcher, validate
     from .pipeline import StepError, build_embedder_for, needs_embedder, run_steps, steps_of
+    from dinopipe.utils import storage
+
+    from .remote_output import localize, publish
 
     args = build_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(CurationConfig, args.config, args.overrides)
+        remote_out = localize(cfg)  # output.dir=s3://...: curate in a scratch folder, publish at the end
         validate(cfg, args.command)
         check_writable(cfg.output.dir, "output.dir")  # a file where the folder goes, a read-only disk: before work
         check_launcher(cfg, steps_of(args.command, cfg))  # tasks.launcher=srun: inside a big enough allocation
@@ -137,6 +141,12 @@ def _main(argv: list[str]) -> int:
         print(exc, file=sys.stderr)
         return 2
     out = cfg.output.dir
+    if remote_out is not None:
+        try:
+            print(f"published {publish(out, remote_out)} files to {remote_out}", file=sys.stderr)
+        except storage.Unreadable as exc:  # the bucket refused: the local output stays for a rerun to publish
+            print(f"could not publish {out} to {remote_out}: {exc}", file=sys.stderr)
+            return 1
     if "write" in steps or (args.command == "report" and os.path.exists(os.path.join(out, "manifest.json"))):
         if _all_unreadable(_print_manifest(out), cfg.input.paths, out):
             return 2

@@ -285,7 +285,7 @@ def validate(cfg: CurationConfig, step: str = "run") -> None:
         for p in paths:
             if step in ("run", "embed") or key != "input.paths":
                 # tar globs / brace ranges are expanded later; check the plain ones now
-                _need(any(c in p for c in "*?{") or os.path.exists(p), key, f"'{p}' does not exist")
+                _need(any(c in p for c in "*?{") or "://" in p or os.path.exists(p), key, f"'{p}' does not exist")
     e = cfg.embed
     _need(e.num_tasks >= 1, "embed.num_tasks", f"must be >= 1, got {e.num_tasks}")
     _need(0 <= e.task_index < e.num_tasks, "embed.task_index",

@@ -204,7 +204,10 @@ def _write_shard(out_dir, task_index, shard, refs, shard_size, rows) -> None:
 
 
 def _abs_loc(loc):
-    return os.path.abspath(loc) if isinstance(loc, str) else [os.path.abspath(loc[0]), int(loc[1]), int(loc[2])]
+    def where(p: str) -> str:
+        return p if "://" in p else os.path.abspath(p)  # an object-store URL stays a URL
+
+    return where(loc) if isinstance(loc, str) else [where(loc[0]), int(loc[1]), int(loc[2])]
 
 
 def _shard_complete(out_dir, stem, refs, shard, shard_size) -> bool:

@@ -26,7 +26,9 @@ NOT_AN_IMAGE = "not_an_image"  # no image format recognises the bytes
 TRUNCATED = "truncated"  # recognised, but the data stops early or is corrupt
 TOO_LARGE = "too_large"  # more pixels than max_pixels (decompression-bomb guard)
 BAD_MODE = "bad_mode"  # decoded, but a pixel format we cannot turn into RGB
-REASONS = (EMPTY, READ_ERROR, NOT_AN_IMAGE, TRUNCATED, TOO_LARGE, BAD_MODE)
+MISSING = "missing"  # an object listed, then deleted from its bucket (dinopipe.utils.storage)
+CHANGED = "changed"  # an object replaced since the listing (its ETag or size differs)
+REASONS = (EMPTY, READ_ERROR, NOT_AN_IMAGE, TRUNCATED, TOO_LARGE, BAD_MODE, MISSING, CHANGED)
 
 # 8192 x 12288 ~ 100 MP: above any camera most pools contain, far below what exhausts RAM
 # (an RGB image of this size is 300 MB once decoded).

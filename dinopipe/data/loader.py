@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..utils import storage
 from .decode import safe_decode
 from .pool_index import Pool
 from .sources import ImageRef, as_multi, stable_hash
@@ -152,6 +153,18 @@ class ImagePoolDataset(Dataset):
         return len(self.refs)
 
     def __getitem__(self, key: tuple[int, int]):
+        try:
+            sample = self._get(key)
+        except storage.Unreadable as e:  # an object that stayed unreadable: counted by reason, like a bad file
+            sample = ("__corrupt__", e.reason)
+        io = storage.take_counts()  # this worker's retries since its last sample ride along to the step summary
+        if io and isinstance(sample, dict):
+            sample = {**sample, "io": io}
+        elif io and isinstance(sample, tuple) and sample[:1] == ("__corrupt__",):
+            sample = (*sample[:2], io)
+        return sample
+
+    def _get(self, key: tuple[int, int]):
         index, epoch = key
         # Per-sample seed: the same augmentation whichever worker (or how many) decodes it.
         seed = stable_hash(f"{self.seed}/{epoch}/{index}") % (2**63)
@@ -183,6 +196,11 @@ class SkipCorrupt:
     def __call__(self, items: list):
         corrupt = collections.Counter(x[1] for x in items if isinstance(x, tuple) and x and x[0] == "__corrupt__")
         good = [x for x in items if not (isinstance(x, tuple) and x and x[0] == "__corrupt__")]
+        io: collections.Counter = collections.Counter()  # storage retries / unreadable objects, by kind
+        for x in items:
+            is_corrupt = isinstance(x, tuple) and x[:1] == ("__corrupt__",)
+            extra = x.pop("io", None) if isinstance(x, dict) else x[2] if is_corrupt and len(x) > 2 else None
+            io.update(extra or {})
         if good and isinstance(good[0], dict) and "key" in good[0]:
             # Batch-level randomness (iBOT masks) from the batch's identity: exact on resume, any worker.
             rng = np.random.default_rng(stable_hash(repr([g["key"] for g in good])) % (2**63))
@@ -191,6 +209,8 @@ class SkipCorrupt:
             batch = self.collate(good) if good else {}
         batch["corrupt"] = dict(corrupt)
         batch["n_images"] = len(good)
+        if io:
+            batch["io"] = dict(io)
         return batch
 
 

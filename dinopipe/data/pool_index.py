@@ -38,7 +38,9 @@ import numpy as np
 
 from ..utils.io import atomic_open
 
-from .sources import FileListSource, FolderSource, ImageSource, TarShardSource, open_source
+from ..utils import storage
+from .remote_index import build_remote_index, remote_matches
+from .sources import FileListSource, FolderSource, ImageSource, RemoteSource, TarShardSource, open_source
 
 MAGIC = b"DPPOOL\x00\x01"
 VERSION = 1
@@ -51,11 +53,14 @@ class PoolIndexError(ValueError):
 
 
 class Location(NamedTuple):
-    """Where one image's bytes are: read ``size`` bytes at ``offset`` (size < 0: the whole file; offset < 0: none)."""
+    """Where one image's bytes are: read ``size`` bytes at ``offset`` (size < 0: the whole file; offset < 0: none).
+    A remote object also carries its listed ETag and size, checked on every read (``read_range``)."""
 
     path: str
     offset: int
     size: int
+    etag: Optional[str] = None
+    object_size: int = -1
 
 
 # --------------------------------------------------------------------------------------------------- writing
@@ -135,6 +140,8 @@ def tar_index(shards: Sequence[str], locations: Sequence[np.ndarray], root: Opti
 
 def build_index(source: ImageSource):
     """(header, arrays) for one source. Tar shards: one header walk; folders / file lists: one listing."""
+    if isinstance(source, RemoteSource):
+        return build_remote_index(source)
     if isinstance(source, TarShardSource):
         shards = [os.path.abspath(s) for s in source.shards]
         locations = []
@@ -151,7 +158,7 @@ def build_index(source: ImageSource):
         rels = [r.id[len(source.name) + 1:] for r in refs]  # the id is <name>/<path under root>
         header = {"kind": "folder", "root": root, "fingerprint": _dir_fingerprint(root)}
     elif isinstance(source, FileListSource):
-        rels, root = [os.path.abspath(r.loc) for r in refs], ""
+        rels, root = [r.loc if storage.is_url(r.loc) else os.path.abspath(r.loc) for r in refs], ""
         header = {"kind": "filelist", "root": root, "list": os.path.abspath(source.list_path),
                   "fingerprint": _file_fingerprint(source.list_path)}
     else:
@@ -196,6 +203,10 @@ class PoolIndex:
             raise PoolIndexError(f"{path}: per-image arrays do not have {self.n} entries")
         root = self.header.get("root")
         self.root = os.path.dirname(self.path) if root is None else root
+        self.remote = bool(self.header.get("remote"))
+        if self.remote:  # per path: the listed size and ETag every read is checked against
+            self._obj_size, self._etag = self.arrays["shard_size"], self.arrays["shard_etag"]
+            self._etag_parts = self.arrays["shard_etag_parts"]
         self._image_path, self._offset = self.arrays["image_path"], self.arrays["image_offset"]
         self._size, self._blob, self._start = self.arrays["image_size"], self.arrays["path_blob"], self.arrays["path_start"]
 
@@ -204,13 +215,17 @@ class PoolIndex:
 
     def path_of(self, p: int) -> str:
         rel = bytes(self._blob[self._start[p] : self._start[p + 1]]).decode()
-        return os.path.join(self.root, rel)
+        return storage.join(self.root, rel)
 
     def paths(self) -> list[str]:
         return [self.path_of(p) for p in range(len(self._start) - 1)]
 
     def __getitem__(self, i: int) -> Location:
-        return Location(self.path_of(int(self._image_path[i])), int(self._offset[i]), int(self._size[i]))
+        p = int(self._image_path[i])
+        if self.remote:
+            etag = storage.etag_unpack(bytes(self._etag[p]), int(self._etag_parts[p]))
+            return Location(self.path_of(p), int(self._offset[i]), int(self._size[i]), etag, int(self._obj_size[p]))
+        return Location(self.path_of(p), int(self._offset[i]), int(self._size[i]))
 
     def nbytes_per_image(self) -> float:
         """Bytes of all arrays divided by the number of images (the index's memory cost once fully paged in)."""
@@ -226,6 +241,8 @@ class PoolIndex:
         """None if this index describes ``source`` as it is on disk now, else why not. With ``world`` > 1 only every
         ``world``-th shard from ``rank`` on is stat'ed (each rank checks its share; the caller combines them)."""
         h = self.header
+        if isinstance(source, RemoteSource):
+            return remote_matches(self, source)
         if isinstance(source, TarShardSource):
             if h["kind"] != "tar":
                 return f"it indexes a {h['kind']}, not tar shards"
@@ -298,6 +315,9 @@ class Pool:
     def read(self, loc: Location) -> Optional[bytes]:
         if loc.offset < 0:
             return None  # the placeholder of a damaged shard: counted as unreadable
+        if storage.is_url(loc.path):  # ranged GET, retried; raises storage.Unreadable with its reason
+            return storage.read_range(loc.path, loc.offset, loc.size, etag=loc.etag,
+                                      object_size=loc.object_size if loc.object_size >= 0 else None)
         try:
             if loc.size < 0:
                 with open(loc.path, "rb") as f:
@@ -371,10 +391,10 @@ def _cached_index(source: ImageSource, cache_dir: str, ranks: Ranks = Ranks()) -
     """The run directory's index of ``source``: map it if valid, else build it once. Collectively rank 0 builds
     it while the others wait on the process group (no file lock needed); alone, under a file lock where the
     filesystem has one."""
-    spec = (source.shards if isinstance(source, TarShardSource)
+    spec = ([source.url] if isinstance(source, RemoteSource) else source.shards if isinstance(source, TarShardSource)
             else [source.list_path, source.root] if isinstance(source, FileListSource) else [source.root])
-    key = hashlib.blake2b(json.dumps([type(source).__name__, [os.path.abspath(s) for s in spec]]).encode(),
-                          digest_size=6).hexdigest()
+    spec = [s if storage.is_url(s) else os.path.abspath(s) for s in spec]
+    key = hashlib.blake2b(json.dumps([type(source).__name__, spec]).encode(), digest_size=6).hexdigest()
     path = os.path.join(cache_dir, f"{source.name}-{key}.bin")
     idx = _try_open(path, source, warn=False, ranks=ranks)
     if idx is not None:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
+
+from ..utils import storage
 
 IMAGE_EXTENSIONS = frozenset(
     {"jpg", "jpeg", "png", "bmp", "gif", "tif", "tiff", "webp", "ppm", "pgm", "pbm", "jp2", "npy"}
@@ -74,6 +77,11 @@ def check_split(task_index: int, num_tasks: int) -> None:
 
 
 def _read_file(path: str) -> bytes | None:
+    if storage.is_url(path):  # a file list of URLs: one whole-object GET, retried and counted
+        try:
+            return storage.read_range(path, 0, -1)
+        except storage.Unreadable:
+            return None
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -159,7 +167,7 @@ class FileListSource(ImageSource):
             seen.add(path)
             image_id = f"{self.name}/{path.lstrip('/')}"
             if in_split(image_id, task_index, num_tasks):
-                full = path if os.path.isabs(path) else str(self.root / path)
+                full = path if os.path.isabs(path) or storage.is_url(path) else str(self.root / path)
                 out.append(ImageRef(image_id, self.name, full))
         return out
 
@@ -261,8 +269,10 @@ class TarWalk:
     listed in ``refused`` with the reason (``link`` | ``unsafe_name``), so a crafted shard can neither point
     a reader at another file nor make an id that aliases another source's."""
 
-    def __init__(self, shard: str) -> None:
+    def __init__(self, shard: str, size: int | None = None, open_fn=None) -> None:
         self.shard = shard
+        self.size, self.open_fn = size, open_fn  # a remote shard: its listed size and a seekable file opener
+        self.exc: BaseException | None = None  # the error behind ``error`` (the remote walk retries transient ones)
         self.error: str | None = None
         self.cut_off = False
         self.refused: list[tuple[str, str]] = []  # (member name, reason): links and unsafe names, never read
@@ -271,8 +281,10 @@ class TarWalk:
     def __iter__(self) -> Iterator[tarfile.TarInfo]:
         self.refused = []
         try:
-            size = os.path.getsize(self.shard)
-            with tarfile.open(self.shard, mode="r:") as self._tar:
+            size = os.path.getsize(self.shard) if self.size is None else self.size
+            opened = (tarfile.open(self.shard, mode="r:") if self.open_fn is None
+                      else tarfile.open(fileobj=self.open_fn(), mode="r:"))
+            with opened as self._tar:
                 for member in self._tar:
                     self.cut_off |= member.offset_data + member.size > size
                     reason = member_refusal(member)
@@ -280,8 +292,10 @@ class TarWalk:
                         self.refused.append((member.name, reason))
                     elif member.isfile():
                         yield member
-        except (tarfile.TarError, OSError) as e:
-            self.error = str(e) or type(e).__name__
+        except Exception as e:  # noqa: BLE001 - tar, OS and (remote) client errors all end the walk, named
+            if not isinstance(e, (tarfile.TarError, OSError)) and self.open_fn is None:
+                raise
+            self.error, self.exc = str(e) or type(e).__name__, e
         finally:
             self._tar = None
 
@@ -293,6 +307,111 @@ class TarWalk:
         except (tarfile.TarError, OSError) as e:
             self.error = self.error or str(e) or type(e).__name__
             return None
+
+
+class RemoteSource(ImageSource):
+    """Images in object storage (``s3://bucket/prefix``, ``gs://...``, any fsspec URL), streamed, never copied.
+
+    A URL ending in ``.tar`` is one shard; a prefix whose direct children include ``.tar`` objects is a shard
+    folder (the children that end in ``.tar``); any other prefix is a folder of images (recursive). The listing
+    is paged into arrays (:func:`~dinopipe.utils.storage.list_prefix`) with each object's size and ETag. Ids are
+    those of the same data on disk (``<name>/<shard>/<member>``, ``<name>/<path under the prefix>``; ``name``:
+    the prefix's last component), so a pool decides and trains the same from a bucket as from a folder.
+    Shards are walked by their headers through ranged reads; members are read with ``If-Match`` on the listed
+    ETag (:func:`~dinopipe.utils.storage.read_range`), so a shard replaced after the listing is caught.
+    """
+
+    def __init__(self, url: str, name: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        if self.url.endswith((".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")):
+            raise ValueError(f"{url}: compressed tar shards cannot be read by offset; decompress them")
+        if self.url.lower().endswith(".tar"):
+            parent, _, base = self.url.rpartition("/")
+            listing = storage.list_prefix(parent, recursive=False, suffixes=(".tar",))
+            keep = [i for i in range(len(listing)) if listing.name(i) == base]
+            if not keep:
+                raise FileNotFoundError(f"tar shard {url} does not exist")
+            self.root, self.kind = parent, "tar"
+            self.listing = storage.Listing(parent)
+            self.listing.add(base, listing.size_of(keep[0]), listing.etag_of(keep[0]))
+        else:
+            shards = storage.list_prefix(self.url, recursive=False, suffixes=(".tar",))
+            self.root, self.kind = self.url, "tar" if len(shards) else "folder"
+            self.listing = shards if len(shards) else storage.list_prefix(self.url, recursive=True)
+            if self.kind == "folder":
+                images = storage.Listing(self.url)
+                for i in range(len(self.listing)):
+                    if extension_of(self.listing.name(i)) in IMAGE_EXTENSIONS:
+                        images.add(self.listing.name(i), self.listing.size_of(i), self.listing.etag_of(i))
+                self.listing = images
+            if not len(self.listing):
+                raise FileNotFoundError(f"no .tar shards or images found under {url}")
+        self.name = name or self.root.rstrip("/").rsplit("/", 1)[-1] or "shards"
+
+    def __len__(self) -> int:
+        return len(self.listing)  # shards (kind 'tar') or images (kind 'folder'); no per-object Python list kept
+
+    def walk(self, i: int) -> tuple[list[ImageRef], TarWalk]:
+        """Shard ``i``'s image members (TarShardSource's rules: damage and refused members are placeholders);
+        a walk cut by a transient error (a dropped connection, throttling) is retried and counted."""
+        url, size = storage.join(self.root, self.listing.name(i)), self.listing.size_of(i)
+        fs, path = storage.filesystem(url)
+        policy = storage.RetryPolicy.from_env()
+        for attempt in range(policy.attempts):
+            walk = TarWalk(url, size=size, open_fn=lambda: fs.open(path, "rb", block_size=1 << 20,
+                                                                  cache_type="readahead"))
+            refs = _walk_refs(self, walk, i)
+            kind, transient = storage.classify(walk.exc) if walk.exc is not None else ("", False)
+            if not transient:
+                return refs, walk
+            storage.count(f"retry/{kind}")
+            time.sleep(policy.wait(attempt))
+        return refs, walk
+
+    def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
+        out = []
+        for i in range(len(self.listing)):
+            rel = self.listing.name(i)
+            if self.kind == "folder":
+                image_id = f"{self.name}/{rel}"
+                if in_split(image_id, task_index, num_tasks):
+                    out.append(ImageRef(image_id, self.name, (storage.join(self.root, rel), 0, -1, None, -1)))
+            elif in_split(f"{self.name}/{rel}", task_index, num_tasks):
+                out.extend(self.walk(i)[0])
+        out.sort(key=lambda r: r.id)
+        return out
+
+    def read(self, ref: ImageRef) -> bytes | None:
+        # A ref rebuilt from a curation path table carries (url, offset, size) or the url alone: no ETag check then.
+        loc = (ref.loc, 0, -1) if isinstance(ref.loc, str) else tuple(ref.loc)
+        url, offset, size, etag, object_size = (*loc, None, -1)[:5] if len(loc) == 3 else loc
+        if offset < 0 and isinstance(ref.loc, str):
+            offset, size = 0, -1
+        if offset < 0:
+            return None
+        try:
+            return storage.read_range(url, offset, size, etag=etag, object_size=object_size if object_size >= 0
+                                      else None)
+        except storage.Unreadable:
+            return None
+
+
+def _walk_refs(source: RemoteSource, walk: TarWalk, i: int) -> list[ImageRef]:
+    url, shard_name = walk.shard, source.listing.name(i)
+    etag, size = source.listing.etag_of(i), source.listing.size_of(i)
+    out = []
+    for member in walk:
+        if extension_of(member.name) in IMAGE_EXTENSIONS:
+            out.append(ImageRef(f"{source.name}/{shard_name}/{member.name}", source.name,
+                                (url, member.offset_data, member.size, etag, size)))
+    if walk.error or walk.cut_off:
+        out.append(ImageRef(f"{source.name}/{shard_name}/#damaged-after-{len(out)}-images", source.name,
+                            (url, -1, 0, None, -1)))
+        _warn(f"tar shard {url} is damaged after {len(out) - 1} images "
+              f"({walk.error or 'the object is cut off'})")
+    for k, (_, why) in enumerate((n, w) for n, w in walk.refused if extension_of(n) in IMAGE_EXTENSIONS):
+        out.append(ImageRef(f"{source.name}/{shard_name}/#refused-{why}-{k}", source.name, (url, -1, 0, None, -1)))
+    return out
 
 
 def _expand_shards(shards) -> list[str]:
@@ -326,6 +445,8 @@ def open_source(spec: str | os.PathLike | ImageSource, name: str | None = None) 
     """
     if isinstance(spec, ImageSource):
         return spec
+    if storage.is_url(spec):
+        return RemoteSource(spec, name=name)
     s = str(spec)
     if any(c in s for c in "*?[") or s.endswith(".tar"):
         return TarShardSource(s, name=name)

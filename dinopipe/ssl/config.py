@@ -258,6 +258,9 @@ class TrainConfig:
     """Steps between DCP checkpoints (each phase's end is checkpointed too)."""
     keep_last: int = 3
     """Checkpoints kept on disk (older ones are deleted after a newer one is complete)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go ('' = <output_dir>/checkpoints): a folder, or a URL such as s3://bucket/run/ckpt
+    (credentials from the standard provider chain, endpoint from AWS_ENDPOINT_URL_S3; docs/storage.md)."""
     device: Device = Device.auto
     """auto (CUDA when available) | cpu | cuda (each rank takes the GPU of its local rank)"""
     stop_after: Optional[int] = None

@@ -132,7 +132,8 @@ def train(cfg: Any, task, optimizer, info: DistInfo, refs, read, patch_size: int
     loop_cfg = LoopConfig(seed=cfg.train.seed, clip_grad=cfg.optim.clip_grad, log_every=cfg.train.log_every,
                           checkpoint_every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                           stop_after=cfg.train.stop_after, progress=cfg.train.progress,
-                          accumulate=int(getattr(cfg.train, "accumulate", 1)))
+                          accumulate=int(getattr(cfg.train, "accumulate", 1)),
+                          checkpoint_dir=str(getattr(cfg.train, "checkpoint_dir", "") or ""))
     probe = build_probe(cfg, getattr(task, "task", task), info, phases[-1].end)  # the teacher's kNN (knn.*)
     trainer = Trainer(task, optimizer, lr_basis(cfg, info.world_size), phases, cfg.train.output_dir, info,
                       loop_cfg, pool_size=len(refs), probe=probe)

@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..utils import debug_hooks, safe_dcp
+from ..utils import debug_hooks, safe_dcp, storage
+from ..utils.torch_compat import dcp_fsspec_classes
 from ..utils.io import atomic_write
 from .dist import barrier, broadcast_object, get_info
 from .signals import maybe_test_signal
@@ -76,8 +77,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep_last: int = 3) -> None:
-        self.dir = Path(run_dir) / "checkpoints"
+    """``location``: where the checkpoints go instead of ``run_dir/checkpoints`` -- a folder, or an fsspec URL
+    (``s3://bucket/run/checkpoints``): DCP's fsspec writer, the safe reader, and ``latest`` as one object written
+    after every rank's files and ``.metadata`` are complete (an object PUT is atomic), so a preempted job on
+    another machine resumes from the bucket."""
+
+    def __init__(self, run_dir: str | Path, keep_last: int = 3, location: Optional[str] = None) -> None:
+        self.url = location.rstrip("/") if location and storage.is_url(location) else None
+        self.dir = Path(location) if location and self.url is None else Path(run_dir) / "checkpoints"
         self.keep_last = max(1, keep_last)
 
     @staticmethod
@@ -87,6 +94,8 @@ class CheckpointManager:
     def latest(self) -> Optional[Path]:
         if debug_hooks.get("stale_latest") == str(get_info().rank):
             return None  # test hook: this rank's view of a shared filesystem has not seen ``latest`` yet
+        if self.url is not None:
+            return self._remote_latest()
         pointer = self.dir / "latest"
         if not pointer.is_file():
             return None
@@ -95,9 +104,11 @@ class CheckpointManager:
 
     def latest_step(self) -> Optional[int]:
         p = self.latest()
-        return int(p.name.split("_")[1]) if p else None
+        return _step_of(p) if p else None
 
     def save(self, step: int, states: Mapping[str, Any]) -> Path:
+        if self.url is not None:
+            return self._remote_save(step, states)
         path = self.dir / self.name(step)
         info = get_info()
         if info.is_main and path.exists():  # a half-written save of this step from a killed run
@@ -118,7 +129,9 @@ class CheckpointManager:
         itself can disagree on a shared filesystem with attribute caching (a rank starting fresh while the
         others enter the collective load hangs them all), so one rank decides."""
         mine = self.latest() if get_info().is_main else None
-        name = broadcast_object(mine.name if mine is not None else None)
+        name = broadcast_object(_name_of(mine) if mine is not None else None)
+        if name and self.url is not None:
+            return storage.join(self.url, name)
         return self.dir / name if name else None
 
     def load(self, states: Mapping[str, Any], path: Optional[Path] = None) -> Optional[int]:
@@ -131,13 +144,53 @@ class CheckpointManager:
         # folder can come from anywhere; DCP's own reader would unpickle whatever it holds).
         safe_dcp.load(dict(states), path, no_dist=not get_info().distributed)
         log.info("resumed from %s", path)
-        return int(path.name.split("_")[1])
+        return _step_of(path)
+
+    # ------------------------------------------------------------------------------- checkpoints at a URL
+    def _remote_latest(self) -> Optional[str]:
+        fs, base = storage.filesystem(self.url)
+        try:
+            name = storage.call(lambda: fs.cat_file(f"{base}/latest"), self.url).decode().strip()
+        except storage.Unreadable:
+            return None  # no checkpoint yet
+        path = storage.join(self.url, name)
+        return path if storage.call(lambda: fs.exists(f"{base}/{name}/.metadata"), path) else None
+
+    def _remote_save(self, step: int, states: Mapping[str, Any]) -> str:
+        writer_cls, _ = dcp_fsspec_classes()
+        name, info = self.name(step), get_info()
+        fs, base = storage.filesystem(self.url)
+        path = storage.join(self.url, name)
+        if info.is_main and storage.call(lambda: fs.exists(f"{base}/{name}"), path):
+            storage.call(lambda: fs.rm(f"{base}/{name}", recursive=True), path)  # a killed run's half save
+        barrier()
+        maybe_test_signal("save", step, info.rank)
+        dcp.save(dict(states), storage_writer=writer_cls(path), no_dist=not info.distributed)
+        barrier()
+        if info.is_main:  # one PUT after every rank's files and .metadata: readers see the old or the new name
+            storage.call(lambda: fs.pipe_file(f"{base}/latest", (name + "\n").encode()), self.url)
+            old = sorted(p.rsplit("/", 1)[-1] for p in storage.call(lambda: fs.ls(base, detail=False), self.url)
+                         if p.rsplit("/", 1)[-1].startswith("step_"))
+            for stale in old[: -self.keep_last]:
+                if stale != name:
+                    storage.call(lambda s=stale: fs.rm(f"{base}/{s}", recursive=True), self.url)
+        barrier()
+        log.info("saved checkpoint %s", path)
+        return path
 
     def _prune(self, keep: str) -> None:
         ckpts = sorted(p for p in self.dir.glob("step_*") if p.is_dir())
         for old in ckpts[: -self.keep_last]:
             if old.name != keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _name_of(path: Any) -> str:
+    return path.name if isinstance(path, Path) else str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def _step_of(path: Any) -> int:
+    return int(_name_of(path).split("_")[1])
 
 
 __all__ = ["CheckpointManager", "ModelOptimState", "ValueState", "full_state_dict"]

@@ -86,6 +86,8 @@ class LoopConfig:
     progress: bool = True
     accumulate: int = 1
     """Micro-batches per optimizer step (gradient accumulation); the global batch is K times the loader's."""
+    checkpoint_dir: str = ""
+    """'' = run_dir/checkpoints; a folder or an fsspec URL (CheckpointManager)."""
 
 
 def seed_step(seed: int, step: int, rank: int) -> None:
@@ -106,7 +108,7 @@ class Trainer:
         self.phases, self.run_dir, self.info, self.cfg = list(phases), Path(run_dir), info, cfg
         self.total_steps = self.phases[-1].end
         self.pool_size = pool_size  # the data position's epoch arithmetic mirrors the sampler's
-        self.ckpt = CheckpointManager(self.run_dir, keep_last=cfg.keep_last)
+        self.ckpt = CheckpointManager(self.run_dir, keep_last=cfg.keep_last, location=cfg.checkpoint_dir or None)
         self.state = ValueState(step=0, data_epoch=0, data_offset=0, skipped_steps=0)
         self.lr_basis = schedules if isinstance(schedules, LrBasis) else None
         if self.lr_basis is not None:

@@ -16,8 +16,10 @@ from typing import Any, Sequence
 
 from ..data.decode import REASONS
 
-REPORT_SIZE = 1 + len(REASONS)
-"""Slots of one data report in the step's all-reduce vector: [empty micro-batch flag, corrupt count per reason]."""
+RETRY_KINDS = ("throttled", "server_error", "connection")  # object-storage retries (dinopipe.utils.storage)
+REPORT_SIZE = 1 + len(REASONS) + len(RETRY_KINDS)
+"""Slots of one data report in the step's all-reduce vector: [empty micro-batch flag, corrupt count per reason,
+storage retries per kind]."""
 
 
 def is_empty(batch: Any) -> bool:
@@ -31,7 +33,13 @@ def local_report(micro: Sequence[Any]) -> list[float]:
     for b in micro:
         for reason, n in ((b.get("corrupt") or {}) if isinstance(b, dict) else {}).items():
             corrupt[REASONS.index(reason) if reason in REASONS else REASONS.index("read_error")] += n
-    return [1.0 if any(is_empty(b) for b in micro) else 0.0] + corrupt
+    retries = [0.0] * len(RETRY_KINDS)
+    for b in micro:
+        for key, n in ((b.get("io") or {}) if isinstance(b, dict) else {}).items():
+            kind = key.removeprefix("retry/")
+            if kind in RETRY_KINDS:
+                retries[RETRY_KINDS.index(kind)] += n
+    return [1.0 if any(is_empty(b) for b in micro) else 0.0] + corrupt + retries
 
 
 @dataclass
@@ -40,14 +48,19 @@ class DataReport:
 
     skip: bool = False
     corrupt: dict[str, int] = field(default_factory=dict)
+    retries: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_reduced(cls, vals: Sequence[float]) -> "DataReport":
-        return cls(vals[0] > 0, {r: int(v) for r, v in zip(REASONS, vals[1:REPORT_SIZE]) if v > 0})
+        k = 1 + len(REASONS)
+        return cls(vals[0] > 0, {r: int(v) for r, v in zip(REASONS, vals[1:k]) if v > 0},
+                   {r: int(v) for r, v in zip(RETRY_KINDS, vals[k:REPORT_SIZE]) if v > 0})
 
     def logs(self) -> dict[str, int]:
-        """``corrupt_images`` (this step, all ranks) and one ``corrupt/REASON`` per reason seen."""
-        return {"corrupt_images": sum(self.corrupt.values()), **{f"corrupt/{r}": n for r, n in self.corrupt.items()}}
+        """``corrupt_images`` (this step, all ranks), one ``corrupt/REASON`` per reason seen and one
+        ``storage_retries/KIND`` per kind of object-storage retry seen."""
+        return {"corrupt_images": sum(self.corrupt.values()), **{f"corrupt/{r}": n for r, n in self.corrupt.items()},
+                **{f"storage_retries/{r}": n for r, n in self.retries.items()}}
 
 
 __all__ = ["DataReport", "REPORT_SIZE", "is_empty", "local_report"]

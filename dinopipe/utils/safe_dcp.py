@@ -23,8 +23,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from .safe_load import CheckpointError, read_dcp_metadata, torch_load
-from .torch_compat import dcp_set_element
+from . import storage
+from .safe_load import CheckpointError, dcp_metadata_from_bytes, read_dcp_metadata, torch_load
+from .torch_compat import dcp_fsspec_classes, dcp_set_element
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -58,8 +59,44 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
+def _url_metadata(url: str) -> Any:
+    where = storage.join(url, ".metadata")
+    fs, p = storage.filesystem(where)
+    try:
+        data = storage.call(lambda: fs.cat_file(p), where)
+    except storage.Unreadable as exc:
+        raise CheckpointError(f"{where}: cannot read the checkpoint metadata ({exc.reason})") from None
+    return dcp_metadata_from_bytes(data, where)
+
+
+def safe_fsspec_reader(url: str) -> Any:
+    """DCP's fsspec reader (a checkpoint in object storage) with the metadata from the restricted unpickler."""
+    _, reader_cls = dcp_fsspec_classes()
+
+    class SafeFsspecReader(reader_cls):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            md = _url_metadata(url)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = getattr(self, "load_id", None)
+            return md
+
+    return SafeFsspecReader(url)
+
+
 def load(states: dict[str, Any], path: str | Path, no_dist: bool) -> None:
-    """``dcp.load`` of ``path`` into ``states`` in place, through the safe reader and planner."""
+    """``dcp.load`` of ``path`` into ``states`` in place, through the safe reader and planner (``path`` may be an
+    fsspec URL: a checkpoint in a bucket)."""
+    if storage.is_url(str(path)):
+        url = str(path)
+        _url_metadata(url)  # refused here, on every rank, before DCP's collectives start
+        try:
+            dcp.load(states, storage_reader=safe_fsspec_reader(url), planner=SafeLoadPlanner(where=url),
+                     no_dist=no_dist)
+        except CheckpointException as exc:
+            _raise_refusal(exc)
+            raise
+        return
     path = Path(path)
     read_dcp_metadata(path)  # refuse a crafted folder here, on every rank, before DCP's collectives start
     try:

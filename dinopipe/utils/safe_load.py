@@ -186,8 +186,13 @@ def read_dcp_metadata(folder: str | Path, rank: Optional[int] = None) -> Any:
         data = path.read_bytes()
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint metadata ({exc.strerror or exc})") from None
-    md = restricted_loads(data, path)
-    _check_metadata(md, path)
+    return dcp_metadata_from_bytes(data, path)
+
+
+def dcp_metadata_from_bytes(data: bytes, where: Any) -> Any:
+    """A DCP ``.metadata`` file's bytes (read from anywhere: a bucket too) through the restricted unpickler."""
+    md = restricted_loads(data, where)
+    _check_metadata(md, where)
     return md
 
 

@@ -261,6 +261,13 @@ def norm_base() -> type:
     return _attr("torch.nn.modules.batchnorm", "_NormBase", "handling norm layers' statistics and weight decay")
 
 
+def dcp_fsspec_classes() -> tuple[type, type]:
+    """(FsspecWriter, FsspecReader): DCP over any fsspec URL (checkpoints in object storage)."""
+    where = "torch.distributed.checkpoint._fsspec_filesystem"
+    need = "checkpoints at a URL (train.checkpoint_dir=s3://...)"
+    return _attr(where, "FsspecWriter", need), _attr(where, "FsspecReader", need)
+
+
 # -- copying modules -------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager

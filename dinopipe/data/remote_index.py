@@ -1,0 +1,102 @@
+"""The pool index of a bucket: the paged listing and every shard's members, written once as arrays.
+
+The same file layout as a local pool index (:mod:`.pool_index`), with ``"remote": true`` in the header, the
+prefix URL as ``root`` and, per shard (or per image object of a folder-like prefix), the listed size and ETag
+(``shard_size`` int64, ``shard_etag`` (n, 16) uint8, ``shard_etag_parts`` int32): about 36 bytes + the name per
+object, memory-mapped by every rank, which reads only the rows of its own slice. Reads check each object against
+these (``If-Match`` on S3), so a shard replaced after the listing is refused and named, never mixed in.
+
+Building walks the tar headers of every shard through ranged reads, several shards at once (threads: the time is
+spent waiting on the store); it is done once per run directory (rank 0), and a rerun only re-lists the prefix
+(pages of 1,000 keys) to check that nothing changed.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from .sources import RemoteSource
+
+if TYPE_CHECKING:
+    from .pool_index import PoolIndex
+
+WALK_THREADS = int(os.environ.get("DINOPIPE_REMOTE_WALK_THREADS", "8"))
+
+
+def _path_table(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The pool index's path table (utf-8 blob + int64 starts); pool_index imports this module, not back."""
+    encoded = [n.encode() for n in names]
+    start = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=start[1:])
+    return np.frombuffer(b"".join(encoded), dtype=np.uint8), start
+
+
+def _row_dtype(n_paths: int):
+    return np.uint32 if n_paths < 2**32 else np.uint64
+
+
+def member_locations(members) -> np.ndarray:
+    """(m, 2) int64 [offset, size] of one shard's members [(name, offset, size), ...], in name order."""
+    ms = sorted(members, key=lambda m: m[0])
+    return np.asarray([(o, s) for _, o, s in ms], dtype=np.int64).reshape(-1, 2)
+
+
+def _order(source: RemoteSource) -> list[int]:
+    """Listing rows in id order: a shard's ids are ``<shard>/<member>``, so shards sort by name + '/'."""
+    names = [source.listing.name(i) for i in range(len(source.listing))]
+    return sorted(range(len(names)), key=lambda k: names[k] + ("/" if source.kind == "tar" else ""))
+
+
+def build_remote_index(source: RemoteSource) -> tuple[dict, dict]:
+    """(header, arrays) of a remote source, in the order of its ids (the order of the same data on disk)."""
+    order = _order(source)
+    listed = source.listing.arrays()
+    names = [source.listing.name(k) for k in order]
+    blob, start = _path_table(names)
+    per_path = {"shard_size": listed["size"][order], "shard_etag": listed["etag"][order],
+                "shard_etag_parts": listed["etag_parts"][order]}
+    n_paths = len(order)
+    if source.kind == "folder":
+        arrays = {"path_blob": blob, "path_start": start, "image_path": np.arange(n_paths, dtype=_row_dtype(n_paths)),
+                  "image_offset": np.zeros(n_paths, dtype=np.int64), "image_size": np.full(n_paths, -1, np.int64),
+                  **per_path}
+        return {"kind": "folder", "root": source.url, "remote": True, "n_images": n_paths, "n_paths": n_paths}, arrays
+
+    def locations(k: int) -> np.ndarray:
+        refs, _ = source.walk(k)
+        prefix = len(source.name) + len(source.listing.name(k)) + 2
+        return member_locations([(r.id[prefix:], r.loc[1], r.loc[2]) for r in refs])
+
+    with ThreadPoolExecutor(max_workers=max(1, WALK_THREADS)) as pool:
+        locs = list(pool.map(locations, order))
+    idx = [np.full(len(loc), new, dtype=_row_dtype(n_paths)) for new, loc in enumerate(locs)]
+    loc = np.concatenate(locs) if locs else np.zeros((0, 2), dtype=np.int64)
+    arrays = {"path_blob": blob, "path_start": start,
+              "image_path": np.concatenate(idx) if idx else np.zeros(0, dtype=np.uint32),
+              "image_offset": loc[:, 0], "image_size": loc[:, 1], **per_path}
+    return {"kind": "tar", "root": source.url, "remote": True, "n_images": len(loc), "n_paths": n_paths}, arrays
+
+
+def remote_matches(index: "PoolIndex", source: RemoteSource) -> Optional[str]:
+    """None if ``index`` describes the objects now under the source's prefix (names, sizes, ETags), else why not."""
+    h = index.header
+    if not h.get("remote") or h.get("root") != source.url or h.get("kind") != source.kind:
+        return "it indexes another location"
+    order = _order(source)
+    listed = source.listing.arrays()
+    if len(order) != len(index.arrays["path_start"]) - 1:
+        return "objects were added or removed"
+    if [source.listing.name(k) for k in order] != [bytes(index._blob[index._start[p]:index._start[p + 1]]).decode()
+                                                    for p in range(len(order))]:
+        return "objects were added, removed or renamed"
+    if (not np.array_equal(listed["size"][order], index.arrays["shard_size"])
+            or not np.array_equal(listed["etag"][order], index.arrays["shard_etag"])):
+        return "an object changed since the index was written (size or ETag)"
+    return None
+
+
+__all__ = ["build_remote_index", "remote_matches"]

@@ -1,0 +1,418 @@
+"""Object storage behind every path a user gives: ``s3://``, ``gs://`` and any other fsspec URL.
+
+One small layer so the rest of the package asks three questions only: is this a URL (:func:`is_url`), which
+filesystem serves it (:func:`filesystem`), and read these bytes of that object, retried, checked against the
+listing (:func:`read_range`). Writes go through :func:`put_atomic`: the local file is finished first and the
+object appears in one PUT (or one completed multipart upload), so a killed task never leaves a half-written
+object that looks whole.
+
+Credentials come only from the provider chain of the store's own client (environment, profile, instance role:
+botocore / google-auth). Nothing here reads, stores, prints or logs them; error messages name the URL and the
+error code, never the client's configuration. ``endpoint_url`` (MinIO, Ceph, R2, a test server) comes from
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, botocore's own variables.
+
+Transient errors (throttling, 5xx, a dropped connection, a read cut short) are retried here with capped
+exponential backoff, and counted per kind in :data:`COUNTS` (per process; the training loader moves a worker's
+counts into its batches). The clients' own retry loops are turned off so every retry is seen and counted.
+An object that stays unreadable raises :class:`Unreadable` with a short stable reason (``missing``, ``changed``,
+``truncated``, ``read_error``), the same contract as a corrupt local file.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+# Stable reasons an object is unreadable (they appear in manifests and step summaries).
+MISSING = "missing"  # listed, then deleted (or never there)
+CHANGED = "changed"  # its ETag / size no longer matches the listing: replaced mid-run
+TRUNCATED_OBJECT = "truncated"  # shorter than the listing says (a read that stays short after retries)
+READ_ERROR = "read_error"  # anything else that does not go away with retries
+
+COUNTS: collections.Counter = collections.Counter()  # "retry/<kind>" and "unreadable/<reason>", per process
+_lock = threading.Lock()
+
+_THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+             "RequestThrottled", "ProvisionedThroughputExceededException"}
+_SERVER = {"InternalError", "ServiceUnavailable", "RequestTimeout", "InternalServerError", "BadGateway"}
+_CONNECTION_NAMES = ("Disconnected", "Connection", "Payload", "IncompleteRead", "Timeout", "ResponseStreaming",
+                     "ProtocolError", "ReadError")
+
+
+class Unreadable(OSError):
+    """An object that could not be read after the retries; ``reason`` is one of the stable reasons above."""
+
+    def __init__(self, url: str, reason: str, detail: str = "") -> None:
+        super().__init__(f"{url}: {reason}" + (f" ({detail})" if detail else ""))
+        self.url, self.reason = url, reason
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Capped exponential backoff with full jitter: attempt k waits uniform(0, min(cap, base * 2^k)) seconds."""
+
+    attempts: int = 8
+    base_s: float = 0.05
+    cap_s: float = 2.0
+
+    @classmethod
+    def from_env(cls) -> "RetryPolicy":
+        return cls(attempts=int(os.environ.get("DINOPIPE_STORAGE_ATTEMPTS", cls.attempts)),
+                   cap_s=float(os.environ.get("DINOPIPE_STORAGE_BACKOFF_CAP_S", cls.cap_s)))
+
+    def wait(self, attempt: int) -> float:
+        return random.uniform(0, min(self.cap_s, self.base_s * 2 ** attempt))
+
+
+def is_url(path: Any) -> bool:
+    """True for ``proto://...`` (s3, gs, memory, file, ...); plain paths and ``os.PathLike`` are local."""
+    if not isinstance(path, str):
+        return False
+    head, sep, _ = path.partition("://")
+    return bool(sep) and head.replace("+", "").replace("-", "").isalnum()
+
+
+def protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def join(root: str, rel: str) -> str:
+    """``root`` / ``rel`` for URLs and paths alike (os.path.join would be wrong on a URL on Windows only)."""
+    return f"{root.rstrip('/')}/{rel.lstrip('/')}" if is_url(root) else os.path.join(root, rel)
+
+
+def _client_options(proto: str) -> dict:
+    if proto in ("s3", "s3a"):
+        opts: dict = {"config_kwargs": {"retries": {"total_max_attempts": 1}}}  # we retry and count, not botocore
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+        return opts
+    return {}  # gcsfs and the others keep their own retry loops (not counted here; docs/storage.md)
+
+
+_fs_cache: dict = {}
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, path without the protocol) for ``url``; one client per protocol and process.
+
+    Missing client packages become a one-line hint (``pip install 'dinopipe[s3]'``), not a traceback."""
+    import fsspec
+
+    proto = protocol(url)
+    key = (proto, os.getpid(), os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL"))
+    fs = _fs_cache.get(key)
+    if fs is None:
+        try:
+            cls = fsspec.get_filesystem_class(proto)
+        except (ImportError, ValueError) as e:
+            extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(proto)
+            hint = f"; install it with pip install 'dinopipe[{extra}]'" if extra else ""
+            raise ValueError(f"cannot open {proto}:// URLs: {str(e).splitlines()[0]}{hint}") from None
+        fs = cls(**_client_options(proto), skip_instance_cache=True)
+        if proto in ("s3", "s3a"):
+            fs.retries = 1  # s3fs's own loop off: every retry goes through call() and is counted
+        _fs_cache[key] = fs
+    return fs, fs._strip_protocol(url)
+
+
+def classify(exc: BaseException) -> tuple[str, bool]:
+    """(kind, transient) of an error raised by a storage client (s3fs / botocore / aiohttp / gcsfs / OS)."""
+    if isinstance(exc, Unreadable):
+        return exc.reason, False
+    for e in (exc, exc.__cause__, exc.__context__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code", "")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0
+            if code in _THROTTLE or status in (429, 503) and code not in _SERVER:
+                return "throttled", True
+            if code in _SERVER or int(status) >= 500:
+                return "server_error", True
+            if code in ("PreconditionFailed", "412") or status == 412:
+                return CHANGED, False
+            if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+                return MISSING, False
+    if isinstance(exc, FileNotFoundError):
+        return MISSING, False
+    text = str(exc)
+    if "key does not exist" in text or "NoSuchKey" in text:  # the CRT client's words for a 404
+        return MISSING, False
+    if "pre-conditions" in text or "PreconditionFailed" in text:
+        return CHANGED, False
+    if "SlowDown" in text or "reduce your request rate" in text:
+        return "throttled", True
+    names = " ".join(type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None)
+    if isinstance(exc, (ConnectionError, TimeoutError)) or any(n in names for n in _CONNECTION_NAMES):
+        return "connection", True
+    return READ_ERROR, False
+
+
+def count(key: str, n: int = 1) -> None:
+    with _lock:
+        COUNTS[key] += n
+
+
+def take_counts() -> dict[str, int]:
+    """This process's counts since the last call (and reset them): the loader attaches them to a batch."""
+    with _lock:
+        out = dict(COUNTS)
+        COUNTS.clear()
+    return out
+
+
+def call(fn: Callable[[], Any], url: str, policy: Optional[RetryPolicy] = None,
+         sleep: Callable[[float], None] = time.sleep):
+    """``fn()`` retried on transient errors (counted as ``retry/<kind>``); a permanent one raises Unreadable."""
+    policy = policy or RetryPolicy.from_env()
+    kind = READ_ERROR
+    for attempt in range(policy.attempts):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - every client error is classified, none escapes unnamed
+            kind, transient = classify(e)
+            if not transient:
+                raise Unreadable(url, kind, type(e).__name__) from None
+            count(f"retry/{kind}")
+            if attempt + 1 < policy.attempts:
+                sleep(policy.wait(attempt))
+    raise Unreadable(url, READ_ERROR, f"still failing after {policy.attempts} attempts: {kind}")
+
+
+class _ShortRead(ConnectionError):
+    """A ranged read that returned fewer bytes than the listing promises: retried like a dropped connection."""
+
+
+def read_range(url: str, offset: int, size: int, etag: Optional[str] = None, object_size: Optional[int] = None,
+               policy: Optional[RetryPolicy] = None) -> bytes:
+    """``size`` bytes at ``offset`` of the object at ``url`` (``size < 0``: the whole object).
+
+    With ``etag`` (S3 and S3-compatible stores) the GET carries ``If-Match``, so an object replaced since the
+    listing is refused by the server itself and raises Unreadable('changed'). A read that comes back short is
+    retried (a cut connection); if it stays short, the object is looked at once to name why (changed, truncated).
+    """
+    fs, path = filesystem(url)
+    end = None if size < 0 else offset + size
+    if end is not None and object_size is not None and end > object_size:
+        count(f"unreadable/{TRUNCATED_OBJECT}")  # the listing itself says the bytes are not there: no retry
+        raise Unreadable(url, TRUNCATED_OBJECT, f"bytes {offset}-{end} of a {object_size}-byte object")
+
+    crt = _crt_client() if protocol(url) in ("s3", "s3a") else None
+
+    def get() -> bytes:
+        if crt is not None:  # AWS's CRT client: ~5x less CPU per GET; its own retries, no If-Match (size check)
+            bucket, key, _ = fs.split_path(path)
+            data = b"".join(crt.get_object(bucket, key, offset if end is not None else None, end))
+        elif etag and protocol(url) in ("s3", "s3a"):
+            from s3fs.core import _fetch_range  # s3fs's ranged GET with extra request keys (If-Match)
+
+            bucket, key, _ = fs.split_path(path)
+            stop = end if end is not None else (object_size if object_size is not None else fs.size(path))
+            data = _fetch_range(fs, bucket, key, None, offset, stop, req_kw={"IfMatch": etag})
+        else:
+            data = fs.cat_file(path, start=offset or None, end=end)
+        want = (end - offset) if end is not None else object_size
+        if want is not None and len(data) < want:
+            raise _ShortRead(f"{len(data)} of {want} bytes")
+        return data
+
+    try:
+        return call(get, url, policy)
+    except Unreadable as e:
+        if e.reason != READ_ERROR or object_size is None:
+            raise
+        reason = _why_unreadable(fs, path, etag, object_size)
+        count(f"unreadable/{reason}")
+        raise Unreadable(url, reason) from None
+
+
+_crt: dict = {}
+
+
+def _crt_client():
+    """``DINOPIPE_S3_READER=crt``: reads through s3torchconnectorclient (AWS CRT, the ``[s3-crt]`` extra) instead of
+    s3fs. Measured ~0.4 ms CPU per ranged GET against s3fs's ~1.8 ms (bench/bench_remote.py), at a price: the
+    CRT retries throttling, 5xx and dropped connections itself (not counted in the step summary) and cannot send
+    If-Match (a replaced object is caught by its size only). Default: s3fs."""
+    if os.environ.get("DINOPIPE_S3_READER", "s3fs") != "crt":
+        return None
+    key = (os.getpid(), os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+    if key not in _crt:
+        try:
+            from s3torchconnectorclient._mountpoint_s3_client import MountpointS3Client
+        except ImportError:
+            raise ValueError("DINOPIPE_S3_READER=crt needs s3torchconnectorclient: "
+                             "pip install 'dinopipe[s3-crt]'") from None
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        _crt[key] = MountpointS3Client(region, endpoint=key[1], force_path_style=bool(key[1]))
+    return _crt[key]
+
+
+def _why_unreadable(fs, path: str, etag: Optional[str], object_size: int) -> str:
+    try:
+        fs.invalidate_cache(path)  # the answer must come from the store, not from a listing cached earlier
+        info = fs.info(path)
+    except FileNotFoundError:
+        return MISSING
+    except Exception:  # noqa: BLE001 - the store is not answering: the read error stands
+        return READ_ERROR
+    if etag and info.get("ETag") not in (None, etag):
+        return CHANGED
+    return TRUNCATED_OBJECT if int(info.get("size", object_size)) < object_size else READ_ERROR
+
+
+def put_atomic(local_path: str, url: str, policy: Optional[RetryPolicy] = None) -> None:
+    """Upload a finished local file to ``url``. The object appears whole or not at all: S3 makes a PUT (or a
+    multipart upload, completed last) visible only once complete; a killed task leaves nothing at ``url``."""
+    fs, path = filesystem(url)
+    call(lambda: fs.put_file(local_path, path), url, policy)
+
+
+def put_tree(local_dir: str, url: str, marker: Optional[str] = None) -> int:
+    """Upload every file under ``local_dir`` to ``url``/..., then ``marker`` (if given) last: a reader that
+    waits for the marker never sees a half-uploaded folder. Returns the number of files uploaded."""
+    n = 0
+    for dirpath, _, files in os.walk(local_dir):
+        for fn in sorted(files):
+            full = os.path.join(dirpath, fn)
+            rel = os.path.relpath(full, local_dir).replace(os.sep, "/")
+            if marker and rel == marker:
+                continue
+            put_atomic(full, join(url, rel))
+            n += 1
+    if marker:
+        src = os.path.join(local_dir, marker)
+        if os.path.exists(src):
+            put_atomic(src, join(url, marker))
+            n += 1
+    return n
+
+
+def register_webdataset_openers(protocols: tuple[str, ...] = ("s3", "s3a", "gs", "gcs")) -> None:
+    """Make ``webdataset.WebDataset("s3://...")`` stream shards through fsspec (this module's clients, endpoint and
+    credential chain) instead of shelling out to ``aws s3 cp`` / ``gsutil`` (broken pipes: webdataset #473)."""
+    import importlib
+
+    gopen = importlib.import_module("webdataset.gopen")  # the module (the package re-exports a function of that name)
+
+    def open_with_fsspec(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any):
+        fs, path = filesystem(url)
+        return call(lambda: fs.open(path, mode, block_size=max(bufsize, 8 << 20), cache_type="readahead"), url)
+
+    for proto in protocols:
+        gopen.gopen_schemes[proto] = open_with_fsspec
+
+
+# ------------------------------------------------------------------------------------------------- listing
+def etag_pack(etag: Optional[str]) -> tuple[bytes, int]:
+    """An S3 ETag as 16 bytes + a part count: ``"<md5 hex>"`` -> (md5, 0), ``"<hex>-N"`` (multipart) -> (hex, N).
+    Anything else (another store's tag) -> (zeros, -1): checked by size only."""
+    tag = (etag or "").strip('"')
+    head, _, parts = tag.partition("-")
+    try:
+        raw = bytes.fromhex(head)
+        if len(raw) == 16 and (not parts or parts.isdigit()):
+            return raw, int(parts or 0)
+    except ValueError:
+        pass
+    return bytes(16), -1
+
+
+def etag_unpack(raw: bytes, parts: int) -> Optional[str]:
+    if parts < 0:
+        return None
+    return '"' + raw.hex() + (f"-{parts}" if parts else "") + '"'
+
+
+class Listing:
+    """The objects under a prefix as arrays, filled one page at a time (never one Python object per key kept):
+    ``name_blob``/``name_start`` (utf-8 names relative to the prefix), ``size`` (int64), ``etag`` ((n, 16) uint8)
+    and ``etag_parts`` (int32; -1: no S3 ETag). About 36 bytes + the name per object."""
+
+    def __init__(self, root: str) -> None:
+        import array
+
+        self.root = root.rstrip("/")
+        self._blob, self._start = bytearray(), array.array("q", [0])
+        self._size, self._etag, self._parts = array.array("q"), bytearray(), array.array("i")
+
+    def add(self, rel: str, size: int, etag: Optional[str]) -> None:
+        self._blob += rel.encode()
+        self._start.append(len(self._blob))
+        self._size.append(int(size))
+        raw, parts = etag_pack(etag)
+        self._etag += raw
+        self._parts.append(parts)
+
+    def __len__(self) -> int:
+        return len(self._size)
+
+    def arrays(self) -> dict:
+        """numpy views of the buffers (no copy: the peak stays one listing, not two). Once taken, ``add`` is
+        refused (a buffer with views cannot grow)."""
+        import numpy as np
+
+        return {"name_blob": np.frombuffer(self._blob, dtype=np.uint8),
+                "name_start": np.frombuffer(self._start, dtype=np.int64),
+                "size": np.frombuffer(self._size, dtype=np.int64),
+                "etag": np.frombuffer(self._etag, dtype=np.uint8).reshape(-1, 16),
+                "etag_parts": np.frombuffer(self._parts, dtype=np.int32)}
+
+    def name(self, i: int) -> str:
+        return bytes(self._blob[self._start[i]:self._start[i + 1]]).decode()
+
+    def etag_of(self, i: int) -> Optional[str]:
+        return etag_unpack(bytes(self._etag[16 * i:16 * i + 16]), self._parts[i])
+
+    def size_of(self, i: int) -> int:
+        return self._size[i]
+
+
+def list_prefix(url: str, recursive: bool = True, suffixes: Optional[tuple[str, ...]] = None,
+                page_size: int = 1000) -> Listing:
+    """Every object under ``url`` (a prefix; ``recursive=False``: its direct children only), listed page by page
+    (S3: ListObjectsV2 with ``page_size`` keys a page, each page retried and counted), in key order."""
+    fs, path = filesystem(url)
+    out = Listing(url)
+    prefix = path.rstrip("/") + "/"
+
+    def keep(rel: str) -> bool:
+        return bool(rel) and (suffixes is None or rel.lower().endswith(suffixes))
+
+    if protocol(url) in ("s3", "s3a"):
+        bucket, key, _ = fs.split_path(prefix)
+        key = key.rstrip("/") + "/" if key else ""
+        token = None
+        while True:
+            kw = {"Bucket": bucket, "Prefix": key, "MaxKeys": page_size}
+            if not recursive:
+                kw["Delimiter"] = "/"
+            if token:
+                kw["ContinuationToken"] = token
+            page = call(lambda kw=kw: fs.call_s3("list_objects_v2", **kw), url)
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(key):]
+                if keep(rel):
+                    out.add(rel, obj["Size"], obj.get("ETag"))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return out
+    # Other protocols: fsspec's generic listing (one call; the store's client pages internally).
+    found = call(lambda: fs.find(prefix, detail=True, maxdepth=None if recursive else 1), url)
+    for full in sorted(found):
+        info = found[full]
+        rel = full[len(prefix):] if full.startswith(prefix) else full.rsplit("/", 1)[-1]
+        if info.get("type", "file") == "file" and keep(rel):
+            out.add(rel, info.get("size", 0), info.get("ETag"))
+    return out
+
+
+__all__ = ["is_url", "protocol", "join", "filesystem", "classify", "call", "read_range", "put_atomic", "put_tree",
+           "take_counts", "count", "COUNTS", "RetryPolicy", "Unreadable", "MISSING", "CHANGED", "TRUNCATED_OBJECT",
+           "READ_ERROR", "register_webdataset_openers", "Listing", "list_prefix", "etag_pack", "etag_unpack"]
