@@ -54,7 +54,7 @@ quickstart: venv
 # No venv: it runs with whatever python has torch + timm (a GPU node's own), e.g. make gpu-check PY=python3;
 # GPU_CHECK_ARGS=--cpu runs the CPU smoke subset.
 gpu-check:
-	OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) -m dinopipe.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
+	OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) -m dinopipe.app.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
 
 # dinopipe's training step vs the official DINOv2 step on one GPU (bench/gpu_bench.py; JSON in gpu-bench/).
 # No venv, as gpu-check: make gpu-bench PY=python3. Needs `make official-src` (the official source, never

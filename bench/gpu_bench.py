@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     from dinopipe import plan as planner
-    from dinopipe.gpu_check_train import _one_rank_group, _task_config, bf16_gemm_tflops
+    from dinopipe.app.gpu_check_train import _one_rank_group, _task_config, bf16_gemm_tflops
     from dinopipe.train.parallel import configure_device_math
 
     report: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",

@@ -72,7 +72,7 @@ def group_kernels(prof, steps: int, cuda: bool) -> dict:
 
 def build(model: str, b: int, kind: str, cpu: bool, dev, info):
     """A zero-argument step for the case."""
-    from dinopipe.gpu_check_train import _task_config
+    from dinopipe.app.gpu_check_train import _task_config
     from dinopipe.plan.trace import synthetic_batch
 
     dcfg = _task_config(cpu, compile_=kind == "compile" and not cpu, model=model, batch=b)
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         return 2
     if cpu:  # the smoke: every kind once, tiny
         cases = [("vit_test", 4, k) for k in dict.fromkeys(k for _, _, k in cases)]
-    from dinopipe.gpu_check_train import _one_rank_group
+    from dinopipe.app.gpu_check_train import _one_rank_group
     from dinopipe.train.parallel import configure_device_math
 
     configure_device_math(dev)

@@ -53,7 +53,7 @@ MEASURED = [
 
 def record_dinopipe(model: str, b: int, small: bool = False) -> tuple[list, dict]:
     """dinopipe's real step under the recorder; (ops, extra figures)."""
-    from dinopipe.gpu_check_train import _task_config
+    from dinopipe.app.gpu_check_train import _task_config
     from dinopipe.plan.trace import trace
     from dinopipe.ssl import base
 
@@ -73,7 +73,7 @@ def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIA
     import torch.distributed as dist
 
     import official_dinov2 as off
-    from dinopipe.gpu_check_train import _task_config
+    from dinopipe.app.gpu_check_train import _task_config
     from dinopipe.utils import torch_compat as compat
 
     dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=1)

@@ -44,6 +44,6 @@ if want input; then
   echo "input: $((SECONDS - t0)) s"
 fi
 if want check; then
-  timeout 150 python3 -m dinopipe.gpu_check --out "$out/check" 2>&1 | tail -40 | tee "$out/check.log"
+  timeout 150 python3 -m dinopipe.app.gpu_check --out "$out/check" 2>&1 | tail -40 | tee "$out/check.log"
   echo "check: $((SECONDS - t0)) s"
 fi

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     model, b = ("vit_test", 4) if cpu else (args.model, args.batch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from dinopipe.gpu_check_train import _one_rank_group, _task_config
+    from dinopipe.app.gpu_check_train import _one_rank_group, _task_config
     from dinopipe.plan.trace import synthetic_batch
     from dinopipe.train.dist import DistInfo
     from dinopipe.train.parallel import configure_device_math

@@ -6,7 +6,7 @@ cannot be written -- with the exit code it must give and what its one line must 
 and nothing written where the mistake can be known before. Then one injected internal fault per command: exit 1,
 the traceback and "please report" (a bug is never blamed on the user). One row per killed-task case: exit 75.
 
-Cheap on purpose: every row calls the entry points (``dinopipe.cli.main``, ``curation.cli.main``) in this process;
+Cheap on purpose: every row calls the entry points (``dinopipe.app.cli.main``, ``curation.cli.main``) in this process;
 ``test_console_scripts_keep_the_contract`` runs a few through the installed console scripts."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from curation.cli import main as curate_main
-from dinopipe.cli import main as dinopipe_main
+from dinopipe.app.cli import main as dinopipe_main
 
 REPO = Path(__file__).resolve().parents[1]
 PRE = "configs/pretrain/quickstart.yaml"
@@ -267,7 +267,7 @@ def test_each_malformed_input_exits_with_its_code_and_one_clear_line(assets, tmp
 
 FAULTS = [  # (command line, module, attribute made to raise): one internal fault per command
     ("models", "dinopipe.models", "list_models"),
-    ("config --kind model", "dinopipe.cli", "format_reference"),
+    ("config --kind model", "dinopipe.app.cli", "format_reference"),
     ("export --model vit_test --format timm --out @OUT", "dinopipe.export", "export"),
     ("channel-stats @IMG --channels 3", "dinopipe.data.channels", "channel_stats"),
     (_PRE, "dinopipe.train.pretrain", "validate_pretrain"),
@@ -275,9 +275,9 @@ FAULTS = [  # (command line, module, attribute made to raise): one internal faul
     (_KNN, "dinopipe.eval.cli", "run"),
     (_SEG, "dinopipe.eval.cli", "run_seg"),
     (_PLAN, "dinopipe.plan.cli", "plan"),
-    (f"pipeline --config {PIPE} output_dir=@OUT", "dinopipe.pipeline", "validate"),
-    (f"slurm submit --config {SLURM} --dry-run input_paths=[@IMG]", "dinopipe.slurm", "build_jobs"),
-    ("gpu-check --cpu --out @OUT", "dinopipe.gpu_check", "run_checks"),
+    (f"pipeline --config {PIPE} output_dir=@OUT", "dinopipe.app.pipeline", "validate"),
+    (f"slurm submit --config {SLURM} --dry-run input_paths=[@IMG]", "dinopipe.app.slurm", "build_jobs"),
+    ("gpu-check --cpu --out @OUT", "dinopipe.app.gpu_check", "run_checks"),
     (_RUN, "curation.pipeline", "run_step"),
     ("curate: plan --pool 1M", "curation.plan", "plan"),
     ("curate: simulate --n 10 --work @OUT", "curation.simulate.run", "simulate"),

@@ -7,7 +7,7 @@ import typing
 
 import pytest
 
-from dinopipe.cli import SCHEMAS, main
+from dinopipe.app.cli import SCHEMAS, main
 from dinopipe.config import config_reference
 
 COMMANDS = [[], ["models"], ["export"], ["config"], ["pretrain"], ["distill"], ["pipeline"], ["curate"],
@@ -46,7 +46,7 @@ def test_curate_entry_help_has_no_source_markup(capsys, argv):
 
 def test_the_help_walk_covers_every_command():
     """A new command or eval task must be added to COMMANDS above (so its --help is checked too)."""
-    from dinopipe.cli import STAGES
+    from dinopipe.app.cli import STAGES
     from dinopipe.eval.cli import build_parser
 
     top = {a[0] for a in COMMANDS if a}

@@ -79,7 +79,7 @@ def test_resolved_config_saved_and_reloadable(tmp_path):
 
 def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
     p = write(tmp_path, "drop_path_rat: 0.4\n")
-    r = subprocess.run([sys.executable, "-m", "dinopipe.cli", "config", "--kind", "model", "--config", str(p)],
+    r = subprocess.run([sys.executable, "-m", "dinopipe.app.cli", "config", "--kind", "model", "--config", str(p)],
                        capture_output=True, text=True)
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
@@ -87,7 +87,7 @@ def test_cli_exits_2_with_one_line_naming_the_key(tmp_path):
 
 
 def test_cli_prints_resolved_config():
-    r = subprocess.run([sys.executable, "-m", "dinopipe.cli", "config", "--kind", "model", "name=vit_b14"],
+    r = subprocess.run([sys.executable, "-m", "dinopipe.app.cli", "config", "--kind", "model", "name=vit_b14"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert OmegaConf.create(r.stdout).name == "vit_b14"

@@ -84,7 +84,7 @@ def test_a_config_built_in_python_is_checked_too():
 
 @pytest.mark.parametrize("stage", ["pretrain", "curate"])
 def test_bad_choice_on_the_command_line_exits_2_before_writing(tmp_path, capsys, stage):
-    from dinopipe.cli import main
+    from dinopipe.app.cli import main
 
     out = tmp_path / "out"
     pool = tmp_path / "pool"
@@ -128,7 +128,7 @@ def test_pretrain_value_mistakes_exit_2_naming_the_key_before_writing(tmp_path, 
 
 def test_pipeline_checks_every_stage_config_before_running_any(tmp_path, capsys):
     """A bad choice in `pretrain.overrides` exits 2 at once, not after curation ran for minutes."""
-    from dinopipe.cli import main
+    from dinopipe.app.cli import main
 
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:

@@ -22,7 +22,7 @@ TINY_TRAIN = ["train.epochs=2", "train.epoch_length=4", "train.log_every=1", "tr
 
 def run_pipeline(cfg_path, *overrides):
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "dinopipe.cli", "pipeline", "--config", str(cfg_path), *overrides],
+    return subprocess.run([sys.executable, "-m", "dinopipe.app.cli", "pipeline", "--config", str(cfg_path), *overrides],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
 
 
@@ -71,7 +71,7 @@ def test_all_stages_produce_their_outputs(pipeline_run):
     assert (run / "report" / "pretrain_loss.png").is_file() and (run / "report" / "distill_loss.png").is_file()
     # The teacher's kNN during pretraining (the pipeline passes its held-out set): 4 points over the 8 steps, the
     # last one the same number the eval stage measures on the exported teacher (same queries, k and size).
-    from dinopipe.pipeline_report import HEALTHY
+    from dinopipe.app.pipeline_report import HEALTHY
     from dinopipe.train.knn_probe import read_knn
 
     points = read_knn(run / "pretrain")
@@ -109,7 +109,7 @@ def test_quickstart_eval_set_has_at_least_512_queries():
     above held-out-set noise."""
     from omegaconf import OmegaConf
 
-    from dinopipe.pipeline import PipelineConfig
+    from dinopipe.app.pipeline import PipelineConfig
 
     cfg = OmegaConf.merge(OmegaConf.structured(PipelineConfig),
                           OmegaConf.load(REPO / "configs/pipeline/quickstart.yaml"))
@@ -121,7 +121,7 @@ def test_quickstart_eval_set_has_at_least_512_queries():
 def test_report_states_se_and_gain_over_own_random_init(tmp_path):
     from types import SimpleNamespace
 
-    from dinopipe.pipeline_report import summary_lines, write_report
+    from dinopipe.app.pipeline_report import summary_lines, write_report
 
     ev = {"classes": 32, "train": 512, "val": 512, "knn_top1": {
         "random init (teacher arch)": {"20": 0.3}, "teacher": {"20": 0.5},

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dinopipe.cli import main
+from dinopipe.app.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = str(REPO / "configs/pipeline/quickstart.yaml")
@@ -189,12 +189,12 @@ def test_continuing_a_named_architecture_from_bare_weights_takes_its_head_count(
 
 
 def test_a_bug_in_a_dinopipe_command_exits_1_asking_for_a_report(capsys, monkeypatch):
-    import dinopipe.cli
+    import dinopipe.app.cli
 
     def broken(args):
         raise KeyError("an internal table lookup")
 
-    monkeypatch.setattr(dinopipe.cli, "_cmd_config", broken)
+    monkeypatch.setattr(dinopipe.app.cli, "_cmd_config", broken)
     rc = code(["config", "--kind", "model"])
     err = capsys.readouterr().err
     assert rc == 1 and "please report" in err and "Traceback" in err and "KeyError" in err, err

@@ -9,7 +9,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'dinopipe[dev]'); HF export untested")
 
 from dinopipe import hub  # noqa: E402
-from dinopipe.cli import main as cli_main  # noqa: E402
+from dinopipe.app.cli import main as cli_main  # noqa: E402
 from dinopipe.export.hf import export_hf  # noqa: E402
 from dinopipe.models import create_model  # noqa: E402
 

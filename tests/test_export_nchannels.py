@@ -11,7 +11,7 @@ import torch
 
 import dinopipe
 import dinopipe.hub
-from dinopipe.cli import main
+from dinopipe.app.cli import main
 from dinopipe.models import create_model
 from dinopipe.models.channels import expand_patch_embed
 from dinopipe.utils.norm import set_input_norm

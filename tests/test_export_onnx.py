@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dinopipe.cli import main
+from dinopipe.app.cli import main
 from dinopipe.export.onnx import (OUTPUT_NAMES, export_onnx, export_program, max_abs_diff, onnx_runner,
                                   program_runner, resample_matrix, trace)
 from dinopipe.models import create_model

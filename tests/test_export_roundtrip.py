@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dinopipe
-from dinopipe.cli import main
+from dinopipe.app.cli import main
 from dinopipe.hub import CheckpointError
 from dinopipe.models import create_model
 

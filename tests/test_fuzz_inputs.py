@@ -404,7 +404,7 @@ def _yaml_cases(marker: Path) -> list[tuple[str, str]]:
 
 
 def test_yaml_configs_that_construct_objects_are_refused(tmp_path, marker_free):
-    from dinopipe.cli import main as cli_main
+    from dinopipe.app.cli import main as cli_main
     from dinopipe.ssl.config import PretrainConfig
 
     cases = _yaml_cases(marker_free)

@@ -18,7 +18,7 @@ def _env():
 
 
 def test_cpu_smoke_runs_every_cpu_part_and_writes_a_report(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "dinopipe.cli", "gpu-check", "--cpu", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "dinopipe.app.cli", "gpu-check", "--cpu", "--out", str(tmp_path)],
                        env=_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
@@ -34,7 +34,7 @@ def test_cpu_smoke_runs_every_cpu_part_and_writes_a_report(tmp_path):
 
 
 def test_a_failing_check_exits_non_zero_and_names_the_error(tmp_path, monkeypatch, capsys):
-    import dinopipe.gpu_check as gc
+    import dinopipe.app.gpu_check as gc
 
     def broken(dev, small):
         raise AssertionError("DINO loss differs from the CPU reference")
@@ -52,6 +52,6 @@ def test_gpu_mode_without_a_gpu_says_so():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    r = subprocess.run([sys.executable, "-m", "dinopipe.gpu_check", "--out", "/nonexistent/x"], env=_env(),
+    r = subprocess.run([sys.executable, "-m", "dinopipe.app.gpu_check", "--out", "/nonexistent/x"], env=_env(),
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode != 0 and "no CUDA device" in r.stderr

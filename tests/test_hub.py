@@ -192,7 +192,7 @@ def test_torch_hub_local(tmp_path):
 
 def test_cli_export_timm(tmp_path):
     hub.save_backbone(create_model("vit_test"), tmp_path / "export")
-    r = subprocess.run([sys.executable, "-m", "dinopipe.cli", "export", "--model", str(tmp_path / "export"),
+    r = subprocess.run([sys.executable, "-m", "dinopipe.app.cli", "export", "--model", str(tmp_path / "export"),
                         "--format", "timm", "--out", str(tmp_path / "timm")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "timm" / "model.safetensors").is_file() and (tmp_path / "timm" / "config.json").is_file()

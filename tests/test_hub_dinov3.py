@@ -214,7 +214,7 @@ def test_distillation_run_names_its_students(tmp_path):
 
 
 def test_cli_export_dinov3_formats(tmp_path, capsys):
-    from dinopipe.cli import main
+    from dinopipe.app.cli import main
 
     src = hub.save_backbone(randomised(), tmp_path / "src")
     for fmt, out in (("dinov3", tmp_path / "o.pth"), ("hf", tmp_path / "hf"), ("timm", tmp_path / "tm")):

@@ -46,15 +46,17 @@ def test_the_pretraining_schema_and_its_checks_import_one_way():
     assert "dinopipe.ssl.config" not in graph["dinopipe.ssl.config_checks"]
 
 
-# The dinopipe modules that drive curation (orchestration: layer 4 of DESIGN.md). Issue 38 asks for them to move to
-# a place both packages may be imported from; until then this list may only shrink.
-REACHING_UP = {"dinopipe.cli", "dinopipe.gpu_check_train", "dinopipe.pipeline", "dinopipe.slurm"}
-
-
 def test_no_import_cycle_across_dinopipe_and_curation():
-    """The two packages read as one graph: no cycle through both (the per-package tests cannot see one), and no
-    dinopipe module beyond the orchestration ones imports curation."""
+    """The two packages read as one graph: no cycle through both (the per-package tests cannot see one). The
+    orchestration that drives both lives in one place, ``dinopipe/app/``: no other dinopipe module imports
+    curation, and curation never imports the app layer (``curation/cli.py``, the ``curate`` command, included)."""
     graph = import_graph(pkg=("dinopipe", "curation"))
     assert cycles(graph) == [], cycles(graph)
-    up = {m for m, deps in graph.items() if m.startswith("dinopipe") and any(d.startswith("curation") for d in deps)}
-    assert up <= REACHING_UP, f"dinopipe modules newly importing curation: {sorted(up - REACHING_UP)}"
+    up = {m for m, deps in graph.items() if m.startswith("dinopipe.") and not m.startswith("dinopipe.app")
+          and any(d.startswith("curation") for d in deps)}
+    assert not up, f"dinopipe modules outside dinopipe/app importing curation: {sorted(up)}"
+    into_app = {m for m, deps in graph.items() if m.startswith("curation") and
+                any(d.startswith("dinopipe.app") for d in deps)}
+    assert not into_app, f"curation modules importing dinopipe.app: {sorted(into_app)}"
+    assert {m for m in graph if m.startswith("dinopipe.app.")} >= {"dinopipe.app.cli", "dinopipe.app.pipeline",
+                                                                   "dinopipe.app.slurm"}

@@ -35,13 +35,8 @@ GROUPS: dict[str, str] = {
     "dinopipe.plan": "plan",  # the analytic planner and the traced dry run (which drives the train layer)
     "curation": "curation",
     # 4: entry points and orchestration, the only place dinopipe and curation meet
-    "dinopipe.cli": "app",
+    "dinopipe.app": "app",  # dinopipe/app/: the commands and the orchestration of both packages
     "dinopipe.eval.cli": "app",
-    "dinopipe.pipeline": "app",
-    "dinopipe.pipeline_report": "app",
-    "dinopipe.slurm": "app",
-    "dinopipe.gpu_check": "app",
-    "dinopipe.gpu_check_train": "app",
     "curation.cli": "app",
 }
 
@@ -157,7 +152,7 @@ def test_imports_point_down_the_layers():
     ("dinopipe/models/vit.py", "import torch.distributed as dist\n", "models imports torch.distributed"),
     ("dinopipe/hub.py", "from .train.checkpoint import full_state_dict\n", "export (dinopipe.hub) imports train"),
     ("curation/embedder.py", "from dinopipe.train.dist import init_distributed\n", "curation (curation.embedder) imports train"),
-    ("curation/embedder.py", "from dinopipe.cli import main\n", "curation (curation.embedder) imports app"),
+    ("curation/embedder.py", "from dinopipe.app.cli import main\n", "curation (curation.embedder) imports app"),
     ("dinopipe/eval/knn.py", "from ..train.loop import Trainer\n", "eval (dinopipe.eval.knn) imports train"),
     ("dinopipe/export/hf.py", "def f():\n    from ..hub import export_arch\n", "dinopipe.export.hf imports dinopipe.hub"),
 ])
@@ -166,11 +161,11 @@ def test_checker_catches_a_wrong_way_import(tmp_path, where, code, rule):
     for pkg in PACKAGES:
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
-    for sub in ("ssl", "models", "train", "eval", "export", "utils"):
+    for sub in ("ssl", "models", "train", "eval", "export", "utils", "app"):
         (tmp_path / "dinopipe" / sub).mkdir()
         (tmp_path / "dinopipe" / sub / "__init__.py").write_text("")
     for f in ("dinopipe/train/checkpoint.py", "dinopipe/train/parallel.py", "dinopipe/train/dist.py",
-              "dinopipe/train/loop.py", "dinopipe/hub.py", "dinopipe/cli.py", "dinopipe/config.py"):
+              "dinopipe/train/loop.py", "dinopipe/hub.py", "dinopipe/app/cli.py", "dinopipe/config.py"):
         (tmp_path / f).write_text("")
     good = tmp_path / where
     good.write_text("from dinopipe.config import ConfigError\n" if where.startswith("curation") else "")

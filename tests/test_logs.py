@@ -96,7 +96,7 @@ def test_quickstart_like_curation_prints_no_third_party_info(tmp_path):
         (evalp / "a" / f"{name}.jpg").write_bytes((pool / f"{name}.jpg").read_bytes())
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "dinopipe.cli", "pipeline", "--config",
+    r = subprocess.run([sys.executable, "-m", "dinopipe.app.cli", "pipeline", "--config",
                         str(REPO / "configs/pipeline/quickstart.yaml"), f"output_dir={tmp_path / 'run'}",
                         "sample.enabled=false", f"input.paths=[{pool}]", f"input.eval_val={evalp}",
                         "stages=[curate]", "curate.overrides=[embed.num_workers=0,progress=false]"],

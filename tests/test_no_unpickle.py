@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dinopipe
-from dinopipe.cli import main as cli_main
+from dinopipe.app.cli import main as cli_main
 from dinopipe.hub import CheckpointError, UnsafeCheckpointError
 from dinopipe.models import create_model
 from dinopipe.utils.safe_load import read_dcp_metadata, restricted_loads

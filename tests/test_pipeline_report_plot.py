@@ -3,7 +3,7 @@
 import json
 from types import SimpleNamespace
 
-from dinopipe.pipeline_report import HEALTHY, write_report
+from dinopipe.app.pipeline_report import HEALTHY, write_report
 
 
 def test_report_says_what_a_healthy_run_looks_like_for_each_curve(tmp_path):

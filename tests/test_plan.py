@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dinopipe.cli import main as cli_main
+from dinopipe.app.cli import main as cli_main
 from dinopipe.config import load_config
 from dinopipe.models import create_model
 from dinopipe.plan import (GiB, block_saved_bytes, crop_forward_flops, describe, format_report, implied_mfu,

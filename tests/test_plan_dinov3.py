@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dinopipe.cli import main as cli_main
+from dinopipe.app.cli import main as cli_main
 from dinopipe.config import load_config
 from dinopipe.models import create_model
 from dinopipe.plan import block_saved_bytes, crop_forward_flops, describe, param_counts, rope_table_bytes, tokens

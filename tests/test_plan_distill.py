@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import dinopipe
 import dinopipe.hub
-from dinopipe.cli import main as cli_main
+from dinopipe.app.cli import main as cli_main
 from dinopipe.config import load_config
 from dinopipe.export import save_backbone
 from dinopipe.export.backbone import save_heads

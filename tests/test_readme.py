@@ -51,13 +51,13 @@ def _schema(stage: str):
         from dinopipe.ssl.distill_config import DistillConfig
         return DistillConfig
     if stage == "pipeline":
-        from dinopipe.pipeline import PipelineConfig
+        from dinopipe.app.pipeline import PipelineConfig
         return PipelineConfig
     if stage == "curate":
         from curation.config import CurationConfig
         return CurationConfig
     if stage == "slurm":
-        from dinopipe.slurm import SlurmConfig
+        from dinopipe.app.slurm import SlurmConfig
         return SlurmConfig
     return None
 
@@ -136,7 +136,7 @@ def test_subcommand_flags_parse(cmd):
         from dinopipe.eval.cli import build_parser
         build_parser().parse_args(toks[2:])
     else:
-        from dinopipe.cli import build_parser
+        from dinopipe.app.cli import build_parser
         build_parser().parse_args(toks[1:])
 
 
@@ -144,7 +144,7 @@ def test_subcommand_flags_parse(cmd):
                                                                        "dinopipe config"))])
 def test_cheap_commands_run(cmd):
     toks = _tokens(cmd)
-    r = subprocess.run([sys.executable, "-m", "dinopipe.cli", *toks[1:]], cwd=REPO, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "dinopipe.app.cli", *toks[1:]], cwd=REPO, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 

@@ -109,7 +109,7 @@ def chain(slurm, pool, tmp_path_factory):
     """Submit the quickstart chain (tiny) through the real CLI; tests wait for it where they need it."""
     run = tmp_path_factory.mktemp("slurm_chain")
     r = subprocess.run(
-        [sys.executable, "-m", "dinopipe.cli", "slurm", "submit", "--config", CONFIG, *SITE,
+        [sys.executable, "-m", "dinopipe.app.cli", "slurm", "submit", "--config", CONFIG, *SITE,
          f"output_dir={run}", f"input_paths=[{pool}]", *TINY_PRETRAIN, "pretrain:train.epochs=2",
          *TINY_DISTILL, "distill:train.epochs=2"],
         cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -121,7 +121,7 @@ def test_config_mistakes_exit_2_naming_the_key_before_writing(pool, tmp_path, ca
 
 
 def test_dinopipe_curate_forwards(pool, tmp_path, capsys):
-    from dinopipe.cli import main as dinopipe_main
+    from dinopipe.app.cli import main as dinopipe_main
 
     with pytest.raises(SystemExit) as e:
         dinopipe_main(["curate", "dedup", "--config", QUICKSTART, "output.dir=" + str(tmp_path / "x"),

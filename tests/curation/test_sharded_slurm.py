@@ -53,7 +53,7 @@ def test_sharded_chain_on_slurm_matches_one_process(slurm, pool_dir, tmp_path):
     root, _ = pool_dir
     run = tmp_path / "chain"
     r = subprocess.run(
-        [sys.executable, "-m", "dinopipe.cli", "slurm", "submit", "--config", "configs/slurm/quickstart.yaml",
+        [sys.executable, "-m", "dinopipe.app.cli", "slurm", "submit", "--config", "configs/slurm/quickstart.yaml",
          f"--env={ENV_SETUP}", "--time=00:20:00", "slurm.cpus_per_task=1", "stages=[curate]",
          f"output_dir={run}", f"input_paths=[{root}]", "curate.search_tasks=3", *CURATE],
         cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -172,7 +172,7 @@ def test_float_tiff_in_physical_units(photo):
 
 
 def test_channel_stats_command_prints_config_keys(tmp_path, photo, capsys):
-    from dinopipe.cli import main
+    from dinopipe.app.cli import main
 
     for i in range(3):
         (tmp_path / f"{i}.tif").write_bytes(encode_tile(bands(photo[i * 8:], 4), "tiff16"))

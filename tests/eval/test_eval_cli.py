@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from dinopipe import hub
-from dinopipe.cli import main
+from dinopipe.app.cli import main
 from dinopipe.eval.data import LabelError, open_labelled
 from dinopipe.models import create_model
 from tests._photos import real_photos

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dinopipe import hub
-from dinopipe.cli import main
+from dinopipe.app.cli import main
 from dinopipe.data.channels import decode_channels
 from dinopipe.data.samples_nch import build_multichannel_eval_set
 from dinopipe.data.transforms import eval_transform

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import dinopipe
-from dinopipe.cli import main
+from dinopipe.app.cli import main
 from dinopipe.data.samples import real_photos
 from dinopipe.data.transforms import eval_transform
 from dinopipe.eval.features import model_crop_size

@@ -12,7 +12,7 @@ import torch
 
 import dinopipe
 import dinopipe.hub
-from dinopipe.cli import main as cli_main
+from dinopipe.app.cli import main as cli_main
 from dinopipe.config import ConfigError, load_config
 from dinopipe.data.channels import channel_stats, decode_channels
 from dinopipe.hub import export_dinov2

@@ -106,7 +106,7 @@ def test_cnn_and_vit_students_train_export_and_load(single, tmp_path):
 @pytest.mark.slow
 def test_pipeline_knn_eval_lists_cnn_students_next_to_the_vit(single, teacher, tmp_path):
     from dinopipe.data.samples import build_eval_set
-    from dinopipe.pipeline import run_eval
+    from dinopipe.app.pipeline import run_eval
 
     sets = build_eval_set(tmp_path, n_train=4, n_val=2, size=72)
     cfg = types.SimpleNamespace(eval=types.SimpleNamespace(img_size=64, k=[5]))

@@ -46,7 +46,7 @@ def test_knn_set_mistakes_exit_2_before_anything_is_written(overrides, says, eva
 def test_a_tiny_pretraining_records_the_teachers_knn_and_the_report_plots_it(eval_sets, tmp_path, photo_pool):
     import dinopipe
     from dinopipe.eval import extract_features, knn_classify
-    from dinopipe.pipeline_report import HEALTHY, _loss_plot, write_report
+    from dinopipe.app.pipeline_report import HEALTHY, _loss_plot, write_report
     from dinopipe.train.knn_probe import open_sets
 
     steps = ["train.epochs=2", "train.checkpoint_every=100"]  # 8 steps, TINY's epoch_length 4

@@ -30,7 +30,7 @@ def band_pool(tmp_path_factory):
 
 
 def _stats(pool):
-    r = subprocess.run([sys.executable, "-m", "dinopipe.cli", "channel-stats", str(pool), "--channels", "4"],
+    r = subprocess.run([sys.executable, "-m", "dinopipe.app.cli", "channel-stats", str(pool), "--channels", "4"],
                        env=env(), capture_output=True, text=True, check=True)
     keys = r.stdout.split()
     assert [k.split("=")[0] for k in keys] == ["data.channels", "data.mean", "data.std"], r.stdout

@@ -23,17 +23,17 @@ import argparse
 import sys
 from typing import Callable, Optional, Sequence
 
-from .config import ConfigError, ModelConfig, exit_on_config_error, format_reference, load_config, to_yaml
-from .logs import setup_logging
+from ..config import ConfigError, ModelConfig, exit_on_config_error, format_reference, load_config, to_yaml
+from ..logs import setup_logging
 
 
 
 def _schema(kind: str) -> type:
     """The config dataclass of each kind `dinopipe config --kind` knows (imported only when asked for)."""
     if kind == "pretrain":
-        from .ssl.config import PretrainConfig as schema
+        from ..ssl.config import PretrainConfig as schema
     elif kind == "distill":
-        from .ssl.distill_config import DistillConfig as schema
+        from ..ssl.distill_config import DistillConfig as schema
     elif kind == "curation":
         from curation.config import CurationConfig as schema
     elif kind == "pipeline":
@@ -51,7 +51,7 @@ SCHEMAS: dict[str, Callable[[], type]] = {k: (lambda k=k: _schema(k))
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from .models import list_models, model_defaults
+    from ..models import list_models, model_defaults
 
     for name in list_models():
         d = model_defaults(name)
@@ -61,14 +61,14 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .export import export
-    from .hub import CheckpointError, load
+    from ..export import export
+    from ..hub import CheckpointError, load
 
     if args.image_size is not None and args.format not in ("onnx", "pt2"):
         print(f"error: --image-size only applies to --format onnx | pt2 (weights in the '{args.format}' "
               f"layout have no input size); drop it", file=sys.stderr)
         return 2
-    from .utils.exits import check_writable
+    from ..utils.exits import check_writable
 
     check_writable(args.out, "--out")  # before the model is read: a file where the folder goes, a read-only disk
     try:
@@ -76,12 +76,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except (CheckpointError, OSError) as exc:  # nothing there, or nothing dinopipe can read: the user's to fix
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from .utils.exits import writing
+    from ..utils.exits import writing
 
     try:
         with writing(args.out):  # a full disk or a read-only folder: exit 2 naming --out, not a bug
             if args.format in ("onnx", "pt2"):  # deployable graphs (dinopipe/export/onnx.py), not weight layouts
-                from .export.onnx import export_onnx, export_program
+                from ..export.onnx import export_onnx, export_program
 
                 out = (export_onnx if args.format == "onnx" else export_program)(model, args.out, args.image_size)
             else:
@@ -96,8 +96,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_channel_stats(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .data.channels import channel_stats
-    from .data.loader import list_pool
+    from ..data.channels import channel_stats
+    from ..data.loader import list_pool
 
     if not 1 <= args.channels <= 16 or args.sample < 1:
         print(f"error: need --channels in 1-16 and --sample >= 1, got {args.channels} and {args.sample}",
@@ -149,15 +149,15 @@ def _stage(name: str) -> Callable[[Sequence[str]], int]:
         if name == "curate":
             from curation.cli import main as stage_main
         elif name == "pretrain":
-            from .train.pretrain import main as stage_main
+            from ..train.pretrain import main as stage_main
         elif name == "plan":
-            from .plan import main as stage_main
+            from ..plan import main as stage_main
         elif name == "distill":
-            from .train.distill import main as stage_main
+            from ..train.distill import main as stage_main
         elif name == "pipeline":
             from .pipeline import main as stage_main
         elif name == "eval":
-            from .eval.cli import main as stage_main
+            from ..eval.cli import main as stage_main
         elif name == "slurm":
             from .slurm import main as stage_main
         elif name == "gpu-check":
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
-    from .utils.exits import run_command  # one contract for every command: docs/exit-codes.md
+    from ..utils.exits import run_command  # one contract for every command: docs/exit-codes.md
 
     if argv and argv[0] in STAGES:
         return run_command(f"dinopipe {argv[0]}", _stage(argv[0]), argv[1:])

@@ -39,7 +39,7 @@ def _need(*modules: str) -> None:
 def _one_rank_group(dev: torch.device) -> tuple:
     """A world of 1 (NCCL on CUDA, gloo on CPU) without torchrun: FSDP2 and DCP as on a cluster.
     Returns (DistInfo, whether this call created the group)."""
-    from .train.dist import DistInfo
+    from ..train.dist import DistInfo
 
     created = not dist.is_initialized()
     if created:
@@ -75,7 +75,7 @@ def _record_collectives(seen: list):
 
 
 def _batch(cfg, b: int, seed: int = 0) -> dict:
-    from .data.transforms import MultiCropAugmentation, MultiCropCollator
+    from ..data.transforms import MultiCropAugmentation, MultiCropCollator
 
     ph = cfg.phases[0]
     aug = MultiCropAugmentation(global_size=ph.global_crops_size, local_size=ph.local_crops_size,
@@ -103,8 +103,8 @@ def bf16_gemm_tflops(dev: torch.device, n: int = 8192, iters: int = 20) -> float
 def _task_config(small: bool, compile_: bool, model: str = "vit_s14", batch: int = 64):
     """The recipe's defaults at W = 1 for ``model`` at ``batch`` per GPU, bf16 (small: vit_test, tiny heads)
     (also ``bench/gpu_bench.py``'s dinopipe side)."""
-    from .config import load_config
-    from .ssl.config import PretrainConfig
+    from ..config import load_config
+    from ..ssl.config import PretrainConfig
 
     if small:
         over = ["model.name=vit_test", "model.img_size=56", "dino.head.n_prototypes=128", "dino.head.hidden_dim=64",
@@ -120,9 +120,9 @@ def _task_config(small: bool, compile_: bool, model: str = "vit_s14", batch: int
 
 
 def _build(cfg, info, seed: int):
-    from .ssl.param_groups import build_param_groups
-    from .ssl.task import SSLTask
-    from .train.run import parallelize_task
+    from ..ssl.param_groups import build_param_groups
+    from ..ssl.task import SSLTask
+    from ..train.run import parallelize_task
 
     torch.manual_seed(seed)
     task = SSLTask(cfg).to(info.device)
@@ -137,7 +137,7 @@ def _build(cfg, info, seed: int):
 def _local_states(task, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .ssl.ema import local_tensor
+    from ..ssl.ema import local_tensor
 
     msd, osd = get_state_dict(task.student, opt)
     tsd = {f"teacher.{k}": v for k, v in task.teacher.state_dict().items()}
@@ -162,8 +162,8 @@ def _task(dev: torch.device, small: bool, out_dir: Path, info) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
-    from . import plan as planner
-    from .train.run import checkpoint_states
+    from .. import plan as planner
+    from ..train.run import checkpoint_states
 
     cfg = _task_config(small, compile_=not small)  # compile on CPU would dominate the smoke's budget
     task, opt = _build(cfg, info, seed=0)
@@ -294,7 +294,7 @@ def check_curation(dev: torch.device, small: bool, out_dir: Path) -> dict:
     from curation.index import build_index, iter_knn, num_gpus
     from curation.kmeans import kmeans
 
-    from .models import create_model
+    from ..models import create_model
 
     res: dict = {"faiss_gpus": num_gpus()}
     name, px, n_img = ("vit_test", 56, 16) if small else ("vit_s14", 224, 256)
@@ -355,11 +355,11 @@ def check_trace(dev: torch.device, small: bool, out_dir: Path) -> dict:
         raise Skip("compares a trace with torch.cuda.max_memory_allocated: needs a GPU")
     from functools import partial
 
-    from .plan.trace import _step, synthetic_batch, trace
-    from .ssl.param_groups import build_param_groups
-    from .ssl.task import SSLTask
-    from .train.builders import build_schedules
-    from .train.run import build_sharded_task
+    from ..plan.trace import _step, synthetic_batch, trace
+    from ..ssl.param_groups import build_param_groups
+    from ..ssl.task import SSLTask
+    from ..train.builders import build_schedules
+    from ..train.run import build_sharded_task
 
     cfg = _task_config(small=False, compile_=False)
     cfg.parallel.activation_checkpointing = True

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .config import ConfigError, exit_on_config_error, load_config
+from ..config import ConfigError, exit_on_config_error, load_config
 
 STAGES = ("curate", "pretrain", "distill")
 DEFAULT_SCRIPTS = Path(__file__).resolve().parents[1] / "slurm"
@@ -200,12 +200,12 @@ def validate(cfg: SlurmConfig, overrides: dict[str, list[str]], check_paths: boo
                 if c.input.paths:
                     check(c, "embed" if check_paths else "dedup")  # `dedup` does not look at input.paths
             elif stage == "pretrain":
-                from .ssl.config import PretrainConfig
-                from .ssl.config_checks import validate as check
+                from ..ssl.config import PretrainConfig
+                from ..ssl.config_checks import validate as check
 
                 check(load_config(PretrainConfig, path, overrides[stage]))
             else:
-                from .ssl.distill_config import DistillConfig, validate as check
+                from ..ssl.distill_config import DistillConfig, validate as check
 
                 check(load_config(DistillConfig, path, overrides[stage]))
         except ConfigError as exc:

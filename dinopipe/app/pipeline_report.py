@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from .train.knn_probe import read_knn
-from .train.metrics import read_metrics
+from ..train.knn_probe import read_knn
+from ..train.metrics import read_metrics
 
 
 def _phase_lines(ax, rows: list[dict]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .config import ConfigError, save_config
+from ..config import ConfigError, save_config
 
 
 @dataclass
@@ -128,13 +128,13 @@ def _check_stages(cfg: PipelineConfig) -> None:
     from curation.config import CurationConfig
     from curation.config import validate as validate_curation
 
-    from .config import load_config
-    from .train.distill import check_students
-    from .ssl.config import PretrainConfig
-    from .ssl.distill_config import DistillConfig
-    from .ssl.distill_config import resolve_mode
-    from .ssl.distill_config import validate as validate_distill
-    from .train.checks import validate_pretrain
+    from ..config import load_config
+    from ..train.distill import check_students
+    from ..ssl.config import PretrainConfig
+    from ..ssl.distill_config import DistillConfig
+    from ..ssl.distill_config import resolve_mode
+    from ..ssl.distill_config import validate as validate_distill
+    from ..train.checks import validate_pretrain
 
     def distill_fields(c: DistillConfig) -> None:
         validate_distill(c)
@@ -196,14 +196,14 @@ def knn_probe_overrides(cfg: PipelineConfig, p: Paths) -> list[str]:
 
 
 def run_pretrain(cfg: PipelineConfig, p: Paths) -> int:
-    from .train.pretrain import main
+    from ..train.pretrain import main
 
     return main(["--config", cfg.pretrain.config, *knn_probe_overrides(cfg, p), *cfg.pretrain.overrides,
                  f"data.paths=[{p.curated / 'shards'}]", f"train.output_dir={p.pretrain}"])
 
 
 def run_distill(cfg: PipelineConfig, p: Paths) -> int:
-    from .train.distill import main
+    from ..train.distill import main
 
     return _stage(main, cfg.distill, [f"teacher_model.path={p.pretrain}", f"data.paths=[{p.curated / 'shards'}]",
                                       f"train.output_dir={p.distill}"])
@@ -218,9 +218,9 @@ def run_eval(cfg: PipelineConfig, p: Paths) -> int:
     """kNN on the held-out set: each trained model against a random init of its own architecture."""
     import torch
 
-    from .eval import extract_features, knn_classify, open_labelled
-    from .hub import load
-    from .models import build_vit
+    from ..eval import extract_features, knn_classify, open_labelled
+    from ..hub import load
+    from ..models import build_vit
     from .pipeline_report import RANDOM_TEACHER, binomial_se
 
     if not (p.eval_train and p.eval_val):
@@ -268,7 +268,7 @@ def _done(stage: str, p: Paths) -> bool:
 
 
 def run(cfg: PipelineConfig) -> int:
-    from .data.samples import build_eval_set, build_sample_pool, build_seed_set
+    from ..data.samples import build_eval_set, build_sample_pool, build_seed_set
     from .pipeline_report import summary_lines, write_report
 
     p = Paths(cfg)
@@ -308,7 +308,7 @@ def run(cfg: PipelineConfig) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .train.builders import stage_main
+    from ..train.builders import stage_main
 
     return stage_main("pipeline", PipelineConfig, validate, run, argv, __doc__)
 

@@ -2,7 +2,7 @@
 in under 10 minutes. Writes OUT/report.json (one entry per check: ok / skipped with the reason / failed with
 the error, plus its measurements) and exits 1 if any check failed.
 
-    python -m dinopipe.gpu_check [--out gpu-check] [--cpu] [--only attention,block,...]
+    python -m dinopipe.app.gpu_check [--out gpu-check] [--cpu] [--only attention,block,...]
 
 Checks (CUDA paths are chosen at run time; --cpu runs the subset that makes sense on a CPU, small, so CI
 keeps the script from rotting):
@@ -57,7 +57,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_attention(dev: torch.device, small: bool) -> dict:
-    from .models.attention import Attention, xformers_ops
+    from ..models.attention import Attention, xformers_ops
 
     torch.manual_seed(0)
     dim, heads = (64, 2) if small else (384, 6)
@@ -109,9 +109,9 @@ def check_attention(dev: torch.device, small: bool) -> dict:
 def check_block(dev: torch.device, small: bool) -> dict:
     import copy
 
-    from .models.block import Block
-    from .train.parallel import apply_activation_checkpointing, compile_block
-    from .utils.torch_compat import dynamo_counters, inductor_fallback_random
+    from ..models.block import Block
+    from ..train.parallel import apply_activation_checkpointing, compile_block
+    from ..utils.torch_compat import dynamo_counters, inductor_fallback_random
 
     counters = dynamo_counters()
     torch.compiler.reset()
@@ -155,8 +155,8 @@ def check_block(dev: torch.device, small: bool) -> dict:
 
 
 def check_losses(dev: torch.device, small: bool) -> dict:
-    from .ssl.centering import sinkhorn_knopp
-    from .ssl.losses import DINOLoss, IBOTPatchLoss, koleo_loss
+    from ..ssl.centering import sinkhorn_knopp
+    from ..ssl.losses import DINOLoss, IBOTPatchLoss, koleo_loss
 
     torch.manual_seed(0)
     K, B, M = (256, 8, 40) if small else (65536, 64, 2000)
@@ -252,8 +252,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--cpu", action="store_true", help="CPU smoke subset (small shapes, no CUDA)")
     p.add_argument("--only", default=None, help="comma-separated subset of checks")
     args = p.parse_args(argv)
-    from .config import ConfigError
-    from .utils.exits import check_writable
+    from ..config import ConfigError
+    from ..utils.exits import check_writable
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if not args.cpu and not torch.cuda.is_available():  # the machine, not a failed check: exit 2
@@ -270,6 +270,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from dinopipe.gpu_check import main as _main  # the package's module (its Skip is gpu_check_train's)
+    from dinopipe.app.gpu_check import main as _main  # the package's module (its Skip is gpu_check_train's)
 
     sys.exit(_main())
