@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import dinopipe
-from dinopipe import cli
+from dinopipe.app import cli
 
 pytestmark = pytest.mark.slow
 

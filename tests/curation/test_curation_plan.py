@@ -14,7 +14,7 @@ from curation.cli import main
 from curation.config import TasksConfig, task_plan
 from curation.plan import chain_tasks, code_bytes, parse_count, plan
 from curation.plan_rates import load_rates
-from dinopipe import cli as dinopipe_cli
+from dinopipe.app import cli as dinopipe_cli
 from tests.curation.conftest import fake_sbatch
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dinopipe import cli as dinopipe_cli
+from dinopipe.app import cli as dinopipe_cli
 from tests.curation.conftest import fake_sbatch
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -184,7 +184,7 @@ def test_an_srun_command_that_does_not_exist_is_an_input_error(fake_srun, monkey
 
 
 def test_dinopipe_submit_gives_the_finishing_jobs_n_srun_tasks(tmp_path, capsys):
-    from dinopipe import cli as dinopipe_cli
+    from dinopipe.app import cli as dinopipe_cli
 
     assert dinopipe_cli.main(["slurm", "submit", "--config", "configs/slurm/quickstart.yaml", "--dry-run",
                               f"output_dir={tmp_path}", f"input_paths=[{tmp_path}]", "stages=[curate]",
