@@ -362,7 +362,7 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
     if step == "report":
         from .report import make_report
 
-        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples)
+        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples, tasks=cfg.tasks)
     raise ValueError(f"unknown step '{step}'; choose from {', '.join(STEPS + SHARDED)}")
 
 
