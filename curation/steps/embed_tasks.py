@@ -13,6 +13,7 @@ The embeddings are per image, so the rows and every later decision do not depend
 from __future__ import annotations
 
 import glob
+import multiprocessing as mp
 import os
 import re
 
@@ -31,8 +32,11 @@ def embed_task(t: int, w: int, sources, out_dir: str, embed, descriptor, dedup, 
     if with_model:
         model = build_embedder(embed.model, embed.image_size, embed.device, embed.precision)
         targets.append(EmbedTarget(model, _p(out_dir, "embeddings", "model"), getattr(model, "transform", None)))
+    # a local task is a process-pool worker, which may not start DataLoader workers of its own: there the W
+    # tasks are the decoding processes (srun tasks and inline ones keep embed.num_workers)
+    workers = 0 if mp.current_process().daemon else embed.num_workers
     counts = embed_pool_multi(sources, targets, shard_size=embed.shard_size, batch_size=embed.batch_size,
-                              num_workers=embed.num_workers, task_index=t, num_tasks=w, progress=False)
+                              num_workers=workers, task_index=t, num_tasks=w, progress=False)
     return {"counts": counts}
 
 

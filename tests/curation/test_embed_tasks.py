@@ -29,7 +29,8 @@ def _run(pool, out, *extra) -> dict:
                                           (None, ["tasks.count=2", "tasks.launcher=local"])])
 def test_run_embeds_as_w_tasks_and_decides_as_one_process(pool_dir, tmp_path, model, split):
     pool = pool_dir[0]
-    m = [f"embed.model={model}"] if model else []
+    # embed.num_workers=2: a local task (a pool worker) cannot start DataLoader workers, it decodes itself
+    m = ([f"embed.model={model}"] if model else []) + ["embed.num_workers=2"]
     _run(pool, tmp_path / "one", *m, "tasks.count=1")
     runs = _run(pool, tmp_path / "w", *m, *split)
     w = int(split[0].split("=")[1])
