@@ -85,7 +85,11 @@ def build_embedder(model: str, image_size: int = 224, device: str = "auto",
         log.warning("embed.model=%s is a registry name: random weights, so retrieval and "
                     "clustering follow no semantics (use real DINOv2 weights for curation)", model)
     try:
-        net = load(model, device=dev)
+        # a registry name's random weights seeded: every process that builds it (each embedding task, the
+        # process embedding the seed images) embeds with the same network
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            net = load(model, device=dev)
     except (CheckpointError, FileNotFoundError) as exc:
         raise ConfigError(f"embed.model: cannot load '{model}': {exc}") from None
     return ModelEmbedder(net, image_size, dev, precision)

@@ -20,12 +20,14 @@ from .index import Rows, default_nlist, train_cpu_index
 
 
 def train_ondisk(rows: Rows, path: str, kind: str = "ivf_sq8", nlist: int | None = None,
-                 train_size: int | None = None, seed: int = 0, pq_m: int = 0, quantizer: str = "auto") -> None:
+                 train_size: int | None = None, seed: int = 0, pq_m: int = 0, quantizer: str = "auto",
+                 ngpu: int = 0) -> None:
     """Train an empty IVF on a fixed random sample of ``rows`` and write it to ``path`` (once). Every add
-    task reads this file, so all of them hold the same coarse quantizer (an HNSW graph included)."""
+    task reads this file, so all of them hold the same coarse quantizer (an HNSW graph included). ``ngpu``:
+    the sample's k-means on a GPU (the trained index is a CPU one either way)."""
     if os.path.exists(path):
         return
-    index = train_cpu_index(rows, kind, nlist or default_nlist(len(rows)), train_size, seed, pq_m,
+    index = train_cpu_index(rows, kind, nlist or default_nlist(len(rows)), train_size, seed, pq_m, ngpu=ngpu,
                             quantizer=quantizer)
     with atomic_path(path) as tmp:
         faiss.write_index(index, tmp)

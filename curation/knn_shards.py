@@ -196,11 +196,13 @@ class KnnJob:
         IVF kinds on CPU are built as faiss's on-disk pattern: trained once on a sample, filled by
         ``tasks["tasks"]`` add tasks (each its rows' codes in its own file, blocks of ``chunk_size``
         rows), merged on disk into ``index.faiss.ivfdata`` (:func:`build_ondisk`). ``source``: where a
-        task process reopens ``rows`` (needed unless the tasks run inline). Flat (small pools) and GPU
-        builds add in this process, as before."""
+        task process reopens ``rows`` (needed unless the tasks run inline). With GPUs too (issue 40): the
+        sample's k-means on the GPU, the adds as W tasks (each gets its share of the visible GPUs from the
+        runner; the exact coarse assignment of an add runs on its CPU), the searches on the GPUs as before --
+        faiss-cpu runs the same code path. Flat (small pools) adds in this process."""
         kind = resolve_kind(params.get("kind", "auto"), len(rows), params.get("flat_max", 50_000))
-        if kind != "flat" and gpus_for(use_gpu) == 0:
-            return self.build_ondisk(rows, params, kind, source, tasks)
+        if kind != "flat":
+            return self.build_ondisk(rows, params, kind, source, tasks, ngpu=gpus_for(use_gpu))
         if os.path.isdir(self.dir):
             shutil.rmtree(self.dir)
         os.makedirs(self.dir)
@@ -215,10 +217,10 @@ class KnnJob:
         return meta
 
     def build_ondisk(self, rows: Rows, params: dict, kind: str, source: "RowSource | None" = None,
-                     tasks: dict | None = None) -> dict:
-        """The IVF trained once on a fixed sample, rows added by W tasks into separate inverted-list files,
-        merged on disk (faiss.contrib.ondisk): no process holds all codes. Resumable: a rerun with the
-        same ``params`` keeps the trained index and the finished add parts."""
+                     tasks: dict | None = None, ngpu: int = 0) -> dict:
+        """The IVF trained once on a fixed sample (its k-means on a GPU when ``ngpu``), rows added by W tasks
+        into separate inverted-list files, merged on disk (faiss.contrib.ondisk): no process holds all codes.
+        Resumable: a rerun with the same ``params`` keeps the trained index and the finished add parts."""
         plan = tasks or {"tasks": 1, "launcher": "inline"}
         w = int(plan["tasks"])
         build_json = os.path.join(self.dir, "build.json")
@@ -235,7 +237,7 @@ class KnnJob:
         trained = os.path.join(self.dir, "trained.index")
         with phase("index_train"):
             train_ondisk(rows, trained, kind, params.get("nlist") or default_nlist(len(rows)), params.get("train_size"),
-                         params.get("seed", 0), params.get("pq_m", 0), params.get("quantizer", "auto"))
+                         params.get("seed", 0), params.get("pq_m", 0), params.get("quantizer", "auto"), ngpu)
         names = [os.path.join(self.dir, "add", f"part-{t:05d}-of-{w:05d}.index") for t in range(w)]
         os.makedirs(os.path.join(self.dir, "add"), exist_ok=True)
         inline = runs_inline(plan["launcher"], w)

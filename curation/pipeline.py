@@ -42,6 +42,7 @@ from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_S
                         _p, _save_step, blocks, copy_embedder, get_descriptor, load_step, positions_where,
                         rebalance_rows, step_dir, step_exists, step_path)
 from .decisions import finish_decisions, selection_digest
+from .steps.embed_tasks import embed_tasks, embed_with_tasks
 from .steps.runner import BLOCK, launch
 from .steps.runner import spool as runner_spool
 from .steps.runner import run_step as run_tasks
@@ -65,11 +66,16 @@ def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
     targets = {"descriptor": EmbedTarget(fn, _p(out_dir, "embeddings", "descriptor"), tf, "phash")}
     if embedder is not None:  # the same decoded image feeds both (one read + decode per image)
         targets["model"] = EmbedTarget(embedder, _p(out_dir, "embeddings", "model"), _transform(embedder))
-    counts = embed_pool_multi(sources, list(targets.values()), shard_size=e.shard_size, batch_size=e.batch_size,
-                              num_workers=e.num_workers, task_index=e.task_index, num_tasks=e.num_tasks,
-                              progress=progress)
+    w_embed = embed_tasks(out_dir, e, tasks, embedder)
+    if w_embed > 1:  # W tasks, each listing and embedding its share (curation.steps.embed_tasks)
+        counts = embed_with_tasks(sources, out_dir, e, descriptor, dd, embedder is not None, w_embed,
+                                  str((tasks or TasksConfig()).launcher))
+    else:
+        counts = embed_pool_multi(sources, list(targets.values()), shard_size=e.shard_size,
+                                  batch_size=e.batch_size, num_workers=e.num_workers, task_index=e.task_index,
+                                  num_tasks=e.num_tasks, progress=progress)
     w = build_tables(out_dir, tasks) if e.num_tasks == 1 else 0
-    return {**dict(zip(targets, counts)), "tasks": {"table": w}}
+    return {**dict(zip(targets, counts)), "tasks": {"table": w, "embed": w_embed}}
 
 
 def build_tables(out_dir: str, tasks: TasksConfig | None = None) -> int:
@@ -376,7 +382,7 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
     if step == "report":
         from .report import make_report
 
-        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples)
+        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples, tasks=cfg.tasks)
     raise ValueError(f"unknown step '{step}'; choose from {', '.join(STEPS + SHARDED)}")
 
 

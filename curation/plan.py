@@ -89,7 +89,7 @@ def chain_tasks(pool: int, tasks: int | None = None, cores: int | None = None, k
     n_surv = pool - int(pool * hash_dup)
     n_rows = max(n_surv - int(pool * copy_dup) - decontaminated, 0)
     n_kept = int(n_rows * keep_fraction) if hierarchical else n_rows
-    ondisk = resolve_kind(kind, n_surv) != "flat" and not use_gpu  # KnnJob.build: else one process adds
+    ondisk = resolve_kind(kind, n_surv) != "flat"  # KnnJob.build: an IVF (GPUs too) by W add tasks; flat: one
     knn = w(n_surv)
     tree = task_plan(cfg, n_rows, cores)
     tree_w = tree["tasks"] if tree["launcher"] in ("local", "srun") else 1
@@ -184,7 +184,7 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     coarse_gib = (nlist * dim * 4 + (nlist * 2 * HNSW_M * 4 if quantizer == "hnsw" else 0)) / GiB
     steps.append(Step("index add", add_w, index_gib / add_w + coarse_gib + 0.5, 0, add_s / 3600,
                       f"{code} B/vector codes: index {index_gib:,.1f} GiB in {add_w} file(s)"
-                      + ("" if tw["index merge"] else "; one process (GPU / flat build)"), _fmt(train_rate)))
+                      + ("" if tw["index merge"] else "; one process (flat build)"), _fmt(train_rate)))
     if tw["index merge"]:
         r = R["merge"]
         steps.append(Step("index merge", 1, 1.0, 0, 2 * index_gib * GiB / r.value / 3600,

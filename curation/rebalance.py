@@ -46,7 +46,8 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
               strategy: str = "r", n_resampling_steps: int = 10, sample_size: int = 10,
               balance_clusters: int | None = None, seed: int = 0,
               batch_size: int = 8192, progress: bool = False,
-              kmeans: dict | None = None, tree=None, candidates=None, picker=None) -> RebalanceResult:
+              kmeans: dict | None = None, tree=None, candidates=None, picker=None, cluster_level=None,
+              balance_labels=None, attach=None) -> RebalanceResult:
     """Dispatch to one mode. ``pool``/``seeds``: L2-normalised embeddings (array/EmbeddingSet/Rows).
 
     ``balance_clusters``: size of the common k-means used to report balance before/after
@@ -56,7 +57,11 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     tree computed elsewhere (:func:`curation.dist_kmeans.load_tree`) for exactly these rows.
     ``candidates``: mode 'sample''s (seed, pool position, exact sim) arrays found elsewhere (the
     sharded kNN: curation.knn_steps.sharded_retrieval) instead of searching here. ``picker``: the
-    hierarchical mode's random pick within clusters made elsewhere (curation.kmeans.balanced_sample).
+    hierarchical mode's random pick within clusters made elsewhere (curation.kmeans.balanced_sample), also the
+    cluster mode's. ``cluster_level``: the cluster mode's k-means (a :class:`curation.kmeans.Level`: centroids,
+    labels, sizes) made elsewhere (curation.steps.rebalance_tasks.flat_kmeans: W tasks); ``balance_labels``:
+    (labels, k) of the ``balance_clusters`` k-means made elsewhere; ``attach(res)``: the nearest seed of every
+    selected row found elsewhere (curation.steps.rebalance_tasks.sharded_nearest_seed) instead of here.
     """
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     if mode not in MODES:
@@ -73,16 +78,19 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     elif mode == "cluster":
         res = retrieval_cluster_based(rows, seeds, n_clusters=n_clusters,
                                       max_per_cluster=max_per_cluster, min_seeds=min_seeds,
-                                      seed=seed)
+                                      seed=seed, level=cluster_level, picker=picker)
     else:
         res = hierarchical_balanced(rows, levels=levels, target_size=target_size,
                                     strategy=strategy, n_resampling_steps=n_resampling_steps,
                                     sample_size=sample_size, seed=seed, progress=progress,
                                     tree=tree, picker=picker, **(kmeans or {}))
     if seeds is not None and len(seeds) and mode != "sample":
-        _attach_nearest_seed(rows, seeds, res, batch_size)
+        if attach is not None:
+            attach(res)
+        else:
+            _attach_nearest_seed(rows, seeds, res, batch_size)
     res.report.update(mode=mode, n_pool=len(rows), n_selected=res.n_selected)
-    res.report["balance"] = balance_before_after(rows, res, balance_clusters, seed)
+    res.report["balance"] = balance_before_after(rows, res, balance_clusters, seed, balance_labels)
     return res
 
 
@@ -139,25 +147,34 @@ def sample_from_candidates(n: int, seed: np.ndarray, pos: np.ndarray, sim: np.nd
 
 
 def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster: int = 10000,
-                            min_seeds: int = 1, seed: int = 0, niter: int = 20) -> RebalanceResult:
+                            min_seeds: int = 1, seed: int = 0, niter: int = 20, level=None,
+                            picker=None) -> RebalanceResult:
     """k-means the pool; keep up to ``max_per_cluster`` random images of every cluster that
-    holds at least ``min_seeds`` seeds (seeds are assigned to their nearest centroid)."""
+    holds at least ``min_seeds`` seeds (seeds are assigned to their nearest centroid).
+
+    ``level``: the k-means made elsewhere (centroids, labels, sizes: the sharded k-means of the step, W tasks);
+    ``picker(labels, quota, seed)``: the random pick made elsewhere (curation.steps.sampling.sharded_pick). The
+    pick is the rows with the smallest per-row hash keys of each chosen cluster (curation.steps.sampling.pick),
+    so it is the same whether one process or W tasks make it."""
+    from .steps.sampling import pick
+
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     n = len(rows)
     res = _none(n)
-    cent = kmeans(rows, n_clusters, niter=niter, seed=seed)
-    labels, _ = assign(rows, cent)
+    if level is None:
+        cent = kmeans(rows, n_clusters, niter=niter, seed=seed)
+        labels, _ = assign(rows, cent)
+        sizes = np.bincount(labels, minlength=len(cent))
+    else:
+        cent, labels, sizes = level.centroids, level.labels, np.asarray(level.sizes)
     seed_labels, _ = assign(seeds, cent)
     seeds_per_cluster = np.bincount(seed_labels, minlength=len(cent))
     chosen = np.flatnonzero(seeds_per_cluster >= min_seeds)
-    # One pass over the labels (not one scan per chosen cluster: N x C at 1.2B x 100k): rows sorted by
-    # (cluster, random key); a row is kept when its cluster is chosen and its rank there < max_per_cluster.
-    key = np.random.default_rng(seed).random(n)
-    order = np.lexsort((key, labels))
-    lab = labels[order]
-    rank = np.arange(n) - np.searchsorted(lab, np.arange(len(cent)))[lab]
+    # up to max_per_cluster rows of each chosen cluster: a rank selection by per-row keys (no per-cluster scan)
+    quota = np.where(seeds_per_cluster >= min_seeds, np.minimum(sizes, max_per_cluster), 0).astype(np.int64)
+    picked = np.asarray((picker or pick)(labels, quota, seed), np.int64)
     res.selected[:] = False
-    res.selected[order[(seeds_per_cluster[lab] >= min_seeds) & (rank < max_per_cluster)]] = True
+    res.selected[picked] = True
     res.cluster = labels
     res.report.update(n_clusters=len(cent), clusters_with_seeds=int(len(chosen)),
                       min_seeds=min_seeds, max_per_cluster=max_per_cluster)
@@ -238,13 +255,16 @@ def _attach_nearest_seed(rows: Rows, seeds, res: RebalanceResult, batch_size: in
         res.seed_sim[sel[pos]] = sims[:, 0]
 
 
-def balance_before_after(rows: Rows, res: RebalanceResult, k: int | None, seed: int) -> dict:
-    """Entropy of cluster sizes over the whole pool vs over the selection, same clustering."""
+def balance_before_after(rows: Rows, res: RebalanceResult, k: int | None, seed: int, given=None) -> dict:
+    """Entropy of cluster sizes over the whole pool vs over the selection, same clustering. ``given``: (labels,
+    k) of the common k-means made elsewhere (the step's W tasks)."""
     labels_k = res.report.pop("_labels_k", None)
     n = len(rows)
     if n == 0:
         return {}
-    if k is not None:  # asked for: a common k-means of that size
+    if k is not None and given is not None:
+        labels, k = given
+    elif k is not None:  # asked for: a common k-means of that size
         k = min(k, n)
         labels, _ = assign(rows, kmeans(rows, k, seed=seed))
     elif labels_k is not None:  # the mode's own clustering (hierarchical: its top level; cluster: its k-means)

@@ -81,6 +81,7 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
             mode_kwargs["candidates"] = sharded_retrieval(out_dir, space, rows_idx, seed_set, r.k,
                                                           None if knn is None else knn_kwargs(knn),
                                                           progress, plan, space_dir)
+    tree_tasks += _row_tasks(out_dir, mode, mode_kwargs, space_dir, rows_idx, scratch, seeds is not None, plan)
     res = select(mode, Rows(space, rows_idx), seeds, progress=progress, **mode_kwargs)
     # the step's arrays written in place a block at a time (mapped files, not whole arrays in this process)
     out, n, n_pool = StepWriter(out_dir, "rebalance"), len(prev), len(rows_idx)
@@ -108,6 +109,37 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     res.report["selection"] = _selection_note(r, n_pool, int(res.selected.sum()))
     write_json_atomic(_p(out_dir, "steps", "rebalance_report.json"), res.report)
     return res.report
+
+
+def _row_tasks(out_dir: str, mode: str, kw: dict, space_dir: str, rows_idx, scratch: str, has_seeds: bool,
+               plan: dict) -> list[dict]:
+    """The other modes' row work as W tasks (curation.steps.rebalance_tasks), handed to the selection through
+    ``kw``: the cluster mode's k-means and pick, the ``balance_clusters`` k-means, the nearest seed of every selected
+    row. Returns the k-means tasks' runner reports."""
+    from .steps.rebalance_tasks import flat_kmeans, sharded_nearest_seed
+    from .steps.sampling import sharded_pick
+
+    w, launcher, reports = plan["tasks"], plan["launcher"], []
+    if not len(rows_idx):
+        return reports
+    if hasattr(rows_idx, "flush"):
+        rows_idx.flush()  # the tasks map the positions from the scratch file
+    if mode == "cluster":
+        kw["cluster_level"], got = flat_kmeans(_p(out_dir, "steps", "kmeans_cluster"), space_dir, rows_idx,
+                                               kw["n_clusters"], kw["seed"], kw.get("kmeans"), w, launcher)
+        kw["picker"] = functools.partial(sharded_pick, folder=_p(out_dir, "steps", "sample"), tasks=w,
+                                         launcher=launcher)
+        reports += got
+    if kw.get("balance_clusters") is not None:
+        level, got = flat_kmeans(_p(out_dir, "steps", "kmeans_balance"), space_dir, rows_idx, kw["balance_clusters"],
+                                 kw["seed"], kw.get("kmeans"), w, launcher)
+        kw["balance_labels"] = (level.labels, len(level.sizes))
+        reports += got
+    if has_seeds and mode != "sample":
+        kw["attach"] = functools.partial(sharded_nearest_seed, folder=_p(out_dir, "steps", "nearest_seed"),
+                                         space_dir=space_dir, rows_path=os.path.join(scratch, "rows.scratch.npy"),
+                                         seed_dir=_p(out_dir, "embeddings", "seeds"), tasks=w, launcher=launcher)
+    return reports
 
 
 def _selection_note(r: RebalanceConfig, n_pool: int, n_kept: int) -> str:

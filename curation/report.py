@@ -27,24 +27,28 @@ from dinopipe.data.sources import as_multi  # noqa: E402
 from dinopipe.utils.io import atomic_write  # noqa: E402
 
 from .embstore import open_embeddings  # noqa: E402
+from .report_tasks import ReportStats, SimStats, of_arrays, report_stats, report_tasks  # noqa: E402
 from .stepfiles import _STATUS_NAMES, KEPT, NOT_SELECTED, load_step  # noqa: E402
 from .write import STATUSES  # noqa: E402
 
 _RED, _BLUE, _GREEN, _ORANGE = "#c0392b", "#2e86c1", "#1e8449", "#e67e22"
 
 
-def make_report(out_dir: str, sources, params: dict, n_examples: int = 8) -> str:
+def make_report(out_dir: str, sources, params: dict, n_examples: int = 8, tasks=None,
+                num_tasks: int | None = None) -> str:
     """Write ``out_dir/report/`` and return the path of its summary.md.
 
     ``params``: dedup_threshold, decontam_threshold, hash_max_distance, hash_enabled, k,
     rebalance_mode, embed_model (what the run used; the CLI passes its resolved config).
+    The numbers are made by W tasks over the step arrays (curation.report_tasks; ``num_tasks``, else the
+    ``tasks`` config's plan, as every other step), so this process holds nothing per row of the pool.
     """
     rep = os.path.join(out_dir, "report")
     os.makedirs(rep, exist_ok=True)
     with open(os.path.join(out_dir, "manifest.json")) as f:
         manifest = json.load(f)
     emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
-    dd, dc, rb = (load_step(out_dir, s, mmap=True) for s in ("dedup", "decontaminate", "rebalance"))
+    dd, rb = (load_step(out_dir, s, mmap=True) for s in ("dedup", "rebalance"))
     balance = {}
     rb_path = os.path.join(out_dir, "steps", "rebalance_report.json")
     if os.path.exists(rb_path):
@@ -55,20 +59,21 @@ def make_report(out_dir: str, sources, params: dict, n_examples: int = 8) -> str
         logged = (manifest.get("steps", {}).get(step) or {}).get(key)
         if logged is not None and logged != counts[key]:  # a bug, never a user error
             raise AssertionError(f"the {step} step logged {key}={logged} but the manifest counts {counts[key]}")
+    w, launcher = report_tasks(tasks, len(dd["nn_sim"]))
+    st = report_stats(out_dir, params["dedup_threshold"], params["decontam_threshold"], n_examples,
+                      num_tasks if num_tasks is not None else w, launcher)
     names = _IdNames(emb)
     plots = {
-        "similarity": plot_similarity(dd["nn_sim"], dc["eval_sim"], counts, params,
-                                      os.path.join(rep, "similarity.png")),
-        "components": plot_components(dd["component"], counts, os.path.join(rep, "components.png")),
-        "clusters": plot_clusters(rb["cluster"], rb["status"], params.get("rebalance_mode"),
-                                  os.path.join(rep, "clusters.png")),
-        "duplicates": contact_sheet(names, dd["component"], rb["status"], dd["nn_sim"],
-                                    sources, n_examples, os.path.join(rep, "duplicates.png"), emb),
+        "similarity": plot_similarity(st.nn, st.eval, counts, params, os.path.join(rep, "similarity.png")),
+        "components": plot_components(st, counts, os.path.join(rep, "components.png")),
+        "clusters": plot_clusters(st, params.get("rebalance_mode"), os.path.join(rep, "clusters.png")),
+        "duplicates": contact_sheet(names, st.groups, rb["status"], dd["nn_sim"],
+                                    sources, os.path.join(rep, "duplicates.png"), emb),
     }
-    groups = group_lines(names, dd["component"], n_examples)
-    balance["clusters"] = cluster_balance(rb["cluster"], rb["status"])
+    groups = group_lines(names, st.groups)
+    balance["clusters"] = balance_of_counts(st.cluster_before, st.cluster_after)
     path = os.path.join(rep, "summary.md")
-    atomic_write(path, summary_markdown(manifest, params, balance, dd["nn_sim"], plots, out_dir, groups))
+    atomic_write(path, summary_markdown(manifest, params, balance, st.nn, plots, out_dir, groups))
     return path
 
 
@@ -82,29 +87,39 @@ class _IdNames:
         return self.emb.table[self.emb.ids[int(pos)]]
 
 
+def cluster_counts(cluster, status) -> tuple[np.ndarray, np.ndarray]:
+    """Pool images per cluster (ascending labels) before and after rebalancing, of whole arrays at once (what the
+    report's tasks merge to: curation.report_tasks)."""
+    pool = (cluster >= 0) & ((status == KEPT) | (status == NOT_SELECTED))
+    labels = np.unique(cluster[pool], return_inverse=True)[1].ravel()
+    k = int(labels.max()) + 1 if len(labels) else 0
+    return np.bincount(labels, minlength=k), np.bincount(labels[status[pool] == KEPT], minlength=k)
+
+
 def n_clusters(cluster, status) -> int:
     """Clusters holding pool images (those rebalancing chose from): the count the plot and summary print."""
-    pool = (cluster >= 0) & ((status == KEPT) | (status == NOT_SELECTED))
-    return int(len(np.unique(cluster[pool])))
+    return len(cluster_counts(cluster, status)[0])
 
 
 def cluster_balance(cluster, status) -> dict:
     """Entropy of cluster sizes before / after rebalancing, over the clusters of ``rebalance``'s labels."""
-    pool = (cluster >= 0) & ((status == KEPT) | (status == NOT_SELECTED))
-    if not pool.any():
-        return {}
-    labels = np.unique(cluster[pool], return_inverse=True)[1].ravel()
-    k = int(labels.max()) + 1
+    return balance_of_counts(*cluster_counts(cluster, status))
 
-    def stats(sel):
-        c = np.bincount(labels[sel], minlength=k).astype(np.float64)
+
+def balance_of_counts(before: np.ndarray, after: np.ndarray) -> dict:
+    """:func:`cluster_balance` from the pool images per cluster before / after rebalancing."""
+    k = len(before)
+    if not k:
+        return {}
+
+    def stats(c):
+        c = np.asarray(c).astype(np.float64)
         p = c[c > 0] / max(c.sum(), 1)
         h = float(-(p * np.log(p)).sum()) if len(p) else 0.0
         return {"n": int(c.sum()), "entropy": h, "normalised_entropy": h / np.log(k) if k > 1 else 1.0,
                 "largest_share": float(c.max() / max(c.sum(), 1))}
 
-    return {"clusters": k, "before": stats(np.ones(int(pool.sum()), bool)),
-            "after": stats(status[pool] == KEPT)}
+    return {"clusters": k, "before": stats(before), "after": stats(after)}
 
 
 # ----------------------------------------------------------------------------- plots
@@ -122,11 +137,12 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def _split_hist(ax, values, threshold, label_lo, label_hi, title):
-    bins = np.linspace(min(-0.2, float(values.min())) if len(values) else -0.2, 1.0, 61)
-    lo, hi = values[values <= threshold], values[values > threshold]
-    ax.hist([lo, hi], bins=bins, stacked=True, color=[_BLUE, _RED],
-            label=[f"{label_lo} ({len(lo)})", f"{label_hi} ({len(hi)})"])
+def _split_hist(ax, s: SimStats, label_lo, label_hi, title):
+    """The stacked histogram of each side of the threshold, drawn from the tasks' bin counts (each bin's left
+    edge weighted by its count: the bars a histogram of the values themselves draws)."""
+    bins = s.bins()
+    ax.hist([bins[:-1], bins[:-1]], bins=bins, weights=[s.hist_lo, s.hist_hi], stacked=True, color=[_BLUE, _RED],
+            label=[f"{label_lo} ({s.n_lo})", f"{label_hi} ({s.n_hi})"])
     _log_y(ax)
     ax.set_xlabel("cosine similarity")
     ax.set_ylabel("images (log)")
@@ -134,14 +150,16 @@ def _split_hist(ax, values, threshold, label_lo, label_hi, title):
 
 
 def plot_similarity(nn_sim, eval_sim, counts: dict, params: dict, path: str) -> str:
-    """Counts in the legends are the manifest's (``counts``); the histograms show the similarities."""
+    """Counts in the legends are the manifest's (``counts``); the histograms show the similarities.
+    ``nn_sim`` / ``eval_sim``: the tasks' :class:`SimStats` (or whole arrays: small pools, tests)."""
     t_dup, t_dec = params["dedup_threshold"], params["decontam_threshold"]
-    has_eval = np.isfinite(eval_sim).any()
+    nn = nn_sim if isinstance(nn_sim, SimStats) else of_arrays(nn_sim, t_dup)
+    ev = eval_sim if isinstance(eval_sim, SimStats) else of_arrays(eval_sim, t_dec)
+    has_eval = ev.n > 0
     fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(12 if has_eval else 7, 4.2),
                              squeeze=False)
     ax = axes[0, 0]
-    vals = nn_sim[np.isfinite(nn_sim)]
-    _split_hist(ax, vals, t_dup, "distinct: nearest neighbour below threshold",
+    _split_hist(ax, nn, "distinct: nearest neighbour below threshold",
                 "copies: above threshold",
                 "nearest-neighbour similarity in the pool (copy descriptor)")
     ax.axvline(t_dup, color=_RED, ls="--", lw=1.5, label=f"dedup threshold {t_dup}")
@@ -151,8 +169,7 @@ def plot_similarity(nn_sim, eval_sim, counts: dict, params: dict, path: str) -> 
                     f"+ {counts['hash_duplicates']} hash duplicates before kNN", title_fontsize=8)
     if has_eval:
         ax = axes[0, 1]
-        ev = eval_sim[np.isfinite(eval_sim)]
-        _split_hist(ax, ev, t_dec, "below threshold", "above threshold",
+        _split_hist(ax, ev, "below threshold", "above threshold",
                     "similarity to the nearest eval image")
         ax.axvline(t_dec, color=_ORANGE, ls=":", lw=1.5, label=f"threshold {t_dec}")
         ax.legend(fontsize=8, loc="upper left", title_fontsize=8,
@@ -163,10 +180,9 @@ def plot_similarity(nn_sim, eval_sim, counts: dict, params: dict, path: str) -> 
     return _save(fig, path)
 
 
-def plot_components(component, counts: dict, path: str) -> str:
-    sizes = np.bincount(np.unique(component, return_inverse=True)[1].ravel()) if len(component) \
-        else np.zeros(0, np.int64)
-    size_vals, n_groups = np.unique(sizes, return_counts=True)
+def plot_components(stats: ReportStats, counts: dict, path: str) -> str:
+    """Copy groups per size, from the tasks' merged histogram of group sizes."""
+    size_vals, n_groups = stats.group_sizes, stats.group_counts
     fig, ax = plt.subplots(figsize=(7, 4))
     # numeric positions + tick labels: strings that parse as numbers would make matplotlib log
     # "Using categorical units ..." at INFO for every plot
@@ -176,25 +192,23 @@ def plot_components(component, counts: dict, path: str) -> str:
     _log_y(ax)
     ax.set_xlabel("images in the copy group (1 = unique image)")
     ax.set_ylabel("groups (log)")
-    ax.set_title(f"copy-group sizes: {int((sizes > 1).sum())} groups with copies; removed "
+    ax.set_title(f"copy-group sizes: {int(n_groups[size_vals > 1].sum())} groups with copies; removed "
                  f"{counts['copy_duplicates']} copy + {counts['hash_duplicates']} hash duplicates", fontsize=10)
     for xi, c in zip(x, n_groups):
         ax.annotate(str(c), (xi, c), ha="center", va="bottom", fontsize=8)
     return _save(fig, path)
 
 
-def plot_clusters(cluster, status, mode, path: str) -> str:
+def plot_clusters(stats: ReportStats, mode, path: str) -> str:
+    """Cluster sizes before / after, from the tasks' merged pool images per cluster."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    pool = (cluster >= 0) & ((status == KEPT) | (status == NOT_SELECTED))
-    if not pool.any():
+    k = len(stats.cluster_before)
+    if not k:
         ax.text(0.5, 0.5, f"rebalance.mode={mode}: no clustering of the pool\n(use "
                 f"mode=hierarchical or cluster to see the balance)", ha="center", va="center")
         ax.set_axis_off()
         return _save(fig, path)
-    labels = np.unique(cluster[pool], return_inverse=True)[1].ravel()
-    k = n_clusters(cluster, status)
-    before = np.sort(np.bincount(labels, minlength=k))[::-1]
-    after = np.sort(np.bincount(labels[status[pool] == KEPT], minlength=k))[::-1]
+    before, after = np.sort(stats.cluster_before)[::-1], np.sort(stats.cluster_after)[::-1]
     x = np.arange(1, k + 1)
     ax.step(x, np.maximum(before, 0.8), where="mid", color=_BLUE, label=f"before ({before.sum()} images)")
     ax.step(x, np.maximum(after, 0.8), where="mid", color=_GREEN, label=f"after ({after.sum()} images)")
@@ -224,7 +238,8 @@ def group_flags(ids, members: np.ndarray) -> tuple[int, int, list[str]]:
 
 
 def duplicate_groups(ids, component, n_groups: int) -> list[np.ndarray]:
-    """Positions of up to ``n_groups`` copy groups, largest first (ties: kept id); kept first."""
+    """Positions of up to ``n_groups`` copy groups, largest first (ties: kept id); kept first. Of a whole component
+    array at once (small pools, tests): the report's tasks find the same groups (curation.report_tasks)."""
     roots, inv, counts = np.unique(component, return_inverse=True, return_counts=True)
     multi = np.flatnonzero(counts > 1)
     multi = sorted(multi, key=lambda g: (-counts[g], roots[g]))[:n_groups]  # rows are in id order
@@ -237,10 +252,10 @@ def duplicate_groups(ids, component, n_groups: int) -> list[np.ndarray]:
     return out
 
 
-def contact_sheet(ids, component, status, nn_sim, sources, n_groups: int, path: str, emb=None,
+def contact_sheet(ids, groups: list[np.ndarray], status, nn_sim, sources, path: str, emb=None,
                   max_per_row: int = 6, thumb: int = 160) -> str:
-    """``ids[pos]``: string id of row pos; images read through ``emb``'s path table."""
-    groups = duplicate_groups(ids, component, n_groups)
+    """``ids[pos]``: string id of row pos; ``groups``: the rows of the copy groups to show (kept first);
+    images read through ``emb``'s path table."""
     rows = max(1, len(groups))
     fig, axes = plt.subplots(rows, max_per_row, figsize=(2.2 * max_per_row, 2.6 * rows),
                              squeeze=False, gridspec_kw={"hspace": 0.55})
@@ -289,9 +304,8 @@ def contact_sheet(ids, component, status, nn_sim, sources, n_groups: int, path: 
 # ----------------------------------------------------------------------------- summary
 
 
-def group_lines(ids, component, n_groups: int) -> list[str]:
-    """Markdown table of the largest copy groups, flagging large or mixed ones."""
-    groups = duplicate_groups(ids, component, n_groups)
+def group_lines(ids, groups: list[np.ndarray]) -> list[str]:
+    """Markdown table of the largest copy groups (``groups``: their rows, kept first), flagging large or mixed ones."""
     if not groups:
         return []
     out = ["## Largest copy groups", "",
@@ -306,6 +320,7 @@ def group_lines(ids, component, n_groups: int) -> list[str]:
 
 def summary_markdown(manifest: dict, params: dict, balance: dict, nn_sim, plots: dict,
                      out_dir: str, groups: list[str] | None = None) -> str:
+    """``nn_sim``: the tasks' :class:`SimStats` of the nearest-neighbour similarities (or the whole array)."""
     c = manifest["counts"]
     n = max(c["input"], 1)
     lines = ["# Curation report", "", f"Output folder: `{out_dir}`", "", "## Counts", "",
@@ -323,8 +338,7 @@ def summary_markdown(manifest: dict, params: dict, balance: dict, nn_sim, plots:
         lines += ["", "Unreadable: " + ", ".join(f"{k} {v}" for k, v in
                                                   manifest["unreadable_reasons"].items())]
     t = params["dedup_threshold"]
-    vals = nn_sim[np.isfinite(nn_sim)]
-    near = int(((vals > t - 0.05) & (vals <= t + 0.05)).sum())
+    nn = nn_sim if isinstance(nn_sim, SimStats) else of_arrays(nn_sim, t)
     lines += ["", "## Thresholds", "",
               f"- hash pre-dedup: {'on' if params.get('hash_enabled', True) else 'off'}, "
               f"pHash Hamming distance <= {params['hash_max_distance']}",
@@ -336,8 +350,8 @@ def summary_markdown(manifest: dict, params: dict, balance: dict, nn_sim, plots:
               f"- decontamination: cosine > {params['decontam_threshold']} to an eval image "
               f"(the image's whole copy group is removed)",
               f"- embedder for rebalancing: {params.get('embed_model') or 'copy descriptor'}",
-              f"- nearest-neighbour similarities within ±0.05 of the dedup threshold: {near} of "
-              f"{len(vals)} (few means the threshold sits in a gap)", ""]
+              f"- nearest-neighbour similarities within ±0.05 of the dedup threshold: {nn.near} of "
+              f"{nn.n} (few means the threshold sits in a gap)", ""]
     lines += groups or []
     lines += _balance_lines(balance, params.get("rebalance_mode"))
     lines += ["", "## Plots", ""]
@@ -362,5 +376,5 @@ def _balance_lines(balance: dict, mode) -> list[str]:
     return out
 
 
-__all__ = ["make_report", "plot_similarity", "plot_components", "plot_clusters",
-           "contact_sheet", "duplicate_groups", "group_flags", "summary_markdown"]
+__all__ = ["make_report", "plot_similarity", "plot_components", "plot_clusters", "cluster_balance",
+           "balance_of_counts", "contact_sheet", "duplicate_groups", "group_flags", "summary_markdown"]

@@ -21,10 +21,11 @@ import tarfile
 from collections import Counter, defaultdict
 from typing import Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from dinopipe.config import InputError
-from dinopipe.data.pool_index import INDEX_NAME, member_locations, tar_index, write_index
+from dinopipe.data.pool_index import INDEX_NAME, member_locations, tar_index, write_index, write_tar_index
 from dinopipe.data.sources import MultiSource, extension_of
 from dinopipe.utils.io import atomic_path, atomic_write_json
 
@@ -87,11 +88,7 @@ def _finish_shards(out_dir: str, shards: list[str], members: list[list], prefix:
     """Remove shards of an earlier, larger selection (training would read them) and write the pool index."""
     index_path = os.path.join(out_dir, INDEX_NAME)
     present = [(s, m) for s, m in zip(shards, members) if m]
-    for old in glob.glob(os.path.join(out_dir, f"{prefix}-*.tar")):
-        if old not in {s for s, _ in present}:
-            os.remove(old)
-    if present and sorted(glob.glob(os.path.join(out_dir, "*.tar"))) == sorted(s for s, _ in present):
-        # Only when the folder holds exactly these shards: that is what a trainer pointed at it will read.
+    if _remove_stale_shards(out_dir, [s for s, _ in present], prefix):
         header, arrays = tar_index([s for s, _ in present], [member_locations(m) for _, m in present], root=None)
         write_index(index_path, header, arrays)
     elif os.path.exists(index_path):
@@ -109,46 +106,74 @@ def write_shard_task(out_dir: str, shards_dir: str, n_images: int, shard_size: i
 
     Shard ``j`` holds the kept images ``j * shard_size ...`` in canonical order and is named
     ``shard-<j>.tar`` whatever the number of tasks. ``items_of(start, stop)`` gives those images' items
-    (see :func:`write_one_shard`). Each finished shard leaves ``<out_dir>/steps/write/shard-<j>.json``
-    (its members, its failed reads and the ``selection`` digest); a rerun skips shards whose record
-    matches the selection, so a killed task redoes only the shard it was writing."""
+    (see :func:`write_one_shard`). Each finished shard leaves its part of the pool index,
+    ``<out_dir>/steps/write/shard-<j>.loc.npy`` (its members' [offset, size], in name order), then its record
+    ``shard-<j>.json`` (the member count, its failed reads and the ``selection`` digest); a rerun skips shards
+    whose record matches the selection, so a killed task redoes only the shard it was writing."""
     n_shards = -(-n_images // shard_size)
     rec_dir = os.path.join(out_dir, "steps", "write")
     os.makedirs(rec_dir, exist_ok=True)
     os.makedirs(shards_dir, exist_ok=True)
     done = skipped = 0
     for j in shard_range(n_shards, task_index, num_tasks):
-        rec_path = os.path.join(rec_dir, f"shard-{j:06d}.json")
+        rec_path, loc_path = _record_paths(rec_dir, j)
         path = os.path.join(shards_dir, f"shard-{j:06d}.tar")
         rec = _read_json(rec_path)
-        if rec is not None and rec["selection"] == selection and (os.path.exists(path) or not rec["members"]):
+        if (rec is not None and rec["selection"] == selection and "n_members" in rec
+                and (not rec["n_members"] or (os.path.exists(path) and os.path.exists(loc_path)))):
             skipped += 1
             continue
         members, failed = write_one_shard(path, items_of(j * shard_size, min(n_images, (j + 1) * shard_size)))
-        atomic_write_json(rec_path, {"selection": selection, "members": members, "failed": failed})
+        with atomic_path(loc_path, suffix=".npy") as tmp:
+            np.save(tmp, member_locations(members))
+        atomic_write_json(rec_path, {"selection": selection, "n_members": len(members), "failed": failed})
         done += 1
     return {"task_index": task_index, "num_tasks": num_tasks, "shards_written": done, "shards_skipped": skipped}
 
 
+def _record_paths(rec_dir: str, j: int) -> tuple[str, str]:
+    return os.path.join(rec_dir, f"shard-{j:06d}.json"), os.path.join(rec_dir, f"shard-{j:06d}.loc.npy")
+
+
 def finish_shard_tasks(out_dir: str, shards_dir: str, n_images: int, shard_size: int, selection: str) -> dict:
     """After every write task: check each shard's record, remove stale shards, write the pool index.
-    Returns {"shards": [paths], "written": n, "failed": [(id, reason)]} (failed: images unreadable now)."""
+    Returns {"shards": [paths], "written": n, "failed": [(id, reason)]} (failed: images unreadable now).
+
+    Per kept image nothing is held here: a record gives its shard's member count, and the pool index is written
+    a shard at a time from the shards' location parts (:func:`dinopipe.data.pool_index.write_tar_index`)."""
     n_shards = -(-n_images // shard_size)
-    shards, members, failed, missing = [], [], [], []
+    rec_dir = os.path.join(out_dir, "steps", "write")
+    counts, failed, missing = np.zeros(n_shards, np.int64), [], []
     for j in range(n_shards):
-        rec = _read_json(os.path.join(out_dir, "steps", "write", f"shard-{j:06d}.json"))
-        if rec is None or rec["selection"] != selection:
+        rec = _read_json(_record_paths(rec_dir, j)[0])
+        if rec is None or rec["selection"] != selection or "n_members" not in rec:
             missing.append(j)
             continue
-        shards.append(os.path.join(shards_dir, f"shard-{j:06d}.tar"))
-        members.append(rec["members"])
+        counts[j] = rec["n_members"]
         failed.extend(tuple(f) for f in rec["failed"])
     if missing:
         raise InputError(f"shards {missing[:10]}{'...' if len(missing) > 10 else ''} of {n_shards} are not "
                            f"written yet: rerun the write tasks (finished shards are skipped)")
-    _finish_shards(shards_dir, shards, members)
-    return {"shards": [s for s, m in zip(shards, members) if m], "written": sum(len(m) for m in members),
-            "failed": failed}
+    present = np.flatnonzero(counts)
+    shards = [os.path.join(shards_dir, f"shard-{j:06d}.tar") for j in present]
+    index_path = os.path.join(shards_dir, INDEX_NAME)
+    if _remove_stale_shards(shards_dir, shards, "shard"):
+        write_tar_index(index_path, shards, counts[present],
+                        lambda k: np.load(_record_paths(rec_dir, int(present[k]))[1]), root=None)
+    elif os.path.exists(index_path):
+        os.remove(index_path)
+    return {"shards": shards, "written": int(counts.sum()), "failed": failed}
+
+
+def _remove_stale_shards(out_dir: str, present: list[str], prefix: str) -> bool:
+    """Remove ``<prefix>-*.tar`` shards of an earlier, larger selection (training would read them); True when the
+    folder then holds exactly ``present`` (non-empty): that is what a trainer pointed at it reads, so an index
+    of them is valid."""
+    keep = set(present)
+    for old in glob.glob(os.path.join(out_dir, f"{prefix}-*.tar")):
+        if old not in keep:
+            os.remove(old)
+    return bool(present) and set(glob.glob(os.path.join(out_dir, "*.tar"))) == keep
 
 
 def _read_json(path: str):
@@ -230,8 +255,6 @@ def write_json_atomic(path: str, obj) -> None:
 
 
 def _json_default(o):
-    import numpy as np
-
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):

@@ -68,13 +68,17 @@ def _row(records: list, wall: float, mem, traced: dict | None = None) -> dict:
         runs.append({"fn": r["fn"], "tasks": r["tasks"], "inline": r["inline"],
                      "task_s": round(max(x["wall_s"] for x in rep), 3),
                      "task_heap_mb": round(max(x["peak_anon"] - x["start_anon"] for x in rep) / 2**20, 1),
-                     "task_rss_mb": round(max(x["peak_rss"] for x in rep) / 2**20, 1)})
+                     "task_rss_mb": round(max(x["peak_rss"] for x in rep) / 2**20, 1),
+                     # peak RSS above the task's start (VmHWM reset when it started): what tracemalloc misses too
+                     # (faiss's and torch's native allocations, mapped pages the task touched)
+                     "task_rss_added_mb": round(max(max(x["peak_rss"] - x["start_rss"], 0) for x in rep) / 2**20, 1)})
         if "traced_peak" in rep[0]:  # CURATE_TRACE_TASKS: tracemalloc's exact peak of each task, in bytes
             runs[-1]["task_traced_peaks"] = [x["traced_peak"] for x in rep]
     return {"wall_s": wall, "tasks": max([r["tasks"] for r in runs] or [1]),
             "task_s": sum(r["task_s"] for r in runs),
             "task_heap_mb": max([r["task_heap_mb"] for r in runs] or [0.0]),
-            "orchestrator_heap_mb": round(max(mem.peak_anon - mem.start_anon, 0) / 2**20, 1), "runs": runs,
+            "orchestrator_heap_mb": round(max(mem.peak_anon - mem.start_anon, 0) / 2**20, 1),
+            "orchestrator_rss_added_mb": round(max(mem.peak_rss - mem.start_rss, 0) / 2**20, 1), "runs": runs,
             **(traced or {})}
 
 

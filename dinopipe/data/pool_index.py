@@ -70,20 +70,46 @@ def _align(n: int) -> int:
 
 def write_index(path: str, header: dict, arrays: dict[str, np.ndarray]) -> None:
     """Write header + arrays to ``path`` atomically (temporary name, then rename)."""
-    meta, rel = {}, 0
-    for name, a in arrays.items():
-        a = np.ascontiguousarray(a)
-        arrays[name] = a
-        meta[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "offset": rel}
-        rel = _align(rel + a.nbytes)
-    head = json.dumps({**header, "format": "dinopipe-pool-index", "version": VERSION, "arrays": meta}).encode()
-    data_start = _align(len(MAGIC) + 8 + len(head))
-    with atomic_open(path, "wb") as f:
-        f.write(MAGIC + struct.pack("<Q", len(head)) + head)
+    arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+    with _IndexFile(path, header, {name: (a.dtype, a.shape) for name, a in arrays.items()}) as f:
         for name, a in arrays.items():
-            f.seek(data_start + meta[name]["offset"])
-            f.write(a.tobytes())
-        f.truncate(data_start + rel)
+            f.put(name, 0, a)
+
+
+class _IndexFile:
+    """An index file being written: the layout (header, 64-byte aligned arrays) from each array's dtype and shape
+    known up front; :meth:`put` writes rows ``[at, at + len(values))`` of one array, in any order, so an index
+    can be written a piece at a time (:func:`write_tar_index`). Atomic: the file appears when the block ends."""
+
+    def __init__(self, path: str, header: dict, specs: dict[str, tuple]) -> None:
+        self.meta, rel = {}, 0
+        for name, (dtype, shape) in specs.items():
+            dt = np.dtype(dtype)
+            self.meta[name] = {"dtype": dt.str, "shape": [int(x) for x in shape], "offset": rel}
+            rel = _align(rel + dt.itemsize * int(np.prod(shape, dtype=np.int64)))
+        self.head = json.dumps({**header, "format": "dinopipe-pool-index", "version": VERSION,
+                                "arrays": self.meta}).encode()
+        self.data_start = _align(len(MAGIC) + 8 + len(self.head))
+        self.end = self.data_start + rel
+        self._cm = atomic_open(path, "wb")
+
+    def __enter__(self) -> "_IndexFile":
+        self.f = self._cm.__enter__()
+        self.f.write(MAGIC + struct.pack("<Q", len(self.head)) + self.head)
+        return self
+
+    def put(self, name: str, at: int, values: np.ndarray) -> None:
+        m = self.meta[name]
+        values = np.ascontiguousarray(values, dtype=np.dtype(m["dtype"]))
+        row = values.dtype.itemsize * int(np.prod(m["shape"][1:], dtype=np.int64))
+        if values.size:
+            self.f.seek(self.data_start + m["offset"] + at * row)
+            self.f.write(values.tobytes())
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.f.truncate(self.end)
+        self._cm.__exit__(*exc)
 
 
 def _path_table(paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -136,6 +162,41 @@ def tar_index(shards: Sequence[str], locations: Sequence[np.ndarray], root: Opti
               "shard_size": np.asarray([st.st_size for st in stats], dtype=np.int64),
               "shard_mtime_ns": np.asarray([st.st_mtime_ns for st in stats], dtype=np.int64)}
     return {"kind": "tar", "root": root, "n_images": len(loc), "n_paths": len(rels)}, arrays
+
+
+def write_tar_index(path: str, shards: Sequence[str], counts: Sequence[int],
+                    locations_of: Callable[[int], np.ndarray], root: Optional[str] = None) -> int:
+    """Write :func:`tar_index`'s index of ``shards`` to ``path`` (the same bytes), a shard at a time:
+    ``locations_of(k)`` gives shard ``k``'s :func:`member_locations` (``counts[k]`` rows) when its rows are written,
+    so the writer holds one shard's members, never the whole pool's (curation's write finish at 10^8 kept images).
+    Returns the number of images."""
+    order = sorted(range(len(shards)), key=lambda k: os.path.basename(shards[k]) + "/")
+    rels = [os.path.basename(shards[k]) if root is None else os.path.relpath(shards[k], root) for k in order]
+    blob, start = _path_table(rels)
+    sizes, mtimes = np.zeros(len(order), np.int64), np.zeros(len(order), np.int64)  # no stat object per shard
+    for new, k in enumerate(order):
+        st = os.stat(shards[k])
+        sizes[new], mtimes[new] = st.st_size, st.st_mtime_ns
+    n, rows = int(sum(int(counts[k]) for k in order)), _row_dtype(len(rels))
+    specs = {"path_blob": (blob.dtype, blob.shape), "path_start": (start.dtype, start.shape),
+             "image_path": (rows, (n,)), "image_offset": (np.int64, (n,)), "image_size": (np.int64, (n,)),
+             "shard_size": (np.int64, (len(rels),)), "shard_mtime_ns": (np.int64, (len(rels),))}
+    header = {"kind": "tar", "root": root, "n_images": n, "n_paths": len(rels)}
+    with _IndexFile(path, header, specs) as f:
+        f.put("path_blob", 0, blob)
+        f.put("path_start", 0, start)
+        f.put("shard_size", 0, sizes)
+        f.put("shard_mtime_ns", 0, mtimes)
+        at = 0
+        for new, k in enumerate(order):
+            loc = np.asarray(locations_of(k), dtype=np.int64).reshape(-1, 2)
+            if len(loc) != int(counts[k]):
+                raise ValueError(f"{shards[k]}: {len(loc)} member locations, its record says {int(counts[k])}")
+            f.put("image_path", at, np.full(len(loc), new, dtype=rows))
+            f.put("image_offset", at, loc[:, 0])
+            f.put("image_size", at, loc[:, 1])
+            at += len(loc)
+    return n
 
 
 def build_index(source: ImageSource):

@@ -159,14 +159,23 @@ class FileListSource(ImageSource):
         self.name = name or self.list_path.stem
 
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
+        """This task's images, in list order. The list is streamed a line at a time and a line is kept only
+        when its id hashes to this task, so a task holds its own rows and nothing per line of the whole list
+        (10^9 listed paths are ~100 GB as one set). A path listed twice is one image, not a duplicate to count:
+        both copies hash to the same task (a hash partition), so the task's own set of paths finds it."""
+        check_split(task_index, num_tasks)
         out, seen = [], set()
-        for line in self.list_path.read_text().splitlines():
-            path = line.strip()
-            if not path or path.startswith("#") or path in seen:
-                continue  # a path listed twice is one image, not a duplicate to count
-            seen.add(path)
-            image_id = f"{self.name}/{path.lstrip('/')}"
-            if in_split(image_id, task_index, num_tasks):
+        with open(self.list_path, encoding="utf-8") as f:
+            for line in f:
+                path = line.strip()
+                if not path or path.startswith("#"):
+                    continue
+                image_id = f"{self.name}/{path.lstrip('/')}"
+                if num_tasks > 1 and stable_hash(image_id) % num_tasks != task_index:
+                    continue
+                if path in seen:
+                    continue
+                seen.add(path)
                 full = path if os.path.isabs(path) or storage.is_url(path) else str(self.root / path)
                 out.append(ImageRef(image_id, self.name, full))
         return out

@@ -192,7 +192,7 @@ def test_the_embed_step_builds_the_table_as_w_tasks(real_pool, pool_dir, tmp_pat
         shutil.copy(f, pool / f.name)
     res = step_embed([str(pool)], str(out), EmbedConfig(batch_size=4, num_workers=0, shard_size=2), progress=False,
                      tasks=TasksConfig(count=3, launcher="inline"))
-    assert res["tasks"] == {"table": 3}
+    assert res["tasks"] == {"table": 3, "embed": 3}  # the embedding too (issue 40)
     d = out / "embeddings" / "descriptor"
     assert (d / "table" / "meta.json").exists()
     build_whole(str(d), *_parts(d), str(tmp_path / "whole"))

@@ -48,7 +48,8 @@ def test_one_and_three_write_tasks_give_the_same_shards_and_decisions_and_a_kill
     assert rows == (three / "decisions.tsv").read_text().splitlines()[1:]
 
     # task 1 of 3 killed while writing its second shard: that shard and its record are gone
-    lost = sorted(os.listdir(three / "steps" / "write"))[3]  # shard-000003: task 1 owns shards 2..3 of 8
+    lost = "shard-000003.json"  # task 1 owns shards 2..3 of 8; its record goes last, so a kill leaves none
+    assert (three / "steps" / "write" / "shard-000003.loc.npy").exists()  # the shard's part of the pool index
     os.remove(three / "steps" / "write" / lost)
     os.remove(three / "shards" / lost.replace(".json", ".tar"))
     before = {n: os.stat(three / "shards" / n).st_mtime_ns for n in os.listdir(three / "shards") if n.endswith(".tar")}

@@ -1,0 +1,125 @@
+"""The report's numbers as W tasks (curation.report_tasks, issue 40): what W tasks merge is exactly what the whole
+arrays give in one process (histograms, counts, cluster sizes, copy-group sizes and the largest groups with their
+members), whatever W, and the process that merges them holds nothing per row of the pool."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from curation.pipeline import _params, run_curation
+from curation.report import cluster_counts, duplicate_groups, make_report
+from curation.report_tasks import of_arrays, report_stats
+from curation.stepfiles import COPY_DUP, DECONTAM, KEPT, NOT_SELECTED, _save_step
+from curation.steps.runner import recording
+from tests.curation.test_pipeline import _config
+
+T_DUP, T_DEC, BLOCK = 0.9, 0.45, 512
+
+
+def _pool(out: str, n: int, seed: int = 0) -> dict:
+    """Step arrays of n rows: copy groups of 2..40 images (roots: their first row, the first and last block
+    included), NaN similarities, clusters with gaps in the labels and unclustered (-1) rows."""
+    rng = np.random.default_rng(seed)
+    component = np.arange(n, dtype=np.int64)
+    for _ in range(n // 50):
+        size = int(rng.choice([2, 2, 3, 5, 40]))
+        members = np.unique(rng.integers(0, n, size))  # (not choice without replacement: O(n) a call)
+        component[members] = component[members[0]]
+    component[[1, 7, n - 1]] = 0  # a group spanning the first and last task
+    nn_sim = rng.uniform(-0.4, 1.0, n).astype(np.float32)
+    nn_sim[rng.random(n) < 0.1] = np.nan
+    eval_sim = rng.uniform(-0.1, 0.6, n).astype(np.float32)
+    eval_sim[rng.random(n) < 0.5] = np.nan
+    cluster = (rng.integers(0, 60, n) * 3).astype(np.int32)
+    cluster[rng.random(n) < 0.05] = -1
+    status = rng.choice([KEPT, NOT_SELECTED, COPY_DUP, DECONTAM], n, p=[0.5, 0.3, 0.1, 0.1]).astype(np.int8)
+    _save_step(out, "dedup", nn_sim=nn_sim, component=component)
+    _save_step(out, "decontaminate", eval_sim=eval_sim)
+    _save_step(out, "rebalance", cluster=cluster, status=status)
+    return {"component": component, "nn_sim": nn_sim, "eval_sim": eval_sim, "cluster": cluster, "status": status}
+
+
+def _same_sim(a, b):
+    assert (a.n, a.vmin, a.n_lo, a.n_hi, a.near) == (b.n, b.vmin, b.n_lo, b.n_hi, b.near)
+    assert np.array_equal(a.hist_lo, b.hist_lo) and np.array_equal(a.hist_hi, b.hist_hi)
+
+
+@pytest.mark.parametrize("w", [1, 3, 5])
+def test_w_tasks_give_exactly_the_whole_array_numbers(tmp_path, w):
+    n = 7 * BLOCK + 100
+    a = _pool(str(tmp_path), n)
+    st = report_stats(str(tmp_path), T_DUP, T_DEC, n_top=6, num_tasks=w, launcher="inline", block=BLOCK)
+    _same_sim(st.nn, of_arrays(a["nn_sim"], T_DUP))
+    _same_sim(st.eval, of_arrays(a["eval_sim"], T_DEC))
+    assert st.nn.n_lo > 0 and st.nn.n_hi > 0 and st.nn.vmin < -0.2  # the bins move with the smallest value
+    before, after = cluster_counts(a["cluster"], a["status"])
+    assert np.array_equal(st.cluster_before, before) and np.array_equal(st.cluster_after, after)
+    sizes = np.bincount(np.unique(a["component"], return_inverse=True)[1].ravel())
+    vals, counts = np.unique(sizes, return_counts=True)
+    assert np.array_equal(st.group_sizes, vals) and np.array_equal(st.group_counts, counts)
+    want = duplicate_groups(None, a["component"], 6)
+    assert len(want) == 6 and len(st.groups) == 6
+    for g, h in zip(st.groups, want):
+        assert np.array_equal(g, h)
+    assert not (tmp_path / "steps" / "report").exists()  # the parts are scratch
+
+
+def _peak(out: str, n: int, w: int) -> int:
+    _pool(out, n)
+    tracemalloc.start()
+    try:
+        report_stats(out, T_DUP, T_DEC, n_top=8, num_tasks=w, launcher="inline", block=BLOCK)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_report_holds_its_tasks_rows_not_the_pool(tmp_path):
+    """N rows as 1 task vs 4N rows as 4 tasks (inline: one after another in this process, so the peak is the
+    largest task's plus what the merging holds): each task owns the same rows at both sizes, so a process holding
+    h bytes per row of the pool grows by 3N x h. Measured 1.4 (what the merging keeps of 3 more tasks' results, not
+    per row: the figure halves when N doubles); the old report (np.unique over all rows, whole
+    similarity arrays) holds > 30."""
+    n = 32 * BLOCK
+    small, large = _peak(str(tmp_path / "s"), n, 1), _peak(str(tmp_path / "l"), 4 * n, 4)
+    held = (large - small) / (3 * n)
+    print(f"report: {small} -> {large} B, {held:.2f} B per row")
+    assert held < 3, f"the report holds {held:.1f} B per row of the pool ({small} -> {large} B)"
+
+
+def _rss_added(out: str, w: int) -> int:
+    with recording() as rec:
+        report_stats(out, T_DUP, T_DEC, n_top=8, num_tasks=w, launcher="local", block=65536)
+    reports = [x for r in rec for x in r["reports"]]
+    assert len(reports) == 3 * w and all(x["hwm_reset"] for x in reports)
+    return max(x["peak_rss"] - x["start_rss"] for x in reports)
+
+
+def test_each_report_task_process_peak_rss_follows_its_rows(tmp_path):
+    """Peak RSS above each task process's start (the kernel's high-water mark, reset when the task starts: native
+    and mapped pages too, which tracemalloc does not see), 1.2M rows as 1 local task and as 4: the largest of the
+    4 tasks peaks at < 0.5 x the one task (a cost per row of the pool would keep them equal). Measured 0.35-0.4
+    (each task's own rows: its copy-group roots, ~90 B per own row with the mapped pages; the rest of the RSS
+    is allocator noise of a few MB between tasks of the same size)."""
+    out = str(tmp_path / "pool")
+    _pool(out, 1_200_000)
+    one, four = _rss_added(out, 1), _rss_added(out, 4)
+    print(f"report task RSS added: W = 1 {one / 2**20:.1f} MB, W = 4 {four / 2**20:.1f} MB ({four / one:.2f})")
+    assert four < 0.5 * one, f"a report task's peak RSS at W = 4 is {four / one:.2f} x W = 1's ({four} vs {one} B)"
+
+
+def test_curate_runs_report_is_the_same_as_three_tasks(pool_dir, tmp_path):
+    """`curate run`'s report (its tasks planned as every step's) and the same report as 3 tasks: the same
+    summary.md, byte for byte (counts, thresholds, the largest copy groups, the balance)."""
+    out = tmp_path / "out"
+    cfg = _config([str(pool_dir[0])], out, embed={"num_workers": 0},
+                  rebalance={"mode": "hierarchical", "levels": [6, 3], "target_size": 20})
+    cfg.report.enabled = True
+    run_curation(cfg)
+    one = (out / "report" / "summary.md").read_text()
+    assert "## Largest copy groups" in one and "## Balance" in one
+    three = open(make_report(str(out), [str(pool_dir[0])], _params(cfg), cfg.report.n_examples, num_tasks=3)).read()
+    assert three == one
