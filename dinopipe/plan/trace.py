@@ -235,7 +235,8 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             first_opt = next(iter(task.optimizers.values()))
             roots = [m for m in task.modules() if hasattr(m, "unshard")]
             # every FSDP root of the task (student, heads, teacher, Gram teacher)
-            tracker = compat.fsdp_mem_tracker(roots[0], first_opt, roots=task)
+            tracker = (compat.fsdp_mem_tracker(roots[0], first_opt, roots=task) if roots
+                       else compat.mem_tracker(task, first_opt))  # one rank: no FSDP2 (train/mirror.py)
             tracker.track_inputs((micro,))
             comm, counter = (CommDebugMode() if comm_debug else contextlib.nullcontext()), CollectiveBytes()
             per_step: list[dict[str, int]] = []
