@@ -17,8 +17,9 @@ inputs -- with a handful of launches:
 - a forward without gradients (the teachers) puts the masters back when it returns.
 
 Between steps the module holds its fp32 masters, so the optimizer, the EMA, clipping, DCP checkpoints and
-exports see exactly what a plain fp32 module shows them. The leaves keep their identity from step to step, so a
-compiled block sees the same parameters every call.
+exports see exactly what a plain fp32 module shows them; the copy's storage is freed then (as FSDP2 frees its
+unsharded parameters). The leaves keep their identity from step to step, so a compiled block sees the same
+parameters every call.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class Bf16Mirror:
                 return False
             self.restore()  # masters changed since (a forward whose backward never ran, then an update)
         self._scan()
+        for leaf in self.leaves:  # storage back (freed when the masters were last swapped back)
+            storage = leaf.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(leaf.numel() * leaf.element_size())
         with torch.no_grad():
             torch._foreach_copy_(self.leaves, [m.detach() for m in self.masters])
         for mod, name, i in self.slots:
@@ -85,8 +90,13 @@ class Bf16Mirror:
         return True
 
     def restore(self) -> None:
+        """The masters back in the module; the copy's storage freed (FSDP2's reshard: the same memory between
+        uses as its sharded parameters at one rank), its Parameter objects kept, so compiled code sees the same
+        parameters next time."""
         for mod, name, i in self.slots:
             mod._parameters[name] = self.masters[i]
+        for leaf in self.leaves:
+            leaf.untyped_storage().resize_(0)
         self.installed = False
 
     def _on_grad(self, leaf: torch.Tensor) -> None:
