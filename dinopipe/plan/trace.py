@@ -9,7 +9,8 @@ materialised with ``to_empty`` under ``FakeTensorMode`` (tensors carry shapes, d
 no compute). One or two real steps then run in the loop's order: zero_grad -> task forward (teacher, student,
 losses) -> backward -> clip -> AdamW step -> EMA; the Gram teacher is refreshed at the traced step as at
 ``gram.first_step``. ``FSDPMemTracker`` records rank 0's peak memory, ``CommDebugMode`` and a byte counter the
-collectives; every rank of an FSDP2 job holds the same shapes, so rank 0 stands for all.
+collectives; every rank of an FSDP2 job holds the same shapes, so rank 0 stands for all. At W = 1 in bf16 nothing
+is sharded (``train/mirror.py``) and torch's ``MemTracker`` records the peak instead.
 
 What stays untraced (the fake device is ``cpu``: the ``cuda`` device type needs a driver): the CUDA caching
 allocator's rounding and fragmentation, NCCL's own buffers, the CUDA context, ``torch.compile`` (blocks run
