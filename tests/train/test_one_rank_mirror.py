@@ -105,3 +105,40 @@ def test_frozen_forward_puts_the_masters_back_and_sees_updates(batch, one_rank, 
         out2 = backbone.forward_features_list([batch["global_crops"]], [None])[0]["x_norm_clstoken"]
     assert out1.dtype == torch.bfloat16  # ran on the compute copy
     assert not torch.equal(out1, out2)  # the copy was refreshed from the updated masters
+
+
+def test_compiled_blocks_see_the_same_parameters_every_step():
+    """The bf16 copy keeps its Parameter objects (only their storage is freed between uses), so a compiled block
+    with activation checkpointing compiles once, not once per step."""
+    from torch import nn
+
+    from dinopipe.train.mirror import apply_mirror
+    from dinopipe.train.parallel import apply_activation_checkpointing, compile_block
+    from dinopipe.utils import torch_compat as compat
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return x + self.lin(self.norm(x))
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blocks = nn.Sequential(Blk(), Blk())
+    for blk in blocks:
+        apply_activation_checkpointing(blk)
+        compile_block(blk, "aot_eager")
+    apply_mirror(blocks, torch.bfloat16, ("forward",))
+    opt = torch.optim.AdamW(blocks.parameters(), lr=0.1)
+    before = compat.dynamo_counters()["stats"]["unique_graphs"]
+    masters = list(blocks.parameters())
+    for _ in range(4):
+        y = blocks(torch.randn(3, 5, 8))
+        y.float().square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert y.dtype == torch.bfloat16
+        assert list(blocks.parameters()) == masters and all(p.dtype == torch.float32 for p in masters)
+    assert compat.dynamo_counters()["stats"]["unique_graphs"] - before == 2  # one per block, whatever the step
