@@ -5,8 +5,9 @@ ViT-S/14 b=64 and ViT-L/14 b=32, 2x224 + 8x98 crops, bf16, one rank -- under din
 ``CostRecorder``, which records every aten op's FLOPs, bytes and kernels; each op is then costed on the H100,
 H200 and A100 datasheets (plan/gpu_cost.py says how and what it cannot see).
 
-- dinopipe: ``plan.trace`` (the trainer's ``build_task`` on meta, ``parallelize_task`` = FSDP2 + mixed precision
-  over a fake one-rank process group, the loop's step order), AdamW fused as on CUDA (``ssl.base.adamw_impl``);
+- dinopipe: ``plan.trace`` (the trainer's ``build_task`` on meta, ``parallelize_task`` over a fake one-rank
+  process group -- at one rank FSDP2's mixed precision without FSDP2, train/mirror.py --, the loop's step order),
+  AdamW fused as on CUDA (``ssl.base.adamw_impl``);
 - official: ``SSLMetaArch`` (``make official-src``; bench/official_dinov2.py's config and shims) built on meta,
   materialised on fake tensors, FSDP1-wrapped by its own ``prepare_for_distributed_training``, stepped as its
   ``train.py`` loop body (schedules, forward_backward, per-module clip, AdamW with foreach as on CUDA, EMA).

@@ -27,7 +27,7 @@ def test_cpu_smoke_runs_every_cpu_part_and_writes_a_report(tmp_path):
     assert {n: c["status"] for n, c in checks.items()} == {
         "attention": "ok", "block": "ok", "losses": "ok", "task": "ok", "trace": "skipped", "cli": "skipped", "curation": "ok"}
     task = checks["task"]
-    assert task["compute_dtype"] == "bf16" and task["teacher_fp32_dtensors_after_forward"]
+    assert task["compute_dtype"] == "bf16" and task["teacher_fp32_after_forward"]
     assert task["ema_moved_teacher"] and task["dcp_roundtrip_identical"]
     assert checks["curation"]["flat_recall@10"] == 1.0
     assert checks["attention"]["sdpa_bf16_vs_math_fp32"]["out_rel"] < 3e-2

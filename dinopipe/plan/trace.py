@@ -9,7 +9,8 @@ materialised with ``to_empty`` under ``FakeTensorMode`` (tensors carry shapes, d
 no compute). One or two real steps then run in the loop's order: zero_grad -> task forward (teacher, student,
 losses) -> backward -> clip -> AdamW step -> EMA; the Gram teacher is refreshed at the traced step as at
 ``gram.first_step``. ``FSDPMemTracker`` records rank 0's peak memory, ``CommDebugMode`` and a byte counter the
-collectives; every rank of an FSDP2 job holds the same shapes, so rank 0 stands for all.
+collectives; every rank of an FSDP2 job holds the same shapes, so rank 0 stands for all. At W = 1 in bf16 nothing
+is sharded (``train/mirror.py``) and torch's ``MemTracker`` records the peak instead.
 
 What stays untraced (the fake device is ``cpu``: the ``cuda`` device type needs a driver): the CUDA caching
 allocator's rounding and fragmentation, NCCL's own buffers, the CUDA context, ``torch.compile`` (blocks run
@@ -235,7 +236,8 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
             first_opt = next(iter(task.optimizers.values()))
             roots = [m for m in task.modules() if hasattr(m, "unshard")]
             # every FSDP root of the task (student, heads, teacher, Gram teacher)
-            tracker = compat.fsdp_mem_tracker(roots[0], first_opt, roots=task)
+            tracker = (compat.fsdp_mem_tracker(roots[0], first_opt, roots=task) if roots
+                       else compat.mem_tracker(task, first_opt))  # one rank: no FSDP2 (train/mirror.py)
             tracker.track_inputs((micro,))
             comm, counter = (CommDebugMode() if comm_debug else contextlib.nullcontext()), CollectiveBytes()
             per_step: list[dict[str, int]] = []

@@ -1,6 +1,7 @@
 """One ``parallelize()`` for every model the trainer holds (student, teacher, heads): activation
 checkpointing, then per-block ``torch.compile``, then FSDP2 ``fully_shard`` per block and at the root
-(torchtitan's order), or, in a single process, autocast to the same compute dtype. Model code stays
+(torchtitan's order), or, in a single process, autocast to the same compute dtype; at one rank of a process
+group, FSDP2's numerics without FSDP2 (train/mirror.py). Model code stays
 single-device; this is the only place that shards it or picks its compute dtype.
 
 Frozen models (the EMA teacher, a distillation teacher, the students' EMAs) never run backward, so FSDP2
@@ -148,6 +149,10 @@ def apply_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> N
     module._dinopipe_autocast = dtype
 
 
+ONE_RANK_MIRROR = True
+"""At one rank of a process group, run FSDP2's mixed precision without FSDP2 (train/mirror.py). False: FSDP2 at
+one rank too (the reference tests/train/test_one_rank_mirror.py compares against)."""
+
 _MESHES: dict = {}
 
 
@@ -190,6 +195,15 @@ def parallelize(modules: Iterable[nn.Module], info: DistInfo, cfg: Optional[Para
                 apply_autocast(m, info.device.type, compute)
         log.info("compute dtype %s (%s, one process, %s modules)", cfg.param_dtype,
                  "autocast" if compute != torch.float32 else "no mixed precision", "frozen" if frozen else "trained")
+        return cfg.param_dtype
+    if info.world_size == 1 and compute != torch.float32 and ONE_RANK_MIRROR:
+        # One rank: nothing to shard or gather; FSDP2 would still cast and copy every parameter per unshard.
+        from .mirror import apply_mirror
+
+        for m in modules:
+            apply_mirror(m, compute, _AUTOCAST_METHODS)
+        log.info("compute dtype %s (one rank: fp32 masters, %s copy cast per forward, no FSDP2), %s modules",
+                 cfg.param_dtype, cfg.param_dtype, "frozen" if frozen else "trained")
         return cfg.param_dtype
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

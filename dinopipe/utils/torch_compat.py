@@ -93,6 +93,15 @@ def tree_map(fn: Callable, tree: Any):
     return _attr("torch.utils._pytree", "tree_map", "walking an op's arguments")(fn, tree)
 
 
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the running backward pass has finished (autograd engine's ``queue_callback``, what FSDP
+    uses for its post-backward work). Only valid from inside a backward (a hook)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None or not callable(getattr(engine, "queue_callback", None)):
+        raise _missing("torch.autograd.Variable._execution_engine.queue_callback", "one-rank mixed precision")
+    engine.queue_callback(fn)
+
+
 def wrapper_tensor(cls: type, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of class ``cls`` (a ``torch.Tensor`` subclass with ``__torch_dispatch__``) that has a shape
     and dtype but no storage (``Tensor._make_wrapper_subclass``)."""
@@ -200,6 +209,29 @@ def fsdp_mem_tracker(root: nn.Module, optimizer: Any, roots: nn.Module | None = 
     return tracker
 
 
+def mem_tracker(root: nn.Module, optimizer: Any) -> Any:
+    """torch's ``MemTracker`` over ``root`` and ``optimizer``: the trace's memory count when no module is
+    FSDP-sharded (one rank, train/mirror.py). ``track_inputs`` is accepted and does nothing (inputs are counted
+    as they are allocated)."""
+    base = _attr("torch.distributed._tools.mem_tracker", "MemTracker", "plan --trace's memory count")
+    if not callable(getattr(base, "_track_module_params_and_buffers", None)):
+        raise _missing("MemTracker._track_module_params_and_buffers", "plan --trace's memory count at one rank")
+
+    class Tracker(base):
+        def track_inputs(self, inputs: Any) -> None:
+            pass
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # the tracker hooks every parameter's gradient, which a frozen teacher's refuse; their memory is
+            # counted all the same (gradients are tracked as they are allocated)
+            hooks = install_grad_hooks and all(p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=hooks)
+
+    tracker = Tracker()
+    tracker.track_external(root, optimizer)
+    return tracker
+
+
 # -- torch.compile (gpu-check) -------------------------------------------------------------------------------
 
 def dynamo_counters() -> Any:
@@ -302,4 +334,4 @@ __all__ = ["TorchCompatError", "SUPPORTED", "torch_dispatch_mode_cls", "device_c
            "fake_store", "fake_tensor_mode", "own_fake_mode_for_sharding_propagation", "fsdp_mem_tracker",
            "dynamo_counters", "inductor_fallback_random", "dcp_set_element", "deepcopies_share_parameters",
            "wrapper_tensor", "disabled_torch_function", "functional_adam", "adam_init_group", "default_process_group",
-           "batchnorm_base", "norm_base"]
+           "batchnorm_base", "norm_base", "dcp_fsspec_classes", "queue_backward_callback", "mem_tracker"]
