@@ -1,7 +1,8 @@
 """The ranged GET behind :func:`dinopipe.utils.storage.read_range` for ``s3://``: which client sends it.
 
 Training reads one image per request in a global random order, so the client's CPU per request is what limits a
-core (bench/bench_remote.py: s3fs ~2 ms per 60 KB GET, obstore ~0.5 ms). ``DINOPIPE_S3_READER`` picks:
+core (bench/bench_remote.py: s3fs 1.2-2.5 ms of CPU per 60 KB GET, obstore 0.4-0.5 ms).
+``DINOPIPE_S3_READER`` picks:
 
 * ``obstore`` (the default when the ``obstore`` package is installed, ``[s3]`` extra): Rust's object_store. Sends
   ``If-Match`` (a replaced object is refused with 412 -> ``changed``), its own retries are off (``max_retries:
