@@ -73,3 +73,42 @@ def test_profile_credentials_fall_back_to_s3fs_and_a_bad_choice_is_one_line(monk
     monkeypatch.setenv("DINOPIPE_S3_READER", "boto")
     with pytest.raises(ValueError, match="DINOPIPE_S3_READER must be obstore, s3fs or crt"):
         s3_readers.reader_name()
+
+
+_WORKERS = """
+import json, os, sys
+from dinopipe.data.loader import DataPosition, build_train_loader
+from dinopipe.data.pool_index import open_pool
+from dinopipe.utils import s3_readers
+
+class Reader:
+    def __call__(self, img, seed):
+        return {"reader": s3_readers.reader_name(), "pid": os.getpid()}
+
+def collate(items, rng=None):
+    return {"seen": [(x["reader"], x["pid"]) for x in items]}
+
+pool = open_pool([sys.argv[1]], sys.argv[2])
+it = iter(build_train_loader(pool, pool.read, Reader(), collate, 4, 0, 1, 3, DataPosition(), num_workers=2))
+seen = {tuple(s) for _ in range(3) for s in next(it)["seen"]}
+print(json.dumps({"workers": sorted(seen), "main_used_obstore": s3_readers._obstore["pid"] is not None}))
+"""
+
+
+def test_training_workers_read_through_obstore(shards, tmp_path):
+    """A fresh training process (index build, then forked DataLoader workers): the main process never starts
+    obstore, so every worker reads through it (the fast path is the one training takes)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    _, url = shards
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("DINOPIPE_S3_READER", None)
+    out = subprocess.run([sys.executable, "-c", _WORKERS, url, str(tmp_path / "idx")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not got["main_used_obstore"]
+    assert {r for r, _ in got["workers"]} == {"obstore"} and len({p for _, p in got["workers"]}) == 2
