@@ -15,7 +15,8 @@ order of the old ``list_pool``), so a run's batches do not change when it moves 
 
 Where the index comes from (:func:`open_pool`): curation writes ``pool-index.bin`` next to its shards; when it
 is present and matches the shards on disk (names, sizes, mtimes) it is used as is. Otherwise the trainer builds
-one per source, once per run directory (``<output_dir>/pool_index/``): rank 0 builds it and renames it into place
+one per source, once per run directory (``<output_dir>/pool_index/``; a bucket's shard walk split over the ranks,
+remote_index.walk_split): rank 0 builds it and renames it into place
 atomically while the other ranks wait on the process group (alone, without one: the first process to take a file
 lock), and every rerun finds it valid and only maps it. Validating an index stats each shard once per *run*,
 split over the ranks (O(shards / W) each), and one all-reduce makes every rank take the same decision.
@@ -39,7 +40,7 @@ import numpy as np
 from ..utils.io import atomic_open
 
 from ..utils import storage
-from .remote_index import build_remote_index, remote_matches
+from .remote_index import build_remote_index, remote_matches, walk_split
 from .sources import FileListSource, FolderSource, ImageSource, RemoteSource, TarShardSource, open_source
 
 MAGIC = b"DPPOOL\x00\x01"
@@ -442,8 +443,8 @@ def _try_open(path: Optional[str], source: ImageSource, warn: bool, ranks: Ranks
     return None
 
 
-def write_source_index(source: ImageSource, path: str) -> PoolIndex:
-    header, arrays = build_index(source)
+def write_source_index(source: ImageSource, path: str, walked: Optional[dict] = None) -> PoolIndex:
+    header, arrays = build_remote_index(source, walked) if walked is not None else build_index(source)
     write_index(path, header, arrays)
     return PoolIndex(path)
 
@@ -462,10 +463,14 @@ def _cached_index(source: ImageSource, cache_dir: str, ranks: Ranks = Ranks()) -
         return idx  # the common case for every rerun: no lock, no build
     os.makedirs(cache_dir, exist_ok=True)
     if ranks.collective:
-        failed = None
+        failed, walked = None, None
+        if isinstance(source, RemoteSource) and source.kind == "tar":  # the header walk, split over the ranks
+            failed, walked = walk_split(source, path, ranks)
+            if failed is not None:
+                raise failed
         if ranks.rank == 0:
             try:
-                write_source_index(source, path)
+                write_source_index(source, path, walked)
             except Exception as e:  # still reach the barrier, so the others do not wait forever
                 failed = e
         ranks.barrier()

@@ -7,8 +7,9 @@ object, memory-mapped by every rank, which reads only the rows of its own slice.
 these (``If-Match`` on S3), so a shard replaced after the listing is refused and named, never mixed in.
 
 Building walks the tar headers of every shard through ranged reads, several shards at once (threads: the time is
-spent waiting on the store); it is done once per run directory (rank 0), and a rerun only re-lists the prefix
-(pages of 1,000 keys) to check that nothing changed.
+spent waiting on the store). In a run with a process group the walk is split over the ranks (each walks every
+W-th shard and leaves its members' offsets in a part file; rank 0 writes the index from the parts), once per
+run directory; a rerun only re-lists the prefix (pages of 1,000 keys) to check that nothing changed.
 """
 
 from __future__ import annotations
@@ -51,8 +52,52 @@ def _order(source: RemoteSource) -> list[int]:
     return sorted(range(len(names)), key=lambda k: names[k] + ("/" if source.kind == "tar" else ""))
 
 
-def build_remote_index(source: RemoteSource) -> tuple[dict, dict]:
-    """(header, arrays) of a remote source, in the order of its ids (the order of the same data on disk)."""
+def _locations(source: RemoteSource, k: int) -> np.ndarray:
+    refs, _ = source.walk(k)
+    prefix = len(source.name) + len(source.listing.name(k)) + 2
+    return member_locations([(r.id[prefix:], r.loc[1], r.loc[2]) for r in refs])
+
+
+def walk_shards(source: RemoteSource, rows: list[int]) -> dict[int, np.ndarray]:
+    """{listing row: (m, 2) member [offset, size]} of the shards ``rows``, walked ``WALK_THREADS`` at a time."""
+    with ThreadPoolExecutor(max_workers=max(1, WALK_THREADS)) as pool:
+        return dict(zip(rows, pool.map(lambda k: _locations(source, k), rows)))
+
+
+def walk_split(source: RemoteSource, path: str, ranks) -> tuple[Optional[BaseException], Optional[dict]]:
+    """Collectively: every rank walks its share of the shards (every ``world``-th in id order, from ``rank``) into
+    ``<path>.walk-<rank>-of-<world>.npz``; after a barrier rank 0 gets every shard's members (the others None).
+    Returns (the error to raise on every rank if any rank failed, the walked members)."""
+    order = _order(source)
+    part = f"{path}.walk-{{}}-of-{ranks.world}.npz"
+    failed: Optional[BaseException] = None
+    try:
+        walked = walk_shards(source, order[ranks.rank::ranks.world])
+        rows = np.asarray(list(walked), dtype=np.int64)
+        counts = np.asarray([len(v) for v in walked.values()], dtype=np.int64)
+        loc = np.concatenate(list(walked.values())) if walked else np.zeros((0, 2), dtype=np.int64)
+        tmp = part.format(ranks.rank) + ".tmp.npz"
+        np.savez(tmp, rows=rows, counts=counts, loc=loc)
+        os.replace(tmp, part.format(ranks.rank))
+    except Exception as e:  # noqa: BLE001 - still reach the barrier, so the others do not wait forever
+        failed = e
+    ranks.barrier()
+    if ranks.any_rank(failed is not None):
+        return failed or RuntimeError(f"another rank could not walk its shards for {path}"), None
+    if ranks.rank != 0:
+        return None, None
+    out: dict[int, np.ndarray] = {}
+    for r in range(ranks.world):
+        with np.load(part.format(r)) as z:
+            for k, piece in zip(z["rows"].tolist(), np.split(z["loc"], np.cumsum(z["counts"])[:-1])):
+                out[int(k)] = piece.reshape(-1, 2)
+        os.remove(part.format(r))
+    return None, out
+
+
+def build_remote_index(source: RemoteSource, walked: Optional[dict] = None) -> tuple[dict, dict]:
+    """(header, arrays) of a remote source, in the order of its ids (the order of the same data on disk).
+    ``walked``: every shard's members already walked (:func:`walk_split`), else walked here."""
     order = _order(source)
     listed = source.listing.arrays()
     names = [source.listing.name(k) for k in order]
@@ -66,13 +111,8 @@ def build_remote_index(source: RemoteSource) -> tuple[dict, dict]:
                   **per_path}
         return {"kind": "folder", "root": source.url, "remote": True, "n_images": n_paths, "n_paths": n_paths}, arrays
 
-    def locations(k: int) -> np.ndarray:
-        refs, _ = source.walk(k)
-        prefix = len(source.name) + len(source.listing.name(k)) + 2
-        return member_locations([(r.id[prefix:], r.loc[1], r.loc[2]) for r in refs])
-
-    with ThreadPoolExecutor(max_workers=max(1, WALK_THREADS)) as pool:
-        locs = list(pool.map(locations, order))
+    walked = walked if walked is not None else walk_shards(source, order)
+    locs = [walked[k] for k in order]
     idx = [np.full(len(loc), new, dtype=_row_dtype(n_paths)) for new, loc in enumerate(locs)]
     loc = np.concatenate(locs) if locs else np.zeros((0, 2), dtype=np.int64)
     arrays = {"path_blob": blob, "path_start": start,
@@ -99,4 +139,4 @@ def remote_matches(index: "PoolIndex", source: RemoteSource) -> Optional[str]:
     return None
 
 
-__all__ = ["build_remote_index", "remote_matches"]
+__all__ = ["build_remote_index", "remote_matches", "walk_shards", "walk_split"]

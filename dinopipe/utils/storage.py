@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import os
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ _lock = threading.Lock()
 _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
              "RequestThrottled", "ProvisionedThroughputExceededException"}
 _SERVER = {"InternalError", "ServiceUnavailable", "RequestTimeout", "InternalServerError", "BadGateway"}
+_STATUS = re.compile(r"status code: (\d{3})")
 _CONNECTION_NAMES = ("Disconnected", "Connection", "Payload", "IncompleteRead", "Timeout", "ResponseStreaming",
                      "ProtocolError", "ReadError")
 
@@ -142,6 +144,19 @@ def classify(exc: BaseException) -> tuple[str, bool]:
     if isinstance(exc, FileNotFoundError):
         return MISSING, False
     text = str(exc)
+    if type(exc).__name__ == "PreconditionError":  # obstore's 412: If-Match refused
+        return CHANGED, False
+    obstore = type(exc).__module__.startswith("obstore")
+    status = _STATUS.search(text) if obstore else None  # obstore (object_store) names the status in its message
+    if status:
+        code = int(status.group(1))
+        if code in (429, 503) or "SlowDown" in text:
+            return "throttled", True
+        if code >= 500:
+            return "server_error", True
+        return {404: MISSING, 412: CHANGED}.get(code, READ_ERROR), False
+    if obstore and ("HTTP error" in text or "error sending request" in text):
+        return "connection", True  # a body cut short / a refused or reset connection (reqwest / hyper)
     if "key does not exist" in text or "NoSuchKey" in text:  # the CRT client's words for a 404
         return MISSING, False
     if "pre-conditions" in text or "PreconditionFailed" in text:
@@ -193,6 +208,7 @@ def read_range(url: str, offset: int, size: int, etag: Optional[str] = None, obj
                policy: Optional[RetryPolicy] = None) -> bytes:
     """``size`` bytes at ``offset`` of the object at ``url`` (``size < 0``: the whole object).
 
+    s3:// goes through obstore when installed, else s3fs (``DINOPIPE_S3_READER``: dinopipe/utils/s3_readers.py).
     With ``etag`` (S3 and S3-compatible stores) the GET carries ``If-Match``, so an object replaced since the
     listing is refused by the server itself and raises Unreadable('changed'). A read that comes back short is
     retried (a cut connection); if it stays short, the object is looked at once to name why (changed, truncated).
@@ -203,16 +219,19 @@ def read_range(url: str, offset: int, size: int, etag: Optional[str] = None, obj
         count(f"unreadable/{TRUNCATED_OBJECT}")  # the listing itself says the bytes are not there: no retry
         raise Unreadable(url, TRUNCATED_OBJECT, f"bytes {offset}-{end} of a {object_size}-byte object")
 
-    crt = _crt_client() if protocol(url) in ("s3", "s3a") else None
+    fast = None
+    if protocol(url) in ("s3", "s3a"):
+        from dinopipe.utils import s3_readers
+
+        bucket, key, _ = fs.split_path(path)
+        fast = s3_readers.getter(bucket)  # obstore (default when installed) or CRT; None: s3fs
 
     def get() -> bytes:
-        if crt is not None:  # AWS's CRT client: ~5x less CPU per GET; its own retries, no If-Match (size check)
-            bucket, key, _ = fs.split_path(path)
-            data = b"".join(crt.get_object(bucket, key, offset if end is not None else None, end))
+        if fast is not None:  # 3-5x less CPU per GET than s3fs (dinopipe/utils/s3_readers.py)
+            data = fast(key, offset, end, etag)
         elif etag and protocol(url) in ("s3", "s3a"):
             from s3fs.core import _fetch_range  # s3fs's ranged GET with extra request keys (If-Match)
 
-            bucket, key, _ = fs.split_path(path)
             stop = end if end is not None else (object_size if object_size is not None else fs.size(path))
             data = _fetch_range(fs, bucket, key, None, offset, stop, req_kw={"IfMatch": etag})
         else:
@@ -230,28 +249,6 @@ def read_range(url: str, offset: int, size: int, etag: Optional[str] = None, obj
         reason = _why_unreadable(fs, path, etag, object_size)
         count(f"unreadable/{reason}")
         raise Unreadable(url, reason) from None
-
-
-_crt: dict = {}
-
-
-def _crt_client():
-    """``DINOPIPE_S3_READER=crt``: reads through s3torchconnectorclient (AWS CRT, the ``[s3-crt]`` extra) instead of
-    s3fs. Measured ~0.4 ms CPU per ranged GET against s3fs's ~1.8 ms (bench/bench_remote.py), at a price: the
-    CRT retries throttling, 5xx and dropped connections itself (not counted in the step summary) and cannot send
-    If-Match (a replaced object is caught by its size only). Default: s3fs."""
-    if os.environ.get("DINOPIPE_S3_READER", "s3fs") != "crt":
-        return None
-    key = (os.getpid(), os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
-    if key not in _crt:
-        try:
-            from s3torchconnectorclient._mountpoint_s3_client import MountpointS3Client
-        except ImportError:
-            raise ValueError("DINOPIPE_S3_READER=crt needs s3torchconnectorclient: "
-                             "pip install 'dinopipe[s3-crt]'") from None
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        _crt[key] = MountpointS3Client(region, endpoint=key[1], force_path_style=bool(key[1]))
-    return _crt[key]
 
 
 def _why_unreadable(fs, path: str, etag: Optional[str], object_size: int) -> str:

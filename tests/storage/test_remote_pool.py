@@ -11,9 +11,19 @@ import shutil
 import pytest
 import torch
 
+from dinopipe.utils import s3_readers
 from tests.storage.conftest import upload
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(params=["obstore", "s3fs"])
+def reader(request, monkeypatch):
+    """Each fault test runs through both s3:// readers: obstore (the default when installed) and s3fs."""
+    if request.param == "obstore":
+        pytest.importorskip("obstore", reason="obstore is in the [s3] extra")
+    monkeypatch.setenv("DINOPIPE_S3_READER", request.param)
+    return request.param
 
 
 def _pool(paths, cache_dir):
@@ -77,7 +87,7 @@ def test_pool_from_a_bucket_gives_the_local_pools_bytes_and_batches(shards, tmp_
 
 @pytest.mark.parametrize("fault,kind", [("slowdown", "throttled"), ("internal", "server_error"),
                                         ("drop", "connection")])
-def test_a_transient_fault_is_retried_counted_and_loses_nothing(s3, shards, tmp_path, fault, kind):
+def test_a_transient_fault_is_retried_counted_and_loses_nothing(s3, shards, tmp_path, fault, kind, reader):
     """Throttling (503 SlowDown), a 500, a connection dropped mid-object: each sample exactly once, as local."""
     local_dir, url = shards
     local, remote = _pool([local_dir], tmp_path / "a"), _pool([url], tmp_path / "b")
@@ -90,9 +100,10 @@ def test_a_transient_fault_is_retried_counted_and_loses_nothing(s3, shards, tmp_
     assert got[0] == want[0] and got[1] == want[1]  # the same samples, in the same order, each once
     assert len(set(got[0])) == len(got[0]) and not got[2]  # no duplicate, nothing unreadable
     assert got[3] == {f"retry/{kind}": 5}  # every retry counted, by kind
+    assert s3_readers.reader_name() == reader  # ... by the reader under test (obstore's own retries are off)
 
 
-def test_an_object_deleted_after_listing_is_counted_missing(s3, shards, tmp_path):
+def test_an_object_deleted_after_listing_is_counted_missing(s3, shards, tmp_path, reader):
     local_dir, _ = shards
     url = upload(s3, str(local_dir), "deleted")
     remote = _pool([url], tmp_path / "b")
@@ -103,7 +114,7 @@ def test_an_object_deleted_after_listing_is_counted_missing(s3, shards, tmp_path
     assert len(keys) == len(set(keys)) == len(remote) // 4 * 4 - n_gone  # the rest delivered, each once
 
 
-def test_an_object_replaced_after_listing_is_caught_by_its_etag(s3, shards, tmp_path):
+def test_an_object_replaced_after_listing_is_caught_by_its_etag(s3, shards, tmp_path, reader):
     """A shard rewritten mid-run (same name, other bytes) is refused by If-Match, never mixed into batches."""
     local_dir, _ = shards
     url = upload(s3, str(local_dir), "replaced")
@@ -116,7 +127,7 @@ def test_an_object_replaced_after_listing_is_caught_by_its_etag(s3, shards, tmp_
     assert len(keys) == len(set(keys)) == len(remote) // 4 * 4 - n_changed
 
 
-def test_a_truncated_object_keeps_the_images_before_the_cut(s3, shards, tmp_path):
+def test_a_truncated_object_keeps_the_images_before_the_cut(s3, shards, tmp_path, reader):
     """A shard cut short in the bucket: the members before the cut train, the damage is one counted sample."""
     local_dir, _ = shards
     cut = tmp_path / "cut"
