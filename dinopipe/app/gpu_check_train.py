@@ -22,7 +22,7 @@ class Skip(Exception):
     """A check that does not apply here (no GPU, package not installed); recorded with its reason."""
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the repository (this file: dinopipe/app/)
 
 
 def _need(*modules: str) -> None:

@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 from ..config import ConfigError, exit_on_config_error, load_config
 
 STAGES = ("curate", "pretrain", "distill")
-DEFAULT_SCRIPTS = Path(__file__).resolve().parents[1] / "slurm"
+DEFAULT_SCRIPTS = Path(__file__).resolve().parents[2] / "slurm"  # the repository's slurm/ (this file: dinopipe/app/)
 
 
 @dataclass

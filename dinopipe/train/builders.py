@@ -153,7 +153,9 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
         cfg = load_config(schema, args.config, args.overrides)
         validate(cfg)
         key = "train.output_dir" if hasattr(cfg, "train") else "output_dir"  # pretrain / distill, pipeline
-        check_writable(cfg.train.output_dir if hasattr(cfg, "train") else cfg.output_dir, key)
+        out = getattr(getattr(cfg, "train", cfg), "output_dir", None)
+        if out:  # a stage whose schema writes an output folder: checked before any work
+            check_writable(out, key)
     except ConfigError as exc:
         exit_on_config_error(exc)
     setup_logging()
