@@ -304,9 +304,10 @@ def check_table(runs: list[dict], rates: str | None = None) -> str:
     for r in runs:
         m = re.search(r"(\d+) cores", (r.get("meta") or {}).get("machine", ""))
         cores = int(m.group(1)) if m else 2
-        levels = r.get("step_results", {}).get("rebalance", {}).get("levels") or list(sim["levels"])
+        dd = (r.get("config") or {}).get("dedup") or {}  # the run's own config; else simulate's old settings
+        levels = r.get("step_results", {}).get("rebalance", {}).get("levels") or [1000, 100, 10]
         steps = plan(int(r["n"]), int(r["dim"]), r["step_results"]["dedup"].get("index", "ivf"), nodes=1,
-                     gpus_per_node=0, cpus_per_task=cores, tasks=int(r["tasks"]), nprobe=sim["nprobe"], k=sim["k"],
+                     gpus_per_node=0, cpus_per_task=cores, tasks=int(r["tasks"]), nprobe=dd.get("nprobe", 8), k=dd.get("k", 4),
                      n_eval=sim["n_eval"], levels=levels, pairs_per_image=0, rates=R)
         for name, step, fns in CHECK:
             model = sum(s.hours * 3600 for s in steps if s.name.startswith(name))
