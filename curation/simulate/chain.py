@@ -131,6 +131,35 @@ def write_eval(work: str, n: int, dim: int, n_clusters: int, n_eval: int, overla
     _mark_task_done(ev_dir, 0, 1, {"images": len(ev)})
 
 
+def seeds_dir(work: str) -> str:
+    """The generated seed set's images (``input.seed_paths`` in the retrieval modes)."""
+    return os.path.join(work, "seeds")
+
+
+def write_seeds(work: str, m: int, dim: int, n_clusters: int, seed: int) -> None:
+    """A curated seed set of ``m`` images: points of a random half of the clusters (so retrieving around them
+    rebalances), pre-embedded in ``embeddings/seeds/`` as `curate run` would have embedded them, and their
+    JPEGs in :func:`seeds_dir` (ids ``seeds/<k>.jpg``, what a folder source of it lists)."""
+    sd = os.path.join(work, "embeddings", "seeds")
+    if os.path.exists(os.path.join(sd, "task-00000-of-00001.json")):
+        return
+    rng = np.random.default_rng([seed, 3])
+    cent, _ = gen.centres(n_clusters, dim, seed)
+    lab = rng.choice(rng.permutation(n_clusters)[: max(1, n_clusters // 2)], size=m)
+    x = gen._normalise(cent[lab] + rng.standard_normal((m, dim)).astype(np.float32) * np.float32(
+        np.sqrt(gen.SPREAD / dim))).astype(np.float16)
+    os.makedirs(seeds_dir(work), exist_ok=True)
+    names = [f"{k:08d}.jpg" for k in range(m)]
+    for k, name in enumerate(names):
+        with open(os.path.join(seeds_dir(work), name), "wb") as f:
+            f.write(jpegs()[k % N_JPEGS])
+    meta = _meta(0, m, None)
+    meta["ids"], meta["sources"] = [f"seeds/{name}" for name in names], ["seeds"] * m
+    meta["locs"] = [os.path.abspath(os.path.join(seeds_dir(work), name)) for name in names]
+    save_shard(sd, "part-00000-00000", x, meta)
+    _mark_task_done(sd, 0, 1, {"images": m})
+
+
 def truth(work: str, n: int, block: int = 0) -> dict:
     """The planted pairs (pool positions = generation rows), gathered from the truth parts."""
     block = block or BLOCK

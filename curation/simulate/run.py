@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import gc
 import glob
@@ -40,6 +41,8 @@ from . import chain
 INPUT_KEYS = {
     "input.paths": "the generated pool: its tar shards of small synthetic JPEGs (WORK/pool)",
     "output.dir": "--work",
+    "input.seed_paths": "in the retrieval modes only (rebalance.mode sample | cluster): the generated seed set "
+                        "(WORK/seeds: its JPEGs, its rows pre-embedded in embeddings/seeds/)",
 }
 """The only keys of the simulation's config that differ from what `curate run` runs with the same ``--config``
 and ``key=value`` overrides: its inputs (docs/curate.md, "curate simulate"). ``--tasks W`` is the override
@@ -77,7 +80,16 @@ def chain_config(work: str, overrides=(), config: str | None = None):
     cfg = load_config(CurationConfig, config, list(overrides))
     cfg.input.paths = [chain.pool_dir(work)]
     cfg.output.dir = work
-    validate(cfg, "dedup")  # as `curate run` does, but input.paths: generated after this check
+    check = copy.deepcopy(cfg)
+    if retrieval(cfg):  # the seeds are generated (after this check, as the pool is): given, not there yet
+        cfg.input.seed_paths, check.input.seed_paths = [chain.seeds_dir(work)], [os.curdir]
+    validate(check, "dedup")  # as `curate run` does, but input.paths: generated after this check
+    return cfg
+
+
+def retrieval(cfg) -> bool:
+    """The rebalance modes that retrieve around seed images (the simulation generates a seed set for them)."""
+    return cfg.rebalance.mode in ("sample", "cluster")
     return cfg
 
 
@@ -132,7 +144,7 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
              nlist: int | None = None, nprobe: int | None = None, k: int | None = None,
              threshold: float | None = None, levels=None, seed: int = 0, processes: int | None = None,
              progress: str | None = None, chunk_size: int | None = None, query_fraction: float = 1.0,
-             isolate: bool = False, overrides=(), config: str | None = None) -> dict:
+             isolate: bool = False, overrides=(), config: str | None = None, n_seeds: int | None = None) -> dict:
     """Generate the pool in ``work`` (existing parts are reused: a rerun skips finished tasks), then run
     `curate run`'s steps after embedding on it with ``tasks.count=tasks`` (``processes=0``: the tasks inline,
     one after another in this process; else local processes; ``isolate``: W = 1 too, ``tasks.isolate``).
@@ -158,9 +170,11 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
         # the path table as W tasks right after the pool's parts, as the embed step does after embedding
         build_tables(work, cfg.tasks)
         chain.write_eval(work, n, dim, n_clusters, n_eval, overlap, seed)
+        if retrieval(cfg):
+            chain.write_seeds(work, n_seeds or max(10, min(10_000, n // 100)), dim, n_clusters, seed)
     table["generate"] = _row(rec, time.perf_counter() - t0, mem, traced)
     inputs = ChainInputs(verifier=chain.planted_factory(work, n, block), eval_embedded=True,
-                         query_fraction=query_fraction)
+                         query_fraction=query_fraction, seeds_embedded=retrieval(cfg))
     results = {}
     for step in chain_steps(cfg):
         t0 = time.perf_counter()
@@ -264,6 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--clusters", type=int, default=1000)
     p.add_argument("--eval", type=int, default=10000, dest="n_eval")
     p.add_argument("--overlap", type=int, default=1000)
+    p.add_argument("--n-seeds", type=int, default=None,
+                   help="seed images generated for rebalance.mode=sample|cluster (default: N/100, 10..10,000)")
     p.add_argument("--config", default=None, help="the YAML `curate run --config` takes (default: its defaults)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, as `curate run` takes them (e.g. rebalance.mode=hierarchical)")
@@ -283,7 +299,7 @@ def main(argv=None) -> int:
     try:
         res = simulate(a.work, a.n, a.dim, a.tasks, a.clusters, min(a.n_eval, a.n), min(a.overlap, a.n_eval, a.n),
                        seed=a.seed, processes=a.processes, progress=a.progress, query_fraction=a.query_fraction,
-                       isolate=a.isolate, overrides=a.overrides, config=a.config)
+                       isolate=a.isolate, overrides=a.overrides, config=a.config, n_seeds=a.n_seeds)
     except ConfigError as exc:  # before anything is written (chain_config runs first)
         exit_on_config_error(exc)
     print(render(res))

@@ -20,6 +20,7 @@ from curation.steps import runner
 from dinopipe.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
+PLAIN = set(INPUT_KEYS) - {"input.seed_paths"}  # the keys outside the retrieval modes
 DEFAULT_YAML = str(ROOT / "configs" / "curation" / "default.yaml")
 
 
@@ -46,10 +47,10 @@ def test_chain_config_is_curate_runs_but_the_input_keys(tmp_path, config):
     over = run_overrides(4, None, False, ["rebalance.mode=hierarchical"])
     got = dataclasses.asdict(chain_config(str(tmp_path / "w"), over, config))
     want = dataclasses.asdict(load_config(CurationConfig, config, over))
-    assert _differs(got, want) == set(INPUT_KEYS)
+    assert _differs(got, want) == PLAIN
     # no override: the defaults, except W (the one `curate run tasks.count=4` gets too)
     got = dataclasses.asdict(chain_config(str(tmp_path / "w"), run_overrides(4)))
-    assert _differs(got, dataclasses.asdict(CurationConfig())) == set(INPUT_KEYS) | {"tasks.count"}
+    assert _differs(got, dataclasses.asdict(CurationConfig())) == PLAIN | {"tasks.count"}
     assert not (tmp_path / "w").exists()  # only checked: nothing written
 
 
@@ -61,7 +62,7 @@ def test_default_chain_writes_shards_of_the_generated_jpegs_and_the_report(tmp_p
     res = simulate(str(work), 2500, 16, tasks=2, n_clusters=8, n_eval=60, overlap=12, processes=0)
     saved = OmegaConf.to_container(OmegaConf.load(work / "config.yaml"))  # what the chain ran with
     want = dataclasses.asdict(load_config(CurationConfig, None, run_overrides(2, 0)))
-    assert _differs(saved, want) == set(INPUT_KEYS)
+    assert _differs(saved, want) == PLAIN
     assert res["chain"][-2:] == ["write", "report"] and "embed" not in res["chain"]
     kept = res["counts"]["kept"]
     assert kept > 0 and res["step_results"]["report"]
@@ -72,6 +73,29 @@ def test_default_chain_writes_shards_of_the_generated_jpegs_and_the_report(tmp_p
             members += [(m, tar.extractfile(m).read()) for m in tar.getmembers() if m.name.endswith(".jpg")]
     assert len(members) == kept  # every kept image copied from the generated pool's shards
     assert Image.open(io.BytesIO(members[0][1])).size == (16, 16)
+
+
+@pytest.mark.parametrize("mode", ["sample", "cluster"])
+def test_retrieval_modes_run_around_a_generated_seed_set(tmp_path, monkeypatch, mode):
+    """The retrieval modes need seeds: the simulation generates them (input.seed_paths, its one more input
+    key); every kept row of the retrieval is attached to its nearest seed, as `curate run` records it."""
+    import numpy as np
+
+    from curation.stepfiles import load_step
+
+    monkeypatch.setattr(runner, "BLOCK", 1024)
+    work = tmp_path / mode
+    over = [f"rebalance.mode={mode}", "rebalance.n_clusters=16", "rebalance.min_seeds=1"]
+    res = simulate(str(work), 2500, 16, tasks=2, n_clusters=8, n_eval=60, overlap=12, processes=0, overrides=over,
+                   n_seeds=40)
+    saved = OmegaConf.to_container(OmegaConf.load(work / "config.yaml"))
+    want = dataclasses.asdict(load_config(CurationConfig, None, run_overrides(2, 0, overrides=over)))
+    assert _differs(saved, want) == set(INPUT_KEYS)
+    assert saved["input"]["seed_paths"] == [str(work / "seeds")] and len(list((work / "seeds").glob("*.jpg"))) == 40
+    rb = load_step(str(work), "rebalance", mmap=False)
+    near = np.asarray(rb["nearest_seed"])
+    assert res["counts"]["kept"] > 0 and res["counts"]["not_selected"] > 0
+    assert (near >= 0).sum() > 0 and near.max() < 40
 
 
 def test_cli_bad_override_exits_2_before_writing(tmp_path):
