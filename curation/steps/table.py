@@ -29,6 +29,7 @@ from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_write_json
 
 from .runner import part_done, read_part, write_part
+from .table_owned import _scatter, save_by_owner
 
 CHUNK = 1 << 16
 """Entries per chunk wherever a task walks another run or scatters bytes (a constant, not a share of N)."""
@@ -216,8 +217,6 @@ def rank_task(t: int, w: int, work: str, out: dict[str, str], source_codes: list
     emit("loc_span", rr, _run(work, t, "span")[readable])
     emit("loc_len", rr, np.char.str_len(np.asarray(_run(work, t, "loc")[readable])) if len(rr) else 0)
     if owned:
-        from .table_owned import save_by_owner
-
         n_in, n_rows = len(np.load(out["ids_len"], mmap_mode="r")), len(np.load(out["row_id"], mmap_mode="r"))
         save_by_owner(work, "rank", t, w, writes, {k: n_in if k in ("input_source", "input_reason", "ids_len")
                                                    else n_rows for k in writes})
@@ -231,24 +230,6 @@ def read_dup(work: str, t: int, w: int) -> np.ndarray:
         return z["dup"]
 
 
-def _scatter(blob: np.ndarray, offsets: np.ndarray, at: np.ndarray, strings: np.ndarray) -> None:
-    """``blob[offsets[at[i]]:...] = strings[i]`` for every ``i``, ``CHUNK / 8`` strings at a time (a byte's
-    destination is an int64: 16 B per byte of a chunk)."""
-    step = max(1, CHUNK // 8)
-    for c0 in range(0, len(at), step):
-        s = np.ascontiguousarray(strings[c0:c0 + step])
-        width = s.dtype.itemsize
-        lens = np.char.str_len(s).astype(np.int64)
-        total = int(lens.sum())
-        if not total:
-            continue
-        u8 = s.view(np.uint8).reshape(len(s), width)
-        src = u8[np.arange(width)[None, :] < lens[:, None]]  # the strings one after another
-        starts = np.asarray(offsets[at[c0:c0 + step]], np.int64)
-        local = np.cumsum(lens) - lens
-        blob[np.repeat(starts - local, lens) + np.arange(total, dtype=np.int64)] = src
-
-
 def copy_task(t: int, w: int, work: str, out: dict[str, str], owned: bool = False) -> dict:
     """Run ``t``'s id strings into the id blob at their offsets, its readable rows' locations into the
     location blob (``owned``: kept as parts per owner, as :func:`rank_task`'s)."""
@@ -258,8 +239,6 @@ def copy_task(t: int, w: int, work: str, out: dict[str, str], owned: bool = Fals
     r = read_part(rank_part(work, t, w))
     key = _run(work, t, "keys")
     if owned:
-        from .table_owned import save_by_owner
-
         readable = np.flatnonzero(_run(work, t, "row_pos") >= 0)
         writes = {"ids_blob": (r["rank"], np.asarray(key)),
                   "loc_blob": (r["row"][readable], np.asarray(_run(work, t, "loc")[readable]))}
@@ -267,11 +246,11 @@ def copy_task(t: int, w: int, work: str, out: dict[str, str], owned: bool = Fals
                                                                   mmap_mode="r")) - 1 for k in writes})
     elif len(key):
         blob = open_rw(out["ids_blob"])
-        _scatter(blob, np.load(out["ids_offsets"], mmap_mode="r"), r["rank"], key)
+        _scatter(blob, np.load(out["ids_offsets"], mmap_mode="r"), r["rank"], key, CHUNK)
         readable = np.flatnonzero(_run(work, t, "row_pos") >= 0)
         locs = open_rw(out["loc_blob"])
         _scatter(locs, np.load(out["loc_offsets"], mmap_mode="r"), r["row"][readable],
-                 np.asarray(_run(work, t, "loc")[readable]))
+                 np.asarray(_run(work, t, "loc")[readable]), CHUNK)
         for m in (blob, locs):
             if isinstance(m, np.memmap):
                 m.flush()

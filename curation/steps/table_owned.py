@@ -82,6 +82,25 @@ def pwrite(path: str, start: int, block: np.ndarray) -> None:
         os.close(fd)
 
 
+def _scatter(blob: np.ndarray, offsets: np.ndarray, at: np.ndarray, strings: np.ndarray,
+             chunk: int = 1 << 16) -> None:
+    """``blob[offsets[at[i]]:...] = strings[i]`` for every ``i``, ``chunk / 8`` strings at a time (a byte's
+    destination is an int64: 16 B per byte of a chunk)."""
+    step = max(1, chunk // 8)
+    for c0 in range(0, len(at), step):
+        s = np.ascontiguousarray(strings[c0:c0 + step])
+        width = s.dtype.itemsize
+        lens = np.char.str_len(s).astype(np.int64)
+        total = int(lens.sum())
+        if not total:
+            continue
+        u8 = s.view(np.uint8).reshape(len(s), width)
+        src = u8[np.arange(width)[None, :] < lens[:, None]]  # the strings one after another
+        starts = np.asarray(offsets[at[c0:c0 + step]], np.int64)
+        local = np.cumsum(lens) - lens
+        blob[np.repeat(starts - local, lens) + np.arange(total, dtype=np.int64)] = src
+
+
 def place_task(u: int, w: int, work: str, out: dict[str, str], kind: str) -> dict:
     """Owner ``u``: its slice of every output the ``kind`` tasks wrote (rank: the fixed-width arrays, copy: the
     two string blobs, whose slices are the byte ranges of the owner's entries), from the W parts addressed to
@@ -111,8 +130,6 @@ def place_task(u: int, w: int, work: str, out: dict[str, str], kind: str) -> dic
 
 def _place_strings(out: dict[str, str], name: str, u: int, w: int, got: list[dict]) -> int:
     """Blob ``name`` (ids_blob / loc_blob): the strings of owner ``u``'s entries, one contiguous byte range."""
-    from .table import _scatter
-
     offsets = np.load(out[name.replace("_blob", "_offsets")], mmap_mode="r")
     lo, hi = bounds(len(offsets) - 1, w)[u:u + 2]
     b0, b1 = int(offsets[lo]), int(offsets[hi])
