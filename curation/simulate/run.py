@@ -2,10 +2,12 @@
 after embedding, W tasks each: curation.pipeline.run_steps), print per step the wall time, the tasks it ran and
 the peak memory of its largest task, and the recall of what was planted.
 
-    curate simulate --n 1000000 --dim 384 --tasks 4 --work /tmp/sim
+    curate simulate --n 1000000 --dim 384 --tasks 4 --work /tmp/sim [--config FILE] [key=value ...]
 
-The simulation differs from `curate run` only in its inputs (curation.simulate.chain): generated embeddings and
-hashes, generated eval rows, and a planted-truth verifier standing in for pixels. Memory per task is the heap a
+The simulation runs the config `curate run` loads from the same --config and overrides and differs from it only in
+its inputs (:data:`INPUT_KEYS`; curation.simulate.chain): generated embeddings and hashes with the pool's tar shards
+of small JPEGs, generated eval rows (and seeds in the retrieval modes), and a planted-truth verifier standing in
+for the pixel verification. Memory per task is the heap a
 task allocated (sampled RssAnon above its start: a local task process's own, an inline task's above the
 orchestrator's) and, for the orchestrating process, its own peak heap during the step; with CURATE_TRACE_TASKS=1
 also tracemalloc's exact peaks (each task's, the orchestrator's) and what a step left allocated. Pixel verification
