@@ -89,11 +89,13 @@ RATES_JSON ?= bench/results/scale_1m.json bench/results/scale_3m.json
 # TASKS_JSON: runs at W = 1 and W = 4 (at the largest N; a smaller N at W = 4 shows a per-task constant), the
 # per-task memory table (docs/curation-scale.md).
 TASKS_JSON ?= bench/results/scale_10m_d128.json
+# CHAIN_JSON: runs of `curate run`'s default config (write and report included; docs region default-chain-table).
+CHAIN_JSON ?= bench/results/scale_default_chain.json
 VERIFY_JSON ?=
 curation-tables: venv
 	$(BIN)/python bench/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out bench/rates.json
 	$(BIN)/python bench/render_tables.py --scale $(SCALE_JSON) --rates bench/rates.json --check $(RATES_JSON) \
-		$(if $(TASKS_JSON),--tasks-memory $(TASKS_JSON))
+		$(if $(TASKS_JSON),--tasks-memory $(TASKS_JSON)) $(if $(CHAIN_JSON),--default-chain $(CHAIN_JSON))
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache

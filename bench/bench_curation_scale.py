@@ -1,5 +1,7 @@
 """Growth of every curation step after embedding, on the chain `curate run` ships (`curate simulate`: the
 steps of curation.pipeline.run_steps on generated embeddings, hashes and planted truth), W=1 and W=4 tasks.
+The config is `curate run`'s (its defaults, or --config and key=value overrides): write shards and report
+included.
 
     nice -n 10 python bench/bench_curation_scale.py --sizes 1000000 3000000 10000000 --work /tmp/scale \\
         --json scale.json
@@ -48,10 +50,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--processes", type=int, default=None, help="local task processes at a time (0: inline)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folders")
+    p.add_argument("--config", default=None, help="the YAML `curate run --config` takes (default: its defaults)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, as `curate run` takes them (curate simulate runs that config)")
     p.add_argument("--query-fraction", nargs="+", default=[], metavar="N=F",
                    help="per size, the fraction of rows that query the copy search (every row is indexed; "
                         "e.g. 10000000=0.01); default 1")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     fractions = {int(x.split("=")[0]): float(x.split("=")[1]) for x in a.query_fraction}
     results = []
     if a.json and os.path.exists(a.json):
@@ -65,6 +70,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             res = simulate(work, n, a.dim, w, processes=a.processes, query_fraction=fractions.get(n, 1.0),
                            isolate=a.processes != 0,  # W = 1 in a fresh process too: its peak is its own
+                           overrides=a.overrides, config=a.config,
                            progress=(a.json or os.path.join(a.work, "bench")) + f".n{n}-w{w}.progress.jsonl")
             res["total_s"] = time.perf_counter() - t0
             res["meta"] = run_meta(argv)  # date, machine, command: what bench/rates_from_bench.py cites

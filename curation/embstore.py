@@ -30,7 +30,6 @@ from dinopipe.config import InputError
 from dinopipe.utils.exits import UnfinishedError
 from dinopipe.data.sources import ImageRef
 from dinopipe.utils.io import atomic_open, atomic_write_json
-from dinopipe.utils.proc import usable_cores
 
 from .pathtable import PathTable, build_table, fresh_meta, open_table
 
@@ -206,12 +205,9 @@ def build_path_table(emb_dir: str, plan: Callable[[int], dict]) -> int:
     rows = [len(p) for p in parts]
     p = plan(sum(rows))
     w = max(1, int(p["tasks"]))
-    if p["launcher"] not in ("inline", "local"):
-        # srun / slurm / dist: local processes of this node instead, at most one per core. The rank and copy
-        # tasks write disjoint positions of shared memory-mapped files: safe in one node's page cache, not
-        # promised by every network file system across nodes (the bytes are the same for any W)
-        w = max(1, min(w, usable_cores()))
-    launcher = "inline" if p["launcher"] == "inline" else "local"  # W = 1: the plan says inline, or local (isolate)
+    launcher = p["launcher"] if p["launcher"] in ("inline", "srun") else "local"  # W = 1 local: isolate
+    # srun: W srun tasks, as every other step; their outputs are written a slice per owner (no two nodes
+    # write one page: curation.steps.table_owned)
     return build_table(emb_dir, metas, rows, w, launcher)["tasks"]
 
 

@@ -106,8 +106,10 @@ def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int], num_t
                 launcher: str = "inline") -> dict:
     """Write ``<emb_dir>/table/`` from the parts' ``.ids.json`` (``part_rows``: rows of each part) as
     ``num_tasks`` W tasks of each kind (curation.steps.table; ``launcher``: inline, one after another in this
-    process, or local, W fresh processes). Work files go to ``table/work/`` (kept for a rerun until the table
-    is complete: finished tasks are skipped). Returns ``{"tasks": W, "reports": [...]}`` (each task's peak)."""
+    process, local, W fresh processes, or srun, W srun tasks of the job's nodes: their writes placed by
+    the owner of each output slice, curation.steps.table_owned). Work files go to ``table/work/`` (kept for a
+    rerun until the table is complete: finished tasks are skipped). Returns ``{"tasks": W, "reports": [...]}``
+    (each task's peak)."""
     d = os.path.join(emb_dir, TABLE_DIR)
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, ".lock"), "a") as lock:
@@ -121,6 +123,7 @@ def build_table(emb_dir: str, meta_paths: list[str], part_rows: list[int], num_t
 def _build(emb_dir: str, meta_paths: list[str], part_rows: list[int], w: int, launcher: str) -> dict:
     from .steps import table as tt
     from .steps.runner import launch, run_step
+    from .steps.table_owned import place_task
 
     d = os.path.join(emb_dir, TABLE_DIR)
     work = os.path.join(d, "work")
@@ -149,18 +152,24 @@ def _build(emb_dir: str, meta_paths: list[str], part_rows: list[int], w: int, la
     src_of, reason_of = {s: i for i, s in enumerate(sources)}, {s: i for i, s in enumerate(reasons)}
     src_codes = [[src_of[s] for s in x["sources"]] for x in names]  # run code -> global code
     reason_codes = [[reason_of[s] for s in x["reasons"]] for x in names]
-    reports += run(tt.rank_task, work=work, out=out, source_codes=src_codes, reason_codes=reason_codes)
+    # srun tasks may run on several nodes: each output slice written by one owner (curation.steps.table_owned)
+    owned = launcher == "srun" and w > 1
+    reports += run(tt.rank_task, work=work, out=out, source_codes=src_codes, reason_codes=reason_codes, owned=owned)
     dups = [k for t in range(w) for k in tt.read_dup(work, t, w)]
     if dups:
         raise InputError(f"{emb_dir}: image id {min(dups).decode()!r} is in two embedding parts (parts of "
                          f"two different runs in one folder?); use a fresh output folder")
+    if owned:
+        reports += run(place_task, work=work, out=out, kind="rank")
     if not os.path.exists(os.path.join(work, "offsets.json")):
         sizes = {"ids": _cumsum(out["ids_len"], out["ids_offsets"]),
                  "loc": _cumsum(out["loc_len"], out["loc_offsets"])}
         _alloc(out["ids_blob"], np.uint8, (sizes["ids"],))
         _alloc(out["loc_blob"], np.uint8, (sizes["loc"],))
         atomic_write_json(os.path.join(work, "offsets.json"), sizes)
-    reports += run(tt.copy_task, work=work, out=out)
+    reports += run(tt.copy_task, work=work, out=out, owned=owned)
+    if owned:
+        reports += run(place_task, work=work, out=out, kind="copy")
     for name in _FINAL:  # (a rerun after a kill half-way through: the rest)
         if os.path.exists(out[name]):
             os.replace(out[name], os.path.join(d, f"{name}.npy"))

@@ -103,6 +103,8 @@ class ChainInputs:
     pixel verifier (hash duplicates are then not verified again); None: pixels of ``input.paths``."""
     eval_embedded: bool = False
     """embeddings/eval/ is there already (generated): decontaminate reads it instead of embedding eval_paths."""
+    seeds_embedded: bool = False
+    """embeddings/seeds/ is there already (generated): the rebalance step reads it instead of embedding seed_paths."""
     query_fraction: float = 1.0
     """< 1: only this fraction of the rows queries the copy search (curation.knn_candidates.queried: a per-row key;
     every row is indexed) -- the growth bench's stand-in for a search this machine cannot run whole at 10M
@@ -375,7 +377,8 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
                                   inputs.eval_embedded, cfg.dedup.trust_code)
     if step == "rebalance":
         return step_rebalance(out, cfg.rebalance, cfg.input.seed_paths or None, embedder, e, knn, prog,
-                              kmeans_dir=kmeans_dir(cfg), tasks=cfg.tasks, trust_code=cfg.dedup.trust_code)
+                              kmeans_dir=kmeans_dir(cfg), tasks=cfg.tasks, trust_code=cfg.dedup.trust_code,
+                              seeds_embedded=inputs.seeds_embedded)
     if step == "write":
         return step_write(cfg.input.paths, out, cfg.write, progress=prog, tasks=cfg.tasks, extra={
             "params": _params(cfg), "steps": _load_summaries(out)})

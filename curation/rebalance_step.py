@@ -39,7 +39,7 @@ def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, em
 def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_sources=None,
                    embedder: Callable | None = None, embed: EmbedConfig | None = None,
                    knn: KnnConfig | None = None, progress: bool = True, kmeans_dir: str | None = None,
-                   tasks: TasksConfig | None = None, trust_code: bool = False) -> dict:
+                   tasks: TasksConfig | None = None, trust_code: bool = False, seeds_embedded: bool = False) -> dict:
     """Rebalance the survivors on model embeddings (descriptors when no model was embedded).
 
     ``kmeans_dir``: mode=hierarchical takes its k-means tree from there (written by
@@ -73,7 +73,8 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
                                                        plan["tasks"], plan["launcher"])
     seeds = None
     if seed_sources:
-        seed_set = embed_seeds(out_dir, seed_sources, embedder, embed, progress, trust_code)
+        seed_set = open_embeddings(_p(out_dir, "embeddings", "seeds")) if seeds_embedded else \
+            embed_seeds(out_dir, seed_sources, embedder, embed, progress, trust_code)  # generated: a simulation's
         seeds = Rows(seed_set)
         if mode == "sample" and len(seed_set) and len(rows_idx):
             from .knn_steps import sharded_retrieval

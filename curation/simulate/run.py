@@ -2,10 +2,12 @@
 after embedding, W tasks each: curation.pipeline.run_steps), print per step the wall time, the tasks it ran and
 the peak memory of its largest task, and the recall of what was planted.
 
-    curate simulate --n 1000000 --dim 384 --tasks 4 --work /tmp/sim
+    curate simulate --n 1000000 --dim 384 --tasks 4 --work /tmp/sim [--config FILE] [key=value ...]
 
-The simulation differs from `curate run` only in its inputs (curation.simulate.chain): generated embeddings and
-hashes, generated eval rows, and a planted-truth verifier standing in for pixels. Memory per task is the heap a
+The simulation runs the config `curate run` loads from the same --config and overrides and differs from it only in
+its inputs (:data:`INPUT_KEYS`; curation.simulate.chain): generated embeddings and hashes with the pool's tar shards
+of small JPEGs, generated eval rows (and seeds in the retrieval modes), and a planted-truth verifier standing in
+for the pixel verification. Memory per task is the heap a
 task allocated (sampled RssAnon above its start: a local task process's own, an inline task's above the
 orchestrator's) and, for the orchestrating process, its own peak heap during the step; with CURATE_TRACE_TASKS=1
 also tracemalloc's exact peaks (each task's, the orchestrator's) and what a step left allocated. Pixel verification
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import dataclasses
 import gc
 import glob
 import hashlib
@@ -29,28 +33,65 @@ import tracemalloc
 
 import numpy as np
 
+from dinopipe.config import ConfigError, exit_on_config_error
+
 from ..steps import runner
 from . import chain
 
 
 
-def chain_config(work: str, tasks: int, launcher: str, max_distance: int, nlist: int | None, nprobe: int, k: int,
-                 threshold: float, levels, seed: int, chunk_size: int | None = None, isolate: bool = False):
-    """The `curate run` config of the simulation: its chain's settings, decisions-only writing."""
-    from ..config import CurationConfig
+INPUT_KEYS = {
+    "input.paths": "the generated pool: its tar shards of small synthetic JPEGs (WORK/pool)",
+    "output.dir": "--work",
+    "input.seed_paths": "in the retrieval modes only (rebalance.mode sample | cluster): the generated seed set "
+                        "(WORK/seeds: its JPEGs, its rows pre-embedded in embeddings/seeds/)",
+}
+"""The only keys of the simulation's config that differ from what `curate run` runs with the same ``--config``
+and ``key=value`` overrides: its inputs (docs/curate.md, "curate simulate"). ``--tasks W`` is the override
+``tasks.count=W`` (``processes=0``: ``tasks.launcher=inline``; ``isolate``: ``tasks.isolate=true``), given to
+both; the eval rows (``embeddings/eval/``) and the planted-truth verifier are generated inputs outside the
+config (curation.pipeline.ChainInputs)."""
 
-    cfg = CurationConfig()
-    cfg.input.paths = [os.path.join(work, "no-pixels")]  # never read: planted verifier, write.shards=false
-    cfg.output.dir, cfg.progress = work, False
-    cfg.tasks.count, cfg.tasks.launcher, cfg.tasks.isolate = tasks, launcher, isolate
-    cfg.hash_dedup.max_distance = max_distance
-    cfg.dedup.threshold, cfg.dedup.k, cfg.dedup.nprobe, cfg.dedup.verify = threshold, k, nprobe, True
-    cfg.knn.nlist, cfg.knn.seed = nlist, seed
-    if chunk_size:
-        cfg.knn.chunk_size = chunk_size
-    cfg.decontaminate.threshold = threshold
-    cfg.rebalance.mode, cfg.rebalance.levels = "hierarchical", list(levels)
-    cfg.write.shards, cfg.report.enabled = False, False
+_LEGACY = {"max_distance": ["hash_dedup.max_distance"], "nlist": ["knn.nlist"], "nprobe": ["dedup.nprobe"],
+           "k": ["dedup.k"], "threshold": ["dedup.threshold", "decontaminate.threshold"],
+           "levels": ["rebalance.levels"], "chunk_size": ["knn.chunk_size"]}
+"""simulate()'s keyword settings (None: the config's) and the config keys each one overrides."""
+
+
+def run_overrides(tasks: int | None = None, processes: int | None = None, isolate: bool = False,
+                  overrides=(), **settings) -> list[str]:
+    """The ``key=value`` overrides of the run simulated (what `curate run` would be given): W, the launcher,
+    the keyword settings of :func:`simulate` that are not None, then ``overrides`` (they win)."""
+    out = [f"tasks.count={tasks}"] if tasks is not None else []
+    out += ["tasks.launcher=inline"] if processes == 0 else []
+    out += ["tasks.isolate=true"] if isolate else []
+    for name, value in settings.items():
+        if value is not None:
+            text = f"[{','.join(str(v) for v in value)}]" if isinstance(value, (list, tuple)) else str(value)
+            out += [f"{key}={text}" for key in _LEGACY[name]]
+    return out + list(overrides)
+
+
+def chain_config(work: str, overrides=(), config: str | None = None):
+    """The config `curate run --config CONFIG OVERRIDES` loads, with only :data:`INPUT_KEYS` set to the
+    simulation's inputs (validated as `curate run` validates it: ConfigError on a user mistake)."""
+    from dinopipe.config import load_config
+
+    from ..config import CurationConfig, validate
+
+    cfg = load_config(CurationConfig, config, list(overrides))
+    cfg.input.paths = [chain.pool_dir(work)]
+    cfg.output.dir = work
+    check = copy.deepcopy(cfg)
+    if retrieval(cfg):  # the seeds are generated (after this check, as the pool is): given, not there yet
+        cfg.input.seed_paths, check.input.seed_paths = [chain.seeds_dir(work)], [os.curdir]
+    validate(check, "dedup")  # as `curate run` does, but input.paths: generated after this check
+    return cfg
+
+
+def retrieval(cfg) -> bool:
+    """The rebalance modes that retrieve around seed images (the simulation generates a seed set for them)."""
+    return cfg.rebalance.mode in ("sample", "cluster")
     return cfg
 
 
@@ -101,35 +142,41 @@ def _traced_step(records: list):
 
 
 def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int = 1000, n_eval: int = 10000,
-             overlap: int = 1000, copy_rate: float = 0.01, hash_rate: float = 0.01, max_distance: int = 4,
-             nlist: int | None = None, nprobe: int = 8, k: int = 4, threshold: float = 0.9,
-             levels=(1000, 100, 10), seed: int = 0, processes: int | None = None,
+             overlap: int = 1000, copy_rate: float = 0.01, hash_rate: float = 0.01, max_distance: int | None = None,
+             nlist: int | None = None, nprobe: int | None = None, k: int | None = None,
+             threshold: float | None = None, levels=None, seed: int = 0, processes: int | None = None,
              progress: str | None = None, chunk_size: int | None = None, query_fraction: float = 1.0,
-             isolate: bool = False) -> dict:
+             isolate: bool = False, overrides=(), config: str | None = None, n_seeds: int | None = None) -> dict:
     """Generate the pool in ``work`` (existing parts are reused: a rerun skips finished tasks), then run
     `curate run`'s steps after embedding on it with ``tasks.count=tasks`` (``processes=0``: the tasks inline,
     one after another in this process; else local processes; ``isolate``: W = 1 too, ``tasks.isolate``).
     ``progress``: one JSON line per finished step.
     ``query_fraction`` < 1: only that fraction of the rows queries the copy search (every row is indexed;
     :class:`curation.pipeline.ChainInputs`); the copies' recall then counts the planted pairs with a queried end."""
-    from ..config import TasksConfig
     from ..pipeline import ChainInputs, build_tables, run_steps
 
     table: dict = {}
     block = runner.BLOCK
     t0 = time.perf_counter()
-    with runner.recording() as rec, runner.PeakMemory() as mem, _traced_step(rec) as traced:
-        runner.run_step(chain.pool_task, tasks, "local", processes=processes, work=work, n=n, dim=dim,
-                        n_clusters=n_clusters, seed=seed, copy_rate=copy_rate, hash_rate=hash_rate,
-                        max_distance=max_distance, block=block)
+    cfg = chain_config(work, run_overrides(tasks, processes, isolate, overrides, max_distance=max_distance,
+                                           nlist=nlist, nprobe=nprobe, k=k, threshold=threshold, levels=levels,
+                                           chunk_size=chunk_size), config)
+    w = cfg.tasks.count or tasks
+    how = runner.launch(cfg.tasks.launcher, w) if cfg.tasks.launcher == "srun" else {
+        "launcher": "local", "processes": processes}
+    with runner.recording() as rec, runner.PeakMemory() as mem, _traced_step(rec) as traced, \
+            runner.spool(os.path.join(work, "steps", "srun")):
+        runner.run_step(chain.pool_task, w, **how, work=work, n=n, dim=dim, n_clusters=n_clusters, seed=seed,
+                        copy_rate=copy_rate, hash_rate=hash_rate, max_distance=cfg.hash_dedup.max_distance,
+                        block=block)
         # the path table as W tasks right after the pool's parts, as the embed step does after embedding
-        build_tables(work, TasksConfig(count=tasks, launcher="inline" if processes == 0 else "local", isolate=isolate))
+        build_tables(work, cfg.tasks)
         chain.write_eval(work, n, dim, n_clusters, n_eval, overlap, seed)
+        if retrieval(cfg):
+            chain.write_seeds(work, n_seeds or max(10, min(10_000, n // 100)), dim, n_clusters, seed)
     table["generate"] = _row(rec, time.perf_counter() - t0, mem, traced)
-    cfg = chain_config(work, tasks, "inline" if processes == 0 else "local", max_distance, nlist, nprobe, k,
-                       threshold, levels, seed, chunk_size, isolate)
     inputs = ChainInputs(verifier=chain.planted_factory(work, n, block), eval_embedded=True,
-                         query_fraction=query_fraction)
+                         query_fraction=query_fraction, seeds_embedded=retrieval(cfg))
     results = {}
     for step in chain_steps(cfg):
         t0 = time.perf_counter()
@@ -139,7 +186,8 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
         if progress:  # a run stopped half-way still says what it measured
             with open(progress, "a") as f:
                 f.write(json.dumps({"step": step, "time": time.strftime("%H:%M:%S"), **table[step]}) + "\n")
-    return {"n": n, "dim": dim, "tasks": tasks, "query_fraction": query_fraction, "chain": list(chain_steps(cfg)),
+    return {"n": n, "dim": dim, "tasks": w, "config": dataclasses.asdict(cfg), "query_fraction": query_fraction,
+            "chain": list(chain_steps(cfg)),
             "steps": table, "step_results": {s: r for s, r in results.items() if s != "write"},
             "arrays_sha256": step_digests(work), **_score(work, n, block, query_fraction)}
 
@@ -232,9 +280,11 @@ def main(argv=None) -> int:
     p.add_argument("--clusters", type=int, default=1000)
     p.add_argument("--eval", type=int, default=10000, dest="n_eval")
     p.add_argument("--overlap", type=int, default=1000)
-    p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: as curate run, knn.nlist null)")
-    p.add_argument("--nprobe", type=int, default=8)
-    p.add_argument("--levels", type=int, nargs="+", default=[1000, 100, 10])
+    p.add_argument("--n-seeds", type=int, default=None,
+                   help="seed images generated for rebalance.mode=sample|cluster (default: N/100, 10..10,000)")
+    p.add_argument("--config", default=None, help="the YAML `curate run --config` takes (default: its defaults)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, as `curate run` takes them (e.g. rebalance.mode=hierarchical)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--query-fraction", type=float, default=1.0,
                    help="only this fraction of the rows queries the copy search (a per-row key; every row is "
@@ -244,13 +294,16 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--progress", default=None, help="append one JSON line per finished step here")
     p.add_argument("--clean", action="store_true", help="delete --work afterwards")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     if a.n < 2 or a.tasks < 1 or a.dim < 8 or not 0.0 < a.query_fraction <= 1.0:
         print("curate simulate: need --n >= 2, --tasks >= 1, --dim >= 8, 0 < --query-fraction <= 1", file=sys.stderr)
         return 2
-    res = simulate(a.work, a.n, a.dim, a.tasks, a.clusters, min(a.n_eval, a.n), min(a.overlap, a.n_eval, a.n),
-                   nlist=a.nlist, nprobe=a.nprobe, levels=tuple(a.levels), seed=a.seed, processes=a.processes,
-                   progress=a.progress, query_fraction=a.query_fraction, isolate=a.isolate)
+    try:
+        res = simulate(a.work, a.n, a.dim, a.tasks, a.clusters, min(a.n_eval, a.n), min(a.overlap, a.n_eval, a.n),
+                       seed=a.seed, processes=a.processes, progress=a.progress, query_fraction=a.query_fraction,
+                       isolate=a.isolate, overrides=a.overrides, config=a.config, n_seeds=a.n_seeds)
+    except ConfigError as exc:  # before anything is written (chain_config runs first)
+        exit_on_config_error(exc)
     print(render(res))
     if a.json:
         with open(a.json, "w") as f:

@@ -29,6 +29,7 @@ from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_write_json
 
 from .runner import part_done, read_part, write_part
+from .table_owned import _scatter, save_by_owner
 
 CHUNK = 1 << 16
 """Entries per chunk wherever a task walks another run or scatters bytes (a constant, not a share of N)."""
@@ -174,9 +175,11 @@ def _run(work: str, u: int, name: str, mmap: bool = True) -> np.ndarray:
 
 
 def rank_task(t: int, w: int, work: str, out: dict[str, str], source_codes: list[list[int]],
-              reason_codes: list[list[int]]) -> dict:
+              reason_codes: list[list[int]], owned: bool = False) -> dict:
     """Ranks of run ``t``'s entries among all runs; its fields written at them (see the module docstring).
-    ``out``: name -> preallocated ``.npy``; ``source_codes[t]`` / ``reason_codes[t]``: run code -> global code."""
+    ``out``: name -> preallocated ``.npy``; ``source_codes[t]`` / ``reason_codes[t]``: run code -> global code.
+    ``owned`` (tasks on several nodes): the writes kept as parts per owner, placed by
+    curation.steps.table_owned.place_task."""
     part = rank_part(work, t, w)
     if part_done(part):
         return {"skipped": True}
@@ -196,20 +199,27 @@ def rank_task(t: int, w: int, work: str, out: dict[str, str], source_codes: list
     if dup.any():  # reported to the build, which names the smallest duplicate of all runs
         write_part(part, dup=key[np.flatnonzero(dup)[:1]], rank=rank, row=row)
         return {"duplicate": True}
+    writes: dict = {}
+    emit = (lambda name, at, values: writes.__setitem__(name, (at, values))) if owned else \
+        (lambda name, at, values: put(out[name], at, values))
     readable = _run(work, t, "row_pos", mmap=False) >= 0
     rr, rk = row[readable], rank[readable]
     smap = np.asarray(source_codes[t] or [0], np.int32)
     rmap = np.asarray(reason_codes[t] or [0], np.int16)
-    put(out["input_source"], rank, smap[_run(work, t, "src", mmap=False)])
+    emit("input_source", rank, smap[_run(work, t, "src", mmap=False)])
     reason = _run(work, t, "reason", mmap=False)
-    put(out["input_reason"], rank, np.where(reason >= 0, rmap[np.maximum(reason, 0)], -1).astype(np.int16))
-    put(out["ids_len"], rank, np.char.str_len(key) if len(key) else 0)
+    emit("input_reason", rank, np.where(reason >= 0, rmap[np.maximum(reason, 0)], -1).astype(np.int16))
+    emit("ids_len", rank, np.char.str_len(key) if len(key) else 0)
     del key, reason
-    put(out["row_id"], rr, rk)
-    put(out["row_perm"], rr, _run(work, t, "row_pos")[readable])
-    put(out["row_hash"], rr, _run(work, t, "hash")[readable])
-    put(out["loc_span"], rr, _run(work, t, "span")[readable])
-    put(out["loc_len"], rr, np.char.str_len(np.asarray(_run(work, t, "loc")[readable])) if len(rr) else 0)
+    emit("row_id", rr, rk)
+    emit("row_perm", rr, _run(work, t, "row_pos")[readable])
+    emit("row_hash", rr, _run(work, t, "hash")[readable])
+    emit("loc_span", rr, _run(work, t, "span")[readable])
+    emit("loc_len", rr, np.char.str_len(np.asarray(_run(work, t, "loc")[readable])) if len(rr) else 0)
+    if owned:
+        n_in, n_rows = len(np.load(out["ids_len"], mmap_mode="r")), len(np.load(out["row_id"], mmap_mode="r"))
+        save_by_owner(work, "rank", t, w, writes, {k: n_in if k in ("input_source", "input_reason", "ids_len")
+                                                   else n_rows for k in writes})
     write_part(part, dup=np.zeros(0, "S1"), rank=rank, row=row)  # after the writes: marks them done
     return {"inputs": int(len(rank))}
 
@@ -220,39 +230,27 @@ def read_dup(work: str, t: int, w: int) -> np.ndarray:
         return z["dup"]
 
 
-def _scatter(blob: np.ndarray, offsets: np.ndarray, at: np.ndarray, strings: np.ndarray) -> None:
-    """``blob[offsets[at[i]]:...] = strings[i]`` for every ``i``, ``CHUNK / 8`` strings at a time (a byte's
-    destination is an int64: 16 B per byte of a chunk)."""
-    step = max(1, CHUNK // 8)
-    for c0 in range(0, len(at), step):
-        s = np.ascontiguousarray(strings[c0:c0 + step])
-        width = s.dtype.itemsize
-        lens = np.char.str_len(s).astype(np.int64)
-        total = int(lens.sum())
-        if not total:
-            continue
-        u8 = s.view(np.uint8).reshape(len(s), width)
-        src = u8[np.arange(width)[None, :] < lens[:, None]]  # the strings one after another
-        starts = np.asarray(offsets[at[c0:c0 + step]], np.int64)
-        local = np.cumsum(lens) - lens
-        blob[np.repeat(starts - local, lens) + np.arange(total, dtype=np.int64)] = src
-
-
-def copy_task(t: int, w: int, work: str, out: dict[str, str]) -> dict:
+def copy_task(t: int, w: int, work: str, out: dict[str, str], owned: bool = False) -> dict:
     """Run ``t``'s id strings into the id blob at their offsets, its readable rows' locations into the
-    location blob."""
+    location blob (``owned``: kept as parts per owner, as :func:`rank_task`'s)."""
     mark = copy_mark(work, t, w)
     if part_done(mark):
         return {"skipped": True}
     r = read_part(rank_part(work, t, w))
     key = _run(work, t, "keys")
-    if len(key):
+    if owned:
+        readable = np.flatnonzero(_run(work, t, "row_pos") >= 0)
+        writes = {"ids_blob": (r["rank"], np.asarray(key)),
+                  "loc_blob": (r["row"][readable], np.asarray(_run(work, t, "loc")[readable]))}
+        save_by_owner(work, "copy", t, w, writes, {k: len(np.load(out[k.replace("_blob", "_offsets")],
+                                                                  mmap_mode="r")) - 1 for k in writes})
+    elif len(key):
         blob = open_rw(out["ids_blob"])
-        _scatter(blob, np.load(out["ids_offsets"], mmap_mode="r"), r["rank"], key)
+        _scatter(blob, np.load(out["ids_offsets"], mmap_mode="r"), r["rank"], key, CHUNK)
         readable = np.flatnonzero(_run(work, t, "row_pos") >= 0)
         locs = open_rw(out["loc_blob"])
         _scatter(locs, np.load(out["loc_offsets"], mmap_mode="r"), r["row"][readable],
-                 np.asarray(_run(work, t, "loc")[readable]))
+                 np.asarray(_run(work, t, "loc")[readable]), CHUNK)
         for m in (blob, locs):
             if isinstance(m, np.memmap):
                 m.flush()

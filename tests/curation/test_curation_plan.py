@@ -287,3 +287,22 @@ def test_submitters_chain_index_and_search_between_embed_and_finish(tmp_path, ca
                                                                "curate_finish"]
     assert "CURATE_STEP=search" in lines[2] and "--array=0-2" in lines[2]
     assert '"--dependency=afterok:${curate_search}"' in lines[3]
+
+
+def test_the_default_chain_table_has_the_write_and_the_report(tmp_path):
+    """bench/results/scale_default_chain.json (issue 40: `curate simulate` on `curate run`'s default config) renders
+    into its own region: the write's and the report's task calls, W = 1 beside W = 4, the config said."""
+    runs = ROOT / "bench" / "results" / "scale_default_chain.json"
+    doc, readme = tmp_path / "doc.md", tmp_path / "README.md"
+    doc.write_text("<!-- begin: scale-table -->\n<!-- end: scale-table -->\n<!-- begin: plan-check -->\n"
+                   "<!-- end: plan-check -->\n<!-- begin: plan-tables -->\n<!-- end: plan-tables -->\n"
+                   "<!-- begin: default-chain-table -->\n<!-- end: default-chain-table -->\n")
+    readme.write_text("<!-- begin: readme-scale-table -->\n<!-- end: readme-scale-table -->\n")
+    scale = ROOT / "bench" / "results" / "scale_1m.json"
+    rates = str(tmp_path / "rates.json")
+    assert rates_from_bench.main(["--scale", str(scale), "--out", rates]) == 0
+    render_tables.render([str(scale)], rates, str(doc), str(readme), chain_paths=[str(runs)])
+    text = doc.read_text().split("<!-- begin: default-chain-table -->")[1]
+    assert "default config (dedup.k=64" in text and "report.enabled=True" in text
+    assert "| &nbsp;&nbsp;_write_shards_task |" in text and "report_scan_task" in text
+    assert "W=1 | " in text and "W=4 | " in text and "| decisions equal across W | yes | yes" in text

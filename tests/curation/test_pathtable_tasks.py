@@ -200,3 +200,34 @@ def test_the_embed_step_builds_the_table_as_w_tasks(real_pool, pool_dir, tmp_pat
     assert build_tables(str(out), TasksConfig(count=3)) == 0
     emb = open_embeddings(str(d))
     assert len(emb) == 7 and len(emb.unreadable) == 4 and emb.n_inputs == 11
+
+
+@pytest.mark.parametrize("w", [3, 9])
+def test_srun_tasks_write_each_output_slice_by_its_owner_the_same_bytes(real_pool, tmp_path, monkeypatch, w):
+    """tasks.launcher=srun (tasks on several nodes): no task writes the shared outputs through a mapping; the
+    writes go as parts to the owner of each slice (curation.steps.table_owned), which writes it whole: the same
+    table bytes. The srun tasks run inline here (tests/curation/test_srun_slurm.py runs them under Slurm)."""
+    from curation.embstore import build_path_table
+    from curation.steps import runner, table_owned
+
+    out, ref = real_pool
+    d = tmp_path / "emb"
+    shutil.copytree(out, d, ignore=shutil.ignore_patterns("table"))
+    real_launch, calls = runner.launch, []
+    monkeypatch.setattr(runner, "launch", lambda launcher, n: real_launch("inline", n))
+
+    def no_mapped_writes(*a, **k):
+        raise AssertionError("an srun task wrote a shared output through a mapping")
+
+    monkeypatch.setattr(tt, "put", no_mapped_writes)
+    monkeypatch.setattr(tt, "open_rw", no_mapped_writes)
+    real_place = table_owned.place_task
+
+    def place(u, n, **kw):
+        calls.append((kw["kind"], u, n))
+        return real_place(u, n, **kw)
+
+    monkeypatch.setattr(table_owned, "place_task", place)
+    assert build_path_table(str(d), lambda rows: {"tasks": w, "launcher": "srun"}) == w  # W srun tasks, not fewer
+    _same_files(os.path.join(d, "table"), ref)
+    assert sorted(calls) == sorted((k, u, w) for k in ("copy", "rank") for u in range(w))

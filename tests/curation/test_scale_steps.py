@@ -20,7 +20,8 @@ from dinopipe.utils.exits import UnfinishedError
 from dinopipe.utils import debug_hooks
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = dict(n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=32, processes=0)
+SMALL = dict(n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=32, processes=0,
+             overrides=("rebalance.mode=hierarchical",))
 
 
 @pytest.fixture
@@ -74,8 +75,7 @@ def test_simulate_runs_the_chain_of_curate_run_w1_and_w3_identical_with_planted_
 
     one = simulate(str(tmp_path / "w1"), 6000, 32, tasks=1, **SMALL)
     three = simulate(str(tmp_path / "w3"), 6000, 32, tasks=3, **SMALL)
-    cfg = CurationConfig()
-    cfg.report.enabled = False
+    cfg = CurationConfig()  # the default chain: write shards and the report included
     assert one["chain"] == [s for s in steps_of("run", cfg) if s != "embed"]
     assert list(three["steps"]) == ["generate", *three["chain"]]
     ran: dict[str, int] = {}  # the most tasks each task function ran as (the small eval set's table: 1)
@@ -167,7 +167,7 @@ from curation.steps import runner
 from dinopipe.utils.exits import UnfinishedError
 work, n, w = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 simulate(work, n, 32, tasks=w, n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=512, processes=0,
-         chunk_size=n // w)  # the same rows per search task at N, W=1 and 4N, W=4
+         overrides=("rebalance.mode=hierarchical",), chunk_size=n // w)  # the same rows per search task at N, W=1 and 4N, W=4
 
 
 def heap(res):  # what a task itself allocated, in its own fresh process (peak minus start)

@@ -88,7 +88,11 @@ RETAINED_HELD = 1
 def _simulate(work: Path, n: int, w: int) -> dict:
     code = ("import json, sys; from curation.simulate.run import simulate; "
             f"r = simulate({str(work)!r}, {n}, dim={DIM}, tasks={w}, n_clusters=50, n_eval=1000, overlap=100, "
-            f"levels=(64, 8), nlist=32, chunk_size={BLOCK}, processes=0); print(json.dumps(r))")
+            f"levels=(64, 8), nlist=32, chunk_size={BLOCK}, processes=0, "
+            # the settings these bounds were measured with (the simulation's before it ran the defaults): few
+            # candidate pairs per row. At the defaults (k=64, cosine 0.45) nearly every neighbour of this generated
+            # pool is a candidate pair (issue 40's report: dedup's orchestrator then holds ~6 kB per row)
+            "k=4, threshold=0.9, nprobe=8, overrides=['rebalance.mode=hierarchical']); print(json.dumps(r))")
     env = dict(os.environ, CURATE_TRACE_TASKS="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                **debug_hooks.env(curate_block=BLOCK))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
