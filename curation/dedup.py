@@ -126,6 +126,27 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
     connected components, kept for comparison). ``nn_sim``/``nn_index`` are left empty (the
     kNN fills them in :func:`copy_dedup`).
     """
+    return _verify_and_group(n, ids, verifier, grouping, lambda rank: canonical_pairs(rank, a, b, sim, threshold, n=n))
+
+
+def copy_dedup_from_keys(n: int, ids, keys: Callable[[], np.ndarray], *, verifier: Callable | None = None,
+                         grouping: str = "star") -> DedupResult:
+    """:func:`copy_dedup_from_pairs` of pairs given as sorted unique keys ``lo * n + hi`` of positions, already
+    above the threshold (``keys()``, e.g. knn_shards.pair_keys: 8 B per pair, read a chunk at a time): the same
+    decisions. A callable, so that the keys are dropped once split into (lo, hi), not held by the caller."""
+    def canonical(rank):
+        k = keys()
+        lo, hi = np.divmod(k, n)
+        del k
+        if rank is None:  # positions are ranks: the keys are already the canonical pairs, in their order
+            return lo, hi, None
+        return canonical_pairs(rank, lo, hi, np.ones(len(lo), np.float32), -np.inf)[:2] + (None,)
+    return _verify_and_group(n, ids, verifier, grouping, canonical)
+
+
+def _verify_and_group(n: int, ids, verifier, grouping: str, canonical) -> DedupResult:
+    """The body of :func:`copy_dedup_from_pairs`; ``canonical(rank)``: the canonical pairs (lo, hi, _) in rank
+    space."""
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping {grouping!r}: choose one of {GROUPINGS}")
     if not hasattr(ids, "dtype"):  # a lazy sliceable (knn_steps: the survivors' ids, read a block at a time) stays
@@ -139,7 +160,7 @@ def copy_dedup_from_pairs(n: int, ids, a, b, sim, *, threshold: float,
     def pos(r):  # ranks -> positions
         return r if order is None else order[r]
 
-    lo, hi, s = canonical_pairs(rank, a, b, sim, threshold, n=n)
+    lo, hi, _ = canonical(rank)
     n_candidates = len(lo)
     t0 = time.perf_counter()
     if verifier is not None and len(lo):
@@ -212,14 +233,16 @@ def star_groups(n: int, lo: np.ndarray, hi: np.ndarray) -> SparseRoots:
     ends = np.unique(np.concatenate([lo, hi]).astype(np.int64))
     root = SparseRoots(n, ends)
     m = len(ends)
-    lo_c, hi_c = np.searchsorted(ends, lo), np.searchsorted(ends, hi)
+    # indices into the m images with a copy: int32 where they fit (half of the per-edge arrays below)
+    ix = np.int32 if m < 2**31 else np.int64
+    lo_c, hi_c = np.searchsorted(ends, lo).astype(ix), np.searchsorted(ends, hi).astype(ix)
     src, dst = np.concatenate([lo_c, hi_c]), np.concatenate([hi_c, lo_c])
     del lo_c, hi_c
     degree = np.bincount(src, minlength=m)
-    nodes = np.lexsort((np.arange(m), -degree))  # the visiting order (ties: smaller rank = smaller id)
+    nodes = np.lexsort((np.arange(m), -degree)).astype(ix)  # the visiting order (ties: smaller rank = smaller id)
     del degree
-    prio = np.empty(m, np.int64)
-    prio[nodes] = np.arange(m)
+    prio = np.empty(m, ix)
+    prio[nodes] = np.arange(m, dtype=ix)
     state = np.zeros(m, np.int8)  # 0 undecided, 1 kept, 2 claimed
     es, ed = src, dst  # edges whose two ends are undecided
     for _ in range(ROUNDS_MAX):
@@ -265,17 +288,18 @@ def attach_singletons(root: np.ndarray, lo: np.ndarray, hi: np.ndarray, verify) 
     (and returned).
     """
     n = len(root)
-    src, dst = np.concatenate([lo, hi]), np.concatenate([hi, lo])
-    if not len(src):
+    if not len(lo):
         return root
     # group sizes of the images with an edge only (every member of a group of two or more has one; an image
     # without an edge is its own group of one): no count per row of the pool
-    ends = np.unique(src)
+    ends = np.union1d(np.unique(lo), np.unique(hi))
     roots_e, sizes_e = np.unique(root[ends], return_counts=True)
-    at = np.minimum(np.searchsorted(roots_e, dst), len(roots_e) - 1)
-    size_dst = np.where(roots_e[at] == dst, sizes_e[at], 0)
-    m = (root[src] != src) & (root[dst] == dst) & (size_dst == 1)
-    o, c = src[m], dst[m]  # C alone, O removed (every verified neighbour of a lone C is)
+    del ends
+    # each direction of the edges in turn, narrowed one condition at a time: a few bytes per edge at a time,
+    # not a dozen int64 temporaries per directed edge (the result is a set: the order of (o, c) does not matter)
+    parts = [_lone(root, s, d, roots_e, sizes_e) for s, d in ((lo, hi), (hi, lo))]
+    o, c = (np.concatenate(x) for x in zip(*parts))  # C alone, O removed (every verified neighbour of a lone C is)
+    del parts
     if not len(o):
         return root
     key = np.unique(root[o] * n + c)  # distinct (keeper of O, lone image) pairs
@@ -297,6 +321,17 @@ def attach_singletons(root: np.ndarray, lo: np.ndarray, hi: np.ndarray, verify) 
     root[o] = o
     root[c] = o
     return root
+
+
+def _lone(root, s: np.ndarray, d: np.ndarray, roots_e: np.ndarray, sizes_e: np.ndarray):
+    """The edges s -> d of :func:`attach_singletons` whose s was removed into a group and whose d is alone."""
+    sel = np.flatnonzero(np.asarray(root[s]) != s)
+    s, d = s[sel], d[sel]
+    sel = np.flatnonzero(np.asarray(root[d]) == d)
+    s, d = s[sel], d[sel]
+    at = np.minimum(np.searchsorted(roots_e, d), len(roots_e) - 1)
+    sel = (roots_e[at] == d) & (sizes_e[at] == 1)
+    return s[sel], d[sel]
 
 
 def _bar(total: int, desc: str, enabled: bool):

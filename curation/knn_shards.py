@@ -160,6 +160,27 @@ def merge_pairs(a: np.ndarray, b: np.ndarray, sim: np.ndarray):
     return lo[first], hi[first], sim[first]
 
 
+def pair_keys(chunks, n: int, threshold: float) -> np.ndarray:
+    """The unordered pairs (lo < hi) above ``threshold`` of the directed pairs in ``chunks`` (``iter_chunks``), as
+    sorted unique keys ``lo * n + hi`` (int64): 8 B per pair held, where concatenating the chunks' ``a``/``b``/``sim``
+    and merging them (:func:`merge_pairs`) held ~100 B per pair at its peak. Read a chunk at a time. The chunks'
+    sims are exact and symmetric (module docstring), so which direction of a pair is seen first does not matter:
+    the same pair set as ``merge_pairs`` then ``dedup.canonical_pairs``."""
+    parts = []
+    for _, c in chunks:
+        a, b = np.asarray(c["a"], np.int64), np.asarray(c["b"], np.int64)
+        hit = (np.asarray(c["sim"]) > threshold) & (a != b) & (a >= 0) & (b >= 0)
+        a, b = a[hit], b[hit]
+        parts.append(np.unique(np.minimum(a, b) * n + np.maximum(a, b)))
+        del a, b, hit, c
+    keys = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    del parts
+    keys.sort()  # in place: no second array of keys
+    first = np.ones(len(keys), bool)
+    first[1:] = keys[1:] != keys[:-1]
+    return keys[first]
+
+
 # ---------------------------------------------------------------------------------- the kNN job
 
 

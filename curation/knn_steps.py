@@ -18,13 +18,13 @@ import numpy as np
 from dinopipe.config import ConfigError
 
 from .config import DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig, knn_kwargs, task_plan
-from .dedup import DedupResult, copy_dedup_from_pairs, resolve_threshold
+from .dedup import DedupResult, copy_dedup_from_keys, resolve_threshold
 from .embeddings import embed_pool
 from .embstore import EmbeddingSet, open_embeddings
 from .hash_step import hash_step, pixel_verifier_of
 from .hashdedup import HashDedupResult
 from .index import Rows
-from .knn_shards import KnnJob, RowSource, merge_pairs, run_search
+from .knn_shards import KnnJob, RowSource, pair_keys, run_search
 from .verify import PartedVerifier
 
 EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
@@ -79,7 +79,7 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     """Copy dedup of rows ``surv`` of ``emb``: reuse the saved index and finished chunks when their
     parameters match, else build/search them here (``tasks``: W tasks of the index add, of the
     search and of the verification, curation.config.task_plan; default one, inline), then merge the
-    candidate pairs and verify + group them (curation.dedup.copy_dedup_from_pairs: depends only on the
+    candidate pairs and verify + group them (curation.dedup.copy_dedup_from_keys: depends only on the
     pair set). ``verifier_factory``: a picklable callable building the verifier inside each verification
     task (W local processes); ``verifier``: one built here (the tasks then run in this process).
     ``verify_tasks``: W of the verification (default: the plan's). The result's ``nn_sim`` is read from the
@@ -100,16 +100,16 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     if not job.matches(params):
         job.build(rows, params, use_gpu=use_gpu, progress=progress, source=src, tasks=tasks)
     run_search(out_dir, "pool", "pairs", rows, None, use_gpu, tasks, (src, None))  # only chunks not on disk
-    r = job.read(n, keys=("a", "b", "sim"))  # the pairs; nn_sim is read a chunk at a time, nn_idx not at all
-    a, b, sim = merge_pairs(r["a"], r["b"], r["sim"])
     plan = tasks or {"tasks": 1, "launcher": "inline"}
     vw = int(verify_tasks if verify_tasks is not None else plan["tasks"])
     parted = None
     if verifier is not None or verifier_factory is not None:  # verdicts in parts: a rerun verifies what is missing
         parted = verifier = PartedVerifier(verifier, os.path.join(out_dir, "steps", "verify"), vw,
                                            plan["launcher"] if verifier is None else "inline", verifier_factory)
-    res = copy_dedup_from_pairs(n, ids, a, b, sim, threshold=threshold, verifier=verifier,
-                                grouping=grouping)
+    # the pairs as sorted unique keys, read a chunk at a time (8 B per pair held, dropped once split); nn_sim is
+    # read a chunk at a time below, nn_idx not at all
+    res = copy_dedup_from_keys(n, ids, lambda: pair_keys(job.iter(n), n, threshold), verifier=verifier,
+                               grouping=grouping)
     res.nn_sim, res.index_kind = job.column(n, "nn_sim"), job.meta()["kind"]  # res.nn_index: the placeholder
     res.verify_tasks = vw if parted is not None else 0
     return res
