@@ -9,7 +9,8 @@ way faiss's billion-scale recipes split it, on Slurm job arrays (no RPC layer):
 2. ``search_chunks`` (array task t of N): read the index memory-mapped, search its contiguous range
    of query *chunks* and write one ``chunk-CCCCCC.npz`` per chunk (tmp + rename). A killed task is
    simply rerun: chunks already on disk are skipped. Memory: the chunk's queries plus the index.
-3. ``merge_pairs`` (finishing job): concatenate the chunks, one line per unordered pair.
+3. ``pair_keys`` (finishing job): the chunks read one at a time, one sorted int64 key per unordered pair
+   (``merge_pairs``: the same pairs from concatenated arrays, for callers holding them).
 
 Same pairs for any number of tasks, by construction rather than by luck:
 * chunk c always holds query rows [c*C, (c+1)*C) and is searched in the same batches, so every
@@ -160,6 +161,10 @@ def merge_pairs(a: np.ndarray, b: np.ndarray, sim: np.ndarray):
     return lo[first], hi[first], sim[first]
 
 
+PAIR_SLICE = 1 << 20
+"""Directed pairs of a chunk turned into keys at a time by :func:`pair_keys`."""
+
+
 def pair_keys(chunks, n: int, threshold: float) -> np.ndarray:
     """The unordered pairs (lo < hi) above ``threshold`` of the directed pairs in ``chunks`` (``iter_chunks``), as
     sorted unique keys ``lo * n + hi`` (int64): 8 B per pair held, where concatenating the chunks' ``a``/``b``/``sim``
@@ -168,11 +173,14 @@ def pair_keys(chunks, n: int, threshold: float) -> np.ndarray:
     the same pair set as ``merge_pairs`` then ``dedup.canonical_pairs``."""
     parts = []
     for _, c in chunks:
-        a, b = np.asarray(c["a"], np.int64), np.asarray(c["b"], np.int64)
-        hit = (np.asarray(c["sim"]) > threshold) & (a != b) & (a >= 0) & (b >= 0)
-        a, b = a[hit], b[hit]
-        parts.append(np.unique(np.minimum(a, b) * n + np.maximum(a, b)))
-        del a, b, hit, c
+        for i in range(0, len(c["a"]), PAIR_SLICE):  # the temporaries below: a slice's, not a whole chunk's
+            a = np.asarray(c["a"][i:i + PAIR_SLICE], np.int64)
+            b = np.asarray(c["b"][i:i + PAIR_SLICE], np.int64)
+            hit = (np.asarray(c["sim"][i:i + PAIR_SLICE]) > threshold) & (a != b) & (a >= 0) & (b >= 0)
+            a, b = a[hit], b[hit]
+            parts.append(np.unique(np.minimum(a, b) * n + np.maximum(a, b)))
+            del a, b, hit
+        del c
     keys = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     del parts
     keys.sort()  # in place: no second array of keys

@@ -10,6 +10,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from curation import knn_shards
 from curation.dedup import copy_dedup_from_keys, copy_dedup_from_pairs
 from curation.knn_shards import merge_pairs, pair_keys
 
@@ -51,7 +52,8 @@ def _new(n, ids, chunks, verifier, grouping):
 @pytest.mark.parametrize("in_order", [True, False])
 @pytest.mark.parametrize("grouping", ["star", "components"])
 @pytest.mark.parametrize("verify", [False, True])
-def test_keys_read_a_chunk_at_a_time_decide_as_the_merged_pairs(in_order, grouping, verify):
+def test_keys_read_a_chunk_at_a_time_decide_as_the_merged_pairs(in_order, grouping, verify, monkeypatch):
+    monkeypatch.setattr(knn_shards, "PAIR_SLICE", 1000)  # several slices per chunk
     n = 3000
     rng = np.random.default_rng(1)
     ids = np.arange(0, 3 * n, 3) if in_order else rng.permutation(10 * n)[:n]
