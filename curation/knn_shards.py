@@ -176,7 +176,9 @@ def pair_keys(chunks, n: int, threshold: float) -> np.ndarray:
         for i in range(0, len(c["a"]), PAIR_SLICE):  # the temporaries below: a slice's, not a whole chunk's
             a = np.asarray(c["a"][i:i + PAIR_SLICE], np.int64)
             b = np.asarray(c["b"][i:i + PAIR_SLICE], np.int64)
-            hit = (np.asarray(c["sim"][i:i + PAIR_SLICE]) > threshold) & (a != b) & (a >= 0) & (b >= 0)
+            # compared as float32, as dedup.canonical_pairs does (a float64 cosine just above the threshold that
+            # rounds to it is not a candidate there either)
+            hit = (np.asarray(c["sim"][i:i + PAIR_SLICE], np.float32) > threshold) & (a != b) & (a >= 0) & (b >= 0)
             a, b = a[hit], b[hit]
             parts.append(np.unique(np.minimum(a, b) * n + np.maximum(a, b)))
             del a, b, hit

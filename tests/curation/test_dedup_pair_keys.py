@@ -29,6 +29,7 @@ def _chunks(n: int, per_row: int, chunk: int, seed: int = 0):
     b[rng.random(len(q)) < 0.001] = -1
     lo, hi = np.minimum(q, b), np.maximum(q, b)
     sim = (0.3 + 0.7 * ((lo * 2654435761 + hi * 40503) % 1000) / 1000.0).astype(np.float64)  # symmetric
+    sim[(lo + hi) % 97 == 0] = np.nextafter(THRESHOLD, 1.0)  # > the threshold in float64, not in float32
     return [(s, {"a": q[(q >= s) & (q < s + chunk)], "b": b[(q >= s) & (q < s + chunk)],
                  "sim": sim[(q >= s) & (q < s + chunk)]}) for s in range(0, n, chunk)]
 
