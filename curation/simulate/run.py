@@ -4,8 +4,8 @@ the peak memory of its largest task, and the recall of what was planted.
 
     curate simulate --n 1000000 --dim 384 --tasks 4 --work /tmp/sim [--config FILE] [key=value ...]
 
-The simulation runs the config `curate run` loads from the same --config and overrides and differs from it only in
-its inputs (:data:`INPUT_KEYS`; curation.simulate.chain): generated embeddings and hashes with the pool's tar shards
+The simulation runs the config curate run loads from the same --config and overrides and differs from it only in
+its inputs (INPUT_KEYS; curation.simulate.chain): generated embeddings and hashes with the pool's tar shards
 of small JPEGs, generated eval rows (and seeds in the retrieval modes), and a planted-truth verifier standing in
 for the pixel verification. Memory per task is the heap a
 task allocated (sampled RssAnon above its start: a local task process's own, an inline task's above the
@@ -282,9 +282,9 @@ def main(argv=None) -> int:
     p.add_argument("--overlap", type=int, default=1000)
     p.add_argument("--n-seeds", type=int, default=None,
                    help="seed images generated for rebalance.mode=sample|cluster (default: N/100, 10..10,000)")
-    p.add_argument("--config", default=None, help="the YAML `curate run --config` takes (default: its defaults)")
+    p.add_argument("--config", default=None, help="the YAML that curate run --config takes (default: its defaults)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides, as `curate run` takes them (e.g. rebalance.mode=hierarchical)")
+                   help="config overrides, as curate run takes them (e.g. rebalance.mode=hierarchical)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--query-fraction", type=float, default=1.0,
                    help="only this fraction of the rows queries the copy search (a per-row key; every row is "
