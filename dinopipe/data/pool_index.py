@@ -37,16 +37,13 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..utils.io import atomic_open
 
 from ..utils import storage
+from .index_file import MAGIC, VERSION, IndexFile, align, member_locations, path_table, row_dtype, write_index
 from .remote_index import build_remote_index, remote_matches, walk_split
 from .sources import FileListSource, FolderSource, ImageSource, RemoteSource, TarShardSource, open_source
 
-MAGIC = b"DPPOOL\x00\x01"
-VERSION = 1
 INDEX_NAME = "pool-index.bin"  # the curation-written index, next to the shards it describes
-_ALIGN = 64
 
 
 class PoolIndexError(ValueError):
@@ -65,61 +62,6 @@ class Location(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------------- writing
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def write_index(path: str, header: dict, arrays: dict[str, np.ndarray]) -> None:
-    """Write header + arrays to ``path`` atomically (temporary name, then rename)."""
-    arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
-    with _IndexFile(path, header, {name: (a.dtype, a.shape) for name, a in arrays.items()}) as f:
-        for name, a in arrays.items():
-            f.put(name, 0, a)
-
-
-class _IndexFile:
-    """An index file being written: the layout (header, 64-byte aligned arrays) from each array's dtype and shape
-    known up front; :meth:`put` writes rows ``[at, at + len(values))`` of one array, in any order, so an index
-    can be written a piece at a time (:func:`write_tar_index`). Atomic: the file appears when the block ends."""
-
-    def __init__(self, path: str, header: dict, specs: dict[str, tuple]) -> None:
-        self.meta, rel = {}, 0
-        for name, (dtype, shape) in specs.items():
-            dt = np.dtype(dtype)
-            self.meta[name] = {"dtype": dt.str, "shape": [int(x) for x in shape], "offset": rel}
-            rel = _align(rel + dt.itemsize * int(np.prod(shape, dtype=np.int64)))
-        self.head = json.dumps({**header, "format": "dinopipe-pool-index", "version": VERSION,
-                                "arrays": self.meta}).encode()
-        self.data_start = _align(len(MAGIC) + 8 + len(self.head))
-        self.end = self.data_start + rel
-        self._cm = atomic_open(path, "wb")
-
-    def __enter__(self) -> "_IndexFile":
-        self.f = self._cm.__enter__()
-        self.f.write(MAGIC + struct.pack("<Q", len(self.head)) + self.head)
-        return self
-
-    def put(self, name: str, at: int, values: np.ndarray) -> None:
-        m = self.meta[name]
-        values = np.ascontiguousarray(values, dtype=np.dtype(m["dtype"]))
-        row = values.dtype.itemsize * int(np.prod(m["shape"][1:], dtype=np.int64))
-        if values.size:
-            self.f.seek(self.data_start + m["offset"] + at * row)
-            self.f.write(values.tobytes())
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.f.truncate(self.end)
-        self._cm.__exit__(*exc)
-
-
-def _path_table(paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    encoded = [p.encode() for p in paths]
-    start = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in encoded], out=start[1:])
-    return np.frombuffer(b"".join(encoded), dtype=np.uint8), start
-
-
 def _dir_fingerprint(root: str) -> str:
     """Changes when a file is added, removed or renamed anywhere under ``root`` (directory mtimes)."""
     h = hashlib.blake2b(digest_size=16)
@@ -134,16 +76,6 @@ def _file_fingerprint(path: str) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _row_dtype(n_paths: int):
-    return np.uint32 if n_paths < 2**32 else np.uint64  # 4 B per image up to 4.29 billion shards / files
-
-
-def member_locations(members: Sequence[tuple[str, int, int]]) -> np.ndarray:
-    """(m, 2) int64 [offset, size] of one shard's image members [(name, offset, size), ...], in name order."""
-    ms = sorted(members, key=lambda m: m[0])
-    return np.asarray([(o, s) for _, o, s in ms], dtype=np.int64).reshape(-1, 2)
-
-
 def tar_index(shards: Sequence[str], locations: Sequence[np.ndarray], root: Optional[str]):
     """(header, arrays) for tar ``shards`` with their image members' :func:`member_locations`.
 
@@ -153,9 +85,9 @@ def tar_index(shards: Sequence[str], locations: Sequence[np.ndarray], root: Opti
     """
     order = sorted(range(len(shards)), key=lambda k: os.path.basename(shards[k]) + "/")
     rels = [os.path.basename(shards[k]) if root is None else os.path.relpath(shards[k], root) for k in order]
-    blob, start = _path_table(rels)
+    blob, start = path_table(rels)
     stats = [os.stat(shards[k]) for k in order]
-    idx = [np.full(len(locations[k]), new, dtype=_row_dtype(len(rels))) for new, k in enumerate(order)]
+    idx = [np.full(len(locations[k]), new, dtype=row_dtype(len(rels))) for new, k in enumerate(order)]
     loc = np.concatenate([locations[k] for k in order]) if order else np.zeros((0, 2), dtype=np.int64)
     arrays = {"path_blob": blob, "path_start": start,
               "image_path": np.concatenate(idx) if idx else np.zeros(0, dtype=np.uint32),
@@ -173,17 +105,17 @@ def write_tar_index(path: str, shards: Sequence[str], counts: Sequence[int],
     Returns the number of images."""
     order = sorted(range(len(shards)), key=lambda k: os.path.basename(shards[k]) + "/")
     rels = [os.path.basename(shards[k]) if root is None else os.path.relpath(shards[k], root) for k in order]
-    blob, start = _path_table(rels)
+    blob, start = path_table(rels)
     sizes, mtimes = np.zeros(len(order), np.int64), np.zeros(len(order), np.int64)  # no stat object per shard
     for new, k in enumerate(order):
         st = os.stat(shards[k])
         sizes[new], mtimes[new] = st.st_size, st.st_mtime_ns
-    n, rows = int(sum(int(counts[k]) for k in order)), _row_dtype(len(rels))
+    n, rows = int(sum(int(counts[k]) for k in order)), row_dtype(len(rels))
     specs = {"path_blob": (blob.dtype, blob.shape), "path_start": (start.dtype, start.shape),
              "image_path": (rows, (n,)), "image_offset": (np.int64, (n,)), "image_size": (np.int64, (n,)),
              "shard_size": (np.int64, (len(rels),)), "shard_mtime_ns": (np.int64, (len(rels),))}
     header = {"kind": "tar", "root": root, "n_images": n, "n_paths": len(rels)}
-    with _IndexFile(path, header, specs) as f:
+    with IndexFile(path, header, specs) as f:
         f.put("path_blob", 0, blob)
         f.put("path_start", 0, start)
         f.put("shard_size", 0, sizes)
@@ -225,8 +157,8 @@ def build_index(source: ImageSource):
                   "fingerprint": _file_fingerprint(source.list_path)}
     else:
         raise TypeError(f"cannot index a {type(source).__name__}")
-    blob, start = _path_table(rels)
-    arrays = {"path_blob": blob, "path_start": start, "image_path": np.arange(n, dtype=_row_dtype(n)),
+    blob, start = path_table(rels)
+    arrays = {"path_blob": blob, "path_start": start, "image_path": np.arange(n, dtype=row_dtype(n)),
               "image_offset": np.zeros(n, dtype=np.int64), "image_size": np.full(n, -1, dtype=np.int64)}
     return {**header, "n_images": n, "n_paths": n}, arrays
 
@@ -248,7 +180,7 @@ class PoolIndex:
             raise PoolIndexError(f"cannot read pool index {path}: {e}") from None
         if self.header.get("version") != VERSION:
             raise PoolIndexError(f"{path}: index version {self.header.get('version')}, this code reads {VERSION}")
-        data_start = _align(len(MAGIC) + 8 + hlen)
+        data_start = align(len(MAGIC) + 8 + hlen)
         # One read-only shared mapping of the whole file; every array is a view of it (no copy, no per-image
         # Python object), so forked workers share its pages with the rank instead of copying them.
         buf = np.memmap(self.path, dtype=np.uint8, mode="r")

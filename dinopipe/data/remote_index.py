@@ -20,30 +20,13 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
+from .index_file import member_locations, path_table, row_dtype
 from .sources import RemoteSource
 
 if TYPE_CHECKING:
     from .pool_index import PoolIndex
 
 WALK_THREADS = int(os.environ.get("DINOPIPE_REMOTE_WALK_THREADS", "8"))
-
-
-def _path_table(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The pool index's path table (utf-8 blob + int64 starts); pool_index imports this module, not back."""
-    encoded = [n.encode() for n in names]
-    start = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in encoded], out=start[1:])
-    return np.frombuffer(b"".join(encoded), dtype=np.uint8), start
-
-
-def _row_dtype(n_paths: int):
-    return np.uint32 if n_paths < 2**32 else np.uint64
-
-
-def member_locations(members) -> np.ndarray:
-    """(m, 2) int64 [offset, size] of one shard's members [(name, offset, size), ...], in name order."""
-    ms = sorted(members, key=lambda m: m[0])
-    return np.asarray([(o, s) for _, o, s in ms], dtype=np.int64).reshape(-1, 2)
 
 
 def _order(source: RemoteSource) -> list[int]:
@@ -101,19 +84,19 @@ def build_remote_index(source: RemoteSource, walked: Optional[dict] = None) -> t
     order = _order(source)
     listed = source.listing.arrays()
     names = [source.listing.name(k) for k in order]
-    blob, start = _path_table(names)
+    blob, start = path_table(names)
     per_path = {"shard_size": listed["size"][order], "shard_etag": listed["etag"][order],
                 "shard_etag_parts": listed["etag_parts"][order]}
     n_paths = len(order)
     if source.kind == "folder":
-        arrays = {"path_blob": blob, "path_start": start, "image_path": np.arange(n_paths, dtype=_row_dtype(n_paths)),
+        arrays = {"path_blob": blob, "path_start": start, "image_path": np.arange(n_paths, dtype=row_dtype(n_paths)),
                   "image_offset": np.zeros(n_paths, dtype=np.int64), "image_size": np.full(n_paths, -1, np.int64),
                   **per_path}
         return {"kind": "folder", "root": source.url, "remote": True, "n_images": n_paths, "n_paths": n_paths}, arrays
 
     walked = walked if walked is not None else walk_shards(source, order)
     locs = [walked[k] for k in order]
-    idx = [np.full(len(loc), new, dtype=_row_dtype(n_paths)) for new, loc in enumerate(locs)]
+    idx = [np.full(len(loc), new, dtype=row_dtype(n_paths)) for new, loc in enumerate(locs)]
     loc = np.concatenate(locs) if locs else np.zeros((0, 2), dtype=np.int64)
     arrays = {"path_blob": blob, "path_start": start,
               "image_path": np.concatenate(idx) if idx else np.zeros(0, dtype=np.uint32),
