@@ -32,11 +32,15 @@ class SafeFileSystemReader(FileSystemReader):
     """A ``FileSystemReader`` whose metadata comes from the restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        md = read_dcp_metadata(Path(self.path), kwargs.get("rank"))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = getattr(self, "load_id", None)
-        return md
+        return _with_load_id(read_dcp_metadata(Path(self.path), kwargs.get("rank")), self)
+
+
+def _with_load_id(md: Any, reader: Any) -> Any:
+    """The metadata as DCP's own ``read_metadata`` returns it: ``storage_meta.load_id`` set to the reader's."""
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    md.storage_meta.load_id = getattr(reader, "load_id", None)
+    return md
 
 
 def _bytes_value(value: io.BytesIO, where: str) -> Any:
@@ -75,11 +79,7 @@ def safe_fsspec_reader(url: str) -> Any:
 
     class SafeFsspecReader(reader_cls):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            md = _url_metadata(url)
-            if getattr(md, "storage_meta", None) is None:
-                md.storage_meta = StorageMeta()
-            md.storage_meta.load_id = getattr(self, "load_id", None)
-            return md
+            return _with_load_id(_url_metadata(url), self)
 
     return SafeFsspecReader(url)
 
