@@ -1,4 +1,4 @@
-"""A generated file list of N paths read by W tasks (FileListSource.refs, as each Slurm array task of the embed
+"""A generated file list of N paths read by W tasks (FileListSource.ref_seq, as each Slurm array task of the embed
 step reads it): per task its rows, wall time and peak RSS above its start (runner.PeakMemory: VmHWM reset at the
 task's start), against one process reading a list of N / W paths alone (W = 1) -- the cost of a task's own rows.
 The difference is what a task pays for the rest of the list (issue 40's goal: <= 64 MB at N = 10^8, W = 4).
@@ -33,7 +33,7 @@ def generate(path: str, n: int) -> None:
 
 
 def read_task(t: int, w: int, list_path: str) -> dict:
-    refs = FileListSource(list_path, name="pool").refs(t, w)
+    refs = FileListSource(list_path, name="pool").ref_seq(t, w)  # what an embed task lists and holds
     return {"rows": len(refs)}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -32,9 +32,9 @@ class _DecodeDataset(torch.utils.data.Dataset):
     """Read + decode one ref once, then apply every target's transform (and hash); unreadable files come
     back with their reason."""
 
-    def __init__(self, source: MultiSource, refs: list[ImageRef], transforms: list, hash_names: list,
-                 max_pixels: int):
-        self.source, self.refs, self.transforms = source, refs, transforms
+    def __init__(self, source: MultiSource, refs: Sequence[ImageRef], rows: np.ndarray, transforms: list,
+                 hash_names: list, max_pixels: int):
+        self.source, self.refs, self.rows, self.transforms = source, refs, rows, transforms
         self.hash_names = hash_names
         self.max_pixels = max_pixels
         wanted = {int(tf.channels) for tf in transforms if getattr(tf, "channels", None)}
@@ -43,10 +43,10 @@ class _DecodeDataset(torch.utils.data.Dataset):
         self.channels = wanted.pop() if wanted else None
 
     def __len__(self) -> int:
-        return len(self.refs)
+        return len(self.rows)
 
     def __getitem__(self, i: int):
-        ref = self.refs[i]
+        ref = self.refs[int(self.rows[i])]
         data = self.source.read(ref)
         img, reason = safe_decode(data, max_pixels=self.max_pixels)  # N channels: the 3-channel rendering
         if img is None:
@@ -112,15 +112,19 @@ def embed_pool_multi(sources, targets: list[EmbedTarget], shard_size: int = 1000
     resumes on its own (its complete shards are skipped); returns one counts dict per target."""
     check_split(task_index, num_tasks)
     src = as_multi(sources)
-    refs = src.refs(task_index, num_tasks)
+    # the task's own rows as a compact sequence (a file list's paths as arrays): an ImageRef is built for the
+    # images of the batch being read and the shard being written, never one per row for the whole task
+    refs = src.ref_seq(task_index, num_tasks)
     n_shards = max(1, -(-len(refs) // shard_size))
     todo = [[s for s in range(n_shards)
              if not _shard_complete(t.out_dir, shard_stem(task_index, s), refs, s, shard_size)] for t in targets]
     union = sorted(set().union(*map(set, todo)))
     counts = [{"task_index": task_index, "num_tasks": num_tasks, "images": len(refs), "shards": n_shards,
                "shards_skipped": n_shards - len(td), "shards_written": 0} for td in todo]
-    todo_refs = [r for s in union for r in refs[s * shard_size:(s + 1) * shard_size]]
-    shard_of = np.array([s for s in union for _ in refs[s * shard_size:(s + 1) * shard_size]], np.int64)
+    spans = [(s * shard_size, min(len(refs), (s + 1) * shard_size)) for s in union]
+    todo_rows = (np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans]) if spans
+                 else np.zeros(0, np.int64))
+    shard_of = todo_rows // shard_size
     # union to-do position -> position in the target's own to-do list (-1: the target has that shard)
     pos_maps = []
     for td in todo:
@@ -128,14 +132,15 @@ def embed_pool_multi(sources, targets: list[EmbedTarget], shard_size: int = 1000
         m = np.full(len(shard_of), -1, np.int64)
         m[need] = np.arange(int(need.sum()))
         pos_maps.append(m)
+    del shard_of
     loader = torch.utils.data.DataLoader(
-        _DecodeDataset(src, todo_refs, [t.transform or eval_transform() for t in targets],
+        _DecodeDataset(src, refs, todo_rows, [t.transform or eval_transform() for t in targets],
                        [t.hash_name for t in targets], max_pixels),
         batch_size=batch_size, num_workers=num_workers, collate_fn=_collate,
         persistent_workers=False, prefetch_factor=4 if num_workers > 0 else None,
     )
     buffers = [_ShardBuffer(td, shard_size, len(refs)) for td in todo]
-    bar = _progress(len(todo_refs), f"embed task {task_index}/{num_tasks}", progress)
+    bar = _progress(len(todo_rows), f"embed task {task_index}/{num_tasks}", progress)
     for idx, batches, hashes, bad in loader:
         for j, (t, m, buf) in enumerate(zip(targets, pos_maps, buffers)):
             sel = [k for k, i in enumerate(idx) if m[i] >= 0]

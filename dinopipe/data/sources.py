@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from ..utils import storage
+from .reflist import ConcatRefs, PathRefs, collect_paths
 
 IMAGE_EXTENSIONS = frozenset(
     {"jpg", "jpeg", "png", "bmp", "gif", "tif", "tiff", "webp", "ppm", "pgm", "pbm", "jp2", "npy"}
@@ -100,6 +101,10 @@ class ImageSource:
     def read(self, ref: ImageRef) -> bytes | None:
         raise NotImplementedError
 
+    def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> Sequence[ImageRef]:
+        """:meth:`refs` as an indexable sequence; a source with a compact form (a file list) overrides it."""
+        return self.refs(task_index, num_tasks)
+
     def __iter__(self) -> Iterator[Sample]:
         return self.samples()
 
@@ -159,26 +164,28 @@ class FileListSource(ImageSource):
         self.name = name or self.list_path.stem
 
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
-        """This task's images, in list order. The list is streamed a line at a time and a line is kept only
-        when its id hashes to this task, so a task holds its own rows and nothing per line of the whole list
-        (10^9 listed paths are ~100 GB as one set). A path listed twice is one image, not a duplicate to count:
-        both copies hash to the same task (a hash partition), so the task's own set of paths finds it."""
+        """This task's images, in list order (see :meth:`ref_seq`; this is the same as a list)."""
+        return list(self.ref_seq(task_index, num_tasks))
+
+    def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> PathRefs:
+        """This task's images, in list order, as arrays (:class:`~dinopipe.data.reflist.PathRefs`, ~50 B per
+        40-byte path, not ~420 B per ImageRef). The list is streamed and a line kept only when its id hashes to
+        this task: nothing is held per line of the whole list. A path listed twice is one image: both copies hash
+        to the same task (a hash partition), so the task's own rows find it."""
         check_split(task_index, num_tasks)
-        out, seen = [], set()
-        with open(self.list_path, encoding="utf-8") as f:
-            for line in f:
-                path = line.strip()
-                if not path or path.startswith("#"):
-                    continue
-                image_id = f"{self.name}/{path.lstrip('/')}"
-                if num_tasks > 1 and stable_hash(image_id) % num_tasks != task_index:
-                    continue
-                if path in seen:
-                    continue
-                seen.add(path)
-                full = path if os.path.isabs(path) or storage.is_url(path) else str(self.root / path)
-                out.append(ImageRef(image_id, self.name, full))
-        return out
+
+        def own():
+            with open(self.list_path, encoding="utf-8") as f:
+                for line in f:
+                    path = line.strip()
+                    if not path or path.startswith("#"):
+                        continue
+                    key = stable_hash(f"{self.name}/{path.lstrip('/')}")
+                    if num_tasks == 1 or key % num_tasks == task_index:
+                        yield path, key
+
+        blob, ends = collect_paths(own())
+        return PathRefs(blob, ends, self.name, str(self.root), ImageRef, storage.is_url)
 
     def read(self, ref: ImageRef) -> bytes | None:
         return _read_file(ref.loc)
@@ -490,6 +497,11 @@ class MultiSource(ImageSource):
 
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
         return [r for s in self.sources for r in s.refs(task_index, num_tasks)]
+
+    def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> ConcatRefs:
+        """:meth:`refs` as an indexable sequence that keeps each source's compact form (a file list's rows as
+        arrays); the others' refs are lists."""
+        return ConcatRefs([s.ref_seq(task_index, num_tasks) for s in self.sources])
 
     def read(self, ref: ImageRef) -> bytes | None:
         return self.by_name[ref.source].read(ref)

@@ -146,3 +146,26 @@ def test_two_targets_share_one_decode_and_resume_separately(pool_with_bad, tmp_p
     b2 = open_embeddings(str(tmp_path / "b"))
     np.testing.assert_array_equal(b.ids, b2.ids)
     np.testing.assert_array_equal(b.rows(np.arange(len(b))), b2.rows(np.arange(len(b2))))
+
+
+def test_a_file_list_embeds_from_its_compact_rows_split_and_resumed(pool_with_bad, tmp_path, photos):
+    """A file list's task rows are arrays (dinopipe.data.reflist), an ImageRef made per image read: two tasks,
+    one of them killed and rerun, give the rows, hashes and unreadable reasons of one task over the same list."""
+    files = sorted(str(p.relative_to(pool_with_bad.parent)) for p in pool_with_bad.rglob("*") if p.is_file())
+    lst = pool_with_bad.parent / "pool.txt"
+    lst.write_text("\n".join(files + ["gone/missing.jpg", files[0]]) + "\n")
+    desc = PCADescriptor()
+    whole = _embed(str(lst), tmp_path / "one", one := Counting(desc))
+    with pytest.raises(KeyboardInterrupt):
+        _embed(str(lst), tmp_path / "two", Counting(desc, fail_after_batches=2), task_index=0, num_tasks=2)
+    _embed(str(lst), tmp_path / "two", Counting(desc), task_index=1, num_tasks=2)
+    rerun = _embed(str(lst), tmp_path / "two", Counting(desc), task_index=0, num_tasks=2)
+    assert one.images > 0 and rerun["shards_skipped"] == 1 and rerun["shards"] >= 2 and whole["images"] == len(files) + 1
+    a, b = open_embeddings(str(tmp_path / "one")), open_embeddings(str(tmp_path / "two"))
+    np.testing.assert_array_equal(a.ids, b.ids)
+    # other batch compositions: equal to fp16 rounding, not bit for bit
+    np.testing.assert_allclose(a.rows(np.arange(len(a))), b.rows(np.arange(len(b))), atol=2e-3)
+    assert a.hashes.tolist() == b.hashes.tolist() and sorted(a.unreadable) == sorted(b.unreadable)
+    reasons = {u[0].split("/")[-1]: u[2] for u in b.unreadable}
+    expected = {name: reason for name, (_, reason) in bad_file_kinds(photos["chelsea"]).items()}
+    assert reasons.pop("missing.jpg") and reasons == expected

@@ -67,3 +67,40 @@ def test_a_task_costs_its_own_rows_not_the_length_of_the_list(tmp_path):
     assert n // w * 0.9 < len(mine) < n // w * 1.1
     beyond = (peak_task - peak_alone) / n
     assert beyond < 8, f"task 0 of {w} holds {beyond:.1f} B per listed path beyond its own rows"
+
+
+def _paths_list(path, n: int):
+    with open(path, "w") as f:
+        f.writelines(f"part{i // 100_000:02d}/d{i % 997:03d}/img{i:010d}.jpg\n" for i in range(n))
+        f.writelines(f"part{i // 100_000:02d}/d{i % 997:03d}/img{i:010d}.jpg\n" for i in range(0, n, 50))
+    return path
+
+
+def test_a_task_holds_its_rows_as_arrays_not_imagerefs(tmp_path):
+    """The embed step lists a task's own rows with ref_seq: what it holds grows by ~50 B per 40-byte path (the
+    bytes and an offset), where a list of ImageRefs grew by ~420 B. Measured as the traced memory still held
+    after listing a generated list at two sizes; the rows are the same refs as refs() gives, in order."""
+    held = {}
+    for n in (20_000, 80_000):
+        src = FileListSource(_paths_list(tmp_path / f"l{n}.txt", n), name="pool")
+        tracemalloc.start()
+        try:
+            seq = src.ref_seq(1, 2)
+            held[n] = (tracemalloc.get_traced_memory()[0], len(seq))
+        finally:
+            tracemalloc.stop()
+        if n == 20_000:
+            assert list(seq) == src.refs(1, 2) and len(seq) == len({r.id for r in seq})
+            assert seq[-1] == seq[len(seq) - 1] and seq[2:5] == list(seq)[2:5]
+    per_row = (held[80_000][0] - held[20_000][0]) / (held[80_000][1] - held[20_000][1])
+    assert 20_000 < held[80_000][1] * 2 < 82_000
+    assert per_row < 100, f"{per_row:.0f} B held per own row"
+
+
+def test_paths_listed_twice_are_kept_once_at_their_first_place(tmp_path):
+    lst = tmp_path / "l.txt"
+    lst.write_text("b.jpg\na.jpg\n b.jpg\n/x/c.jpg\na.jpg\n/b.jpg\n")
+    src = FileListSource(lst, name="s")
+    assert [(r.id, r.loc) for r in src.ref_seq()] == [
+        ("s/b.jpg", str(tmp_path / "b.jpg")), ("s/a.jpg", str(tmp_path / "a.jpg")), ("s/x/c.jpg", "/x/c.jpg"),
+        ("s/b.jpg", "/b.jpg")]  # '/b.jpg' is another path (as before: the set was of paths, not ids)
