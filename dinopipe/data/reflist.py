@@ -24,15 +24,16 @@ class PathRefs(Sequence):
     """The rows of one file list as a byte array of paths; row ``i`` is ``ref_cls(id, name, loc)`` with
     ``id = <name>/<path without a leading '/'>`` and ``loc`` the path (absolute or a URL) or ``root/path``."""
 
-    def __init__(self, blob: np.ndarray, ends: np.ndarray, name: str, root: str, ref_cls, is_url) -> None:
-        self.blob, self.ends = blob, ends
+    def __init__(self, blob: np.ndarray, ends: np.ndarray, name: str, root: str, ref_cls, is_url,
+                 starts: np.ndarray | None = None) -> None:
+        self.blob, self.ends, self.starts = blob, ends, starts  # starts None: each row starts where the last ended
         self.name, self.root, self.ref_cls, self.is_url = name, root, ref_cls, is_url
 
     def __len__(self) -> int:
         return len(self.ends)
 
     def path(self, i: int) -> str:
-        start = int(self.ends[i - 1]) if i else 0
+        start = int(self.starts[i]) if self.starts is not None else int(self.ends[i - 1]) if i else 0
         return self.blob[start:int(self.ends[i])].tobytes().decode("utf-8")
 
     def _ref(self, i: int):
@@ -49,10 +50,12 @@ class PathRefs(Sequence):
         return self._ref(i % n)
 
 
-def collect_paths(paths: Iterable[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """``(path, key)`` pairs in list order -> (blob, ends) of the paths with a path listed twice kept once, at
-    its first place. ``key`` is a 64-bit hash of the row's id: equal paths have equal keys, so the repeats are
-    found by sorting the keys and comparing the paths only within a run of equal keys -- no set of strings."""
+def collect_paths(paths: Iterable[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(path, key)`` pairs in list order -> (blob, ends, starts) of the paths with a path listed twice kept
+    once, at its first place (starts: None when nothing was dropped; else the kept rows' starts, the repeats'
+    bytes staying in the blob rather than copying it). ``key`` is a 64-bit hash of the row's id: equal paths
+    have equal keys, so the repeats are found by sorting the keys and comparing the paths only within a run of
+    equal keys -- no set of strings."""
     buf, ends, keys = bytearray(), array("q"), array("Q")
     for path, key in paths:
         buf += path.encode("utf-8")
@@ -63,11 +66,9 @@ def collect_paths(paths: Iterable[tuple[str, int]]) -> tuple[np.ndarray, np.ndar
     ends_a = np.frombuffer(ends, np.int64) if len(ends) else np.zeros(0, np.int64)
     keep = _first_copies(blob, ends_a, np.frombuffer(keys, np.uint64) if len(keys) else np.zeros(0, np.uint64))
     if keep is None:
-        return blob, ends_a
-    starts = np.concatenate([[0], ends_a[:-1]])
-    lengths = ends_a - starts
-    blob = blob[np.repeat(keep, lengths)]
-    return blob, np.cumsum(lengths[keep]).astype(np.int64)
+        return blob, ends_a, None
+    starts = np.concatenate([np.zeros(1, np.int64), ends_a[:-1]])[keep]
+    return blob, ends_a[keep], starts
 
 
 def _first_copies(blob: np.ndarray, ends: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
@@ -75,7 +76,9 @@ def _first_copies(blob: np.ndarray, ends: np.ndarray, keys: np.ndarray) -> np.nd
     if len(keys) < 2:
         return None
     order = np.argsort(keys, kind="stable")  # a run of equal keys stays in list order
-    same = keys[order[1:]] == keys[order[:-1]]
+    ordered = keys[order]
+    same = ordered[1:] == ordered[:-1]
+    del ordered
     if not same.any():
         return None
     keep = np.ones(len(keys), bool)

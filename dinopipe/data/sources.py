@@ -184,8 +184,8 @@ class FileListSource(ImageSource):
                     if num_tasks == 1 or key % num_tasks == task_index:
                         yield path, key
 
-        blob, ends = collect_paths(own())
-        return PathRefs(blob, ends, self.name, str(self.root), ImageRef, storage.is_url)
+        blob, ends, starts = collect_paths(own())
+        return PathRefs(blob, ends, self.name, str(self.root), ImageRef, storage.is_url, starts)
 
     def read(self, ref: ImageRef) -> bytes | None:
         return _read_file(ref.loc)
