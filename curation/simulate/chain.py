@@ -7,7 +7,8 @@ What differs is only the input:
 * ``embeddings/descriptor/``: the generated pool (curation.simulate.generate.gen_block, a function of the block
   alone, so the same pool for any W), written as one embedding shard per block with its perceptual hashes,
   by W runner tasks;
-* ``embeddings/eval/``: eval rows, ``overlap`` of them near-copies of pool rows (the planted contamination);
+* ``embeddings/eval/``: eval rows, ``overlap`` of them near-copies of pool rows (the planted contamination), the
+  rest around the eval set's own centres, away from the pool's (curation.simulate.generate.eval_fresh);
 * ``truth/``: the planted (source, copy) pairs, hash near-duplicates and eval overlap;
 * ``pool/``: the pool's pixels, one webdataset tar shard per block of small synthetic JPEGs (what
   ``input.paths`` names: the write step copies the kept ones into the output shards, the report shows them);
@@ -109,7 +110,7 @@ def pool_task(t: int, w: int, work: str, n: int, dim: int, n_clusters: int, seed
 
 def write_eval(work: str, n: int, dim: int, n_clusters: int, n_eval: int, overlap: int, seed: int) -> None:
     """``embeddings/eval/``: ``overlap`` near-copies of random pool rows (their rows: truth/overlap.npy), the
-    rest fresh points of the clusters."""
+    rest fresh eval rows around the eval set's own centres (:func:`generate.eval_fresh`)."""
     ev_dir = os.path.join(work, "embeddings", "eval")
     if os.path.exists(os.path.join(ev_dir, "task-00000-of-00001.json")):
         return
@@ -120,8 +121,7 @@ def write_eval(work: str, n: int, dim: int, n_clusters: int, n_eval: int, overla
         np.sqrt(gen.COPY_NOISE / dim))
     cent, w = gen.centres(n_clusters, dim, seed)
     m = n_eval - len(rows)
-    fresh = cent[rng.choice(len(cent), size=m, p=w)] + rng.standard_normal((m, dim)).astype(
-        np.float32) * np.float32(np.sqrt(gen.SPREAD / dim))
+    fresh = gen.eval_fresh(m, cent, w, dim, rng)
     ev = gen._normalise(np.concatenate([x, fresh])).astype(np.float16)
     np.save(os.path.join(work, "truth", "overlap.npy"), rows.astype(np.int64))
     meta = _meta(0, len(ev), None)

@@ -7,7 +7,10 @@
 * hashes (N,) uint64 random 64-bit hashes, with planted near-duplicates (1..``max_distance``
   bits flipped) and exact duplicates of another row of the block (``truth_hash``);
 * eval rows (E, D) fp16 (chain.write_eval): E eval images, ``overlap`` of them near-copies of planted pool rows
-  (``truth_overlap``: the pool rows), the rest fresh points of the clusters.
+  (``truth_overlap``: the pool rows), the rest :func:`eval_fresh`: points around the eval set's own centres, each
+  centre near a pool centre (cosine EVAL_AFFINITY: the same domain, other images) but not on it, so only the
+  planted near-copies sit within the decontamination threshold of the pool (an eval row drawn from the pool's own
+  clusters, as before, put 64% of the default pool within 0.45 of some eval row).
 
 Everything is a function of (seed, block index), so the pool does not depend on W.
 """
@@ -20,6 +23,8 @@ import numpy as np
 
 COPY_NOISE = 0.05  # squared norm of a copy's perturbation: cosine ~ 1/sqrt(1.05) ~ 0.976
 SPREAD = 1.5  # squared norm of a row's noise around its centre
+EVAL_AFFINITY = 0.4  # cosine of an eval centre to the pool centre it is drawn near (a pool row and a fresh eval
+# row around them: cosine ~0.4 / (1 + SPREAD) ~ 0.16, well below decontamination's 0.45 at D = 384)
 
 
 def centres(n_clusters: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -58,6 +63,18 @@ def gen_block(lo: int, hi: int, cent, weights, dim: int, seed: int, copy_rate: f
             flips[i] |= np.uint64(1) << np.uint64(bit)
     h[hd] = h[hs] ^ flips
     return x, h, (src + lo, dst + lo), (hs + lo, hd + lo), lab
+
+
+def eval_fresh(m: int, cent: np.ndarray, weights: np.ndarray, dim: int, rng) -> np.ndarray:
+    """``m`` eval rows (float32, not normalised) around as many eval centres as there are pool clusters, each
+    eval centre at cosine EVAL_AFFINITY to a pool centre picked by the pool's cluster weights."""
+    near = cent[rng.choice(len(cent), size=len(cent), p=weights)]
+    away = rng.standard_normal((len(cent), dim)).astype(np.float32)
+    away -= np.sum(away * near, axis=1, keepdims=True) * near  # orthogonal to its pool centre
+    away = _normalise(away)
+    own = np.float32(EVAL_AFFINITY) * near + np.float32(np.sqrt(1 - EVAL_AFFINITY ** 2)) * away
+    lab = rng.integers(0, len(own), size=m)
+    return own[lab] + rng.standard_normal((m, dim)).astype(np.float32) * np.float32(np.sqrt(SPREAD / dim))
 
 
 def cat(v: list) -> np.ndarray:
