@@ -32,7 +32,7 @@ class _DecodeDataset(torch.utils.data.Dataset):
     """Read + decode one ref once, then apply every target's transform (and hash); unreadable files come
     back with their reason."""
 
-    def __init__(self, source: MultiSource, refs: Sequence[ImageRef], rows: np.ndarray, transforms: list,
+    def __init__(self, source: MultiSource, refs: Sequence[ImageRef], rows: Sequence[int], transforms: list,
                  hash_names: list, max_pixels: int):
         self.source, self.refs, self.rows, self.transforms = source, refs, rows, transforms
         self.hash_names = hash_names
@@ -46,7 +46,7 @@ class _DecodeDataset(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int):
-        ref = self.refs[int(self.rows[i])]
+        ref = self.refs[self.rows[i]]
         data = self.source.read(ref)
         img, reason = safe_decode(data, max_pixels=self.max_pixels)  # N channels: the 3-channel rendering
         if img is None:
@@ -121,48 +121,64 @@ def embed_pool_multi(sources, targets: list[EmbedTarget], shard_size: int = 1000
     union = sorted(set().union(*map(set, todo)))
     counts = [{"task_index": task_index, "num_tasks": num_tasks, "images": len(refs), "shards": n_shards,
                "shards_skipped": n_shards - len(td), "shards_written": 0} for td in todo]
-    spans = [(s * shard_size, min(len(refs), (s + 1) * shard_size)) for s in union]
-    todo_rows = (np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans]) if spans
-                 else np.zeros(0, np.int64))
-    shard_of = todo_rows // shard_size
-    # union to-do position -> position in the target's own to-do list (-1: the target has that shard)
-    pos_maps = []
-    for td in todo:
-        need = np.isin(shard_of, td)
-        m = np.full(len(shard_of), -1, np.int64)
-        m[need] = np.arange(int(need.sum()))
-        pos_maps.append(m)
-    del shard_of
+    rows = _TodoRows(union, shard_size, len(refs))
+    # a target's to-do position of a union to-do position (-1: the target has that shard), by arithmetic: no array
+    # per row (only the pool's last shard is short, and it is the last of any to-do list that holds it)
+    ranks = [{sh: k for k, sh in enumerate(td)} for td in todo]
+
+    def pos(j: int, p: int) -> int:
+        row = rows[p]
+        k = ranks[j].get(row // shard_size)
+        return -1 if k is None else k * shard_size + row % shard_size
+
     loader = torch.utils.data.DataLoader(
-        _DecodeDataset(src, refs, todo_rows, [t.transform or eval_transform() for t in targets],
+        _DecodeDataset(src, refs, rows, [t.transform or eval_transform() for t in targets],
                        [t.hash_name for t in targets], max_pixels),
         batch_size=batch_size, num_workers=num_workers, collate_fn=_collate,
         persistent_workers=False, prefetch_factor=4 if num_workers > 0 else None,
     )
     buffers = [_ShardBuffer(td, shard_size, len(refs)) for td in todo]
-    bar = _progress(len(todo_rows), f"embed task {task_index}/{num_tasks}", progress)
+    bar = _progress(len(rows), f"embed task {task_index}/{num_tasks}", progress)
     for idx, batches, hashes, bad in loader:
-        for j, (t, m, buf) in enumerate(zip(targets, pos_maps, buffers)):
-            sel = [k for k, i in enumerate(idx) if m[i] >= 0]
+        for j, (t, buf) in enumerate(zip(targets, buffers)):
+            at = [pos(j, i) for i in idx]
+            sel = [k for k, q in enumerate(at) if q >= 0]
             emb = None
             if sel:
                 x = batches[j] if len(sel) == len(idx) else batches[j][sel]
                 emb = l2_normalise_fp16(t.embed_fn(x))
-            buf.add([int(m[idx[k]]) for k in sel], emb, [hashes[k][j] for k in sel],
-                    [(int(m[i]), r) for i, r in bad if m[i] >= 0])
-            for shard, rows in buf.pop_complete():
-                _write_shard(t.out_dir, task_index, shard, refs, shard_size, rows)
+            bad_at = [(pos(j, i), r) for i, r in bad]
+            buf.add([at[k] for k in sel], emb, [hashes[k][j] for k in sel], [(q, r) for q, r in bad_at if q >= 0])
+            for shard, got in buf.pop_complete():
+                _write_shard(t.out_dir, task_index, shard, refs, shard_size, got)
                 counts[j]["shards_written"] += 1
         bar.update(len(idx) + len(bad))
     bar.close()
     for t, buf, c in zip(targets, buffers, counts):
-        for shard, rows in buf.pop_complete():  # an empty task still writes its (empty) shard
-            _write_shard(t.out_dir, task_index, shard, refs, shard_size, rows)
+        for shard, got in buf.pop_complete():  # an empty task still writes its (empty) shard
+            _write_shard(t.out_dir, task_index, shard, refs, shard_size, got)
             c["shards_written"] += 1
         if buf.shards:
             raise RuntimeError(f"embedding {t.out_dir} stopped before shards {buf.shards} were complete")
         _mark_task_done(t.out_dir, task_index, num_tasks, c)
     return counts
+
+
+class _TodoRows(Sequence):
+    """The task's rows of the shards still to embed, in order: position ``p`` is row
+    ``union[p // shard_size] * shard_size + p % shard_size`` (every shard is full but the pool's last)."""
+
+    def __init__(self, union: list[int], shard_size: int, n_rows: int):
+        self.union, self.shard_size = union, shard_size
+        self.n = sum(max(0, min(shard_size, n_rows - s * shard_size)) for s in union)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, p: int) -> int:
+        if not 0 <= p < self.n:
+            raise IndexError(p)
+        return self.union[p // self.shard_size] * self.shard_size + p % self.shard_size
 
 
 class _ShardBuffer:
