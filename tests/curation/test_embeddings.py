@@ -169,3 +169,26 @@ def test_a_file_list_embeds_from_its_compact_rows_split_and_resumed(pool_with_ba
     reasons = {u[0].split("/")[-1]: u[2] for u in b.unreadable}
     expected = {name: reason for name, (_, reason) in bad_file_kinds(photos["chelsea"]).items()}
     assert reasons.pop("missing.jpg") and reasons == expected
+
+
+def test_an_embed_task_holds_far_less_than_an_imageref_per_own_row(tmp_path):
+    """The traced peak of one embed task over a file list at two sizes (every path missing: read, counted
+    unreadable, written in shards of 500): it grows by the list's arrays, not by ~420 B of ImageRef per row as when
+    the task listed its refs (and its to-do refs) as Python objects. Each size runs twice and keeps the lower
+    peak: a one-off allocation of the libraries (~8 MB, first made in whichever run) is not the task's."""
+    import tracemalloc
+
+    peaks = {}
+    for n in (2_000, 8_000, 2_000, 8_000):
+        lst = tmp_path / f"l{n}.txt"
+        lst.write_text("".join(f"gone/d{i % 97:03d}/img{i:010d}.jpg\n" for i in range(n)))
+        out = tmp_path / f"e{n}-{n in peaks}"
+        tracemalloc.start()
+        try:
+            counts = _embed(str(lst), out, PCADescriptor(), shard_size=500, batch_size=50)
+            peaks[n] = min(peaks.get(n, 1 << 62), tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert counts["images"] == n and len(open_embeddings(str(out)).unreadable) == n
+    per_row = (peaks[8_000] - peaks[2_000]) / 6_000
+    assert per_row < 120, f"{per_row:.0f} B per own row"
