@@ -1,7 +1,9 @@
 """The synthetic pool, block by block (curation.simulate.chain writes it as embedding shards, W tasks).
 
 * embeddings (N, D) fp16, L2-normalised: C cluster centres (Zipf-like sizes), each row its centre plus
-  isotropic noise (two rows of one cluster have cosine ~0.4; the nearest unrelated row ~0.5);
+  isotropic noise (two rows of one cluster have cosine ~0.29 +- 0.06: below decontamination's 0.45 but for a
+  tail, so a planted eval near-copy of a pool row does not take its cluster with it -- at SPREAD 1.5, ~0.4, it
+  took ~20% of it);
 * planted near-copies: in every block a fraction ``copy_rate`` of the rows is a copy (cosine ~0.97) of
   another row of the block (``truth_copies``: the (source, copy) pairs);
 * hashes (N,) uint64 random 64-bit hashes, with planted near-duplicates (1..``max_distance``
@@ -22,9 +24,9 @@ import numpy as np
 
 
 COPY_NOISE = 0.05  # squared norm of a copy's perturbation: cosine ~ 1/sqrt(1.05) ~ 0.976
-SPREAD = 1.5  # squared norm of a row's noise around its centre
-EVAL_AFFINITY = 0.4  # cosine of an eval centre to the pool centre it is drawn near (a pool row and a fresh eval
-# row around them: cosine ~0.4 / (1 + SPREAD) ~ 0.16, well below decontamination's 0.45 at D = 384)
+SPREAD = 2.5  # squared norm of a row's noise around its centre (cosine of two rows of a cluster ~1 / (1 + SPREAD))
+EVAL_AFFINITY = 0.5  # cosine of an eval centre to the pool centre it is drawn near (a pool row and a fresh eval
+# row around them: cosine ~0.5 / (1 + SPREAD) ~ 0.14, well below decontamination's 0.45 at D = 384)
 
 
 def centres(n_clusters: int, dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
