@@ -34,7 +34,7 @@ OWN_BLOCK = 1024
 """First images (ranks) per ownership block; blocks go to the tasks round-robin."""
 SLICE = 1 << 20
 """Directed pairs of a chunk filtered at a time (the temporaries: a slice's, not a whole chunk's)."""
-PART = "cand"
+PART = "cand-part"
 
 
 def owner(lo: np.ndarray, num_tasks: int) -> np.ndarray:
@@ -83,7 +83,7 @@ def part_digest(params: dict, n: int, threshold: float, num_tasks: int, vkey: st
 def verify_candidates_task(t: int, w: int, out_dir: str, n: int, threshold: float, parts_dir: str, digest: str,
                            factory: Callable) -> dict:
     """Task ``t`` of ``w``: its candidate pairs from the chunk files, verified by ``factory()``'s verifier (over
-    positions, smaller id first), written as ``<parts_dir>/cand-TTTTT-of-WWWWW.npz`` (lo, hi of the verified
+    positions, smaller id first), written as ``<parts_dir>/cand-part-TTTTT-of-WWWWW.npz`` (lo, hi of the verified
     edges, the candidate count, the digest) atomically. A part with the same digest is kept (a rerun skips it)."""
     path = part_path(parts_dir, PART, t, w)
     if os.path.exists(path):

@@ -86,7 +86,7 @@ def test_tasks_decide_as_the_keys_path_for_any_w(tmp_path, monkeypatch, grouping
         assert sum(cands) == old.n_candidates and len(cands) == w and min(cands) > 0.6 * old.n_candidates / w
         assert [g["result"]["computed"] for g in got] == [1] * w
         # a rerun reads the finished parts back; a killed task's rerun computes only its part
-        os.remove(out / "steps" / "verify" / f"cand-{w - 1:05d}-of-{w:05d}.npz")
+        os.remove(out / "steps" / "verify" / f"cand-part-{w - 1:05d}-of-{w:05d}.npz")
         again, got = _new(str(out), n, 3, w, launcher, grouping)
         assert [g["result"]["computed"] for g in got] == [0] * (w - 1) + [1]
         np.testing.assert_array_equal(np.asarray(again.component), np.asarray(old.component))
