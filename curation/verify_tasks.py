@@ -34,6 +34,9 @@ OWN_BLOCK = 1024
 """First images (ranks) per ownership block; blocks go to the tasks round-robin."""
 SLICE = 1 << 20
 """Directed pairs of a chunk filtered at a time (the temporaries: a slice's, not a whole chunk's)."""
+VERIFY_SLICE = 1 << 20
+"""Pairs handed to the verifier at a time: a multiple of PixelVerifier's ``batch_pairs`` (512), so its batches are
+the ones one call over all the task's pairs makes (and its feature cache carries over between the calls)."""
 PART = "cand-part"
 
 
@@ -59,7 +62,10 @@ def own_keys(chunks, n: int, threshold: float, task_index: int, num_tasks: int) 
         del c
     keys = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     del parts
-    return np.unique(keys)
+    keys.sort()  # in place: no second array of keys
+    first = np.ones(len(keys), bool)
+    first[1:] = keys[1:] != keys[:-1]
+    return keys[first]
 
 
 def verifier_key(factory: Callable) -> str:
@@ -92,13 +98,17 @@ def verify_candidates_task(t: int, w: int, out_dir: str, n: int, threshold: floa
                 return {"candidates": int(z["candidates"]), "edges": int(len(z["lo"])), "computed": 0,
                         "seconds": 0.0}
     keys = own_keys(KnnJob(out_dir, "pool").iter(n), n, threshold, t, w)
-    lo, hi = np.divmod(keys, n)
-    del keys
-    n_cand = len(lo)
+    n_cand, los, his = len(keys), [], []
     t0 = time.perf_counter()
-    if n_cand:
-        ok = np.asarray(factory()(lo, hi), bool)
-        lo, hi = lo[ok], hi[ok]
+    verify = factory() if n_cand else None
+    for s in range(0, n_cand, VERIFY_SLICE):  # (lo, hi) a slice at a time, not two more int64 per pair
+        lo, hi = np.divmod(keys[s:s + VERIFY_SLICE], n)
+        ok = np.asarray(verify(lo, hi), bool)
+        los.append(lo[ok])
+        his.append(hi[ok])
+    del keys
+    lo = np.concatenate(los) if los else np.zeros(0, np.int64)
+    hi = np.concatenate(his) if his else np.zeros(0, np.int64)
     seconds = time.perf_counter() - t0
     write_part(path, lo=lo, hi=hi, candidates=np.int64(n_cand), digest=np.array(digest))
     return {"candidates": n_cand, "edges": int(len(lo)), "computed": 1, "seconds": seconds}
