@@ -50,7 +50,8 @@ EXAMPLES = [
 
 STEP_LABELS = {"pool_task": "generate", "pairs_task": "hash pairs", "add_task": "index add",
                "search_task": "search", "verify_arrays_task": "verification (planted)",
-               "verify_pairs_task": "verification (planted)", "tree_task": "k-means tree (every level)",
+               "verify_pairs_task": "verification (planted)", "verify_candidates_task": "verification (planted)",
+               "tree_task": "k-means tree (every level)",
                "hist_task": "sampling: histogram", "boundary_task": "sampling: boundary",
                "select_task": "sampling: select", "_decisions_part_task": "decisions parts",
                "index_train": "index train (one process)", "index_merge": "index merge (one process)",

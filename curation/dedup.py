@@ -144,9 +144,25 @@ def copy_dedup_from_keys(n: int, ids, keys: Callable[[], np.ndarray], *, verifie
     return _verify_and_group(n, ids, verifier, grouping, canonical)
 
 
-def _verify_and_group(n: int, ids, verifier, grouping: str, canonical) -> DedupResult:
+def copy_dedup_from_edges(n: int, ids, lo: np.ndarray, hi: np.ndarray, *, n_candidates: int,
+                          verifier: Callable | None = None, grouping: str = "star",
+                          verify_seconds: float = 0.0) -> DedupResult:
+    """:func:`copy_dedup_from_keys` when the candidates were verified elsewhere (curation.verify_tasks: W tasks
+    reading the chunk files): ``lo``/``hi`` the verified edges in rank space sorted by (lo, hi), ``n_candidates``
+    the candidates they came from. ``verifier``: the lone images' second look only. The same decisions; the ids
+    must be in canonical order (positions are ranks)."""
+    def canonical(rank):
+        if rank is not None:
+            raise ValueError("copy_dedup_from_edges needs the rows in canonical id order")
+        return lo, hi, None
+    res = _verify_and_group(n, ids, verifier, grouping, canonical, verified=True)
+    res.n_candidates, res.verify_seconds = int(n_candidates), res.verify_seconds + verify_seconds
+    return res
+
+
+def _verify_and_group(n: int, ids, verifier, grouping: str, canonical, verified: bool = False) -> DedupResult:
     """The body of :func:`copy_dedup_from_pairs`; ``canonical(rank)``: the canonical pairs (lo, hi, _) in rank
-    space."""
+    space (``verified``: already verified edges: only the lone images' pass calls ``verifier``)."""
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping {grouping!r}: choose one of {GROUPINGS}")
     if not hasattr(ids, "dtype"):  # a lazy sliceable (knn_steps: the survivors' ids, read a block at a time) stays
@@ -163,7 +179,7 @@ def _verify_and_group(n: int, ids, verifier, grouping: str, canonical) -> DedupR
     lo, hi, _ = canonical(rank)
     n_candidates = len(lo)
     t0 = time.perf_counter()
-    if verifier is not None and len(lo):
+    if verifier is not None and len(lo) and not verified:
         ok = np.asarray(verifier(pos(lo), pos(hi)), bool)  # positions, smaller id first
         lo, hi = lo[ok], hi[ok]
     seconds = time.perf_counter() - t0 if verifier is not None else 0.0

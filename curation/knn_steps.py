@@ -10,6 +10,7 @@ have done that work before, and the finishing job only merges. Hence identical `
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -18,14 +19,16 @@ import numpy as np
 from dinopipe.config import ConfigError
 
 from .config import DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig, knn_kwargs, task_plan
-from .dedup import DedupResult, copy_dedup_from_keys, resolve_threshold
+from .dedup import DedupResult, copy_dedup_from_edges, copy_dedup_from_keys, resolve_threshold
 from .embeddings import embed_pool
 from .embstore import EmbeddingSet, open_embeddings
 from .hash_step import hash_step, pixel_verifier_of
 from .hashdedup import HashDedupResult
 from .index import Rows
 from .knn_shards import KnnJob, RowSource, pair_keys, run_search
+from .unionfind import in_id_order
 from .verify import PartedVerifier
+from .verify_tasks import verified_edges
 
 EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
 
@@ -106,13 +109,29 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     if verifier is not None or verifier_factory is not None:  # verdicts in parts: a rerun verifies what is missing
         parted = verifier = PartedVerifier(verifier, os.path.join(out_dir, "steps", "verify"), vw,
                                            plan["launcher"] if verifier is None else "inline", verifier_factory)
-    # the pairs as sorted unique keys, read a chunk at a time (8 B per pair held, dropped once split); nn_sim is
-    # read a chunk at a time below, nn_idx not at all
-    res = copy_dedup_from_keys(n, ids, lambda: pair_keys(job.iter(n), n, threshold), verifier=verifier,
-                               grouping=grouping)
+    if parted is not None and in_id_order(ids):
+        # the usual case (ids in order: positions are ranks): W tasks read their own candidates from the chunk
+        # files and verify them (curation.verify_tasks); this process reads only the verified edges
+        lo, hi, cand, secs, _ = verified_edges(out_dir, n, threshold, parted.parts_dir, vw, parted.launcher,
+                                               verifier_factory if parted.verifier is None
+                                               else functools.partial(_same, parted.verifier))
+        parted.calls = 1  # the lone images' second look: steps/verify/call1-*, as before
+        res = copy_dedup_from_edges(n, ids, lo, hi, n_candidates=cand, verifier=verifier, grouping=grouping,
+                                    verify_seconds=secs)
+    else:
+        # no verifier (every candidate an edge), or ids out of order (id_ranks' permutation): the pairs as sorted
+        # unique keys, read a chunk at a time (8 B per pair held, dropped once split)
+        res = copy_dedup_from_keys(n, ids, lambda: pair_keys(job.iter(n), n, threshold), verifier=verifier,
+                                   grouping=grouping)
+    # nn_sim is read a chunk at a time, nn_idx not at all
     res.nn_sim, res.index_kind = job.column(n, "nn_sim"), job.meta()["kind"]  # res.nn_index: the placeholder
     res.verify_tasks = vw if parted is not None else 0
     return res
+
+
+def _same(verifier):
+    """The factory of a verifier built by the caller (the tasks then run in this process)."""
+    return verifier
 
 
 def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: int = 2,

@@ -83,7 +83,7 @@ def test_simulate_runs_the_chain_of_curate_run_w1_and_w3_identical_with_planted_
         ran[r["fn"]] = max(ran.get(r["fn"], 0), r["tasks"])
     # the hash dedup, kNN search, verification, sampling and decisions tasks of `curate run`, each as W=3
     for fn in ("run_task", "rank_task", "copy_task",  # the path table, right after the pool's parts
-               "pairs_task", "search_task", "verify_arrays_task", "hist_task", "select_task", "_decisions_part_task"):
+               "pairs_task", "search_task", "verify_candidates_task", "hist_task", "select_task", "_decisions_part_task"):
         assert ran.get(fn) == 3, (fn, ran)
     # and its single-process parts (curation.steps.runner.phase), so the growth bench's JSON times them too
     for fn in ("hash_grouping", "grouping"):

@@ -64,7 +64,8 @@ def test_curate_run_with_the_srun_launcher_matches_one_task(slurm, pool_dir, tmp
     names = {c[0] for c in calls}
     # the path table's tasks as srun tasks too, each output slice placed by its owner (curation.steps.table_owned)
     for want in ("run_task", "rank_task", "place_task", "copy_task",
-                 "pairs_task", "verify_pairs_task", "search_task", "tree_task", "hist_task", "select_task",
+                 "pairs_task", "verify_pairs_task", "verify_candidates_task", "search_task", "tree_task", "hist_task",
+                 "select_task",
                  "_write_shards_task", "_decisions_part_task"):
         # hash dedup, verification, kNN, k-means tree, sampling, shards, decisions
         assert want in names, (want, sorted(names), log[-3000:])

@@ -1,0 +1,140 @@
+"""Copy dedup's verification as W tasks that read their own candidate pairs from the kNN chunk files.
+
+Before (issue 40), the orchestrator read every chunk into one int64 key per candidate pair (~27 pairs per row at
+the default k = 64 / cosine 0.45), split them into (lo, hi) and handed them to the verification tasks through a
+file: ~1.7 kB per row held while they ran, although only a few candidates are copies (2,932 of 8.28M at 300k).
+Here each task streams the chunk files itself (``KnnJob(out_dir, 'pool').iter``), keeps the unordered pairs above
+the threshold that it owns, verifies them with its own verifier (``factory()``: one feature cache per task) and
+writes a part: its verified edges and its candidate count. The orchestrator reads only the edges.
+
+Ownership: pair (lo, hi) (positions, which are ranks: the rows are in canonical id order) belongs to task
+``(lo // OWN_BLOCK) % W`` -- whole blocks of first images dealt round-robin, so every pair of an image as the
+smaller end is in one task (its decode is cached once) and the tasks get about as many pairs each (a range split
+would give task 0 most pairs: row r is the smaller end of its pairs with rows after it). The candidates are the
+ones ``knn_shards.pair_keys`` keeps (the float32 comparison, self and -1 pairs dropped), each verified once,
+in key order within the task: the union over the tasks is the orchestrator's old candidate set, so the decisions
+are the same for any W.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from .knn_shards import KnnJob
+from .steps.runner import launch, part_path, read_part, run_step, write_part
+
+OWN_BLOCK = 1024
+"""First images (ranks) per ownership block; blocks go to the tasks round-robin."""
+SLICE = 1 << 20
+"""Directed pairs of a chunk filtered at a time (the temporaries: a slice's, not a whole chunk's)."""
+VERIFY_SLICE = 1 << 20
+"""Pairs handed to the verifier at a time: a multiple of PixelVerifier's ``batch_pairs`` (512), so its batches are
+the ones one call over all the task's pairs makes (and its feature cache carries over between the calls)."""
+PART = "cand-part"
+
+
+def owner(lo: np.ndarray, num_tasks: int) -> np.ndarray:
+    """The task owning each pair with smaller end ``lo``."""
+    return (np.asarray(lo, np.int64) // OWN_BLOCK) % num_tasks
+
+
+def own_keys(chunks, n: int, threshold: float, task_index: int, num_tasks: int) -> np.ndarray:
+    """Sorted unique keys ``lo * n + hi`` of this task's candidate pairs in ``chunks`` (``KnnJob.iter``): the
+    subset of ``knn_shards.pair_keys``' keys whose ``lo`` the task owns (the same tests, the cosine compared as
+    float32). 8 B per own pair held."""
+    parts = []
+    for _, c in chunks:
+        for i in range(0, len(c["a"]), SLICE):
+            a = np.asarray(c["a"][i:i + SLICE], np.int64)
+            b = np.asarray(c["b"][i:i + SLICE], np.int64)
+            hit = (np.asarray(c["sim"][i:i + SLICE], np.float32) > threshold) & (a != b) & (a >= 0) & (b >= 0)
+            lo, hi = np.minimum(a[hit], b[hit]), np.maximum(a[hit], b[hit])
+            mine = owner(lo, num_tasks) == task_index
+            parts.append(np.unique(lo[mine] * n + hi[mine]))
+            del a, b, hit, lo, hi, mine
+        del c
+    keys = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    del parts
+    keys.sort()  # in place: no second array of keys
+    first = np.ones(len(keys), bool)
+    first[1:] = keys[1:] != keys[:-1]
+    return keys[first]
+
+
+def verifier_key(factory: Callable) -> str:
+    """What of the verifier a part's digest covers: the factory's function and its plain arguments (sizes,
+    thresholds, row files), so a rerun with another verification threshold verifies again."""
+    if isinstance(factory, functools.partial):
+        plain = [a for a in factory.args if isinstance(a, (str, int, float, bool))]
+        kw = {k: v for k, v in sorted(factory.keywords.items()) if isinstance(v, (str, int, float, bool))}
+        return json.dumps([getattr(factory.func, "__qualname__", repr(factory.func)), plain, kw])
+    return getattr(factory, "__qualname__", type(factory).__name__)
+
+
+def part_digest(params: dict, n: int, threshold: float, num_tasks: int, vkey: str) -> str:
+    """Everything a part depends on: the kNN job's parameters (rows, k, index, ...), n, the threshold, W, the
+    ownership and the verifier."""
+    blob = json.dumps([params, int(n), float(threshold), int(num_tasks), OWN_BLOCK, vkey], sort_keys=True,
+                      default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def verify_candidates_task(t: int, w: int, out_dir: str, n: int, threshold: float, parts_dir: str, digest: str,
+                           factory: Callable) -> dict:
+    """Task ``t`` of ``w``: its candidate pairs from the chunk files, verified by ``factory()``'s verifier (over
+    positions, smaller id first), written as ``<parts_dir>/cand-part-TTTTT-of-WWWWW.npz`` (lo, hi of the verified
+    edges, the candidate count, the digest) atomically. A part with the same digest is kept (a rerun skips it)."""
+    path = part_path(parts_dir, PART, t, w)
+    if os.path.exists(path):
+        with np.load(path, allow_pickle=False) as z:
+            if str(z["digest"]) == digest:
+                return {"candidates": int(z["candidates"]), "edges": int(len(z["lo"])), "computed": 0,
+                        "seconds": 0.0}
+    keys = own_keys(KnnJob(out_dir, "pool").iter(n), n, threshold, t, w)
+    n_cand, los, his = len(keys), [], []
+    t0 = time.perf_counter()
+    verify = factory() if n_cand else None
+    for s in range(0, n_cand, VERIFY_SLICE):  # (lo, hi) a slice at a time, not two more int64 per pair
+        lo, hi = np.divmod(keys[s:s + VERIFY_SLICE], n)
+        ok = np.asarray(verify(lo, hi), bool)
+        los.append(lo[ok])
+        his.append(hi[ok])
+    del keys
+    lo = np.concatenate(los) if los else np.zeros(0, np.int64)
+    hi = np.concatenate(his) if his else np.zeros(0, np.int64)
+    seconds = time.perf_counter() - t0
+    write_part(path, lo=lo, hi=hi, candidates=np.int64(n_cand), digest=np.array(digest))
+    return {"candidates": n_cand, "edges": int(len(lo)), "computed": 1, "seconds": seconds}
+
+
+def verified_edges(out_dir: str, n: int, threshold: float, parts_dir: str, num_tasks: int, launcher: str,
+                   factory: Callable):
+    """(lo, hi, candidates, seconds, task reports): the verified edges of every task's part, sorted by key (rank
+    space: the rows in canonical order), the candidate count (the sum of the parts') and the tasks' verification
+    seconds. ``launcher``: the plan's (curation.steps.runner.launch: inline -> the tasks in this process, each
+    building its verifier with ``factory``; local / srun -> W processes; slurm / dist -> this process's task)."""
+    job = KnnJob(out_dir, "pool")
+    digest = part_digest(job.meta()["params"], n, threshold, num_tasks, verifier_key(factory))
+    got = run_step(verify_candidates_task, num_tasks, **launch(launcher, num_tasks), out_dir=out_dir, n=n,
+                   threshold=float(threshold), parts_dir=parts_dir, digest=digest, factory=factory)
+    los, his, cand, seconds = [], [], 0, 0.0
+    for t in range(num_tasks):
+        p = read_part(part_path(parts_dir, PART, t, num_tasks))
+        if str(p["digest"]) != digest:
+            raise RuntimeError(f"{part_path(parts_dir, PART, t, num_tasks)}: a part of another run "
+                               "(its digest differs); rerun its task")
+        los.append(p["lo"])
+        his.append(p["hi"])
+        cand += int(p["candidates"])
+    for g in got:
+        seconds += float(g["result"].get("seconds", 0.0))
+    lo, hi = np.concatenate(los).astype(np.int64), np.concatenate(his).astype(np.int64)
+    srt = np.argsort(lo * n + hi, kind="stable")
+    return lo[srt], hi[srt], cand, seconds, got
