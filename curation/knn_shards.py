@@ -44,7 +44,7 @@ from .index import KnnIndex, Rows, build_index, default_nlist, gpus_for, load_in
 from .index_ondisk import add_part, merge_parts, train_ondisk
 from .knn_candidates import (BATCH_DEFAULT, MARGIN_EXACT, MARGIN_LOSSY, fraction_pairs, nearest_exact,
                              retrieval_candidates)
-from .steps.runner import inline as runs_inline, launch, phase, run_step, task_rows
+from .steps.runner import inline as runs_inline, launch, launch_one, phase, run_step, task_rows
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
 
@@ -266,12 +266,17 @@ class KnnJob:
         if os.path.isdir(self.chunks_dir):
             shutil.rmtree(self.chunks_dir)
         trained = os.path.join(self.dir, "trained.index")
-        with phase("index_train"):
-            train_ondisk(rows, trained, kind, params.get("nlist") or default_nlist(len(rows)), params.get("train_size"),
-                         params.get("seed", 0), params.get("pq_m", 0), params.get("quantizer", "auto"), ngpu)
+        inline = runs_inline(plan["launcher"], w)
+        if not os.path.exists(trained):  # resumable: a trained index on disk is kept
+            # ONE task, in its own process whenever the adds are (issue 40): the sample and its k-means are the
+            # task's memory, not the orchestrator's; inline stays inline
+            run_step(index_train, 1, **({"launcher": "local", "processes": 0} if inline else launch_one(plan["launcher"])),
+                     path=trained, rows=rows if inline else _need_source(source), kind=kind,
+                     nlist=params.get("nlist") or default_nlist(len(rows)), train_size=params.get("train_size"),
+                     seed=params.get("seed", 0), pq_m=params.get("pq_m", 0),
+                     quantizer=params.get("quantizer", "auto"), ngpu=ngpu)
         names = [os.path.join(self.dir, "add", f"part-{t:05d}-of-{w:05d}.index") for t in range(w)]
         os.makedirs(os.path.join(self.dir, "add"), exist_ok=True)
-        inline = runs_inline(plan["launcher"], w)
         run_step(add_task, w, **launch(plan["launcher"], w), trained=trained,
                  rows=rows if inline else _need_source(source), names=names,
                  block=params.get("chunk_size", CHUNK_SIZE_DEFAULT))
@@ -392,6 +397,14 @@ def _need_source(source):
     if source is None:
         raise ValueError("tasks in other processes reopen the rows: pass source=RowSource(...)")
     return source
+
+
+def index_train(task_index: int, num_tasks: int, path: str, rows, **kw) -> dict:
+    """Index training, the one task: the IVF trained on its sample of ``rows``, written to ``path``
+    (:func:`train_ondisk`, kept when it exists; ``kw``: its parameters, ``ngpu`` included: the k-means on the
+    GPUs this task sees)."""
+    train_ondisk(_open(rows), path, **kw)
+    return {"trained": path}
 
 
 def add_task(task_index: int, num_tasks: int, trained: str, rows, names: list[str], block: int) -> dict:
