@@ -100,6 +100,11 @@ class ImageSource:
     def read(self, ref: ImageRef) -> bytes | None:
         raise NotImplementedError
 
+    def iter_refs(self) -> Iterator[ImageRef]:
+        """All refs one at a time, for a pass that keeps few of them (the descriptor's sample): file lists and
+        shards are read as they stream, not listed whole; a path a file list names twice may come twice."""
+        yield from self.refs()
+
     def __iter__(self) -> Iterator[Sample]:
         return self.samples()
 
@@ -142,6 +147,15 @@ class FolderSource(ImageSource):
         return _read_file(ref.loc)
 
 
+def _under(root: Path, path: str) -> str:
+    """``str(root / path)``; without pathlib when the path needs no normalising: pathlib (Python < 3.12) interns
+    every part of every path it parses, which stays in memory for the process's life (~70 B per listed name)."""
+    if "//" in path or "/./" in path or path.startswith("./") or path.endswith(("/", "/.")) or path == ".":
+        return str(root / path)
+    base = str(root)
+    return path if base == "." else base.rstrip("/") + "/" + path
+
+
 class FileListSource(ImageSource):
     """A text file with one image path per line (blank lines and ``#`` comments skipped).
 
@@ -165,6 +179,16 @@ class FileListSource(ImageSource):
         both copies hash to the same task (a hash partition), so the task's own set of paths finds it."""
         check_split(task_index, num_tasks)
         out, seen = [], set()
+        for path, ref in self._lines(task_index, num_tasks):
+            if path not in seen:
+                seen.add(path)
+                out.append(ref)
+        return out
+
+    def iter_refs(self) -> Iterator[ImageRef]:
+        return (ref for _, ref in self._lines(0, 1))
+
+    def _lines(self, task_index: int, num_tasks: int) -> Iterator[tuple[str, ImageRef]]:
         with open(self.list_path, encoding="utf-8") as f:
             for line in f:
                 path = line.strip()
@@ -173,12 +197,8 @@ class FileListSource(ImageSource):
                 image_id = f"{self.name}/{path.lstrip('/')}"
                 if num_tasks > 1 and stable_hash(image_id) % num_tasks != task_index:
                     continue
-                if path in seen:
-                    continue
-                seen.add(path)
-                full = path if os.path.isabs(path) or storage.is_url(path) else str(self.root / path)
-                out.append(ImageRef(image_id, self.name, full))
-        return out
+                full = path if os.path.isabs(path) or storage.is_url(path) else _under(self.root, path)
+                yield path, ImageRef(image_id, self.name, full)
 
     def read(self, ref: ImageRef) -> bytes | None:
         return _read_file(ref.loc)
@@ -214,6 +234,10 @@ class TarShardSource(ImageSource):
                 continue
             out.extend(self._shard_refs(shard, shard_name))
         return out
+
+    def iter_refs(self) -> Iterator[ImageRef]:
+        for shard in self.shards:  # a shard's refs at a time
+            yield from self._shard_refs(shard, Path(shard).name)
 
     def _shard_refs(self, shard: str, shard_name: str) -> list[ImageRef]:
         out, walk = [], TarWalk(shard)
@@ -490,6 +514,10 @@ class MultiSource(ImageSource):
 
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
         return [r for s in self.sources for r in s.refs(task_index, num_tasks)]
+
+    def iter_refs(self) -> Iterator[ImageRef]:
+        for s in self.sources:
+            yield from s.iter_refs()
 
     def read(self, ref: ImageRef) -> bytes | None:
         return self.by_name[ref.source].read(ref)
