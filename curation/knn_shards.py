@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -99,8 +100,31 @@ def iter_chunks(folder: str, n: int, chunk_size: int):
     memory at a time; a clear error naming the missing ones (checked before the first is read)."""
     total = _check_chunks(folder, n, chunk_size)
     for c in range(total):
-        with np.load(chunk_path(folder, c)) as z:
-            yield c * chunk_size, {key: z[key] for key in z.files}
+        yield c * chunk_size, ChunkArrays(chunk_path(folder, c))
+
+
+class ChunkArrays(Mapping):
+    """One chunk file's arrays by name, each read from the file when first asked for: the pairs' readers use
+    ``a`` / ``b`` / ``sim`` and never hold the chunk's ``nn_sim`` / ``nn_idx`` (12 B per query row)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self._arrays = path, {}
+        with np.load(path) as z:
+            self._keys = tuple(z.files)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._arrays:
+            if key not in self._keys:
+                raise KeyError(f"{self.path} has no array {key!r} (it has {', '.join(self._keys)})")
+            with np.load(self.path) as z:
+                self._arrays[key] = z[key]
+        return self._arrays[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class ChunkColumn:
@@ -145,9 +169,9 @@ def read_chunks(folder: str, n: int, chunk_size: int, keys=None) -> dict[str, np
     missing ones."""
     parts: dict[str, list] = {}
     for _, chunk in iter_chunks(folder, n, chunk_size):
-        for key, a in chunk.items():
-            if keys is None or key in keys:
-                parts.setdefault(key, []).append(a)
+        for key in chunk:
+            if keys is None or key in keys:  # the others are never read from the file
+                parts.setdefault(key, []).append(chunk[key])
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
