@@ -114,6 +114,15 @@ def is_queried(pool_rows: np.ndarray, fraction: float) -> np.ndarray:
     return row_keys(np.asarray(pool_rows, np.int64), QUERY_SALT) < np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
 
 
+def concat_parts(parts: list[dict]) -> dict:
+    """The batches' arrays of a chunk concatenated per name, each name's batches dropped once joined: the
+    chunk held once plus its largest array, not twice."""
+    out = {}
+    for key in list(parts[0]) if parts else []:
+        out[key] = np.concatenate([q.pop(key) for q in parts])
+    return out
+
+
 def fraction_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, threshold: float,
                    batch_size: int, margin: float, fraction: float) -> dict:
     """One chunk of :func:`candidate_pairs`: its query rows (all, or those of a query ``fraction``), the
@@ -122,7 +131,7 @@ def fraction_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, t
     pos = queried(rows, start, stop, fraction)
     parts = list(candidate_pairs(index, rows, start, stop, k, threshold, batch_size, margin, positions=pos))
     out = {"a": np.zeros(0, np.int64), "b": np.zeros(0, np.int64), "sim": np.zeros(0, np.float64)}
-    out.update({key: np.concatenate([q[key] for q in parts]) for key in parts[0]} if parts else {})
+    out.update(concat_parts(parts))
     if pos is not None:
         nn_sim, nn_idx = np.full(stop - start, -np.inf, np.float32), np.full(stop - start, -1, np.int64)
         if parts:

@@ -43,7 +43,7 @@ from dinopipe.utils.io import atomic_path, atomic_write_json
 
 from .index import KnnIndex, Rows, build_index, default_nlist, gpus_for, load_index, resolve_kind, save_index
 from .index_ondisk import add_part, merge_parts, train_ondisk
-from .knn_candidates import (BATCH_DEFAULT, MARGIN_EXACT, MARGIN_LOSSY, fraction_pairs, nearest_exact,
+from .knn_candidates import (BATCH_DEFAULT, MARGIN_EXACT, MARGIN_LOSSY, concat_parts, fraction_pairs, nearest_exact,
                              retrieval_candidates)
 from .steps.runner import inline as runs_inline, launch, launch_one, phase, run_step, task_rows
 
@@ -344,9 +344,8 @@ class KnnJob:
         _check_rows(meta, targets)
 
         def compute(start, stop):
-            parts = list(nearest_exact(index, queries, targets, start, stop, p.get("k", 4),
-                                       p.get("batch_size", BATCH_DEFAULT)))
-            return {key: np.concatenate([q[key] for q in parts]) for key in parts[0]}
+            return concat_parts(list(nearest_exact(index, queries, targets, start, stop, p.get("k", 4),
+                                                   p.get("batch_size", BATCH_DEFAULT))))
 
         return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
                           task_index, num_tasks, compute, progress)
@@ -360,9 +359,8 @@ class KnnJob:
         _check_rows(meta, targets)
 
         def compute(start, stop):
-            parts = list(retrieval_candidates(index, queries, targets, start, stop, p["k"],
-                                              p.get("batch_size", BATCH_DEFAULT)))
-            return {key: np.concatenate([q[key] for q in parts]) for key in parts[0]}
+            return concat_parts(list(retrieval_candidates(index, queries, targets, start, stop, p["k"],
+                                                          p.get("batch_size", BATCH_DEFAULT))))
 
         return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
                           task_index, num_tasks, compute, progress)
