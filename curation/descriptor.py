@@ -15,6 +15,7 @@ A randomly initialised ViT separates nothing, so copy detection uses this descri
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -193,10 +194,10 @@ def fit_descriptor(sources, config: DescriptorConfig | None = None, sample_size:
     if desc.config.pool_whiten <= 0:
         return desc
     from dinopipe.data.decode import DEFAULT_MAX_PIXELS, safe_decode
-    from dinopipe.data.sources import as_multi, stable_hash
+    from dinopipe.data.sources import as_multi
 
     src = as_multi(sources)
-    refs = sorted(src.refs(), key=lambda r: (stable_hash(r.id), r.id))[:sample_size]
+    refs = sample_refs(src, sample_size)
     thumbs = []
     for ref in refs:
         img, _ = safe_decode(src.read(ref), max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
@@ -204,6 +205,46 @@ def fit_descriptor(sources, config: DescriptorConfig | None = None, sample_size:
             thumbs.append(thumbnail(img, desc.config.size))
     return desc.fit(np.stack(thumbs) if thumbs else np.zeros((0, desc.config.size,
                                                              desc.config.size, 3), np.float32))
+
+
+class _Held:
+    """A ref in :func:`sample_refs`' heap, ordered largest key first (heapq keeps the smallest on top)."""
+
+    __slots__ = ("key", "ref")
+
+    def __init__(self, key, ref):
+        self.key, self.ref = key, ref
+
+    def __lt__(self, other: "_Held") -> bool:
+        return self.key > other.key
+
+
+def sample_refs(src, sample_size: int) -> list:
+    """The ``sample_size`` refs of ``src`` (a MultiSource) with the smallest ``(stable_hash(id), id)``, in that
+    order: ``sorted(src.refs(), key)[:sample_size]``, streamed (``src.iter_refs()``) through a bounded heap, so
+    the fitting process holds the sample, not a ref per pool image (issue 40: ~400 B each, 400 GB at 10^9).
+    Ties keep the listing order (as a stable sort does); a path a file list names twice is taken once (as
+    ``refs`` does): its second sighting has the same key, so it is either held already or above the cut."""
+    from dinopipe.data.sources import stable_hash
+
+    heap: list[_Held] = []
+    held: set = set()
+    if sample_size <= 0:
+        return []
+    for seq, ref in enumerate(src.iter_refs()):
+        ident = (ref.id, ref.loc)
+        if ident in held:
+            continue
+        item = _Held((stable_hash(ref.id), ref.id, seq), ref)
+        if len(heap) < sample_size:
+            heapq.heappush(heap, item)
+        elif heap[0].key > item.key:
+            held.discard((heap[0].ref.id, heap[0].ref.loc))
+            heapq.heapreplace(heap, item)
+        else:
+            continue
+        held.add(ident)
+    return [h.ref for h in sorted(heap, key=lambda h: h.key)]
 
 
 # ----------------------------------------------------------------------------- perceptual hashes

@@ -17,18 +17,26 @@ MARGIN_LOSSY = 0.05  # SQ8 / PQ codes: approximate similarities, rescored exactl
 # ---------------------------------------------------------------------------------- exact scores
 
 
+EXACT_PIECE = 2048
+"""Pairs :func:`exact_cosine` rescores at a time. Its temporaries are ~28 B per pair and dimension (two fp32
+gathers, their float64 copies, the product): 2048 pairs at D = 384 are ~22 MB; the 16,384 it took before were
+~176 MB, the largest allocation of every search task whatever its share of rows (docs/curation-scale.md)."""
+
+
 def exact_cosine(rows_a: Rows, a: np.ndarray, rows_b: Rows, b: np.ndarray,
-                 piece: int = 16384) -> np.ndarray:
+                 piece: int = EXACT_PIECE) -> np.ndarray:
     """float64 inner products of row pairs (a[i] of ``rows_a``, b[i] of ``rows_b``).
 
     Products of fp16-valued numbers are exact in float64 and each row is summed in a fixed order,
-    so the value depends only on the two vectors: not on batch shape, CPU kernel or pair direction.
+    so the value depends only on the two vectors: not on batch shape, CPU kernel, pair direction or ``piece``.
     """
     out = np.empty(len(a), np.float64)
     for s in range(0, len(a), piece):
         xa = rows_a.take(a[s:s + piece]).astype(np.float64)
         xb = rows_b.take(b[s:s + piece]).astype(np.float64)
-        out[s:s + piece] = (xa * xb).sum(axis=1)
+        np.multiply(xa, xb, out=xa)  # in place: no third (piece, D) float64 array
+        del xb
+        out[s:s + piece] = xa.sum(axis=1)
     return out
 
 
@@ -106,6 +114,15 @@ def is_queried(pool_rows: np.ndarray, fraction: float) -> np.ndarray:
     return row_keys(np.asarray(pool_rows, np.int64), QUERY_SALT) < np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
 
 
+def concat_parts(parts: list[dict]) -> dict:
+    """The batches' arrays of a chunk concatenated per name, each name's batches dropped once joined: the
+    chunk held once plus its largest array, not twice."""
+    out = {}
+    for key in list(parts[0]) if parts else []:
+        out[key] = np.concatenate([q.pop(key) for q in parts])
+    return out
+
+
 def fraction_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, threshold: float,
                    batch_size: int, margin: float, fraction: float) -> dict:
     """One chunk of :func:`candidate_pairs`: its query rows (all, or those of a query ``fraction``), the
@@ -114,7 +131,7 @@ def fraction_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, t
     pos = queried(rows, start, stop, fraction)
     parts = list(candidate_pairs(index, rows, start, stop, k, threshold, batch_size, margin, positions=pos))
     out = {"a": np.zeros(0, np.int64), "b": np.zeros(0, np.int64), "sim": np.zeros(0, np.float64)}
-    out.update({key: np.concatenate([q[key] for q in parts]) for key in parts[0]} if parts else {})
+    out.update(concat_parts(parts))
     if pos is not None:
         nn_sim, nn_idx = np.full(stop - start, -np.inf, np.float32), np.full(stop - start, -1, np.int64)
         if parts:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,9 +43,9 @@ from dinopipe.utils.io import atomic_path, atomic_write_json
 
 from .index import KnnIndex, Rows, build_index, default_nlist, gpus_for, load_index, resolve_kind, save_index
 from .index_ondisk import add_part, merge_parts, train_ondisk
-from .knn_candidates import (BATCH_DEFAULT, MARGIN_EXACT, MARGIN_LOSSY, fraction_pairs, nearest_exact,
+from .knn_candidates import (BATCH_DEFAULT, MARGIN_EXACT, MARGIN_LOSSY, concat_parts, fraction_pairs, nearest_exact,
                              retrieval_candidates)
-from .steps.runner import inline as runs_inline, launch, phase, run_step, task_rows
+from .steps.runner import inline as runs_inline, launch, launch_one, phase, run_step, task_rows
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
 
@@ -80,6 +81,7 @@ def run_chunks(folder: str, n: int, chunk_size: int, task_index: int, num_tasks:
         path = chunk_path(folder, c)
         with atomic_path(path, suffix=".npz") as tmp:  # present <=> complete: a killed task leaves only a tmp file
             np.savez(tmp, **arrays)
+        del arrays  # not alive while the next chunk is computed (a task of 5 chunks held 2 at its peak)
     return {"chunks": len(mine), "computed": len(todo), "skipped": len(mine) - len(todo)}
 
 
@@ -99,8 +101,31 @@ def iter_chunks(folder: str, n: int, chunk_size: int):
     memory at a time; a clear error naming the missing ones (checked before the first is read)."""
     total = _check_chunks(folder, n, chunk_size)
     for c in range(total):
-        with np.load(chunk_path(folder, c)) as z:
-            yield c * chunk_size, {key: z[key] for key in z.files}
+        yield c * chunk_size, ChunkArrays(chunk_path(folder, c))
+
+
+class ChunkArrays(Mapping):
+    """One chunk file's arrays by name, each read from the file when first asked for: the pairs' readers use
+    ``a`` / ``b`` / ``sim`` and never hold the chunk's ``nn_sim`` / ``nn_idx`` (12 B per query row)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self._arrays = path, {}
+        with np.load(path) as z:
+            self._keys = tuple(z.files)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self._arrays:
+            if key not in self._keys:
+                raise KeyError(f"{self.path} has no array {key!r} (it has {', '.join(self._keys)})")
+            with np.load(self.path) as z:
+                self._arrays[key] = z[key]
+        return self._arrays[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class ChunkColumn:
@@ -145,9 +170,9 @@ def read_chunks(folder: str, n: int, chunk_size: int, keys=None) -> dict[str, np
     missing ones."""
     parts: dict[str, list] = {}
     for _, chunk in iter_chunks(folder, n, chunk_size):
-        for key, a in chunk.items():
-            if keys is None or key in keys:
-                parts.setdefault(key, []).append(a)
+        for key in chunk:
+            if keys is None or key in keys:  # the others are never read from the file
+                parts.setdefault(key, []).append(chunk[key])
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
@@ -266,12 +291,17 @@ class KnnJob:
         if os.path.isdir(self.chunks_dir):
             shutil.rmtree(self.chunks_dir)
         trained = os.path.join(self.dir, "trained.index")
-        with phase("index_train"):
-            train_ondisk(rows, trained, kind, params.get("nlist") or default_nlist(len(rows)), params.get("train_size"),
-                         params.get("seed", 0), params.get("pq_m", 0), params.get("quantizer", "auto"), ngpu)
+        inline = runs_inline(plan["launcher"], w)
+        if not os.path.exists(trained):  # resumable: a trained index on disk is kept
+            # ONE task, in its own process whenever the adds are (issue 40): the sample and its k-means are the
+            # task's memory, not the orchestrator's; inline stays inline
+            run_step(index_train, 1, **({"launcher": "local", "processes": 0} if inline else launch_one(plan["launcher"])),
+                     path=trained, rows=rows if inline else _need_source(source), kind=kind,
+                     nlist=params.get("nlist") or default_nlist(len(rows)), train_size=params.get("train_size"),
+                     seed=params.get("seed", 0), pq_m=params.get("pq_m", 0),
+                     quantizer=params.get("quantizer", "auto"), ngpu=ngpu)
         names = [os.path.join(self.dir, "add", f"part-{t:05d}-of-{w:05d}.index") for t in range(w)]
         os.makedirs(os.path.join(self.dir, "add"), exist_ok=True)
-        inline = runs_inline(plan["launcher"], w)
         run_step(add_task, w, **launch(plan["launcher"], w), trained=trained,
                  rows=rows if inline else _need_source(source), names=names,
                  block=params.get("chunk_size", CHUNK_SIZE_DEFAULT))
@@ -315,9 +345,8 @@ class KnnJob:
         _check_rows(meta, targets)
 
         def compute(start, stop):
-            parts = list(nearest_exact(index, queries, targets, start, stop, p.get("k", 4),
-                                       p.get("batch_size", BATCH_DEFAULT)))
-            return {key: np.concatenate([q[key] for q in parts]) for key in parts[0]}
+            return concat_parts(list(nearest_exact(index, queries, targets, start, stop, p.get("k", 4),
+                                                   p.get("batch_size", BATCH_DEFAULT))))
 
         return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
                           task_index, num_tasks, compute, progress)
@@ -331,9 +360,8 @@ class KnnJob:
         _check_rows(meta, targets)
 
         def compute(start, stop):
-            parts = list(retrieval_candidates(index, queries, targets, start, stop, p["k"],
-                                              p.get("batch_size", BATCH_DEFAULT)))
-            return {key: np.concatenate([q[key] for q in parts]) for key in parts[0]}
+            return concat_parts(list(retrieval_candidates(index, queries, targets, start, stop, p["k"],
+                                                          p.get("batch_size", BATCH_DEFAULT))))
 
         return run_chunks(self.chunks_dir, len(queries), p.get("chunk_size", CHUNK_SIZE_DEFAULT),
                           task_index, num_tasks, compute, progress)
@@ -392,6 +420,14 @@ def _need_source(source):
     if source is None:
         raise ValueError("tasks in other processes reopen the rows: pass source=RowSource(...)")
     return source
+
+
+def index_train(task_index: int, num_tasks: int, path: str, rows, **kw) -> dict:
+    """Index training, the one task: the IVF trained on its sample of ``rows``, written to ``path``
+    (:func:`train_ondisk`, kept when it exists; ``kw``: its parameters, ``ngpu`` included: the k-means on the
+    GPUs this task sees)."""
+    train_ondisk(_open(rows), path, **kw)
+    return {"trained": path}
 
 
 def add_task(task_index: int, num_tasks: int, trained: str, rows, names: list[str], block: int) -> dict:

@@ -361,7 +361,8 @@ def run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: i
     res = _run_step(fn, num_tasks, launcher, processes, **kw)
     if _RECORD is not None:
         _RECORD.append({"fn": getattr(fn, "__name__", str(fn)), "tasks": num_tasks,
-                        "inline": processes == 0 or (launcher == "srun" and num_tasks == 1), "reports": res})
+                        "inline": processes == 0 or (launcher == "srun" and num_tasks == 1 and processes != 1),
+                        "reports": res})
     return res
 
 
@@ -376,6 +377,16 @@ def launch(launcher: str, num_tasks: int) -> dict:
     return {"launcher": "local", "processes": None}
 
 
+def launch_one(launcher: str) -> dict:
+    """:func:`run_step`'s arguments for a step that is ONE task but should not run in this process (the IVF
+    training: its sample and k-means are then the task's memory, not the orchestrator's): srun -> an srun job
+    step of one task (``processes=1``; :func:`launch` runs one srun task inline); anything else -> one fresh
+    local process, which sees all of this process's cores and GPUs."""
+    if launcher == "srun":
+        return {"launcher": "srun", "processes": 1}
+    return {"launcher": "local", "processes": None}
+
+
 def inline(launcher: str, num_tasks: int) -> bool:
     """Whether :func:`launch` runs the tasks in this process (else they reopen their inputs from files)."""
     return launch(launcher, num_tasks).get("processes") == 0
@@ -387,11 +398,12 @@ def _run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: 
 
     local: all tasks, ``processes`` at a time (default ``num_tasks``), each in a fresh process;
     ``processes=0``: one after another in this process (tests, tiny pools).
-    srun: all tasks, as one srun job step in this Slurm allocation (:func:`_run_srun`).
+    srun: all tasks, as one srun job step in this Slurm allocation (:func:`_run_srun`); one task runs in this
+    process unless ``processes=1`` (:func:`launch_one`).
     slurm / dist: only this process's own task (the others run in their own processes).
     """
     if launcher == "srun":
-        if processes == 0 or num_tasks == 1:  # nothing to spread: as local inline
+        if processes == 0 or (num_tasks == 1 and processes != 1):  # nothing to spread: as local inline
             return [_measured(fn, t, num_tasks, kw) for t in range(num_tasks)]
         return _run_srun(fn, num_tasks, kw)
     if launcher == "local":

@@ -24,6 +24,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from ..utils import storage
 from .reflist import ConcatRefs, PathRefs, collect_paths
+from .reflist import under_root as _under
 
 IMAGE_EXTENSIONS = frozenset(
     {"jpg", "jpeg", "png", "bmp", "gif", "tif", "tiff", "webp", "ppm", "pgm", "pbm", "jp2", "npy"}
@@ -101,6 +102,11 @@ class ImageSource:
     def read(self, ref: ImageRef) -> bytes | None:
         raise NotImplementedError
 
+    def iter_refs(self) -> Iterator[ImageRef]:
+        """All refs one at a time, for a pass that keeps few of them (the descriptor's sample): file lists and
+        shards are read as they stream, not listed whole; a path a file list names twice may come twice."""
+        yield from self.refs()
+
     def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> Sequence[ImageRef]:
         """:meth:`refs` as an indexable sequence; a source with a compact form (a file list) overrides it."""
         return self.refs(task_index, num_tasks)
@@ -175,17 +181,26 @@ class FileListSource(ImageSource):
         check_split(task_index, num_tasks)
 
         def own():
-            with open(self.list_path, encoding="utf-8") as f:
-                for line in f:
-                    path = line.strip()
-                    if not path or path.startswith("#"):
-                        continue
-                    key = stable_hash(f"{self.name}/{path.lstrip('/')}")
-                    if num_tasks == 1 or key % num_tasks == task_index:
-                        yield path, key
+            for path in self._paths():
+                key = stable_hash(f"{self.name}/{path.lstrip('/')}")
+                if num_tasks == 1 or key % num_tasks == task_index:
+                    yield path, key
 
         blob, ends, starts = collect_paths(own())
         return PathRefs(blob, ends, self.name, str(self.root), ImageRef, storage.is_url, starts)
+
+    def iter_refs(self) -> Iterator[ImageRef]:
+        for path in self._paths():
+            full = path if os.path.isabs(path) or storage.is_url(path) else _under(self.root, path)
+            yield ImageRef(f"{self.name}/{path.lstrip('/')}", self.name, full)
+
+    def _paths(self) -> Iterator[str]:
+        """The listed paths, a line at a time (blank lines and # comments skipped)."""
+        with open(self.list_path, encoding="utf-8") as f:
+            for line in f:
+                path = line.strip()
+                if path and not path.startswith("#"):
+                    yield path
 
     def read(self, ref: ImageRef) -> bytes | None:
         return _read_file(ref.loc)
@@ -221,6 +236,10 @@ class TarShardSource(ImageSource):
                 continue
             out.extend(self._shard_refs(shard, shard_name))
         return out
+
+    def iter_refs(self) -> Iterator[ImageRef]:
+        for shard in self.shards:  # a shard's refs at a time
+            yield from self._shard_refs(shard, Path(shard).name)
 
     def _shard_refs(self, shard: str, shard_name: str) -> list[ImageRef]:
         out, walk = [], TarWalk(shard)
@@ -497,6 +516,10 @@ class MultiSource(ImageSource):
 
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
         return [r for s in self.sources for r in s.refs(task_index, num_tasks)]
+
+    def iter_refs(self) -> Iterator[ImageRef]:
+        for s in self.sources:
+            yield from s.iter_refs()
 
     def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> ConcatRefs:
         """:meth:`refs` as an indexable sequence that keeps each source's compact form (a file list's rows as

@@ -118,6 +118,19 @@ def test_srun_calls_run_w_tasks_and_collect_their_reports(fake_srun):
     assert os.listdir(spool) == []  # a finished call's spec and reports are removed
 
 
+def test_one_task_runs_as_an_srun_step_only_when_asked_to(fake_srun):
+    """run_step(fn, 1, launcher="srun") runs in this process (nothing to spread); launch_one's arguments (the
+    IVF training, curation.knn_shards) make it an srun step of one task, whose memory is not this process's."""
+    folder = fake_srun / "parts"
+    with runner.spool(str(fake_srun / "spool")), runner.recording() as rec:
+        here = runner.run_step(_record, 1, launcher="srun", folder=str(folder))
+        there = runner.run_step(_record, 1, **runner.launch_one("srun"), folder=str(folder / "one"))
+    assert here[0]["result"]["pid"] == os.getpid()
+    assert there[0]["result"]["pid"] != os.getpid() and there[0]["result"]["procid"] == "0"
+    assert [r["inline"] for r in rec] == [True, False]
+    assert runner.launch_one("local") == {"launcher": "local", "processes": None}
+
+
 def test_a_failed_srun_task_fails_the_call_with_its_stderr(fake_srun):
     folder = fake_srun / "parts"
     with runner.spool(str(fake_srun / "spool")), pytest.raises(RuntimeError) as exc:

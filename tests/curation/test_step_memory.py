@@ -107,8 +107,10 @@ def _task_peaks(res: dict) -> dict:
     for step, row in res["steps"].items():
         seen: dict = {}
         for run in row["runs"]:
-            if "task_traced_peaks" not in run:  # a single-process phase (runner.phase: index train, grouping):
+            if "task_traced_peaks" not in run:  # a single-process phase (runner.phase: index merge, grouping):
                 continue  # the orchestrator's own work, bounded with it below
+            if run["fn"] == "index_train":  # one task over a sample whose size the IVF sets (nlist, train_size),
+                continue  # not the pool's rows: the large run's IVF (the small pool's index is flat) trains on it
             k = seen[run["fn"]] = seen.get(run["fn"], -1) + 1
             got[(step, run["fn"], k)] = max(run["task_traced_peaks"])
     return got
