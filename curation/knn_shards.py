@@ -190,12 +190,13 @@ PAIR_SLICE = 1 << 20
 """Directed pairs of a chunk turned into keys at a time by :func:`pair_keys`."""
 
 
-def pair_keys(chunks, n: int, threshold: float) -> np.ndarray:
+def pair_keys(chunks, n: int, threshold: float, own=None) -> np.ndarray:
     """The unordered pairs (lo < hi) above ``threshold`` of the directed pairs in ``chunks`` (``iter_chunks``), as
     sorted unique keys ``lo * n + hi`` (int64): 8 B per pair held, where concatenating the chunks' ``a``/``b``/``sim``
     and merging them (:func:`merge_pairs`) held ~100 B per pair at its peak. Read a chunk at a time. The chunks'
     sims are exact and symmetric (module docstring), so which direction of a pair is seen first does not matter:
-    the same pair set as ``merge_pairs`` then ``dedup.canonical_pairs``."""
+    the same pair set as ``merge_pairs`` then ``dedup.canonical_pairs``. ``own(lo) -> bool``: keep only the pairs
+    whose smaller end it accepts (a verification task's share, curation.verify_tasks)."""
     parts = []
     for _, c in chunks:
         for i in range(0, len(c["a"]), PAIR_SLICE):  # the temporaries below: a slice's, not a whole chunk's
@@ -204,9 +205,13 @@ def pair_keys(chunks, n: int, threshold: float) -> np.ndarray:
             # compared as float32, as dedup.canonical_pairs does (a float64 cosine just above the threshold that
             # rounds to it is not a candidate there either)
             hit = (np.asarray(c["sim"][i:i + PAIR_SLICE], np.float32) > threshold) & (a != b) & (a >= 0) & (b >= 0)
-            a, b = a[hit], b[hit]
-            parts.append(np.unique(np.minimum(a, b) * n + np.maximum(a, b)))
+            lo, hi = np.minimum(a[hit], b[hit]), np.maximum(a[hit], b[hit])
             del a, b, hit
+            if own is not None:
+                mine = own(lo)
+                lo, hi = lo[mine], hi[mine]
+            parts.append(np.unique(lo * n + hi))
+            del lo, hi
         del c
     keys = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     del parts

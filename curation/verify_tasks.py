@@ -27,13 +27,11 @@ from typing import Callable
 
 import numpy as np
 
-from .knn_shards import KnnJob
+from .knn_shards import KnnJob, pair_keys
 from .steps.runner import launch, part_path, read_part, run_step, write_part
 
 OWN_BLOCK = 1024
 """First images (ranks) per ownership block; blocks go to the tasks round-robin."""
-SLICE = 1 << 20
-"""Directed pairs of a chunk filtered at a time (the temporaries: a slice's, not a whole chunk's)."""
 VERIFY_SLICE = 1 << 20
 """Pairs handed to the verifier at a time: a multiple of PixelVerifier's ``batch_pairs`` (512), so its batches are
 the ones one call over all the task's pairs makes (and its feature cache carries over between the calls)."""
@@ -49,23 +47,7 @@ def own_keys(chunks, n: int, threshold: float, task_index: int, num_tasks: int) 
     """Sorted unique keys ``lo * n + hi`` of this task's candidate pairs in ``chunks`` (``KnnJob.iter``): the
     subset of ``knn_shards.pair_keys``' keys whose ``lo`` the task owns (the same tests, the cosine compared as
     float32). 8 B per own pair held."""
-    parts = []
-    for _, c in chunks:
-        for i in range(0, len(c["a"]), SLICE):
-            a = np.asarray(c["a"][i:i + SLICE], np.int64)
-            b = np.asarray(c["b"][i:i + SLICE], np.int64)
-            hit = (np.asarray(c["sim"][i:i + SLICE], np.float32) > threshold) & (a != b) & (a >= 0) & (b >= 0)
-            lo, hi = np.minimum(a[hit], b[hit]), np.maximum(a[hit], b[hit])
-            mine = owner(lo, num_tasks) == task_index
-            parts.append(np.unique(lo[mine] * n + hi[mine]))
-            del a, b, hit, lo, hi, mine
-        del c
-    keys = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    del parts
-    keys.sort()  # in place: no second array of keys
-    first = np.ones(len(keys), bool)
-    first[1:] = keys[1:] != keys[:-1]
-    return keys[first]
+    return pair_keys(chunks, n, threshold, own=lambda lo: owner(lo, num_tasks) == task_index)
 
 
 def verifier_key(factory: Callable) -> str:

@@ -12,7 +12,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from curation import verify_tasks
+from curation import knn_shards, verify_tasks
 from curation.dedup import copy_dedup_from_edges, copy_dedup_from_keys
 from curation.knn_shards import KnnJob, chunk_path, pair_keys
 from curation.verify import PartedVerifier
@@ -68,7 +68,7 @@ def _new(out: str, n: int, keep_one_in: int, w: int, launcher: str, grouping: st
 @pytest.mark.parametrize("grouping", ["star", "components"])
 def test_tasks_decide_as_the_keys_path_for_any_w(tmp_path, monkeypatch, grouping):
     monkeypatch.setattr(verify_tasks, "OWN_BLOCK", 64)  # several ownership blocks per task on a small pool
-    monkeypatch.setattr(verify_tasks, "SLICE", 1000)
+    monkeypatch.setattr(knn_shards, "PAIR_SLICE", 1000)  # several slices per chunk
     n = 3000
     _job(str(tmp_path), n)
     old = _old(str(tmp_path), n, 3, grouping)
