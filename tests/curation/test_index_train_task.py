@@ -65,8 +65,18 @@ def _build(out, emb_dir, launcher, monkeypatch):
 
 
 def test_training_runs_as_one_task_off_the_orchestrator_with_the_inline_index(emb_dir, tmp_path, monkeypatch):
+    import faiss
+
+    # one thread in the task processes and in this one: faiss's k-means sums in a thread-count-dependent order, so
+    # trained indexes are compared bit for bit only at the same count (the product gives a lone local task all
+    # the cores, as the orchestrator has)
     monkeypatch.setenv("CURATE_TASK_THREADS", "1")
-    inline_meta, inline_rec, inline_peak = _build(str(tmp_path / "inline"), emb_dir, "inline", monkeypatch)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        inline_meta, inline_rec, inline_peak = _build(str(tmp_path / "inline"), emb_dir, "inline", monkeypatch)
+    finally:
+        faiss.omp_set_num_threads(threads)
     monkeypatch.setenv(runner.TRACE_ENV, "1")  # the task process reports tracemalloc's peak too
     local_meta, local_rec, local_peak = _build(str(tmp_path / "local"), emb_dir, "local", monkeypatch)
 
