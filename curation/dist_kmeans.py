@@ -311,7 +311,7 @@ def run(emb_dir: str, out: str, levels: list[int], sample_sizes: list[int], step
             held = max(held, shards.held_bytes())
         lo, hi = rank_range(n_l, rank, world, block)
         sizes = _shared(os.path.join(out, f"sizes_level{name}.npy"), np.int64, (len(shards),), comm)
-        piece_counts(np.asarray(labels[lo:hi]), None if weights is None else weights[lo:hi], shards, comm, sizes)
+        piece_counts(labels[lo:hi], None if weights is None else weights[lo:hi], shards, comm, sizes, block)
         cent_path = os.path.join(out, f"centroids_level{name}.npy")
         _shared(cent_path, np.float32, (len(shards), shards.d), comm)
         shards.write(cent_path)  # each owner its pieces: no rank gathers the level's centroids

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from numpy.lib.format import open_memmap
 
-from .kmeans import BLOCK, KMeansResult, Nearest
+from .kmeans import BLOCK, EXACT_ROWS, KMeansResult, Nearest
 
 
 def process_group() -> tuple[int, int, str]:
@@ -203,6 +203,7 @@ def assign_pieces(blocks, shards: CentroidShards, comm: Comm, device: str):
         near = Nearest(comm.bcast_from(shards.mine.get(p), (b - a, shards.d), int(shards.owner[p])), device)
         for i, x in enumerate(blocks()):
             lab, d = near(x)
+            del x  # not alive while the generator reads the next block
             if p == 0:
                 labels.append(lab.astype(np.int64) + a)
                 dists.append(d)
@@ -239,11 +240,13 @@ def lloyd_sharded(blocks, shards: CentroidShards, comm: Comm, niter: int, tol: f
             cnt = np.zeros(b - a, np.int64)
             for lab, x in zip(labels, blocks()):
                 sel = np.flatnonzero((lab >= a) & (lab < b))
-                if len(sel):
-                    v = (torch.from_numpy(x[sel]).double() if scale is None
-                         else torch.from_numpy(np.rint(x[sel].astype(np.float64) * scale).astype(np.int64)))
-                    sums.index_add_(0, torch.from_numpy(lab[sel] - a), v)
-                    cnt += np.bincount(lab[sel] - a, minlength=b - a)
+                for j in range(0, len(sel), EXACT_ROWS):  # widened EXACT_ROWS rows at a time, not the block
+                    part = sel[j:j + EXACT_ROWS]
+                    v = (torch.from_numpy(x[part]).double() if scale is None
+                         else torch.from_numpy(np.rint(x[part].astype(np.float64) * scale).astype(np.int64)))
+                    sums.index_add_(0, torch.from_numpy(lab[part] - a), v)
+                cnt += np.bincount(lab[sel] - a, minlength=b - a)
+                x = v = None  # not alive while the generator reads the next block
             owner = int(shards.owner[p])
             s, c = comm.reduce_to(sums.numpy(), owner), comm.reduce_to(cnt, owner)
             if owner == shards.rank:
@@ -256,17 +259,18 @@ def lloyd_sharded(blocks, shards: CentroidShards, comm: Comm, niter: int, tol: f
     return KMeansResult(None, history[-1] if history else float("nan"), it, history)
 
 
-def piece_counts(labels: np.ndarray, weights: np.ndarray | None, shards: CentroidShards, comm: Comm,
-                 out=None) -> None:
+def piece_counts(labels, weights, shards: CentroidShards, comm: Comm, out=None, block: int = BLOCK) -> None:
     """Per-cluster (weighted) counts of all ranks' rows, a piece at a time reduced to its owner, which
-    writes them into ``out`` (a shared (k,) int64 memmap). No rank holds a k-sized array."""
-    order = np.argsort(labels, kind="stable")
-    lab = labels[order]
-    w = None if weights is None else np.asarray(weights, np.float64)[order]
+    writes them into ``out`` (a shared (k,) int64 memmap). No rank holds a k-sized array, nor a copy of its
+    labels: ``labels`` / ``weights`` (this rank's, arrays or memory-mapped) are read ``block`` rows at a time."""
     for p in shards.pieces:
         a, b = shards.span(p)
-        i0, i1 = np.searchsorted(lab, [a, b])
-        c = np.bincount(lab[i0:i1] - a, weights=None if w is None else w[i0:i1], minlength=b - a)
+        c = np.zeros(b - a, np.int64 if weights is None else np.float64)
+        for s in range(0, len(labels), block):
+            lab = np.asarray(labels[s:s + block], np.int64)
+            sel = (lab >= a) & (lab < b)
+            w = None if weights is None else np.asarray(weights[s:s + block], np.float64)[sel]
+            c += np.bincount(lab[sel] - a, weights=w, minlength=b - a).astype(c.dtype, copy=False)
         got = comm.reduce_to(np.rint(c).astype(np.int64), int(shards.owner[p]))
         if got is not None:
             out[a:b] = got
