@@ -45,18 +45,54 @@ class FolderSource(ImageSource):
         self.name = name or self.root.resolve().name
 
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
-        out = []
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            rel_dir = os.path.relpath(dirpath, self.root)
-            for fn in sorted(filenames):
-                if extension_of(fn) not in IMAGE_EXTENSIONS:
-                    continue
-                rel = fn if rel_dir == "." else f"{rel_dir}/{fn}".replace(os.sep, "/")
-                image_id = f"{self.name}/{rel}"
-                if in_split(image_id, task_index, num_tasks):
-                    out.append(ImageRef(image_id, self.name, os.path.join(dirpath, fn)))
-        out.sort(key=lambda r: r.id)  # walk order puts a folder's files before its subfolders'
-        return out
+        """This task's images, sorted by id (see :meth:`ref_seq`; this is the same as a list)."""
+        return list(self.ref_seq(task_index, num_tasks))
+
+    def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> PathRefs:
+        """This task's images, sorted by id, as arrays (:class:`~dinopipe.data.reflist.PathRefs`, as a file list's):
+        the folder is walked in id order a directory at a time and a file kept only when its id hashes to this
+        task, so nothing is held per file of the whole folder, nor an ImageRef per own file."""
+        check_split(task_index, num_tasks)
+        own = ((rel, key) for rel in self._walk()
+               for key in (stable_hash(f"{self.name}/{rel}"),) if num_tasks == 1 or key % num_tasks == task_index)
+        blob, ends, starts = collect_paths(own)
+        return PathRefs(blob, ends, self.name, str(self.root), ImageRef, storage.is_url, starts)
+
+    def iter_refs(self) -> Iterator[ImageRef]:
+        for rel in self._walk():
+            yield ImageRef(f"{self.name}/{rel}", self.name, _under(self.root, rel))
+
+    def _walk(self) -> Iterator[str]:
+        """The images' paths under the root ('/'-separated), in the order of their ids. A directory's entries
+        are sorted by name, a subdirectory's name followed by '/', which is the order of the whole paths (every
+        path under ``d`` starts with ``d/``); symlinked directories are not entered (as :func:`os.walk`), and an
+        unreadable directory is skipped."""
+
+        def walk(path: str, rel: str) -> Iterator[str]:
+            try:
+                with os.scandir(path) as it:
+                    entries = list(it)
+            except OSError:
+                return
+            keyed = []
+            for e in entries:
+                try:
+                    is_dir = e.is_dir()
+                except OSError:
+                    is_dir = False
+                if is_dir:
+                    if not e.is_symlink():
+                        keyed.append((e.name + "/", e.path))
+                elif extension_of(e.name) in IMAGE_EXTENSIONS:
+                    keyed.append((e.name, None))
+            del entries
+            for key, sub in sorted(keyed):
+                if sub is None:
+                    yield rel + key
+                else:
+                    yield from walk(sub, rel + key)
+
+        yield from walk(str(self.root), "")
 
     def read(self, ref: ImageRef) -> bytes | None:
         return _read_file(ref.loc)

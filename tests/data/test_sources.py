@@ -140,3 +140,33 @@ def test_bad_split_arguments_name_the_fix(folder):
 def test_missing_inputs_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a folder"):
         open_source(tmp_path / "nope")
+
+
+def test_folder_walk_streams_its_own_rows_in_id_order_as_arrays(tmp_path):
+    """FolderSource lists a task's files as arrays (a PathRefs, as a file list's) in a walk that yields the files
+    in id order: names that sort around a folder's ('a.jpg' < 'a/...' < 'a0.jpg', 'a-b/'), a symlinked folder not
+    entered, the tasks' rows a partition of the folder, every loc readable -- the order and ids an os.walk of the
+    folder sorted by id gives."""
+    from dinopipe.data.reflist import PathRefs
+
+    root = tmp_path / "pool"
+    rels = ["a.jpg", "a/b.jpg", "a/c/d.png", "a0.jpg", "a-b/x.jpg", "A.jpg", "z.webp", "é.jpg", "a/notes.txt"]
+    for rel in rels:
+        _write(str(root / rel), rel.encode())
+    os.symlink(root / "a", root / "linked")  # a symlinked folder: not entered
+    expected = []
+    for dirpath, _, files in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        expected += [f"pool/{f if rel_dir == '.' else rel_dir + '/' + f}" for f in files if not f.endswith(".txt")]
+    expected.sort()
+    src = FolderSource(root)
+    seq = src.ref_seq()
+    assert isinstance(seq, PathRefs)
+    assert [r.id for r in seq] == expected == [r.id for r in src.refs()] == [r.id for r in src.iter_refs()]
+    assert "pool/a.jpg" in expected and not any(i.startswith("pool/linked") for i in expected)
+    for r in seq:
+        assert src.read(r) == r.id[len("pool/"):].encode()
+    parts = [src.ref_seq(t, 3) for t in range(3)]
+    got = [r.id for p in parts for r in p]
+    assert sorted(got) == expected and len(got) == len(expected)
+    assert all([r.id for r in p] == sorted(r.id for r in p) for p in parts)
