@@ -207,10 +207,6 @@ class MultiSource(ImageSource):
     def read(self, ref: ImageRef) -> bytes | None:
         return self.by_name[ref.source].read(ref)
 
-    def ref_index(self) -> dict[str, ImageRef]:
-        """id -> ref over the whole pool, to re-read selected images by id."""
-        return {r.id: r for r in self.refs()}
-
 
 def as_multi(sources) -> MultiSource:
     """Accept one source/path, a list of them, or a MultiSource."""
