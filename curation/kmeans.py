@@ -411,15 +411,18 @@ def _members(labels: np.ndarray, k: int) -> list[np.ndarray]:
 
 
 def label_counts(labels, k: int, rows: np.ndarray | None = None, block: int | None = None) -> np.ndarray:
-    """``bincount(labels[rows])`` (``rows`` None: every row) over ``k`` labels, a block at a time: no int64
-    copy of the labels (a memory-mapped level of the k-means tree) or of the gathered rows."""
+    """``bincount(labels[rows])`` (``rows`` None: every row; positions, or a bool mask over the labels) over ``k``
+    labels, a block at a time: no int64 copy of the labels (a memory-mapped level of the k-means tree) or of the
+    gathered rows."""
     from .steps.runner import BLOCK as ROWS_BLOCK  # the step block (its debug hook: tests see the per-row cost)
 
     block = block or ROWS_BLOCK
     counts = np.zeros(k, np.int64)
-    total = len(labels) if rows is None else len(rows)
+    mask = rows is not None and np.asarray(rows[:0]).dtype == bool
+    total = len(labels) if rows is None or mask else len(rows)
     for s in range(0, total, block):
-        lab = labels[s:s + block] if rows is None else labels[np.asarray(rows[s:s + block])]
+        lab = (labels[s:s + block] if rows is None else np.asarray(labels[s:s + block])[np.asarray(rows[s:s + block])]
+               if mask else labels[np.asarray(rows[s:s + block])])
         counts += np.bincount(np.asarray(lab, np.int64), minlength=k)[:k]
     return counts
 

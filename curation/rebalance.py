@@ -14,6 +14,7 @@ sizes before/after on a common clustering).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -23,6 +24,7 @@ from dinopipe.config import InputError
 
 from .index import Rows, build_index, iter_knn
 from .kmeans import assign, balanced_sample, cluster_balance, hierarchical_kmeans, kmeans
+from .steps.runner import BLOCK
 
 MODES = ("none", "sample", "cluster", "hierarchical")
 
@@ -34,6 +36,7 @@ class RebalanceResult:
     nearest_seed: np.ndarray  # (N,) int64 seed position (-1 when no seeds)
     seed_sim: np.ndarray  # (N,) float32 cosine to that seed (nan when no seeds)
     report: dict = field(default_factory=dict)
+    scratch: str | None = None  # a folder: the columns a mode fills are memory-mapped files there, not heap arrays
 
     @property
     def n_selected(self) -> int:
@@ -47,7 +50,7 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
               balance_clusters: int | None = None, seed: int = 0,
               batch_size: int = 8192, progress: bool = False,
               kmeans: dict | None = None, tree=None, candidates=None, picker=None, cluster_level=None,
-              balance_labels=None, attach=None) -> RebalanceResult:
+              balance_labels=None, attach=None, scratch: str | None = None) -> RebalanceResult:
     """Dispatch to one mode. ``pool``/``seeds``: L2-normalised embeddings (array/EmbeddingSet/Rows).
 
     ``balance_clusters``: size of the common k-means used to report balance before/after
@@ -62,6 +65,8 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     labels, sizes) made elsewhere (curation.steps.rebalance_tasks.flat_kmeans: W tasks); ``balance_labels``:
     (labels, k) of the ``balance_clusters`` k-means made elsewhere; ``attach(res)``: the nearest seed of every
     selected row found elsewhere (curation.steps.rebalance_tasks.sharded_nearest_seed) instead of here.
+    ``scratch``: a folder where the per-row columns a mode fills (selected, nearest seed, its cosine) are
+    memory-mapped files (the step's: this process then holds no array per row of the pool).
     """
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     if mode not in MODES:
@@ -72,18 +77,19 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     if mode == "none":
         res = _none(len(rows))
     elif mode == "sample" and candidates is not None:
-        res = sample_from_candidates(len(rows), *candidates, k=k)
+        res = sample_from_candidates(len(rows), *candidates, k=k, scratch=scratch)
     elif mode == "sample":
-        res = retrieval_sample_based(rows, seeds, k=k, batch_size=batch_size)
+        res = retrieval_sample_based(rows, seeds, k=k, batch_size=batch_size, scratch=scratch)
     elif mode == "cluster":
         res = retrieval_cluster_based(rows, seeds, n_clusters=n_clusters,
                                       max_per_cluster=max_per_cluster, min_seeds=min_seeds,
-                                      seed=seed, level=cluster_level, picker=picker)
+                                      seed=seed, level=cluster_level, picker=picker, scratch=scratch)
     else:
         res = hierarchical_balanced(rows, levels=levels, target_size=target_size,
                                     strategy=strategy, n_resampling_steps=n_resampling_steps,
                                     sample_size=sample_size, seed=seed, progress=progress,
-                                    tree=tree, picker=picker, **(kmeans or {}))
+                                    tree=tree, picker=picker, scratch=scratch, **(kmeans or {}))
+    res.scratch = scratch
     if seeds is not None and len(seeds) and mode != "sample":
         if attach is not None:
             attach(res)
@@ -94,23 +100,51 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     return res
 
 
-def _none(n: int) -> RebalanceResult:
+NONE = {"selected": np.bool_(True), "cluster": np.int64(-1), "nearest_seed": np.int64(-1),
+        "seed_sim": np.float32(np.nan)}
+"""Each column's value for a row no mode touched."""
+
+
+def _none(n: int, scratch: str | None = None) -> RebalanceResult:
     """Everything selected, no cluster, no seed: the per-row "none" columns are read-only broadcast views
     (no memory per row; a mode that fills one makes it an array first: :func:`_filled`)."""
-    return RebalanceResult(np.ones(n, bool), np.broadcast_to(np.int64(-1), (n,)),
-                           np.broadcast_to(np.int64(-1), (n,)), np.broadcast_to(np.float32(np.nan), (n,)))
+    return RebalanceResult(*(np.broadcast_to(v, (n,)) for v in NONE.values()), scratch=scratch)
 
 
 def _filled(res: RebalanceResult, *names: str) -> None:
-    """Make ``res``'s columns ``names`` writable arrays (a copy of their broadcast "none" value)."""
+    """Make ``res``'s columns ``names`` writable (filled with their "none" value): memory-mapped files in
+    ``res.scratch`` when it is set, else arrays."""
     for name in names:
-        col = getattr(res, name)
-        if not col.flags.writeable:
-            setattr(res, name, np.array(col))
+        if not getattr(res, name).flags.writeable:
+            _column(res, name, NONE[name])
+
+
+def _column(res: RebalanceResult, name: str, value) -> None:
+    """A fresh writable column ``name`` of ``res`` holding ``value`` in every row."""
+    n = len(getattr(res, name))
+    dtype = np.asarray(NONE[name]).dtype
+    if res.scratch is None:
+        setattr(res, name, np.full(n, value, dtype))
+        return
+    col = np.lib.format.open_memmap(os.path.join(res.scratch, f"result-{name}.npy"), mode="w+", dtype=dtype,
+                                    shape=(n,))
+    if value:  # a new file reads as zeros (False, 0)
+        for s in range(0, n, BLOCK):
+            col[s:s + BLOCK] = value
+    setattr(res, name, col)
+
+
+def _select(res: RebalanceResult, picked) -> None:
+    """``res.selected``: a fresh column, True at the positions ``picked`` (int64; memory-mapped from the sharded
+    pick), marked a block of them at a time (an index array is not copied whole)."""
+    _column(res, "selected", False)
+    for s in range(0, len(picked), BLOCK):
+        res.selected[np.asarray(picked[s:s + BLOCK], np.int64)] = True
+
 
 
 def retrieval_sample_based(pool, seeds, k: int = 4, batch_size: int = 8192,
-                           index_kind: str = "auto", nprobe: int = 64) -> RebalanceResult:
+                           index_kind: str = "auto", nprobe: int = 64, scratch: str | None = None) -> RebalanceResult:
     """Each seed retrieves its k nearest pool images; a pool image retrieved by several seeds
     records the most similar one (exact float64 cosine, as the sharded path scores them)."""
     from .knn_candidates import retrieval_candidates
@@ -118,20 +152,20 @@ def retrieval_sample_based(pool, seeds, k: int = 4, batch_size: int = 8192,
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     seed_rows = seeds if isinstance(seeds, Rows) else Rows(seeds)
     if not len(rows):
-        return sample_from_candidates(0, *(np.zeros(0, np.int64),) * 2, np.zeros(0), k=k)
+        return sample_from_candidates(0, *(np.zeros(0, np.int64),) * 2, np.zeros(0), k=k, scratch=scratch)
     index = build_index(rows, kind=index_kind, nprobe=nprobe)
     parts = list(retrieval_candidates(index, seed_rows, rows, 0, len(seed_rows), k, batch_size))
     cand = [np.concatenate([q[key] for q in parts]) for key in ("seed", "pos", "sim")]
-    return sample_from_candidates(len(rows), *cand, k=k)
+    return sample_from_candidates(len(rows), *cand, k=k, scratch=scratch)
 
 
 def sample_from_candidates(n: int, seed: np.ndarray, pos: np.ndarray, sim: np.ndarray,
-                           k: int) -> RebalanceResult:
+                           k: int, scratch: str | None = None) -> RebalanceResult:
     """The selection from retrieval candidates (seed, pool position, exact sim): every retrieved
     position, with its most similar seed (ties: the smallest seed). Depends only on the candidate
     set, not on its order, so 1 and N search tasks select the same."""
-    res = _none(n)
-    res.selected[:] = False
+    res = _none(n, scratch)
+    _column(res, "selected", False)
     _filled(res, "nearest_seed", "seed_sim")
     if len(pos):
         o = np.lexsort((seed, -sim, pos))  # per position: highest sim first, then smallest seed
@@ -148,7 +182,7 @@ def sample_from_candidates(n: int, seed: np.ndarray, pos: np.ndarray, sim: np.nd
 
 def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster: int = 10000,
                             min_seeds: int = 1, seed: int = 0, niter: int = 20, level=None,
-                            picker=None) -> RebalanceResult:
+                            picker=None, scratch: str | None = None) -> RebalanceResult:
     """k-means the pool; keep up to ``max_per_cluster`` random images of every cluster that
     holds at least ``min_seeds`` seeds (seeds are assigned to their nearest centroid).
 
@@ -160,7 +194,7 @@ def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster
 
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     n = len(rows)
-    res = _none(n)
+    res = _none(n, scratch)
     if level is None:
         cent = kmeans(rows, n_clusters, niter=niter, seed=seed)
         labels, _ = assign(rows, cent)
@@ -172,9 +206,8 @@ def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster
     chosen = np.flatnonzero(seeds_per_cluster >= min_seeds)
     # up to max_per_cluster rows of each chosen cluster: a rank selection by per-row keys (no per-cluster scan)
     quota = np.where(seeds_per_cluster >= min_seeds, np.minimum(sizes, max_per_cluster), 0).astype(np.int64)
-    picked = np.asarray((picker or pick)(labels, quota, seed), np.int64)
-    res.selected[:] = False
-    res.selected[picked] = True
+    picked = (picker or pick)(labels, quota, seed)  # int64 positions (mapped, from the sharded pick)
+    _select(res, picked)
     res.cluster = labels
     res.report.update(n_clusters=len(cent), clusters_with_seeds=int(len(chosen)),
                       min_seeds=min_seeds, max_per_cluster=max_per_cluster)
@@ -186,13 +219,13 @@ def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
                           target_size: int | None = None, strategy: str = "r",
                           n_resampling_steps: int = 10, sample_size: int = 10, seed: int = 0,
                           niter: int = 50, progress: bool = False, tree=None, picker=None,
-                          **kmeans_kw) -> RebalanceResult:
+                          scratch: str | None = None, **kmeans_kw) -> RebalanceResult:
     """Hierarchical k-means with resampling, then balanced sampling of ``target_size`` images
     (default: half the pool). Level sizes larger than the data are capped. ``tree``: the k-means
     levels already computed (by ``curation.dist_kmeans`` over many processes) for these rows."""
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     n = len(rows)
-    res = _none(n)
+    res = _none(n, scratch)
     if n == 0:
         return res
     target = n // 2 if target_size is None else int(target_size)
@@ -204,8 +237,7 @@ def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
     elif len(tree[0].labels) != n:
         raise InputError(f"the k-means tree covers {len(tree[0].labels)} rows, the pool {n}")
     picked = balanced_sample(tree, min(target, n), strategy=strategy, seed=seed, picker=picker)
-    res.selected[:] = False
-    res.selected[picked] = True
+    _select(res, picked)
     res.cluster = np.asarray(tree[0].labels)  # read only (a loaded tree's labels are memory-mapped): no copy
     res.report.update(levels=ks, target_size=target, strategy=strategy,
                       n_resampling_steps=n_resampling_steps, sample_size=sample_size,
@@ -229,7 +261,6 @@ def _top_labels(tree, block: int | None = None) -> np.ndarray:
     """Top-level cluster of every point, following labels up the tree a block of points at a time; in the
     smallest integer type that holds the top level's clusters (the one array per row the report keeps: 2 bytes
     per row up to 65,536 clusters; no int64 index array per row is made on the way)."""
-    from .steps.runner import BLOCK
 
     block, lab0 = block or BLOCK, tree[0].labels
     if len(tree) == 1:
@@ -273,4 +304,4 @@ def balance_before_after(rows: Rows, res: RebalanceResult, k: int | None, seed: 
         return {"note": f"mode '{res.report.get('mode', '?')}' clusters nothing; set rebalance.balance_clusters "
                         f"to measure balance with a k-means of that size"}
     return {"clusters": int(k), "before": cluster_balance(labels, k),
-            "after": cluster_balance(labels[res.selected], k)}
+            "after": cluster_balance(labels, k, res.selected)}

@@ -83,7 +83,8 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
                                                           None if knn is None else knn_kwargs(knn),
                                                           progress, plan, space_dir)
     tree_tasks += _row_tasks(out_dir, mode, mode_kwargs, space_dir, rows_idx, scratch, seeds is not None, plan)
-    res = select(mode, Rows(space, rows_idx), seeds, progress=progress, **mode_kwargs)
+    # the result's per-row columns: mapped files in the step's folder, not arrays in this process
+    res = select(mode, Rows(space, rows_idx), seeds, progress=progress, scratch=scratch, **mode_kwargs)
     # the step's arrays written in place a block at a time (mapped files, not whole arrays in this process)
     out, n, n_pool = StepWriter(out_dir, "rebalance"), len(prev), len(rows_idx)
     status = out.array("status", np.int8, n)
@@ -98,16 +99,19 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
         cluster[rows] = res.cluster[s:t]
         nearest_seed[rows[near >= 0]] = near[near >= 0]
         seed_sim[rows] = res.seed_sim[s:t]
+    n_selected = int(res.selected.sum())
     del rows_idx, alive
-    for f in ("alive.scratch.npy", "rows.scratch.npy"):
-        os.remove(os.path.join(scratch, f))
+    res.selected = res.nearest_seed = res.seed_sim = res.cluster = None  # unmapped before their files go
+    for f in os.listdir(scratch):
+        if f in ("alive.scratch.npy", "rows.scratch.npy") or f.startswith("result-"):
+            os.remove(os.path.join(scratch, f))
     out.finish()
     if tree_tasks:  # what each k-means task took (curation.steps.runner): its own heap, not the orchestrator's
         res.report["kmeans_tasks"] = [{"task": t["task"], "wall_s": t["wall_s"], "heap_bytes": t["peak_anon"] - t["start_anon"],
                                        **t["result"]} for t in tree_tasks]
     res.report["tasks"] = {"kmeans": len(tree_tasks) or (plan["tasks"] if mode == "hierarchical" else 0),
                            "sample": plan["tasks"] if mode == "hierarchical" else 0}
-    res.report["selection"] = _selection_note(r, n_pool, int(res.selected.sum()))
+    res.report["selection"] = _selection_note(r, n_pool, n_selected)
     write_json_atomic(_p(out_dir, "steps", "rebalance_report.json"), res.report)
     return res.report
 

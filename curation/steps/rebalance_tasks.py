@@ -22,7 +22,7 @@ import numpy as np
 from ..dist_kmeans import Gathered, settings
 from ..embstore import open_embeddings
 from ..index import Rows, build_index, iter_knn
-from .runner import BLOCK, launch, part_path, parts, read_part, run_step, save_blocks, task_blocks, write_part
+from .runner import BLOCK, launch, part_blocks, part_path, parts, run_step, save_blocks, task_blocks, write_part
 
 
 def flat_kmeans(folder: str, space_dir: str, rows_idx: np.ndarray, k: int, seed: int, kmeans: dict | None,
@@ -70,7 +70,7 @@ def _cat(xs: list, dtype) -> np.ndarray:
 def sharded_nearest_seed(res, folder: str, space_dir: str, rows_path: str, seed_dir: str, tasks: int = 1,
                          launcher: str = "inline", block: int | None = None, batch_size: int = 8192) -> None:
     """Fill ``res``'s (a curation.rebalance.RebalanceResult) ``nearest_seed`` / ``seed_sim`` for its selected rows,
-    searched by ``tasks`` tasks of the runner; the parts are read back one at a time."""
+    searched by ``tasks`` tasks of the runner; the parts are read back a block at a time."""
     from ..rebalance import _filled
 
     block = block or BLOCK
@@ -83,7 +83,7 @@ def sharded_nearest_seed(res, folder: str, space_dir: str, rows_path: str, seed_
              selected_path=selected_path, seed_dir=seed_dir, folder=folder, block=block, batch_size=batch_size)
     _filled(res, "nearest_seed", "seed_sim")
     for p in parts(folder, "nearest", w):
-        got = read_part(p)
-        res.nearest_seed[got["pos"]] = got["near"]
-        res.seed_sim[got["pos"]] = got["sim"]
+        for got in part_blocks(p, block):  # a block of a task's part at a time
+            res.nearest_seed[got["pos"]] = got["near"]
+            res.seed_sim[got["pos"]] = got["sim"]
     shutil.rmtree(folder, ignore_errors=True)

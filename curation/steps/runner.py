@@ -119,6 +119,38 @@ def read_part(path: str) -> dict:
         return {k: z[k] for k in z.files}
 
 
+def part_blocks(path: str, block: int | None = None):
+    """A part's arrays (all of one length, as :func:`write_part` stored them) ``block`` rows at a time: yields
+    ``{name: rows [s, s + block)}``, read from the archive's members as they stream (np.savez stores them
+    uncompressed), so the reader holds one block of each array, not the task's whole part."""
+    import zipfile
+
+    block = block or BLOCK
+    with zipfile.ZipFile(path) as z:
+        names = [n[:-4] for n in z.namelist() if n.endswith(".npy")]
+        files, meta = {}, {}
+        try:
+            for k in names:
+                f = files[k] = z.open(k + ".npy")
+                version = np.lib.format.read_magic(f)
+                header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = header(f)
+                if len(shape) != 1 or dtype.hasobject:
+                    raise ValueError(f"{path}: part_blocks reads 1-d arrays of numbers, not {k} {shape} {dtype}")
+                meta[k] = (shape[0], dtype)
+            n = {m[0] for m in meta.values()}
+            if len(n) > 1:
+                raise ValueError(f"{path}: arrays of different lengths {sorted(n)}")
+            n = n.pop() if n else 0
+            for s in range(0, n, block):
+                m = min(block, n - s)
+                yield {k: np.frombuffer(files[k].read(m * meta[k][1].itemsize), meta[k][1], count=m) for k in names}
+        finally:
+            for f in files.values():
+                f.close()
+
+
 def parts(folder: str, name: str, num_tasks: int) -> list[str]:
     """All part files of a step; a missing one is an error naming it (a task that did not finish: exit 75, rerun;
     not the user's mistake, so not a FileNotFoundError, which the steps report as one)."""

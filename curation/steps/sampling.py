@@ -175,7 +175,7 @@ def sharded_pick(labels: np.ndarray, q: np.ndarray, seed: int, folder: str, task
     written a part at a time): this process holds no array per row."""
     import shutil
 
-    from .runner import BLOCK, launch, parts, read_part, run_step, save_blocks
+    from .runner import BLOCK, launch, part_blocks, parts, read_part, run_step, save_blocks
 
     block = block or BLOCK
     if os.path.isdir(folder):
@@ -195,13 +195,15 @@ def sharded_pick(labels: np.ndarray, q: np.ndarray, seed: int, folder: str, task
     del got
     ran = {r["task"]: r["result"].get("picked") for r in run_step(select_task, w, byte=byte, thr=thr, **kw)}
     paths = parts(folder, "picked", w)
-    sizes = [ran[t] if ran.get(t) is not None else len(read_part(p)["rows"]) for t, p in enumerate(paths)]
+    sizes = [ran[t] if ran.get(t) is not None else sum(len(g["rows"]) for g in part_blocks(p, block))
+             for t, p in enumerate(paths)]
     out_path = os.path.join(folder, "picked.npy")
     out = np.lib.format.open_memmap(out_path, mode="w+", dtype=np.int64, shape=(sum(sizes),))
     at = 0
-    for p, size in zip(paths, sizes):
-        out[at:at + size] = read_part(p)["rows"]  # one task's rows at a time
-        at += size
+    for p in paths:
+        for got in part_blocks(p, block):  # a block of one task's rows at a time
+            out[at:at + len(got["rows"])] = got["rows"]
+            at += len(got["rows"])
     out.flush()
     del out
     return np.load(out_path, mmap_mode="r")
