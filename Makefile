@@ -90,7 +90,7 @@ RATES_JSON ?= bench/results/scale_1m.json bench/results/scale_3m.json
 # per-task memory table (docs/curation-scale.md).
 TASKS_JSON ?= bench/results/scale_10m_d128.json
 # CHAIN_JSON: runs of `curate run`'s default config (write and report included; docs region default-chain-table).
-CHAIN_JSON ?= bench/results/scale_default_chain.json
+CHAIN_JSON ?= bench/results/scale_default_chain.json bench/results/scale_default_chain_3m.json
 VERIFY_JSON ?=
 curation-tables: venv
 	$(BIN)/python bench/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out bench/rates.json
