@@ -421,8 +421,12 @@ def label_counts(labels, k: int, rows: np.ndarray | None = None, block: int | No
     mask = rows is not None and np.asarray(rows[:0]).dtype == bool
     total = len(labels) if rows is None or mask else len(rows)
     for s in range(0, total, block):
-        lab = (labels[s:s + block] if rows is None else np.asarray(labels[s:s + block])[np.asarray(rows[s:s + block])]
-               if mask else labels[np.asarray(rows[s:s + block])])
+        if rows is None:
+            lab = labels[s:s + block]
+        elif mask:
+            lab = np.asarray(labels[s:s + block])[np.asarray(rows[s:s + block])]
+        else:
+            lab = labels[np.asarray(rows[s:s + block])]
         counts += np.bincount(np.asarray(lab, np.int64), minlength=k)[:k]
     return counts
 

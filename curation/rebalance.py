@@ -142,7 +142,6 @@ def _select(res: RebalanceResult, picked) -> None:
         res.selected[np.asarray(picked[s:s + BLOCK], np.int64)] = True
 
 
-
 def retrieval_sample_based(pool, seeds, k: int = 4, batch_size: int = 8192,
                            index_kind: str = "auto", nprobe: int = 64, scratch: str | None = None) -> RebalanceResult:
     """Each seed retrieves its k nearest pool images; a pool image retrieved by several seeds
