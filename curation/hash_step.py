@@ -98,6 +98,24 @@ def _save(folder: str, group, n_pairs: int, block: int = BLOCK) -> None:
     _write_json(os.path.join(folder, "result.json"), {"n_pairs": int(n_pairs)})
 
 
+class OwnGroups:
+    """``group`` of the hash step turned off: each row is its own group's kept image -- ``group[s:t]`` is
+    ``arange(s, t)``, made per block when read (the step's readers slice it a block at a time)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.dtype = int(n), np.dtype(np.int64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        start, stop, step = sl.indices(self.n)
+        return np.arange(start, stop, step, dtype=np.int64)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.arange(self.n, dtype=dtype or np.int64)
+
+
 def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAULT_MAX_DISTANCE,
               verify_with: tuple | None = None, plan: dict | None = None) -> tuple[HashDedupResult, dict]:
     """The saved hash dedup of ``out_dir`` (computed here as the plan's W tasks when missing or made for
@@ -108,7 +126,8 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
     not stays in the pool and goes on to the kNN."""
     n = len(emb)
     if not enabled or n == 0:
-        return HashDedupResult(np.arange(n, dtype=np.int64), np.ones(n, bool), 0), {"tasks": 0, "reused": False}
+        # every row its own group, kept: computed per block (no int64 and no bool per row in this process)
+        return HashDedupResult(OwnGroups(n), np.broadcast_to(np.True_, (n,)), 0), {"tasks": 0, "reused": False}
     folder = hash_dir(out_dir)
     params = _params(emb, max_distance, verify_with)
     w = max(1, int((plan or {}).get("tasks", 1)))

@@ -43,7 +43,8 @@ class HashDedupResult:
 
     @property
     def n_duplicates(self) -> int:
-        return int((~self.keep).sum())
+        """Rows not kept, counted a block at a time (``keep`` may be memory-mapped: no whole negated copy)."""
+        return len(self.keep) - sum(int(np.count_nonzero(self.keep[s:s + BLOCK])) for s in range(0, len(self.keep), BLOCK))
 
 
 def _bands(bits: list[int], n: int) -> list[np.uint64]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import tempfile
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from .hash_step import hash_step, pixel_verifier_of
 from .hashdedup import HashDedupResult
 from .index import Rows
 from .knn_shards import KnnJob, RowSource, pair_keys, run_search
+from .stepfiles import positions_where
 from .unionfind import in_id_order
 from .verify import PartedVerifier
 from .verify_tasks import verified_edges
@@ -176,7 +178,21 @@ def _survivors(out_dir: str, emb: EmbeddingSet, sources, dedup: DedupConfig, has
     ``sources`` too, unless dedup.verify is off)."""
     verify_with = (sources, dedup.verify_size, dedup.verify_threshold) if dedup.verify else None
     h, info = hash_survivors(out_dir, emb, hash_dedup.enabled, hash_dedup.max_distance, verify_with, plan)
-    return np.flatnonzero(h.keep), info
+    return mapped_positions(os.path.join(out_dir, "knn"), h.keep), info
+
+
+def mapped_positions(folder: str, keep) -> np.ndarray:
+    """``np.flatnonzero(keep)`` as a memory-mapped int64 array written a block at a time: every `curate search`
+    array task (and `curate index`) reads the survivors' positions without an int64 per survivor in memory (8 GB at
+    10^9 rows). The file is this process's own (a unique name: array tasks on many nodes share the folder) and is
+    unlinked once mapped, so nothing is left behind; the mapping lives on until the array is dropped."""
+    os.makedirs(folder, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix="survivors-", suffix=".scratch.npy", dir=folder)
+    os.close(fd)
+    try:
+        return positions_where(folder, path, keep, lambda b: b)
+    finally:
+        os.remove(path)
 
 
 def save_verify_rows(out_dir: str, surv: np.ndarray) -> str:

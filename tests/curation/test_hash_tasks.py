@@ -97,3 +97,24 @@ def test_index_and_dedup_read_the_saved_hash_dedup(embedded, tmp_path):
     assert main(_args("dedup", pool, out, "tasks.count=2")) == 0
     status = load_step(str(out), "dedup")["status"]
     assert np.array_equal(np.flatnonzero(status == 1), dup[1:])  # HASH_DUP: the saved result's duplicates
+
+
+def test_hash_dedup_off_holds_nothing_per_row_and_the_knn_finds_the_copies(embedded, tmp_path):
+    """hash_dedup.enabled=false: every row its own group and kept -- read a block at a time from a broadcast view
+    and per-block positions (no int64 or bool per row in the orchestrator) -- and the copies the hash step would
+    have taken go to the kNN dedup instead."""
+    from curation.stepfiles import COPY_DUP, HASH_DUP
+
+    pool, base = embedded
+    off = tmp_path / "off"
+    shutil.copytree(base, off)
+    emb = open_embeddings(str(off / "embeddings" / "descriptor"))
+    h, info = hash_step(str(off), emb, False)
+    assert info == {"tasks": 0, "reused": False} and h.n_duplicates == 0 and h.n_pairs == 0
+    assert h.keep.strides == (0,) and bool(h.keep.all())  # one byte, not one per row
+    np.testing.assert_array_equal(h.group[3:9], np.arange(3, 9))
+    np.testing.assert_array_equal(np.asarray(h.group), np.arange(len(emb)))
+    assert not os.path.exists(hash_dir(str(off))) or not os.listdir(hash_dir(str(off)))
+    assert main(_args("dedup", pool, off, "hash_dedup.enabled=false")) == 0
+    status = np.asarray(load_step(str(off), "dedup")["status"])
+    assert not (status == HASH_DUP).any() and (status == COPY_DUP).sum() >= 4  # the planted copies, by the kNN
