@@ -45,7 +45,7 @@ from .index import KnnIndex, Rows, build_index, default_nlist, gpus_for, load_in
 from .index_ondisk import add_part, merge_parts, train_ondisk
 from .knn_candidates import (BATCH_DEFAULT, MARGIN_EXACT, MARGIN_LOSSY, concat_parts, fraction_pairs, nearest_exact,
                              retrieval_candidates)
-from .steps.runner import inline as runs_inline, launch, launch_one, phase, run_step, task_rows
+from .steps.runner import inline as runs_inline, launch, launch_one, run_step, task_rows
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
 
@@ -310,8 +310,10 @@ class KnnJob:
         run_step(add_task, w, **launch(plan["launcher"], w), trained=trained,
                  rows=rows if inline else _need_source(source), names=names,
                  block=params.get("chunk_size", CHUNK_SIZE_DEFAULT))
-        with phase("index_merge"):
-            merge_parts(trained, names, self.index_path)
+        # ONE task in a process of its own too: the quantizers it reads and the parts' lists faiss's merge leaves
+        # mapped (their deleted files' disk space with them) end with it, not with the orchestrator
+        run_step(index_merge, 1, **({"launcher": "local", "processes": 0} if inline else launch_one(plan["launcher"])),
+                 trained=trained, names=names, path=self.index_path)
         shutil.rmtree(os.path.join(self.dir, "add"))  # the merged lists hold them now
         meta = {"params": _jsonable(params), "kind": kind, "n": len(rows), "dim": rows.dim, "ondisk": True,
                 "add_tasks": w, "index_bytes": os.path.getsize(self.index_path)
@@ -433,6 +435,11 @@ def index_train(task_index: int, num_tasks: int, path: str, rows, **kw) -> dict:
     GPUs this task sees)."""
     train_ondisk(_open(rows), path, **kw)
     return {"trained": path}
+
+
+def index_merge(task_index: int, num_tasks: int, trained: str, names: list[str], path: str) -> dict:
+    """Index merge, the one task: the add tasks' inverted-list files merged into ``path`` (:func:`merge_parts`)."""
+    return {"ntotal": merge_parts(trained, names, path)}
 
 
 def add_task(task_index: int, num_tasks: int, trained: str, rows, names: list[str], block: int) -> dict:
