@@ -22,7 +22,10 @@ import numpy as np
 
 def under_root(root: str | Path, path: str) -> str:
     """``str(root / path)``; without pathlib when the path needs no normalising: pathlib (Python < 3.12) interns
-    every part of every path it parses, which stays in memory for the process's life (~70 B per listed name)."""
+    every part of every path it parses, which stays in memory for the process's life (~70 B per listed name).
+    A URL root (a bucket prefix) is joined as text, as :func:`dinopipe.utils.storage.join` does."""
+    if "://" in str(root):
+        return f"{str(root).rstrip('/')}/{path.lstrip('/')}"
     if "//" in path or "/./" in path or path.startswith("./") or path.endswith(("/", "/.")) or path == ".":
         return str(Path(root) / path)
     base = str(root)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from ..utils import storage
 
@@ -111,3 +111,17 @@ def _warn(msg: str) -> None:
     import warnings
 
     warnings.warn(msg, stacklevel=3)
+
+
+def own_path_refs(name: str, root, paths: Iterable[str], task_index: int, num_tasks: int):
+    """The paths (streamed; under ``root`` unless absolute or URLs) whose id ``<name>/<path without a leading
+    '/'>`` hashes to task ``task_index`` of ``num_tasks``, in their order, as arrays
+    (:class:`~dinopipe.data.reflist.PathRefs`; a path given twice: once): a folder's, a file list's or a bucket
+    prefix's own images, with nothing held per path of the whole input."""
+    from .reflist import PathRefs, collect_paths
+
+    check_split(task_index, num_tasks)
+    own = ((p, key) for p in paths for key in (stable_hash(f"{name}/{p.lstrip('/')}"),)
+           if num_tasks == 1 or key % num_tasks == task_index)
+    blob, ends, starts = collect_paths(own)
+    return PathRefs(blob, ends, name, str(root), ImageRef, storage.is_url, starts)

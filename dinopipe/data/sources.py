@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..utils import storage
-from .reflist import ConcatRefs, PathRefs, collect_paths
+from .reflist import ConcatRefs, PathRefs
 from .reflist import under_root as _under
 # the names every caller imports from here: the shared base and the tar sources live in their own modules
 from .source_base import (IMAGE_EXTENSIONS, ImageRef, ImageSource, Sample, _read_file, _warn, check_split,  # noqa: F401
-                          extension_of, in_split, stable_hash)
+                          extension_of, in_split, own_path_refs, stable_hash)
 from .tar_sources import LINK, UNSAFE_NAME, RemoteSource, TarShardSource, TarWalk, member_refusal  # noqa: F401
 
 
@@ -52,7 +52,7 @@ class FolderSource(ImageSource):
         """This task's images, sorted by id, as arrays (:class:`~dinopipe.data.reflist.PathRefs`, as a file list's):
         the folder is walked in id order a directory at a time and a file kept only when its id hashes to this
         task, so nothing is held per file of the whole folder, nor an ImageRef per own file."""
-        return _own_path_refs(self.name, self.root, self._walk(), task_index, num_tasks)
+        return own_path_refs(self.name, self.root, self._walk(), task_index, num_tasks)
 
     def iter_refs(self) -> Iterator[ImageRef]:
         for rel in self._walk():
@@ -119,7 +119,7 @@ class FileListSource(ImageSource):
         40-byte path, not ~420 B per ImageRef). The list is streamed and a line kept only when its id hashes to
         this task: nothing is held per line of the whole list. A path listed twice is one image: both copies hash
         to the same task (a hash partition), so the task's own rows find it."""
-        return _own_path_refs(self.name, self.root, self._paths(), task_index, num_tasks)
+        return own_path_refs(self.name, self.root, self._paths(), task_index, num_tasks)
 
     def iter_refs(self) -> Iterator[ImageRef]:
         for path in self._paths():
@@ -136,16 +136,6 @@ class FileListSource(ImageSource):
 
     def read(self, ref: ImageRef) -> bytes | None:
         return _read_file(ref.loc)
-
-
-def _own_path_refs(name: str, root, paths: Iterable[str], task_index: int, num_tasks: int) -> PathRefs:
-    """The paths (streamed; under ``root`` unless absolute or URLs) whose id ``<name>/<path without a leading
-    '/'>`` hashes to task ``task_index`` of ``num_tasks``, in their order, as arrays (a path given twice: once)."""
-    check_split(task_index, num_tasks)
-    own = ((p, key) for p in paths for key in (stable_hash(f"{name}/{p.lstrip('/')}"),)
-           if num_tasks == 1 or key % num_tasks == task_index)
-    blob, ends, starts = collect_paths(own)
-    return PathRefs(blob, ends, name, str(root), ImageRef, storage.is_url, starts)
 
 
 def open_source(spec: str | os.PathLike | ImageSource, name: str | None = None) -> ImageSource:

@@ -7,6 +7,7 @@ are refused with a hint."""
 
 from __future__ import annotations
 
+import functools
 import os
 import tarfile
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ..utils import storage
-from .source_base import IMAGE_EXTENSIONS, ImageRef, ImageSource, _warn, extension_of, in_split
+from .source_base import IMAGE_EXTENSIONS, ImageRef, ImageSource, _warn, extension_of, in_split, own_path_refs
 
 
 class TarShardSource(ImageSource):
@@ -183,16 +184,25 @@ class RemoteSource(ImageSource):
         else:
             shards = storage.list_prefix(self.url, recursive=False, suffixes=(".tar",))
             self.root, self.kind = self.url, "tar" if len(shards) else "folder"
-            self.listing = shards if len(shards) else storage.list_prefix(self.url, recursive=True)
-            if self.kind == "folder":
-                images = storage.Listing(self.url)
-                for i in range(len(self.listing)):
-                    if extension_of(self.listing.name(i)) in IMAGE_EXTENSIONS:
-                        images.add(self.listing.name(i), self.listing.size_of(i), self.listing.etag_of(i))
-                self.listing = images
-            if not len(self.listing):
+            if len(shards):
+                self.listing = shards
+            elif next(self._images(), None) is None:  # a folder of images: listed whole only when asked (listing)
                 raise FileNotFoundError(f"no .tar shards or images found under {url}")
         self.name = name or self.root.rstrip("/").rsplit("/", 1)[-1] or "shards"
+
+    @functools.cached_property
+    def listing(self) -> storage.Listing:
+        """The shards (set when opened) or a folder's images, the latter listed whole on first use (its length,
+        the training pool index); a curation task lists only its own images (:meth:`ref_seq`)."""
+        listing = storage.Listing(self.url)
+        for rel, size, etag in self._images():
+            listing.add(rel, size, etag)
+        return listing
+
+    def _images(self) -> Iterator[tuple[str, int, str | None]]:
+        """(name under the prefix, size, ETag) of every image under the prefix, streamed a page at a time."""
+        return ((rel, size, etag) for rel, size, etag in storage.iter_prefix(self.url, recursive=True)
+                if extension_of(rel) in IMAGE_EXTENSIONS)
 
     def __len__(self) -> int:
         return len(self.listing)  # shards (kind 'tar') or images (kind 'folder'); no per-object Python list kept
@@ -215,17 +225,22 @@ class RemoteSource(ImageSource):
         return refs, walk
 
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
+        if self.kind == "folder":
+            return list(self.ref_seq(task_index, num_tasks))
         out = []
         for i in range(len(self.listing)):
-            rel = self.listing.name(i)
-            if self.kind == "folder":
-                image_id = f"{self.name}/{rel}"
-                if in_split(image_id, task_index, num_tasks):
-                    out.append(ImageRef(image_id, self.name, (storage.join(self.root, rel), 0, -1, None, -1)))
-            elif in_split(f"{self.name}/{rel}", task_index, num_tasks):
+            if in_split(f"{self.name}/{self.listing.name(i)}", task_index, num_tasks):
                 out.extend(self.walk(i)[0])
         out.sort(key=lambda r: r.id)
         return out
+
+    def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> Sequence[ImageRef]:
+        """This task's images, sorted by id. A folder of images: the listing streamed a page at a time and an image
+        kept only when its id hashes to this task, as arrays (as a local folder's: no task holds the whole
+        listing, nor an ImageRef per own image); the key order is the id order. Shards: :meth:`refs`."""
+        if self.kind != "folder":
+            return self.refs(task_index, num_tasks)
+        return own_path_refs(self.name, self.root, (rel for rel, _, _ in self._images()), task_index, num_tasks)
 
     def read(self, ref: ImageRef) -> bytes | None:
         # A ref rebuilt from a curation path table carries (url, offset, size) or the url alone: no ETag check then.

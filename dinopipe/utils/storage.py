@@ -27,7 +27,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 # Stable reasons an object is unreadable (they appear in manifests and step summaries).
 MISSING = "missing"  # listed, then deleted (or never there)
@@ -375,8 +375,17 @@ def list_prefix(url: str, recursive: bool = True, suffixes: Optional[tuple[str, 
                 page_size: int = 1000) -> Listing:
     """Every object under ``url`` (a prefix; ``recursive=False``: its direct children only), listed page by page
     (S3: ListObjectsV2 with ``page_size`` keys a page, each page retried and counted), in key order."""
-    fs, path = filesystem(url)
     out = Listing(url)
+    for rel, size, etag in iter_prefix(url, recursive, suffixes, page_size):
+        out.add(rel, size, etag)
+    return out
+
+
+def iter_prefix(url: str, recursive: bool = True, suffixes: Optional[tuple[str, ...]] = None,
+                page_size: int = 1000) -> Iterator[tuple[str, int, Optional[str]]]:
+    """(name relative to ``url``, size, ETag) of every object under ``url``, in key order, a page at a time: what
+    :func:`list_prefix` keeps, streamed (a caller keeping only some objects -- one task's share -- holds no more)."""
+    fs, path = filesystem(url)
     prefix = path.rstrip("/") + "/"
 
     def keep(rel: str) -> bool:
@@ -396,20 +405,19 @@ def list_prefix(url: str, recursive: bool = True, suffixes: Optional[tuple[str, 
             for obj in page.get("Contents", []):
                 rel = obj["Key"][len(key):]
                 if keep(rel):
-                    out.add(rel, obj["Size"], obj.get("ETag"))
+                    yield rel, obj["Size"], obj.get("ETag")
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
-                return out
+                return
     # Other protocols: fsspec's generic listing (one call; the store's client pages internally).
     found = call(lambda: fs.find(prefix, detail=True, maxdepth=None if recursive else 1), url)
     for full in sorted(found):
         info = found[full]
         rel = full[len(prefix):] if full.startswith(prefix) else full.rsplit("/", 1)[-1]
         if info.get("type", "file") == "file" and keep(rel):
-            out.add(rel, info.get("size", 0), info.get("ETag"))
-    return out
+            yield rel, info.get("size", 0), info.get("ETag")
 
 
 __all__ = ["is_url", "protocol", "join", "filesystem", "classify", "call", "read_range", "put_atomic", "put_tree",
            "take_counts", "count", "COUNTS", "RetryPolicy", "Unreadable", "MISSING", "CHANGED", "TRUNCATED_OBJECT",
-           "READ_ERROR", "register_webdataset_openers", "Listing", "list_prefix", "etag_pack", "etag_unpack"]
+           "READ_ERROR", "register_webdataset_openers", "Listing", "list_prefix", "iter_prefix", "etag_pack", "etag_unpack"]

@@ -222,3 +222,33 @@ def test_a_file_list_of_urls_reads_each_object(s3, tmp_path):
     assert got == {"a.jpg": b"\xff\xd8first", "b.jpg": b"\xff\xd8second", "gone.jpg": None}
     pool = _pool([lst], tmp_path / "idx")  # the training pool of the same list: the same objects, by URL
     assert sorted(pool.read(pool[i]) for i in range(2)) == [b"\xff\xd8first", b"\xff\xd8second"]
+
+
+def test_a_bucket_folders_tasks_list_only_their_own_images(s3, tmp_path):
+    """A bucket prefix of images read by W curation tasks: each task streams the listing and keeps only the images
+    whose ids hash to it, as arrays (the same ids, in the same order, as the same folder on disk gives that task);
+    no task builds the whole listing, and every kept ref reads its object."""
+    from dinopipe.data.reflist import PathRefs
+    from dinopipe.data.sources import FolderSource, RemoteSource
+
+    local = tmp_path / "tasks"
+    client = s3.client()
+    for i in range(45):
+        rel = f"{'sub/' if i % 3 else ''}{'deep/' if i % 5 == 0 else ''}img{i:03d}.{'JPG' if i % 7 == 0 else 'jpg'}"
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_bytes(b"\xff\xd8" + bytes([i]))
+        client.pipe_file(f"pool/tasks/{rel}", b"\xff\xd8" + bytes([i]))
+    client.pipe_file("pool/tasks/notes.txt", b"not an image")
+    src, disk = RemoteSource("s3://pool/tasks"), FolderSource(local)
+    assert src.kind == "folder" and "listing" not in vars(src)  # opened by its first image, not listed whole
+    seen = []
+    for w in (1, 3):
+        for t in range(w):
+            got = src.ref_seq(t, w)
+            assert isinstance(got, PathRefs)
+            assert [r.id for r in got] == [r.id for r in disk.ref_seq(t, w)], (t, w)
+            seen += [r.id for r in got] if w == 3 else []
+            assert all(src.read(r) == (local / r.id.split("/", 1)[1]).read_bytes() for r in got)
+    assert sorted(seen) == sorted(r.id for r in disk.refs()) and len(seen) == 45  # a partition
+    assert "listing" not in vars(src)  # no task held the whole listing
+    assert len(src) == 45 and [r.id for r in src.refs()] == [r.id for r in disk.refs()]  # listed when asked
