@@ -23,7 +23,7 @@ import numpy as np
 from dinopipe.config import InputError
 
 from .index import Rows, build_index, iter_knn
-from .kmeans import assign, balanced_sample, cluster_balance, hierarchical_kmeans, kmeans
+from .kmeans import assign, assign_counts, balanced_sample, cluster_balance, hierarchical_kmeans, kmeans
 from .steps.runner import BLOCK
 
 MODES = ("none", "sample", "cluster", "hierarchical")
@@ -200,8 +200,8 @@ def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster
         sizes = np.bincount(labels, minlength=len(cent))
     else:
         cent, labels, sizes = level.centroids, level.labels, np.asarray(level.sizes)
-    seed_labels, _ = assign(seeds, cent)
-    seeds_per_cluster = np.bincount(seed_labels, minlength=len(cent))
+    # the seeds per cluster, counted a batch at a time (a curated seed set may hold millions: no label per seed)
+    seeds_per_cluster = assign_counts(seeds, cent)
     chosen = np.flatnonzero(seeds_per_cluster >= min_seeds)
     # up to max_per_cluster rows of each chosen cluster: a rank selection by per-row keys (no per-cluster scan)
     quota = np.where(seeds_per_cluster >= min_seeds, np.minimum(sizes, max_per_cluster), 0).astype(np.int64)

@@ -323,3 +323,16 @@ def test_nearest_centroid_is_the_same_on_any_thread_count_and_block_shape():
     np.testing.assert_array_equal(ref_lab, full.argmin(1))
     np.testing.assert_array_equal(ref_dist, full.min(1).astype(np.float32))
     print(f"faiss's own distances differ on {int((raw[1] != raw[2]).sum())} of {len(x)} rows (1 vs 2 threads)")
+
+
+def test_assign_counts_are_the_bincount_of_assign_for_any_batch():
+    """The cluster mode counts the seeds per cluster a batch at a time (a seed set may hold millions: no label per
+    seed kept): the counts equal bincount(assign(...)) for any batch size (the exact recomputation)."""
+    from curation.kmeans import assign, assign_counts
+
+    x = photo_patches(3000)
+    cent = np.ascontiguousarray(x[::97], np.float32)
+    want = np.bincount(assign(x, cent)[0], minlength=len(cent))
+    for batch in (1000, 257, 4096):
+        np.testing.assert_array_equal(assign_counts(x, cent, batch_size=batch), want)
+    assert want.sum() == len(x) and (want > 0).sum() > 1
