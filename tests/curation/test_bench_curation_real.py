@@ -62,9 +62,9 @@ def test_bench_runs_w1_and_w2_with_identical_decisions(tmp_path):
     assert [s["step"] for s in two["steps"]] == ["embed", "dedup", "decontaminate", "rebalance", "write"]
     for step in ("dedup", "decontaminate", "rebalance", "write"):
         s = next(s for s in two["steps"] if s["step"] == step)
-        # not: single-process phases (grouping, index merge), the IVF training (one task on a sample, by design:
+        # not: single-process phases (grouping), the IVF training and merge (one task each, by design:
         # knn_shards.build_ondisk) and the eval folder's small path table (one task)
-        calls = [call for call in s["runs"] if not call.get("phase") and call["fn"] != "index_train"
+        calls = [call for call in s["runs"] if not call.get("phase") and call["fn"] not in ("index_train", "index_merge")
                  and not (call["fn"] in ("run_task", "rank_task", "copy_task") and call["tasks"] == 1)]
         assert calls and all(call["tasks"] == 2 for call in calls), (step, [(c["fn"], c["tasks"]) for c in s["runs"]])
         for call in calls:

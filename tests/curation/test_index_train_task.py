@@ -1,7 +1,7 @@
-"""The IVF training is one task of the step runner (issue 40): with the local launcher it runs in a fresh
-process, so the training sample and its k-means are that task's memory, not the orchestrator's; the trained
-index, the merged lists and the search results are those of the inline build; a rerun keeps the trained
-index."""
+"""The IVF training and the merge of the add tasks' lists are one task each of the step runner (issue 40): with the
+local launcher each runs in a fresh process, so the training sample and its k-means, and the quantizer copies the
+merge reads, are that task's memory, not the orchestrator's; the trained index, the merged lists and the search
+results are those of the inline build; a rerun keeps the trained index."""
 
 from __future__ import annotations
 
@@ -87,6 +87,12 @@ def test_training_runs_as_one_task_off_the_orchestrator_with_the_inline_index(em
     assert train[0]["reports"][0]["traced_peak"] >= SAMPLE_BYTES
     assert inline_peak >= SAMPLE_BYTES > local_peak, (inline_peak, local_peak)
     assert [r["inline"] for r in inline_rec if r["fn"] == "index_train"] == [True]
+    # the merge too: one task in a fresh process (the quantizer copies it reads and the parts' lists faiss leaves
+    # mapped end with it)
+    merge = [r for r in local_rec if r["fn"] == "index_merge"]
+    assert len(merge) == 1 and merge[0]["tasks"] == 1 and not merge[0]["inline"]
+    assert merge[0]["reports"][0]["result"]["ntotal"] == N
+    assert [r["inline"] for r in inline_rec if r["fn"] == "index_merge"] == [True]
 
     # the same trained index and lists, so the same searches
     a, b = (tmp_path / "inline" / "knn" / "pool", tmp_path / "local" / "knn" / "pool")
