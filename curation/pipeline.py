@@ -383,7 +383,7 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
         return step_write(cfg.input.paths, out, cfg.write, progress=prog, tasks=cfg.tasks, extra={
             "params": _params(cfg), "steps": _load_summaries(out)})
     if step == "report":
-        from .report import make_report
+        from .report_step import make_report
 
         return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples, tasks=cfg.tasks)
     raise ValueError(f"unknown step '{step}'; choose from {', '.join(STEPS + SHARDED)}")

@@ -27,41 +27,24 @@ from dinopipe.data.sources import as_multi  # noqa: E402
 from dinopipe.utils.io import atomic_write  # noqa: E402
 
 from .embstore import open_embeddings  # noqa: E402
-from .report_tasks import ReportStats, SimStats, of_arrays, report_stats, report_tasks  # noqa: E402
+from .report_tasks import ReportStats, SimStats, of_arrays  # noqa: E402
 from .stepfiles import _STATUS_NAMES, KEPT, NOT_SELECTED, load_step  # noqa: E402
 from .write import STATUSES  # noqa: E402
 
 _RED, _BLUE, _GREEN, _ORANGE = "#c0392b", "#2e86c1", "#1e8449", "#e67e22"
 
 
-def make_report(out_dir: str, sources, params: dict, n_examples: int = 8, tasks=None,
-                num_tasks: int | None = None) -> str:
-    """Write ``out_dir/report/`` and return the path of its summary.md.
-
-    ``params``: dedup_threshold, decontam_threshold, hash_max_distance, hash_enabled, k,
-    rebalance_mode, embed_model (what the run used; the CLI passes its resolved config).
-    The numbers are made by W tasks over the step arrays (curation.report_tasks; ``num_tasks``, else the
-    ``tasks`` config's plan, as every other step), so this process holds nothing per row of the pool.
-    """
+def write_report(out_dir: str, sources, params: dict, st: ReportStats, balance: dict) -> str:
+    """The plots and ``report/summary.md`` from the merged numbers ``st`` (curation.report_step.make_report runs
+    this as one task of its own: matplotlib, its figure buffers and the contact sheet's decoded images are that
+    task's memory, not the orchestrator's) -> the summary's path."""
     rep = os.path.join(out_dir, "report")
     os.makedirs(rep, exist_ok=True)
     with open(os.path.join(out_dir, "manifest.json")) as f:
         manifest = json.load(f)
+    counts = manifest["counts"]
     emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
     dd, rb = (load_step(out_dir, s, mmap=True) for s in ("dedup", "rebalance"))
-    balance = {}
-    rb_path = os.path.join(out_dir, "steps", "rebalance_report.json")
-    if os.path.exists(rb_path):
-        with open(rb_path) as f:
-            balance = json.load(f)
-    counts = manifest["counts"]  # the one source of every count in the plots and the summary
-    for step, key in (("dedup", "hash_duplicates"), ("dedup", "copy_duplicates"), ("decontaminate", "decontaminated")):
-        logged = (manifest.get("steps", {}).get(step) or {}).get(key)
-        if logged is not None and logged != counts[key]:  # a bug, never a user error
-            raise AssertionError(f"the {step} step logged {key}={logged} but the manifest counts {counts[key]}")
-    w, launcher = report_tasks(tasks, len(dd["nn_sim"]))
-    st = report_stats(out_dir, params["dedup_threshold"], params["decontam_threshold"], n_examples,
-                      num_tasks if num_tasks is not None else w, launcher)
     names = _IdNames(emb)
     plots = {
         "similarity": plot_similarity(st.nn, st.eval, counts, params, os.path.join(rep, "similarity.png")),
@@ -376,5 +359,5 @@ def _balance_lines(balance: dict, mode) -> list[str]:
     return out
 
 
-__all__ = ["make_report", "plot_similarity", "plot_components", "plot_clusters", "cluster_balance",
+__all__ = ["write_report", "plot_similarity", "plot_components", "plot_clusters", "cluster_balance",
            "balance_of_counts", "contact_sheet", "duplicate_groups", "group_flags", "summary_markdown"]

@@ -218,7 +218,7 @@ def test_an_output_folder_with_old_npz_steps_still_writes_the_same_decisions_and
     give the same decisions, manifest counts and shards; a step rerun there writes the new layout."""
     from curation.config import WriteConfig
     from curation.pipeline import step_write
-    from curation.report import make_report
+    from curation.report_step import make_report
 
     out, manifest = run
     old = tmp_path / "old"

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from curation.pipeline import _params, run_curation
-from curation.report import cluster_counts, duplicate_groups, make_report
+from curation.report import cluster_counts, duplicate_groups
+from curation.report_step import make_report
 from curation.report_tasks import of_arrays, report_stats
 from curation.stepfiles import COPY_DUP, DECONTAM, KEPT, NOT_SELECTED, _save_step
 from curation.steps.runner import recording
@@ -123,3 +124,43 @@ def test_curate_runs_report_is_the_same_as_three_tasks(pool_dir, tmp_path):
     assert "## Largest copy groups" in one and "## Balance" in one
     three = open(make_report(str(out), [str(pool_dir[0])], _params(cfg), cfg.report.n_examples, num_tasks=3)).read()
     assert three == one
+
+
+def test_the_report_draws_in_a_task_of_its_own_and_the_orchestrator_never_imports_matplotlib(pool_dir, tmp_path):
+    """The plots and summary.md are one task of the step runner: with the local launcher it runs in a fresh process,
+    so matplotlib's import (~25 MB), its figure buffers and the contact sheet's decoded images (40-70 MB of the
+    report's orchestrator heap before) are that task's; the orchestrating process never imports matplotlib, and the
+    summary is the one the default launcher wrote."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    cfg = _config([str(pool_dir[0])], out, embed={"num_workers": 0},
+                  rebalance={"mode": "hierarchical", "levels": [6, 3], "target_size": 20})
+    cfg.report.enabled = False
+    run_curation(cfg)
+    params = _params(cfg)
+    with recording() as rec:
+        first = open(make_report(str(out), [str(pool_dir[0])], params, cfg.report.n_examples, num_tasks=2,
+                                  tasks=None)).read()
+    assert [r["fn"] for r in rec][-1] == "report_figures_task"
+    code = ("import json, sys\nfrom curation.config import TasksConfig\nfrom curation.report_step import make_report\n"
+            "from curation.steps.runner import recording\n"
+            "if __name__ == '__main__':\n"
+            f"    with recording() as rec:\n"
+            f"        path = make_report({str(out)!r}, [{str(pool_dir[0])!r}], json.loads(sys.argv[1]), "
+            f"{cfg.report.n_examples}, tasks=TasksConfig(count=2, launcher='local'))\n"
+            "    print(json.dumps({'mpl': 'matplotlib' in sys.modules, 'path': path, "
+            "'figures': [r['inline'] for r in rec if r['fn'] == 'report_figures_task']}))\n")
+    script = tmp_path / "report.py"
+    script.write_text(code)
+    root = Path(__file__).resolve().parents[2]
+    got = subprocess.run([sys.executable, str(script), json.dumps(params)], capture_output=True, text=True,
+                         cwd=root, env={**__import__("os").environ, "PYTHONPATH": str(root)}, timeout=600)
+    assert got.returncode == 0, got.stderr[-3000:]
+    res = json.loads(got.stdout.strip().splitlines()[-1])
+    assert res["figures"] == [False] and not res["mpl"]  # drawn in a fresh process; never imported here
+    assert open(res["path"]).read() == first
+    assert all((out / "report" / f).stat().st_size > 0 for f in ("similarity.png", "duplicates.png"))
