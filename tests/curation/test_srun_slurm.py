@@ -66,10 +66,13 @@ def test_curate_run_with_the_srun_launcher_matches_one_task(slurm, pool_dir, tmp
     for want in ("run_task", "rank_task", "place_task", "copy_task",
                  "pairs_task", "verify_pairs_task", "verify_candidates_task", "search_task", "tree_task", "hist_task",
                  "select_task",
-                 "_write_shards_task", "_decisions_part_task"):
+                 "_write_shards_task", "_decisions_part_task", "report_figures_task"):
         # hash dedup, verification, kNN, k-means tree, sampling, shards, decisions
         assert want in names, (want, sorted(names), log[-3000:])
     for name, w, procids, pids in calls:  # three srun tasks each: SLURM_PROCID 0..2, three processes
+        if name in ("index_train", "index_merge", "report_figures_task"):  # one task by design: a one-task srun step
+            assert (w, procids) == ("1", "0"), (name, w, procids)
+            continue
         assert w == "3" and procids == "0,1,2" and len(set(pids.split(","))) == 3, (name, procids, pids)
 
     steps = multi / "steps"
