@@ -40,8 +40,11 @@ object per row (>= 50), the pool's candidate pairs (~27 x 8 = 216) or its embedd
 HEAP_HELD_MEASURED = {
     # the IVF add: the trained index each task loads (coarse centroids, nlist x D float32, and the exact coarse
     # assignment's float64 copy of them): nlist grows with the pool (curation.index.default_nlist), so this is per
-    # list, not per row -- measured 95 B/row here for nlist 60k -> 240k rows
-    ("dedup", "add_task"): 160,
+    # list, not per row -- measured 95 B/row here for nlist 60k -> 240k rows alone, 168-171 with the test suite
+    # running beside it: the sampled RssAnon catches the add's piece temporaries (16,384 rows x 384-d, a constant) in
+    # one run and misses them in the other, while the exact VmHWM grew 73 B/row. A copy of the pool's IVF-flat codes
+    # is 1,536 B/row, its fp16 embeddings 768
+    ("dedup", "add_task"): 320,
 }
 SKIP = {
     # one task over the IVF's training sample (curation.knn_shards train task): its size is nlist x the points per
