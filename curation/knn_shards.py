@@ -45,7 +45,7 @@ from .index import KnnIndex, Rows, build_index, default_nlist, gpus_for, load_in
 from .index_ondisk import add_part, merge_parts, train_ondisk
 from .knn_candidates import (BATCH_DEFAULT, MARGIN_EXACT, MARGIN_LOSSY, concat_parts, fraction_pairs, nearest_exact,
                              retrieval_candidates)
-from .steps.runner import inline as runs_inline, launch, launch_one, run_step, task_rows
+from .steps.runner import inline as runs_inline, launch, launch_alone, run_step, task_rows
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
 
@@ -300,7 +300,7 @@ class KnnJob:
         if not os.path.exists(trained):  # resumable: a trained index on disk is kept
             # ONE task, in its own process whenever the adds are (issue 40): the sample and its k-means are the
             # task's memory, not the orchestrator's; inline stays inline
-            run_step(index_train, 1, **({"launcher": "local", "processes": 0} if inline else launch_one(plan["launcher"])),
+            run_step(index_train, 1, **launch_alone(plan["launcher"], w),
                      path=trained, rows=rows if inline else _need_source(source), kind=kind,
                      nlist=params.get("nlist") or default_nlist(len(rows)), train_size=params.get("train_size"),
                      seed=params.get("seed", 0), pq_m=params.get("pq_m", 0),
@@ -312,7 +312,7 @@ class KnnJob:
                  block=params.get("chunk_size", CHUNK_SIZE_DEFAULT))
         # ONE task in a process of its own too: the quantizers it reads and the parts' lists faiss's merge leaves
         # mapped (their deleted files' disk space with them) end with it, not with the orchestrator
-        run_step(index_merge, 1, **({"launcher": "local", "processes": 0} if inline else launch_one(plan["launcher"])),
+        run_step(index_merge, 1, **launch_alone(plan["launcher"], w),
                  trained=trained, names=names, path=self.index_path)
         shutil.rmtree(os.path.join(self.dir, "add"))  # the merged lists hold them now
         meta = {"params": _jsonable(params), "kind": kind, "n": len(rows), "dim": rows.dim, "ondisk": True,

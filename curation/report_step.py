@@ -10,7 +10,7 @@ import os
 
 from .report_tasks import ReportStats, report_stats, report_tasks
 from .stepfiles import load_step
-from .steps.runner import inline, launch_one, run_step
+from .steps.runner import launch_alone, run_step
 
 
 def make_report(out_dir: str, sources, params: dict, n_examples: int = 8, tasks=None,
@@ -38,8 +38,7 @@ def make_report(out_dir: str, sources, params: dict, n_examples: int = 8, tasks=
     w, launcher = report_tasks(tasks, len(load_step(out_dir, "dedup", keys=("nn_sim",), mmap=True)["nn_sim"]))
     w = num_tasks if num_tasks is not None else w
     st = report_stats(out_dir, params["dedup_threshold"], params["decontam_threshold"], n_examples, w, launcher)
-    how = {"launcher": "local", "processes": 0} if inline(launcher, w) else launch_one(launcher)
-    got = run_step(report_figures_task, 1, **how, out_dir=out_dir, sources=sources, params=params, stats=st,
+    got = run_step(report_figures_task, 1, **launch_alone(launcher, w), out_dir=out_dir, sources=sources, params=params, stats=st,
                    balance=balance)
     return got[0]["result"]["path"]
 

@@ -419,6 +419,12 @@ def launch_one(launcher: str) -> dict:
     return {"launcher": "local", "processes": None}
 
 
+def launch_alone(launcher: str, num_tasks: int) -> dict:
+    """:func:`run_step`'s arguments for a one-task call of a step planned as ``num_tasks`` tasks under ``launcher``:
+    in this process when the step's tasks run inline, else :func:`launch_one` (a process or srun step of its own)."""
+    return {"launcher": "local", "processes": 0} if inline(launcher, num_tasks) else launch_one(launcher)
+
+
 def inline(launcher: str, num_tasks: int) -> bool:
     """Whether :func:`launch` runs the tasks in this process (else they reopen their inputs from files)."""
     return launch(launcher, num_tasks).get("processes") == 0
