@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dinopipe.data.loader import DataPosition, GlobalBatchSampler
 from dinopipe.train.checkpoint import ModelOptimState, full_state_dict
-from dinopipe.train.dist import destroy, init_distributed
+from dinopipe.train.dist import end_rank, init_distributed
 from dinopipe.train.loop import LoopConfig, Phase, Trainer
 try:
     from dinopipe.train.signals import worker_ignore_signals
@@ -159,17 +159,17 @@ def main() -> int:
     opts = dict(a.split("=", 1) for a in sys.argv[3:])
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     info = init_distributed("cpu")
-    clean = False
+    clean, done = False, None
     try:
         trainer = build(run_dir, opts, info)
         if mode == "count":
             install_counters(trainer, Path(run_dir) / f"counts_rank{info.rank}.json", info.rank)
         rc = trainer.fit()
-        clean = True
+        clean, done = True, rc
         record_teardown(Path(run_dir) / f"teardown_rank{info.rank}.json")
         return rc
     finally:
-        destroy(clean)
+        end_rank(clean, done)  # as the stages end a rank (train.builders.stage_main)
 
 
 def record_teardown(out: Path) -> None:
@@ -190,9 +190,13 @@ def record_teardown(out: Path) -> None:
 def repeat(n: int, base: str, opts: list[str]) -> int:
     """Run a 2-rank job ``n`` times; print each run's per-rank exit codes (-6 for SIGABRT) as JSON.
 
-    Torch and dinopipe are imported once here; each rank is a fork of this process that runs ``main`` and
-    then leaves through the interpreter's normal exit (atexit, finalizers, C++ destructors: where a torn
-    teardown aborts), so a run costs its training, not the imports."""
+    Torch and dinopipe are imported once here; each rank is a fork of this process, launched as torchrun
+    launches one (TORCHELASTIC_RUN_ID set), that runs ``main`` and so ends as a stage's rank does
+    (``train.dist.end_rank``: the barrier, the group destroyed, then ``exit_now``), so a run costs its
+    training, not the imports. Interpreter exit's teardown of gloo's threads is what aborted ranks
+    ("terminate called without an active exception"; pytorch PR 179291): a finished launched rank never
+    runs it. What the loop leaves when it returns (data workers, non-daemon threads) is recorded before the
+    group goes: the part of a clean exit that is the loop's own."""
     import socket
 
     codes = []
@@ -209,9 +213,9 @@ def repeat(n: int, base: str, opts: list[str]) -> int:
                 os.dup2(log, 1)
                 os.dup2(log, 2)
                 os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=str(port))
+                                  MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"repeat-{i}")
                 sys.argv = [sys.argv[0], f"{base}/run{i}", "train", *opts]
-                raise SystemExit(main())  # unwinds to the top level: a normal interpreter exit
+                raise SystemExit(main())  # main ends the rank with exit_now; a failed rank unwinds to here
             pids.append(pid)
         waited = [os.wait4(p, 0) for p in pids]
         codes.append([os.waitstatus_to_exitcode(w[1]) for w in waited])
