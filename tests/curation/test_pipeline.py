@@ -268,14 +268,3 @@ def test_kept_rows_found_from_block_counts_are_the_kept_rows(run):
         for start, stop in ((0, 10), (3, 17), (len(kept) - 4, len(kept)), (0, len(kept)), (5, 5)):
             np.testing.assert_array_equal(sel.rows(status, start, stop), kept[start:stop])
 
-
-def test_membership_in_sorted_components_is_np_isin():
-    """step_decontaminate's per-block membership test (binary search in the sorted direct matches' components, no
-    copy of them per block) answers as np.isin: values below, between, equal to and above the components, and
-    none at all."""
-    from curation.pipeline import _in_sorted
-
-    rng = np.random.default_rng(3)
-    for hits in (np.zeros(0, np.int64), np.array([5]), np.unique(rng.integers(0, 1000, 300))):
-        values = rng.integers(-10, 1100, 5000)
-        np.testing.assert_array_equal(_in_sorted(values, hits), np.isin(values, hits))

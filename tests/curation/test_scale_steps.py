@@ -136,6 +136,28 @@ def test_w3_task_processes_of_one_thread_write_the_arrays_of_one_process_of_all_
     assert one["decisions_sha256"] == alone["decisions_sha256"]
 
 
+def test_decontamination_removes_the_kept_rows_of_every_component_with_a_direct_eval_match(tmp_path, small_blocks):
+    """pipeline.step_decontaminate (the direct matches' components flagged in a mapped array, then every alive row
+    tested a block at a time) against curation.decontaminate.expand_to_components over the whole pool at once,
+    the step's reference: the same rows go, one reason per image (a copy duplicate stays one), as W = 2 tasks;
+    and the step leaves no scratch file behind."""
+    from curation.decontaminate import expand_to_components
+    from curation.stepfiles import DECONTAM, KEPT, load_step
+
+    work = tmp_path / "w"
+    res = simulate(str(work), 6000, 32, tasks=2, **{**SMALL, "n_eval": 400, "overlap": 150})
+    dd, dc = load_step(str(work), "dedup"), load_step(str(work), "decontaminate")
+    sim = dc["eval_sim"]  # NaN for the hash duplicates: never searched, never a direct match
+    ref = expand_to_components(sim, np.zeros(len(sim), np.int64), res["config"]["decontaminate"]["threshold"],
+                               dd["component"])
+    want = ref.removed & (dd["status"] == KEPT)
+    np.testing.assert_array_equal(dc["status"] == DECONTAM, want)
+    np.testing.assert_array_equal(dc["status"][~want], dd["status"][~want])
+    assert res["counts"]["decontaminated"] == int(want.sum()) >= 150
+    assert (ref.removed & (dd["status"] != KEPT)).any()  # copy / hash duplicates in those components stay as they were
+    assert not list((work / "steps" / "decontaminate").glob("*.scratch.npy"))
+
+
 def test_killed_task_is_rerun_and_finished_parts_skipped(tmp_path, small_blocks):
     work = tmp_path / "w"
     first = simulate(str(work), 5000, 32, tasks=3, **SMALL)
