@@ -91,11 +91,14 @@ RATES_JSON ?= bench/results/scale_1m.json bench/results/scale_3m.json
 TASKS_JSON ?= bench/results/scale_10m_d128.json
 # CHAIN_JSON: runs of `curate run`'s default config (write and report included; docs region default-chain-table).
 CHAIN_JSON ?= bench/results/scale_default_chain.json bench/results/scale_default_chain_3m.json
+# CHAIN_LARGE_JSON: the default config at 1M and 10M rows, 128-d, 1% of rows querying (docs region default-chain-large-table).
+CHAIN_LARGE_JSON ?= bench/results/scale_default_chain_10m.json
 VERIFY_JSON ?=
 curation-tables: venv
 	$(BIN)/python bench/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out bench/rates.json
 	$(BIN)/python bench/render_tables.py --scale $(SCALE_JSON) --rates bench/rates.json --check $(RATES_JSON) \
-		$(if $(TASKS_JSON),--tasks-memory $(TASKS_JSON)) $(if $(CHAIN_JSON),--default-chain $(CHAIN_JSON))
+		$(if $(TASKS_JSON),--tasks-memory $(TASKS_JSON)) $(if $(CHAIN_JSON),--default-chain $(CHAIN_JSON)) \
+		$(if $(CHAIN_LARGE_JSON),--default-chain-large $(CHAIN_LARGE_JSON))
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache
