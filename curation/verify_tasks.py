@@ -32,9 +32,11 @@ from .steps.runner import launch, part_path, read_part, run_step, write_part
 
 OWN_BLOCK = 1024
 """First images (ranks) per ownership block; blocks go to the tasks round-robin."""
-VERIFY_SLICE = 1 << 20
+VERIFY_SLICE = 1 << 17
 """Pairs handed to the verifier at a time: a multiple of PixelVerifier's ``batch_pairs`` (512), so its batches are
-the ones one call over all the task's pairs makes (and its feature cache carries over between the calls)."""
+the ones one call over all the task's pairs makes (and its feature cache carries over between the calls). A slice's
+temporaries are the task's constant, ~56 B per pair with the simulation's planted verifier: 59 MB at 1 << 20 pairs,
+which more tasks cannot shrink (at 10M rows with 1% querying it was most of a verification task's heap)."""
 PART = "cand-part"
 
 

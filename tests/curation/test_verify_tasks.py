@@ -69,6 +69,7 @@ def _new(out: str, n: int, keep_one_in: int, w: int, launcher: str, grouping: st
 def test_tasks_decide_as_the_keys_path_for_any_w(tmp_path, monkeypatch, grouping):
     monkeypatch.setattr(verify_tasks, "OWN_BLOCK", 64)  # several ownership blocks per task on a small pool
     monkeypatch.setattr(knn_shards, "PAIR_SLICE", 1000)  # several slices per chunk
+    monkeypatch.setattr(verify_tasks, "VERIFY_SLICE", 512)  # several verifier calls per (inline) task
     n = 3000
     _job(str(tmp_path), n)
     old = _old(str(tmp_path), n, 3, grouping)
