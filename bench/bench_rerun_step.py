@@ -8,7 +8,10 @@ size this box took ~an hour to reach, after a change to that step alone, without
 The step is `curate run`'s own (curation.pipeline.run_steps on the folder's resolved config.yaml, with the
 simulation's generated inputs: embedded eval and seed sets). Its saved searches are reused when their inputs
 match, as a rerun of `curate run` reuses them, so what is measured is the step's own work on top of them.
-Not the dedup step (its verifier is the simulation's planted truth, made by `curate simulate` itself).
+Not the dedup step as a whole (its verifier is the simulation's planted truth, made by `curate simulate` itself);
+``--step verify`` runs its verification tasks alone (curation.verify_tasks.verify_candidates_task with that planted
+verifier, over the kept kNN chunks) at ``--tasks`` W = 1 and 4, each task in a fresh process, and prints each one's
+heap: the per-task figure of a change to the verification, W = 1 against W = 4 on the same pairs.
 """
 
 from __future__ import annotations
@@ -24,7 +27,28 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.run_meta import run_meta  # noqa: E402
 from curation.simulate.run import _row, retrieval  # noqa: E402
 
-STEPS = ("decontaminate", "rebalance", "write", "report")
+STEPS = ("decontaminate", "rebalance", "write", "report", "verify")
+
+
+def verify_task(work: str, rows: int, t: int, w: int) -> dict:
+    """Verification task ``t`` of ``w`` on the kept folder of a ``rows``-row pool, measured in this process (a
+    fresh one)."""
+    import functools
+    import tempfile
+
+    from curation.simulate.chain import planted_verifier_of
+    from curation.steps.runner import BLOCK, PeakMemory
+    from curation.verify_tasks import verify_candidates_task
+
+    with open(os.path.join(work, "knn", "pool", "meta.json")) as f:
+        n = json.load(f)["n"]
+    with open(os.path.join(work, "steps", "dedup.json")) as f:
+        threshold = json.load(f)["threshold"]
+    factory = functools.partial(planted_verifier_of, work, os.path.join(work, "steps", "verify_rows.npy"),
+                                rows, BLOCK)
+    with tempfile.TemporaryDirectory() as parts, PeakMemory() as mem:
+        r = verify_candidates_task(t, w, work, n, threshold, parts, "rerun", factory)
+    return {"task": t, "tasks": w, "heap_mb": round(max(mem.peak_anon - mem.start_anon, 0) / 2**20, 1), **r}
 
 
 def main(argv=None) -> int:
@@ -32,8 +56,13 @@ def main(argv=None) -> int:
     p.add_argument("--work", required=True, help="a kept simulation folder (it holds config.yaml)")
     p.add_argument("--step", required=True, choices=STEPS)
     p.add_argument("--json", default=None)
+    p.add_argument("--rows", type=int, default=None, help="--step verify: the pool's rows (the planted truth's)")
+    p.add_argument("--tasks", type=int, nargs="+", default=[1, 4], help="--step verify: the W to run")
+    p.add_argument("--one", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # (t, w): in a fresh process
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied over the folder's config")
     a = p.parse_args(argv)
+    if a.step == "verify":
+        return _verify(a)
     from curation.config import CurationConfig
     from curation.pipeline import ChainInputs, run_steps
     from curation.steps import runner
@@ -59,6 +88,36 @@ def main(argv=None) -> int:
             json.dump({"work": a.work, "step": a.step, "overrides": a.overrides, "row": row,
                        "result": result if isinstance(result, dict) else str(result), "meta": run_meta()}, f,
                       indent=1)
+    return 0
+
+
+def _verify(a) -> int:
+    if a.rows is None:
+        print("error: --step verify needs --rows (the pool's rows)", file=sys.stderr)
+        return 2
+    if a.one:
+        print(json.dumps(verify_task(a.work, a.rows, *a.one)))
+        return 0
+    import subprocess
+
+    got = []
+    for w in a.tasks:
+        for t in range(w):
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--work", a.work, "--step", "verify",
+                                  "--rows", str(a.rows), "--one", str(t), str(w)], capture_output=True, text=True)
+            if out.returncode != 0:
+                print(out.stderr[-3000:], file=sys.stderr)
+                return 1
+            got.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"verify task {t} of {w}: {got[-1]['candidates']:,} candidate pairs, {got[-1]['edges']:,} edges, "
+                  f"heap {got[-1]['heap_mb']:.1f} MB")
+    top = {w: max(g["heap_mb"] for g in got if g["tasks"] == w) for w in a.tasks}
+    if 1 in top and len(top) > 1:
+        w = max(top)
+        print(f"largest task's heap W = {w} / W = 1: {top[w] / top[1]:.2f} ({top[w]} / {top[1]} MB)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"work": a.work, "step": "verify", "rows": a.rows, "tasks": got, "meta": run_meta()}, f, indent=1)
     return 0
 
 
