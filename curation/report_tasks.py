@@ -94,14 +94,17 @@ class ReportStats:
     groups: list  # the largest copy groups (> 1 image): rows, the root (kept) first, then ascending
 
 
+FAN_IN = 8
+"""Runs of root counts merged at a time in a report scan task (:func:`report_scan_task`)."""
+
+
 def _merge_counts(keys: list[np.ndarray], counts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(unique keys ascending, summed counts) of several (keys, counts) pairs."""
     k = np.concatenate(keys) if keys else np.zeros(0, np.int64)
     c = np.concatenate(counts) if counts else np.zeros(0, np.int64)
     u, inv = np.unique(k, return_inverse=True)
-    out = np.zeros(len(u), np.int64)
-    np.add.at(out, inv.ravel(), c)
-    return u, out
+    # summed as float64, exact below 2^53 (a count is at most the rows); np.add.at is ~10x slower
+    return u, np.bincount(inv.ravel(), weights=c, minlength=len(u)).astype(np.int64)
 
 
 def _merge_clusters(ids: list, before: list, after: list) -> tuple[list, list, list]:
@@ -132,7 +135,7 @@ def report_scan_task(t: int, w: int, out_dir: str, parts: str, t_dup: float, t_d
     """Pass 1 over this task's rows (see the module docstring)."""
     a = _arrays(out_dir)
     nn, ev = SimStats(), SimStats()
-    ck, cb, ca, gk, gc = [], [], [], [], []
+    ck, cb, ca, gk, gc, gl = [], [], [], [], [], []
     for s, e in task_blocks(len(a["nn_sim"]), t, w, block):
         nn.add(np.asarray(a["nn_sim"][s:e]), t_dup)
         ev.add(np.asarray(a["eval_sim"][s:e]), t_dec)
@@ -145,8 +148,15 @@ def report_scan_task(t: int, w: int, out_dir: str, parts: str, t_dup: float, t_d
         roots, n = np.unique(np.asarray(a["component"][s:e]), return_counts=True)
         gk.append(roots)
         gc.append(n)
-        if len(gk) > 8:  # keep the running sums compact (a task holds its rows' roots, not a list of blocks)
-            gk, gc = map(lambda x: [x], _merge_counts(gk, gc))
+        gl.append(0)
+        # the running root counts as runs of levels, 8 runs of one level merged into one of the next (an LSM tree
+        # of fan-out 8): each root is re-sorted log8(R / block) times over the task's R rows, where folding every 8
+        # blocks into one running sum re-sorted all the roots seen so far (R^2 / 524k sorts: hours for a task of
+        # 10^9 rows); the runs hold the task's distinct roots about once (a root in several blocks: once per run)
+        while len(gl) >= FAN_IN and gl[-FAN_IN:] == [gl[-1]] * FAN_IN:
+            k2, c2 = _merge_counts(gk[-FAN_IN:], gc[-FAN_IN:])
+            gk[-FAN_IN:], gc[-FAN_IN:], gl[-FAN_IN:] = [k2], [c2], [gl[-1] + 1]
+        if len(ck) > 8:  # clusters: at most rebalance's cluster count, whatever the rows
             ck, cb, ca = _merge_clusters(ck, cb, ca)
     clusters, before, after = (x[0] for x in _merge_clusters(ck, cb, ca))
     roots, sizes = _merge_counts(gk, gc)

@@ -48,9 +48,10 @@ def _same_sim(a, b):
     assert np.array_equal(a.hist_lo, b.hist_lo) and np.array_equal(a.hist_hi, b.hist_hi)
 
 
-@pytest.mark.parametrize("w", [1, 3, 5])
-def test_w_tasks_give_exactly_the_whole_array_numbers(tmp_path, w):
-    n = 7 * BLOCK + 100
+@pytest.mark.parametrize("w, blocks", [(1, 7), (3, 7), (5, 7), (1, 70), (2, 140)])
+def test_w_tasks_give_exactly_the_whole_array_numbers(tmp_path, w, blocks):
+    # 70 blocks a task: the scan's runs of root counts merged at two levels (report_tasks.FAN_IN = 8)
+    n = blocks * BLOCK + 100
     a = _pool(str(tmp_path), n)
     st = report_stats(str(tmp_path), T_DUP, T_DEC, n_top=6, num_tasks=w, launcher="inline", block=BLOCK)
     _same_sim(st.nn, of_arrays(a["nn_sim"], T_DUP))
