@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -22,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.bench_curation_scale import slope  # noqa: E402
 from bench.run_meta import run_meta  # noqa: E402
 from curation.report_tasks import report_scan_task  # noqa: E402
 from curation.stepfiles import StepWriter, blocks  # noqa: E402
@@ -60,11 +60,7 @@ def main(argv=None) -> int:
         shutil.rmtree(out, ignore_errors=True)
         print(f"{n:>12,} rows: report_scan_task {got[-1][1]:7.2f} s", flush=True)
     if len(got) > 1:
-        x = [math.log(n) for n, _ in got]
-        y = [math.log(t) for _, t in got]
-        mx, my = sum(x) / len(x), sum(y) / len(y)
-        slope = sum((u - mx) * (v - my) for u, v in zip(x, y)) / sum((u - mx) ** 2 for u in x)
-        print(f"slope of seconds against rows: {slope:.2f}")
+        print(f"slope of seconds against rows: {slope([n for n, _ in got], [t for _, t in got]):.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"runs": [{"rows": n, "seconds": t} for n, t in got], "meta": run_meta()}, f, indent=1)
