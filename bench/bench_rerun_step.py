@@ -10,8 +10,9 @@ simulation's generated inputs: embedded eval and seed sets). Its saved searches 
 match, as a rerun of `curate run` reuses them, so what is measured is the step's own work on top of them.
 Not the dedup step as a whole (its verifier is the simulation's planted truth, made by `curate simulate` itself);
 ``--step verify`` runs its verification tasks alone (curation.verify_tasks.verify_candidates_task with that planted
-verifier, over the kept kNN chunks) at ``--tasks`` W = 1 and 4, each task in a fresh process, and prints each one's
-heap: the per-task figure of a change to the verification, W = 1 against W = 4 on the same pairs.
+verifier, over the kept kNN chunks) at ``--tasks`` W = 1 and 4, each task a process of the curation runner's (measured
+as the chain measures its tasks), and prints each one's heap: the per-task figure of a change to the verification,
+W = 1 against W = 4 on the same pairs.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ from curation.simulate.run import _row, retrieval  # noqa: E402
 STEPS = ("decontaminate", "rebalance", "write", "report", "verify")
 
 
-def verify_task(work: str, rows: int, t: int, w: int) -> dict:
-    """Verification task ``t`` of ``w`` on the kept folder of a ``rows``-row pool, measured in this process (a
-    fresh one)."""
+def verify_tasks(work: str, rows: int, w: int) -> list[dict]:
+    """The verification's ``w`` tasks on the kept folder of a ``rows``-row pool, run and measured by the curation
+    runner as the chain runs them (local processes, one at a time: each task's heap is its own)."""
     import functools
     import tempfile
 
     from curation.simulate.chain import planted_verifier_of
-    from curation.steps.runner import BLOCK, PeakMemory
+    from curation.steps.runner import BLOCK, run_step
     from curation.verify_tasks import verify_candidates_task
 
     with open(os.path.join(work, "knn", "pool", "meta.json")) as f:
@@ -46,9 +47,11 @@ def verify_task(work: str, rows: int, t: int, w: int) -> dict:
         threshold = json.load(f)["threshold"]
     factory = functools.partial(planted_verifier_of, work, os.path.join(work, "steps", "verify_rows.npy"),
                                 rows, BLOCK)
-    with tempfile.TemporaryDirectory() as parts, PeakMemory() as mem:
-        r = verify_candidates_task(t, w, work, n, threshold, parts, "rerun", factory)
-    return {"task": t, "tasks": w, "heap_mb": round(max(mem.peak_anon - mem.start_anon, 0) / 2**20, 1), **r}
+    with tempfile.TemporaryDirectory() as parts:
+        got = run_step(verify_candidates_task, w, launcher="local", processes=1, out_dir=work, n=n,
+                       threshold=float(threshold), parts_dir=parts, digest="rerun", factory=factory)
+    return [{"task": g["task"], "tasks": w, "heap_mb": round(max(g["peak_anon"] - g["start_anon"], 0) / 2**20, 1),
+             **g["result"]} for g in got]
 
 
 def main(argv=None) -> int:
@@ -58,7 +61,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--rows", type=int, default=None, help="--step verify: the pool's rows (the planted truth's)")
     p.add_argument("--tasks", type=int, nargs="+", default=[1, 4], help="--step verify: the W to run")
-    p.add_argument("--one", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # (t, w): in a fresh process
     p.add_argument("overrides", nargs="*", metavar="key=value", help="applied over the folder's config")
     a = p.parse_args(argv)
     if a.step == "verify":
@@ -95,22 +97,12 @@ def _verify(a) -> int:
     if a.rows is None:
         print("error: --step verify needs --rows (the pool's rows)", file=sys.stderr)
         return 2
-    if a.one:
-        print(json.dumps(verify_task(a.work, a.rows, *a.one)))
-        return 0
-    import subprocess
-
     got = []
     for w in a.tasks:
-        for t in range(w):
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--work", a.work, "--step", "verify",
-                                  "--rows", str(a.rows), "--one", str(t), str(w)], capture_output=True, text=True)
-            if out.returncode != 0:
-                print(out.stderr[-3000:], file=sys.stderr)
-                return 1
-            got.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"verify task {t} of {w}: {got[-1]['candidates']:,} candidate pairs, {got[-1]['edges']:,} edges, "
-                  f"heap {got[-1]['heap_mb']:.1f} MB")
+        got += verify_tasks(a.work, a.rows, w)
+    for g in got:
+        print(f"verify task {g['task']} of {g['tasks']}: {g['candidates']:,} candidate pairs, {g['edges']:,} edges, "
+              f"heap {g['heap_mb']:.1f} MB")
     top = {w: max(g["heap_mb"] for g in got if g["tasks"] == w) for w in a.tasks}
     if 1 in top and len(top) > 1:
         w = max(top)
