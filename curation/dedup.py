@@ -351,6 +351,6 @@ def _lone(root, s: np.ndarray, d: np.ndarray, roots_e: np.ndarray, sizes_e: np.n
 
 
 def _bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+    from dinopipe.utils.progress import progress as reporter
 
-    return tqdm(total=total, desc=desc, unit="img", disable=not enabled, mininterval=2.0)
+    return reporter(total=total, desc=desc, unit="img", disable=not enabled)

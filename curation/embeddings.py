@@ -248,9 +248,9 @@ def _shard_complete(out_dir, stem, refs, shard, shard_size) -> bool:
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+    from dinopipe.utils.progress import progress as reporter
 
-    return tqdm(total=total, desc=desc, unit="img", disable=not enabled, mininterval=2.0)
+    return reporter(total=total, desc=desc, unit="img", disable=not enabled)
 
 
 def embed_arrays(images, embed_fn, transform, batch_size: int = 64) -> np.ndarray:

@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Sequence
 from ._faiss import faiss
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from dinopipe.utils.progress import progress as reporter
 
 from dinopipe.utils.device import pick_device
 
@@ -353,7 +353,7 @@ def hierarchical_kmeans(data, n_clusters: Sequence[int], n_resampling_steps: int
     items = rows
     if first_level is not None:
         levels, items, sizes_in = [first_level], first_level.centroids, first_level.sizes
-    bar = tqdm(total=len(n_clusters) * (1 + n_resampling_steps), desc="hierarchical k-means",
+    bar = reporter(total=len(n_clusters) * (1 + n_resampling_steps), desc="hierarchical k-means",
                unit="k-means", disable=not progress, initial=len(levels) * (1 + n_resampling_steps))
     for li, k in enumerate(n_clusters):
         if li < len(levels):

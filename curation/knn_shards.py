@@ -74,9 +74,9 @@ def run_chunks(folder: str, n: int, chunk_size: int, task_index: int, num_tasks:
     os.makedirs(folder, exist_ok=True)
     mine = task_chunks(n_chunks(n, chunk_size), task_index, num_tasks)
     todo = [c for c in mine if not os.path.exists(chunk_path(folder, c))]
-    from tqdm.auto import tqdm
+    from dinopipe.utils.progress import progress as reporter
 
-    for c in tqdm(todo, desc=f"kNN chunks ({os.path.basename(folder)})", disable=not progress):
+    for c in reporter(todo, desc=f"kNN chunks ({os.path.basename(folder)})", disable=not progress):
         arrays = compute(c * chunk_size, min((c + 1) * chunk_size, n))
         path = chunk_path(folder, c)
         with atomic_path(path, suffix=".npz") as tmp:  # present <=> complete: a killed task leaves only a tmp file

@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from typing import Sequence
 
 import numpy as np
-from tqdm.auto import tqdm
+from dinopipe.utils.progress import progress as reporter
 
 from dinopipe.config import InputError
 from dinopipe.data.pool_index import INDEX_NAME, member_locations, tar_index, write_index, write_tar_index
@@ -54,7 +54,7 @@ def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dic
     shards, failed, members = [], [], []
     items = [(f"{k:09d}", image_id, (lambda r=refs.get(image_id): source.read(r) if r is not None else None), meta)
              for k, (image_id, meta) in enumerate(zip(ids, metadata))]
-    for start in tqdm(range(0, len(items), shard_size), desc="write shards", disable=not progress):
+    for start in reporter(range(0, len(items), shard_size), desc="write shards", disable=not progress):
         path = os.path.join(out_dir, f"{prefix}-{len(shards):06d}.tar")
         m, f = write_one_shard(path, items[start:start + shard_size])
         members.append(m)

@@ -3,7 +3,8 @@
 Only the project's own loggers (``dinopipe``, ``curation``) get a handler and a level: INFO on rank 0, WARNING on
 the other ranks (N ranks repeating every line makes a job log unreadable). The root logger is left as the user or
 the host application set it, so third-party INFO lines (faiss's loader, matplotlib's category units, PIL's plugin
-probing) stay quiet. Records go to stderr, as Python's logging does by default, beside tqdm's bars: stdout stays for
+probing) stay quiet. Records go to stderr, as Python's logging does by default, beside the progress lines
+(``dinopipe/utils/progress.py``): stdout stays for
 results a script captures (`P=$(dinopipe export ...)` gets the path, not a warning).
 """
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from tqdm import tqdm
+from ..utils.progress import progress
 
 from ..data.loader import DataPosition
 from ..data.sources import stable_hash
@@ -192,8 +192,8 @@ class Trainer:
             log.info("resuming from checkpoint at step %d", step)
         self._metrics = MetricsLogger(self.run_dir, enabled=self.info.is_main, resume_step=step)
         self._preempt = PreemptionFlag()
-        self._bar = tqdm(total=self.total_steps, initial=step, disable=not (self.cfg.progress and self.info.is_main),
-                         desc="train", dynamic_ncols=True)
+        self._bar = progress(total=self.total_steps, initial=step, desc="train", unit="step",
+                             disable=not (self.cfg.progress and self.info.is_main))
         self._steps_this_run = 0
         try:
             if step == 0 and self.probe is not None and 0 in self.probe.steps:
