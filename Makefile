@@ -80,7 +80,7 @@ gpu-bench-wheels:
 bench: venv
 	$(BIN)/python bench/run_all.py
 
-# bench/rates.json and the curation tables of docs/curation-scale.md and README.md, from the growth bench's JSON
+# curation/plan_rates.json and the curation tables of docs/curation-scale.md and README.md, from the growth bench's JSON
 # (bench/bench_curation_scale.py --json; several files: SCALE_JSON="a.json b.json"); VERIFY_JSON: bench_verify --json.
 # RATES_JSON: the runs the planner's rates are taken from (and checked against): 384-d runs with a whole search,
 # since the plan has no per-dimension rate; SCALE_JSON: the growth table (the 10M run is 128-d, 1% of rows queried).
@@ -95,8 +95,8 @@ CHAIN_JSON ?= bench/results/scale_default_chain.json bench/results/scale_default
 CHAIN_LARGE_JSON ?= bench/results/scale_default_chain_10m.json
 VERIFY_JSON ?=
 curation-tables: venv
-	$(BIN)/python bench/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out bench/rates.json
-	$(BIN)/python bench/render_tables.py --scale $(SCALE_JSON) --rates bench/rates.json --check $(RATES_JSON) \
+	$(BIN)/python bench/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out curation/plan_rates.json
+	$(BIN)/python bench/render_tables.py --scale $(SCALE_JSON) --rates curation/plan_rates.json --check $(RATES_JSON) \
 		$(if $(TASKS_JSON),--tasks-memory $(TASKS_JSON)) $(if $(CHAIN_JSON),--default-chain $(CHAIN_JSON)) \
 		$(if $(CHAIN_LARGE_JSON),--default-chain-large $(CHAIN_LARGE_JSON))
 

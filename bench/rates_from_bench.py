@@ -3,7 +3,7 @@ measures, pixel pairs/s per core from the verification bench, each with its sour
 command, run).
 
     python bench/rates_from_bench.py --scale bench/results/scale_1m.json [more scale JSON ...] \\
-        [--verify verify.json] --out bench/rates.json
+        [--verify verify.json] --out curation/plan_rates.json
     python bench/rates_from_bench.py --scale old.json --stamp date=2026-11-27 machine="..." command="..."
 
 Per step, from ``bench/bench_curation_scale.py``'s runs (``{"runs": [{"n", "tasks", "steps": {step: {"runs":
@@ -145,7 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--stamp", nargs="+", default=None, metavar="KEY=VALUE",
                    help="only add meta (date=, machine=, command=) to the --scale file's runs that have none")
     p.add_argument("--verify", default=None, help="JSON of bench/bench_verify.py --json")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "rates.json"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                 "curation", "plan_rates.json"))
     a = p.parse_args(argv)
     if a.stamp:
         try:

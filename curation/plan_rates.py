@@ -1,7 +1,7 @@
 """The rates `curate plan` multiplies by: each one measured (with where, when, on what, by which command) or
 ASSUMED, never a bare number.
 
-A rates file (``bench/rates.json``, written by ``bench/rates_from_bench.py`` from the JSON of
+A rates file (``curation/plan_rates.json``, written by ``bench/rates_from_bench.py`` from the JSON of
 ``bench/bench_curation_scale.py`` and ``bench/bench_verify.py``)::
 
     {"rates": {"hash_dedup": {"value": 118000.0, "unit": "rows/s per task",
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from dinopipe.config import InputError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_FILE = os.path.join(ROOT, "bench", "rates.json")
+# Package data (pyproject.toml), so an installed copy plans with the measured rates, not the fallbacks.
+DEFAULT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_rates.json")
 
 _ENV = {"bench": "ENVIRONMENT.md (faiss-cpu, 200k x 384 normalised fp32)", "date": "2026-11-21",
         "machine": "2-core shared CPU box, 2 threads", "command": "faiss IVF nprobe 16 search / IndexFlatIP search"}
@@ -54,7 +54,7 @@ class Rate:
             (f"; `{s['command']}`" if s.get("command") else "")
 
 
-# name: (value, unit, source or None). The per-step rows/s of a task are the benches' (bench/rates.json);
+# name: (value, unit, source or None). The per-step rows/s of a task are the benches' (curation/plan_rates.json);
 # these are what the plan uses where the rates file has no entry.
 DEFAULTS: dict[str, tuple[float, str, dict | None]] = {
     "hash_dedup": (7e4, "rows/s per task", None),
@@ -76,13 +76,13 @@ DEFAULTS: dict[str, tuple[float, str, dict | None]] = {
 USED = ("hash_dedup", "verification", "grouping", "sampling", "decisions", "write_shards", "merge", "network",
         "cpu_scan", "cpu_gemm")
 """The rates `curate plan` multiplies by. The bench's rows/s of the index add, the searches and the k-means
-(index_add, search, decontaminate, kmeans in bench/rates.json) are kept for reference: those steps' times are the
+(index_add, search, decontaminate, kmeans in curation/plan_rates.json) are kept for reference: those steps' times are the
 cost model's op counts over the device rates (cpu_scan, cpu_gemm, the GPU table), since they depend on D, nlist,
 nprobe and k, which the bench fixes."""
 
 
 def load_rates(path: str | None = None) -> dict[str, Rate]:
-    """DEFAULTS overlaid with the rates file ``path`` (None: bench/rates.json when it exists)."""
+    """DEFAULTS overlaid with the rates file ``path`` (None: curation/plan_rates.json when it exists)."""
     rates = {k: Rate(v, u, s) for k, (v, u, s) in DEFAULTS.items()}
     if path is None:
         if not os.path.exists(DEFAULT_FILE):

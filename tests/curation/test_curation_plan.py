@@ -306,3 +306,26 @@ def test_the_default_chain_table_has_the_write_and_the_report(tmp_path):
     assert "default config (dedup.k=64" in text and "report.enabled=True" in text
     assert "| &nbsp;&nbsp;_write_shards_task |" in text and "report_scan_task" in text
     assert "W=1 | " in text and "W=4 | " in text and "| decisions equal across W | yes | yes" in text
+
+
+def test_an_installed_copy_plans_with_the_measured_rates(tmp_path):
+    """The rates ship as package data: a wheel's copy of curation, away from the repository, finds them."""
+    import subprocess
+    import sys
+    import zipfile
+
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(root)], check=True, timeout=600)
+    wheel = next((tmp_path / "dist").glob("dinopipe-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        assert "curation/plan_rates.json" in z.namelist()
+        z.extractall(tmp_path / "site")
+    code = ("import curation.plan_rates as p, sys; r = p.load_rates(); "
+            "assert p.__file__.startswith(sys.argv[1]), p.__file__; "
+            "print(sum(v.measured for v in r.values()))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site")], cwd=tmp_path, check=True,
+                         capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path / "site"),
+                                                              "PATH": "/usr/bin:/bin"}, timeout=120).stdout
+    shipped = json.loads((root / "curation" / "plan_rates.json").read_text())["rates"]
+    assert int(out) >= len(shipped) > 0
