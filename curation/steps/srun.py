@@ -8,7 +8,7 @@ tasks only through the environment, and an HMAC-SHA256 of the pickle beside it; 
 unpickling (:func:`load_signed`), so a spec file nobody of this call wrote does not run. Each task's report
 comes back the same way; a task that raised reports its exception (raised here, as the local launcher does), and a
 task that left no report (killed by a signal, the OOM killer, a lost node) ends the call with
-:class:`~dinopipe.utils.exits.UnfinishedError` naming the step and the task: exit 75, rerun the same command.
+:class:`~curation.steps.supervise.TaskDied` naming the step and the task: exit 75, rerun the same command.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import hashlib
 import hmac
 import os
 import pickle
+import re
 import secrets
 import shlex
 import subprocess
 from typing import Callable
 
 from dinopipe.config import InputError
-from dinopipe.utils.exits import UnfinishedError
 from dinopipe.utils.io import atomic_write
 
-from .supervise import describe, dies_at
+from .supervise import TaskDied, describe, dies_at
 
 KEY_ENV = "CURATE_SRUN_KEY"
 """The environment variable that carries a call's key (hex) from the orchestrator to its srun tasks."""
@@ -102,6 +102,16 @@ def _tail(path: str, n: int = 3000) -> str:
         return ""
 
 
+def _first_failed(stderr: str, failed: list[int]) -> tuple[int, str]:
+    """The task that failed first and how, from srun's own lines (``srun: error: NODE: task 1: Killed``, then
+    ``task 0: Terminated`` for the ones --kill-on-bad-exit stopped); else the first task without a report."""
+    for line in stderr.splitlines():
+        m = re.match(r"srun: error: \S+: tasks? (\d+)[\d,\-]*: (.+)$", line.strip())
+        if m and int(m.group(1)) in failed:
+            return int(m.group(1)), m.group(2).strip()
+    return failed[0], ""
+
+
 def _run_srun(fn: Callable, num_tasks: int, kw: dict) -> list[dict]:
     """One ``srun --ntasks=W`` job step: the W tasks of ``fn`` (:mod:`curation.steps.srun_task`) -> their reports."""
     import shutil
@@ -149,12 +159,11 @@ def _run_srun(fn: Callable, num_tasks: int, kw: dict) -> list[dict]:
         failed = missing or list(range(num_tasks))
         tails = "\n".join(f"--- task {t} of {num_tasks} (stderr tail, {errs[t]}):\n{_tail(errs[t])}"
                           for t in failed[:3] if _tail(errs[t]))
-        why = next((ln.strip() for ln in r.stderr.splitlines() if "task" in ln and "srun" in ln), "")
+        first, why = _first_failed(r.stderr, failed)
         sys.stderr.write(f"{r.stderr[-1500:]}{tails}\n")
         shutil.rmtree(folder, ignore_errors=True)  # the rerun's call writes its own spec
-        raise UnfinishedError(f"{describe(failed[0], num_tasks, name)} ended without its report under srun "
-                              f"(srun exited {r.returncode}{': ' + why if why else ''}; {len(missing)} of "
-                              f"{num_tasks} tasks left none); the parts finished tasks wrote are kept")
+        raise TaskDied(f"{describe(first, num_tasks, name)} ended without its report under srun "
+                       f"({why or 'srun exited ' + str(r.returncode)}; {len(missing)} of {num_tasks} tasks left none)")
     reports = [got[t] for t in range(num_tasks)]
     sys.stderr.write(f"[srun] {name}: {num_tasks} tasks on {','.join(sorted({r['host'] for r in reports}))}: "
                      f"procids {','.join(str(r['procid']) for r in reports)}, "

@@ -7,8 +7,9 @@ its result, and the orchestrator waits on the pipes and the processes' sentinels
 
 * a task that raised -> its exception is raised here, with the task's traceback as its cause (as the pool did);
 * a task that died without a result (killed by a signal, or exited before reporting) -> the other tasks of the
-  call are stopped (SIGTERM, SIGKILL after :data:`GRACE_S`) and :class:`~dinopipe.utils.exits.UnfinishedError`
-  names the step, the task and the signal: ``curate`` exits 75, "rerun the same command".
+  call are stopped (SIGTERM, SIGKILL after :data:`GRACE_S`) and :class:`TaskDied` (an
+  :class:`~dinopipe.utils.exits.UnfinishedError`) names the step, the task and the signal: ``curate`` exits 75,
+  "rerun the same command".
 
 No task is retried. Every task writes its parts atomically and a rerun skips finished parts, so a retry would be
 safe, but a task killed by the OOM killer is most often killed again at once (the same rows, the same memory, while
@@ -39,6 +40,13 @@ GRACE_S = 5.0
 # runner's recording, as the calls sit many frames below the step (issue 38).
 _STEP: str | None = None
 _CALLS: dict[tuple[str, str], int] = {}  # (step, task function) -> calls so far in this process (kill_task's #N)
+
+
+class TaskDied(UnfinishedError):
+    """A task of a call died without its result (killed by a signal, the OOM killer, a lost srun task): exit 75.
+    ``why``: the clause the exit line adds after the message (dinopipe.utils.exits.run_command)."""
+
+    why = "the parts finished tasks wrote are kept"
 
 
 @contextlib.contextmanager
@@ -162,8 +170,7 @@ def run_processes(target: Callable, calls: list[tuple], processes: int, fn_name:
                 reader.close()
                 if msg is None:
                     p.join()
-                    raise UnfinishedError(f"{describe(t, n, fn_name)} {signal_text(p.exitcode)}; the parts "
-                                          f"finished tasks wrote are kept")
+                    raise TaskDied(f"{describe(t, n, fn_name)} {signal_text(p.exitcode)}")
                 p.join(60)  # a result in hand: the process is exiting (never wait on it without end)
                 if p.is_alive():
                     p.kill()
@@ -179,5 +186,5 @@ def run_processes(target: Callable, calls: list[tuple], processes: int, fn_name:
     return results
 
 
-__all__ = ["GRACE_S", "current_step", "describe", "die_here", "dies_at", "run_processes", "signal_text",
+__all__ = ["GRACE_S", "TaskDied", "current_step", "describe", "die_here", "dies_at", "run_processes", "signal_text",
            "step_named"]

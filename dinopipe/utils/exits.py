@@ -73,7 +73,8 @@ def run_command(command: str, body: Callable[..., int], *args: Any, **kwargs: An
         print(f"{command}: error: {exc or type(exc).__name__}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except UnfinishedError as exc:
-        print(f"{command}: unfinished: {exc} -- rerun the same command", file=sys.stderr)
+        print(f"{command}: unfinished: {exc} -- a task was killed or crashed before it wrote this; rerun the "
+              f"same command", file=sys.stderr)
         return EXIT_UNFINISHED
     except Exception:  # noqa: BLE001 -- everything else is a bug by the contract: exit 1, never 2
         return report_bug(command)
