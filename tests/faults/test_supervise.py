@@ -8,31 +8,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from curation.pipeline import StepError, missing_file
 from curation.steps import runner
 from dinopipe.utils import debug_hooks
 from dinopipe.utils.exits import UnfinishedError
+from tests.faults._tasks import record
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def record(t: int, w: int, folder: str, block: int = -1, fail: int = -1) -> dict:
-    """Task ``t``: writes its part; task ``block`` waits for ever; task ``fail`` raises."""
-    if t == fail:
-        raise KeyError(f"task {t} was told to fail")
-    if t == block:
-        time.sleep(3600)
-    runner.write_part(runner.part_path(folder, "rec", t, w), t=np.int64(t))
-    return {"t": t, "pid": os.getpid()}
-
-
-def _call(code: str, hooks: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+def _call(code: str, hooks: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != debug_hooks.ENV}
     env.update(PYTHONPATH=str(REPO), **(hooks or {}))
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
@@ -56,10 +45,10 @@ def test_a_killed_task_ends_the_call_at_once_and_stops_the_others(tmp_path):
     """Task 1 is SIGKILLed at its start while task 0 would run for an hour: the call ends with UnfinishedError
     naming the step and the task (within the subprocess timeout: task 0 was stopped, nobody waits on task 1)."""
     code = (f"from curation.steps import runner, supervise\n"
-            f"from tests.faults.test_supervise import record\n"
+            f"from tests.faults._tasks import record\n"
             f"with supervise.step_named('dedup'):\n"
             f"    runner.run_step(record, 2, folder={str(tmp_path)!r}, block=0)\n")
-    r = _call(code, debug_hooks.env(kill_task="dedup/record:1"), timeout=120)
+    r = _call(code, debug_hooks.env(kill_task="dedup/record:1"))
     assert r.returncode == 1, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last == ("curation.steps.supervise.TaskDied: task 1 of 2 of step dedup (record) was killed by signal 9 "
@@ -69,7 +58,7 @@ def test_a_killed_task_ends_the_call_at_once_and_stops_the_others(tmp_path):
 
 def test_a_task_killed_after_writing_its_part_keeps_the_part(tmp_path):
     code = (f"from curation.steps import runner\n"
-            f"from tests.faults.test_supervise import record\n"
+            f"from tests.faults._tasks import record\n"
             f"runner.run_step(record, 2, processes=1, folder={str(tmp_path)!r})\n")
     r = _call(code, debug_hooks.env(kill_task="record:0:end"))
     assert "task 0 of 2 of step record was killed by signal 9" in r.stderr, r.stderr[-2000:]
