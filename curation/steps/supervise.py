@@ -35,6 +35,8 @@ from dinopipe.utils.exits import UnfinishedError
 
 GRACE_S = 5.0
 """Seconds the other tasks of a failed call get to end after SIGTERM before SIGKILL."""
+JOIN_S = 60.0
+"""Seconds a task that delivered its result (or closed its pipe) gets to exit before it is killed."""
 
 # The pipeline step the runner calls belong to (curation.pipeline.run_steps sets it): kept process-wide like the
 # runner's recording, as the calls sit many frames below the step (issue 38).
@@ -164,17 +166,15 @@ def run_processes(target: Callable, calls: list[tuple], processes: int, fn_name:
                 with contextlib.suppress(EOFError, OSError):
                     if reader.poll():
                         msg = reader.recv()
-                if msg is None and p.sentinel not in ready:
-                    p.join()  # EOF on the pipe: the task is ending
                 del running[t]
                 reader.close()
-                if msg is None:
-                    p.join()
-                    raise TaskDied(f"{describe(t, n, fn_name)} {signal_text(p.exitcode)}")
-                p.join(60)  # a result in hand: the process is exiting (never wait on it without end)
+                # the task is exiting (a result in hand, or EOF: it is gone): never wait on it without end
+                p.join(JOIN_S)
                 if p.is_alive():
                     p.kill()
                     p.join()
+                if msg is None:
+                    raise TaskDied(f"{describe(t, n, fn_name)} {signal_text(p.exitcode)}")
                 kind, value = msg
                 if kind == "err":
                     raise value
