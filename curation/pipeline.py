@@ -449,6 +449,13 @@ def _load_summaries(out: str) -> dict:
     for step in _SUMMARIZED:
         path = _p(out, "steps", f"{step}.json")
         if os.path.exists(path):
-            with open(path) as f:  # without timings (verify_seconds): a rerun's manifest equals the first run's
-                found[step] = {k: v for k, v in json.load(f).items() if not k.endswith("_seconds")}
+            with open(path) as f:  # without this run's measurements: a rerun's manifest equals the first run's
+                found[step] = {k: v for k, v in json.load(f).items() if not _measured(k)}
     return found
+
+
+def _measured(key: str) -> bool:
+    """A step summary's key that measures this run rather than the result (``verify_seconds``; ``kmeans_tasks``:
+    each k-means task's wall time and heap, there only when the tree was fitted in this run, not reused): kept
+    in ``steps/<step>.json``, left out of manifest.json, which a rerun after a kill must reproduce byte for byte."""
+    return key.endswith("_seconds") or key == "kmeans_tasks"
