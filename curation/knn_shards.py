@@ -39,6 +39,7 @@ from typing import Callable
 import numpy as np
 
 from dinopipe.config import InputError
+from dinopipe.utils.exits import UnfinishedError
 from dinopipe.utils.io import atomic_path, atomic_write_json
 
 from .index import KnnIndex, Rows, build_index, default_nlist, gpus_for, load_index, resolve_kind, save_index
@@ -90,7 +91,7 @@ def _check_chunks(folder: str, n: int, chunk_size: int) -> int:
     total = n_chunks(n, chunk_size)
     missing = [c for c in range(total) if not os.path.exists(chunk_path(folder, c))]
     if missing:
-        raise FileNotFoundError(
+        raise UnfinishedError(  # search tasks killed or not yet run: exit 75, not the user's mistake
             f"{folder}: {len(missing)} of {total} kNN chunks missing (first: {chunk_path(folder, missing[0])}); "
             "rerun the `curate search` array tasks (finished chunks are skipped)")
     return total

@@ -128,8 +128,11 @@ def _build(emb_dir: str, meta_paths: list[str], part_rows: list[int], w: int, la
     d = os.path.join(emb_dir, TABLE_DIR)
     work = os.path.join(d, "work")
     digest = parts_digest(meta_paths)
-    plan = {"parts": digest, "tasks": w}
-    if _read_json(os.path.join(work, "plan.json")) != plan:  # other parts or another W: start over
+    # srun tasks on several nodes write each output slice through its owner (table_owned); other launchers write
+    # in place: the work files of one layout are not the other's, so a change of launcher starts over too
+    owned = launcher == "srun" and w > 1
+    plan = {"parts": digest, "tasks": w, "owned": owned}
+    if _read_json(os.path.join(work, "plan.json")) != plan:  # other parts, another W or layout: start over
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(work)
         atomic_write_json(os.path.join(work, "plan.json"), plan)
@@ -153,7 +156,6 @@ def _build(emb_dir: str, meta_paths: list[str], part_rows: list[int], w: int, la
     src_codes = [[src_of[s] for s in x["sources"]] for x in names]  # run code -> global code
     reason_codes = [[reason_of[s] for s in x["reasons"]] for x in names]
     # srun tasks may run on several nodes: each output slice written by one owner (curation.steps.table_owned)
-    owned = launcher == "srun" and w > 1
     reports += run(tt.rank_task, work=work, out=out, source_codes=src_codes, reason_codes=reason_codes, owned=owned)
     dups = [k for t in range(w) for k in tt.read_dup(work, t, w)]
     if dups:

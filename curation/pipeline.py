@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dinopipe.config import ConfigError, save_config
+from dinopipe.utils.exits import UnfinishedError
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
                      TasksConfig, WriteConfig, kmeans_dir, knn_kwargs, task_plan,
@@ -47,6 +48,7 @@ from .steps.runner import BLOCK, launch
 from .steps.runner import spool as runner_spool
 from .steps.runner import run_step as run_tasks
 from .steps.runner import step_log
+from .steps.supervise import step_named
 from .steps.write_tasks import (Selection, _decisions_part_task, _write_inputs, _write_shards_task,  # noqa: F401
                                 write_selection, write_task)
 from .write import finish_shard_tasks, manifest_from_counts, write_json_atomic
@@ -275,13 +277,26 @@ _SUMMARIZED = ("dedup", "decontaminate", "rebalance")  # steps/<step>.json, gath
 
 
 class StepError(RuntimeError):
-    """A step that cannot run because of the user's input (the one before it has not run yet, a file it needs is
-    missing, outputs of another run mixed in): a :class:`ConfigError` or ``FileNotFoundError`` from the step,
-    named with the step (exit 2). Anything else a step raises is a bug and propagates (exit 1, please report)."""
+    """A step that cannot run because of the user's input (the one before it has not run yet, an input file it
+    needs is missing, outputs of another run mixed in): a :class:`ConfigError`, or a ``FileNotFoundError`` that is
+    not a file of the output folder (:func:`missing_file`), named with the step (exit 2). Anything else a step
+    raises is a bug and propagates (exit 1, please report)."""
 
     def __init__(self, step: str, exc: Exception) -> None:
         super().__init__(f"curate {step}: error: {exc}")
         self.step = step
+
+
+def missing_file(step: str, exc: FileNotFoundError, out: str) -> Exception:
+    """What a missing file means, in one place: a file of the output folder that the OS did not find (a part, a
+    step array, a work file a killed task or job left unwritten) is unfinished work -- exit 75, rerun; anything
+    else (an input path of the user's, or a step's own "run the 'X' step first", which names no file) is the
+    user's -- exit 2 naming the step."""
+    name = exc.filename
+    if name and os.path.abspath(os.fspath(name)).startswith(os.path.join(os.path.abspath(out), "")):
+        return UnfinishedError(f"step {step}: {name} is missing ({exc.strerror or 'not found'}): a task or job "
+                               f"was stopped before it wrote it")
+    return StepError(step, exc)
 
 
 def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command: str = "run",
@@ -307,10 +322,12 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     results = {}
     for step in steps:
         try:
-            # tasks.launcher=srun: the calls' spec files under steps/srun
-            with step_log(progress_log, step), runner_spool(_p(out, "steps", "srun")):
+            # tasks.launcher=srun: the calls' spec files under steps/srun; a dead task is named with the step
+            with step_log(progress_log, step), runner_spool(_p(out, "steps", "srun")), step_named(step):
                 result = run_step(step, cfg, embedder, inputs)
-        except (FileNotFoundError, ConfigError) as exc:  # not RuntimeError / ValueError: faiss, torch, ours
+        except FileNotFoundError as exc:
+            raise missing_file(step, exc, out) from exc
+        except ConfigError as exc:  # not RuntimeError / ValueError: faiss, torch, ours
             raise StepError(step, exc) from exc
         if step == "embed" and embedder is not None:
             embedder.release()  # the index steps may want the GPU memory for faiss-gpu
@@ -432,6 +449,13 @@ def _load_summaries(out: str) -> dict:
     for step in _SUMMARIZED:
         path = _p(out, "steps", f"{step}.json")
         if os.path.exists(path):
-            with open(path) as f:
-                found[step] = json.load(f)
+            with open(path) as f:  # without this run's measurements: a rerun's manifest equals the first run's
+                found[step] = {k: v for k, v in json.load(f).items() if not _measured(k)}
     return found
+
+
+def _measured(key: str) -> bool:
+    """A step summary's key that measures this run rather than the result (``verify_seconds``; ``kmeans_tasks``:
+    each k-means task's wall time and heap, there only when the tree was fitted in this run, not reused): kept
+    in ``steps/<step>.json``, left out of manifest.json, which a rerun after a kill must reproduce byte for byte."""
+    return key.endswith("_seconds") or key == "kmeans_tasks"

@@ -140,6 +140,12 @@ class PixelVerifier:
         self.n_pairs = 0
         self.n_reads = 0
 
+    def digest_key(self) -> dict:
+        """The settings that change a verdict (curation.verify_tasks.verifier_key: a part verified with other
+        settings is not reused)."""
+        return {"size": self.size, "threshold": float(self.threshold), "scales": list(self.scales),
+                "max_shift": float(self.max_shift), "sigmas": list(self.sigmas)}
+
     # -- features ---------------------------------------------------------------------------
     def features(self, img: Image.Image | None):
         """(fine band (S, S), its std, coarse band (S, S), its std, mean RGB); None if unreadable.

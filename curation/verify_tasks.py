@@ -18,6 +18,7 @@ are the same for any W.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -26,6 +27,8 @@ import time
 from typing import Callable
 
 import numpy as np
+
+from dinopipe.utils.exits import UnfinishedError
 
 from .knn_shards import KnnJob, pair_keys
 from .steps.runner import launch, part_path, read_part, run_step, write_part
@@ -53,13 +56,54 @@ def own_keys(chunks, n: int, threshold: float, task_index: int, num_tasks: int) 
 
 
 def verifier_key(factory: Callable) -> str:
-    """What of the verifier a part's digest covers: the factory's function and its plain arguments (sizes,
-    thresholds, row files), so a rerun with another verification threshold verifies again."""
-    if isinstance(factory, functools.partial):
-        plain = [a for a in factory.args if isinstance(a, (str, int, float, bool))]
-        kw = {k: v for k, v in sorted(factory.keywords.items()) if isinstance(v, (str, int, float, bool))}
-        return json.dumps([getattr(factory.func, "__qualname__", repr(factory.func)), plain, kw])
-    return getattr(factory, "__qualname__", type(factory).__name__)
+    """What of the verifier a part's digest covers: the factory's function and every argument it is built from
+    (:func:`_stable`: the input sources, sizes, thresholds, and the content of the row files it reads), so a
+    rerun with another verification setting -- or other sources, or other rows -- verifies again."""
+    return json.dumps(_stable(factory), sort_keys=True)
+
+
+def _stable(x, depth: int = 0):
+    """``x`` as plain JSON that is the same in every process for the same settings: numbers and strings as
+    they are (a string naming an existing file: also its content's sha1), sequences and mappings element by
+    element, arrays by their bytes' sha1, a ``functools.partial`` as its function and arguments, a dataclass as
+    its fields, an object with ``digest_key()`` by what that returns, a function by its qualified name, anything
+    else by its type and its public attributes (to a depth of 6:
+    below that by its type alone, so a client object inside a source does not lead the walk through its
+    internals)."""
+    if depth > 6:
+        return f"{type(x).__module__}.{type(x).__qualname__}"
+    d = depth + 1
+    if x is None or isinstance(x, (bool, int, float)):
+        return x
+    if isinstance(x, (str, os.PathLike)):
+        x = os.fspath(x)
+        return [x, _file_sha1(x)] if os.path.isfile(x) else x
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return ["ndarray", str(x.dtype), list(x.shape), hashlib.sha1(np.ascontiguousarray(x).tobytes()).hexdigest()]
+    if isinstance(x, (list, tuple)):
+        return [_stable(v, d) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _stable(v, d) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, functools.partial):
+        return ["partial", _stable(x.func, d), _stable(list(x.args), d), _stable(dict(x.keywords), d)]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [type(x).__qualname__, _stable({f.name: getattr(x, f.name) for f in dataclasses.fields(x)}, d)]
+    if callable(getattr(x, "digest_key", None)):  # an object that says which of its settings matter
+        return [f"{type(x).__module__}.{type(x).__qualname__}", _stable(x.digest_key(), d)]
+    if callable(x) and hasattr(x, "__qualname__"):
+        return f"{getattr(x, '__module__', '')}.{x.__qualname__}"
+    public = {k: v for k, v in vars(x).items() if not k.startswith("_")} if hasattr(x, "__dict__") else {}
+    return [f"{type(x).__module__}.{type(x).__qualname__}", _stable(public, d)]
+
+
+def _file_sha1(path: str) -> str:
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def part_digest(params: dict, n: int, threshold: float, num_tasks: int, vkey: str) -> str:
@@ -112,8 +156,8 @@ def verified_edges(out_dir: str, n: int, threshold: float, parts_dir: str, num_t
     for t in range(num_tasks):
         p = read_part(part_path(parts_dir, PART, t, num_tasks))
         if str(p["digest"]) != digest:
-            raise RuntimeError(f"{part_path(parts_dir, PART, t, num_tasks)}: a part of another run "
-                               "(its digest differs); rerun its task")
+            raise UnfinishedError(f"{part_path(parts_dir, PART, t, num_tasks)}: a part of another run "
+                                  "(its digest differs): its task did not write it again")
         los.append(p["lo"])
         his.append(p["hi"])
         cand += int(p["candidates"])

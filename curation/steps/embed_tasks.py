@@ -32,7 +32,7 @@ def embed_task(t: int, w: int, sources, out_dir: str, embed, descriptor, dedup, 
     if with_model:
         model = build_embedder(embed.model, embed.image_size, embed.device, embed.precision)
         targets.append(EmbedTarget(model, _p(out_dir, "embeddings", "model"), getattr(model, "transform", None)))
-    # a local task is a process-pool worker, which may not start DataLoader workers of its own: there the W
+    # a local task is a daemonic process (curation.steps.supervise), which may not start DataLoader workers: the W
     # tasks are the decoding processes (srun tasks and inline ones keep embed.num_workers)
     workers = 0 if mp.current_process().daemon else embed.num_workers
     counts = embed_pool_multi(sources, targets, shard_size=embed.shard_size, batch_size=embed.batch_size,

@@ -7,7 +7,8 @@ part exists (:func:`part_done`) returns at once, so a killed task is simply star
 
 :func:`run_step` launches ``W`` tasks of a step
 
-* ``launcher="local"``: a process pool on this machine (one fresh process per task, so each task's peak
+* ``launcher="local"``: supervised processes on this machine (:mod:`curation.steps.supervise`: a task that dies
+  ends the call with exit 75 naming it; one fresh process per task, so each task's peak
   memory is its own and is reported back; the cores and the visible GPUs shared out between the tasks:
   CUDA_VISIBLE_DEVICES round-robin, :func:`task_gpus`);
 * ``launcher="slurm"``: this process is one Slurm array task (SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT);
@@ -29,7 +30,6 @@ the one a single process would read: the same BLAS shapes, the same answer whate
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import resource
 import threading
@@ -44,6 +44,8 @@ from dinopipe.utils.exits import UnfinishedError
 from dinopipe.utils import debug_hooks
 from dinopipe.utils.io import atomic_path
 from dinopipe.utils.proc import map_large_allocations, usable_cores
+
+from .supervise import die_here, dies_at, run_processes
 
 # the srun launcher; its names stay importable from here
 from .srun import KEY_ENV, Refused, _run_srun, dump_signed, load_signed, report_path, spool, srun_tasks  # noqa: F401
@@ -287,7 +289,12 @@ def task_gpus(gpus: list[str], task_index: int, num_tasks: int) -> list[str]:
     return [gpus[task_index % len(gpus)]]
 
 
-def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict, gpus: list[str] | None = None) -> dict:
+def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict, gpus: list[str] | None = None,
+              die: str | None = None) -> dict:
+    """One task, measured. ``die`` ("start" / "end"): the kill_task debug hook's SIGKILL of this task process
+    (curation.steps.supervise.dies_at), before ``fn`` or after it returned."""
+    if die == "start":
+        die_here(task_index, getattr(fn, "__name__", "task"), die)
     if gpus:  # a fresh task process, CUDA not yet initialised: it sees only its share
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(task_gpus(gpus, task_index, num_tasks))
     map_large_allocations()  # a freed array's pages go back at once (the task holds its live arrays only)
@@ -295,6 +302,8 @@ def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict, gpus: lis
     traced = TracedPeak() if tracing_tasks() else None
     with PeakMemory() as mem, (traced or contextlib.nullcontext()):
         out = fn(task_index, num_tasks, **kw) or {}
+    if die == "end":
+        die_here(task_index, getattr(fn, "__name__", "task"), die)
     return {"task": task_index, "wall_s": time.perf_counter() - t0, "peak_anon": mem.peak_anon,
             "start_anon": mem.start_anon, "peak_rss": mem.peak_rss, "start_rss": mem.start_rss,
             "hwm_reset": mem.hwm_reset, "result": out, **(traced.record() if traced else {})}
@@ -448,16 +457,16 @@ def _run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: 
         if processes == 0:
             return [_measured(fn, t, num_tasks, kw) for t in range(num_tasks)]
         procs = min(processes or num_tasks, num_tasks)
-        ctx = mp.get_context("spawn")
+        name = getattr(fn, "__name__", "task")
         old = os.environ.get("OMP_NUM_THREADS")
         # the cores shared out between the tasks running at once (faiss / BLAS would each take them all)
         os.environ["OMP_NUM_THREADS"] = os.environ.get("CURATE_TASK_THREADS") or str(max(1, usable_cores() // procs))
         # and the GPUs: each task its share of this process's visible GPUs (none: nothing changes)
         gpus = visible_gpus() if num_tasks > 1 else []
-        try:
-            with ctx.Pool(procs, maxtasksperchild=1) as pool:
-                jobs = [pool.apply_async(_measured, (fn, t, num_tasks, kw, gpus)) for t in range(num_tasks)]
-                return [j.get() for j in jobs]
+        die = dies_at(name, num_tasks)
+        try:  # supervised: a task that dies ends the call with UnfinishedError (exit 75), never a hang
+            return run_processes(_measured, [(fn, t, num_tasks, kw, gpus, die.get(t)) for t in range(num_tasks)],
+                                 procs, name)
         finally:
             if old is None:
                 os.environ.pop("OMP_NUM_THREADS", None)

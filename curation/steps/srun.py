@@ -6,7 +6,9 @@ keywords, the picklable objects the local launcher sends through multiprocessing
 file, authenticated as multiprocessing authenticates its messages: a fresh random key per call, passed to the
 tasks only through the environment, and an HMAC-SHA256 of the pickle beside it; a task checks it before
 unpickling (:func:`load_signed`), so a spec file nobody of this call wrote does not run. Each task's report
-comes back the same way.
+comes back the same way; a task that raised reports its exception (raised here, as the local launcher does), and a
+task that left no report (killed by a signal, the OOM killer, a lost node) ends the call with
+:class:`~curation.steps.supervise.TaskDied` naming the step and the task: exit 75, rerun the same command.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hashlib
 import hmac
 import os
 import pickle
+import re
 import secrets
 import shlex
 import subprocess
@@ -23,6 +26,8 @@ from typing import Callable
 
 from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_write
+
+from .supervise import TaskDied, describe, dies_at
 
 KEY_ENV = "CURATE_SRUN_KEY"
 """The environment variable that carries a call's key (hex) from the orchestrator to its srun tasks."""
@@ -97,6 +102,16 @@ def _tail(path: str, n: int = 3000) -> str:
         return ""
 
 
+def _first_failed(stderr: str, failed: list[int]) -> tuple[int, str]:
+    """The task that failed first and how, from srun's own lines (``srun: error: NODE: task 1: Killed``, then
+    ``task 0: Terminated`` for the ones --kill-on-bad-exit stopped); else the first task without a report."""
+    for line in stderr.splitlines():
+        m = re.match(r"srun: error: \S+: tasks? (\d+)[\d,\-]*: (.+)$", line.strip())
+        if m and int(m.group(1)) in failed:
+            return int(m.group(1)), m.group(2).strip()
+    return failed[0], ""
+
+
 def _run_srun(fn: Callable, num_tasks: int, kw: dict) -> list[dict]:
     """One ``srun --ntasks=W`` job step: the W tasks of ``fn`` (:mod:`curation.steps.srun_task`) -> their reports."""
     import shutil
@@ -113,7 +128,7 @@ def _run_srun(fn: Callable, num_tasks: int, kw: dict) -> list[dict]:
     os.makedirs(folder)
     key = secrets.token_bytes(32)  # fresh per call: a spec of another call (or person) fails the check
     spec = os.path.join(folder, "spec.pkl")
-    dump_signed({"fn": fn, "num_tasks": num_tasks, "kw": kw}, spec, key)
+    dump_signed({"fn": fn, "num_tasks": num_tasks, "kw": kw, "die": dies_at(name, num_tasks)}, spec, key)
     cpus = env.get("SLURM_CPUS_PER_TASK")
     cmd = shlex.split(env.get("CURATE_SRUN") or "srun") + [
         f"--ntasks={num_tasks}", "--kill-on-bad-exit=1", "--export=ALL", f"--error={folder}/task-%t.err"]
@@ -133,15 +148,23 @@ def _run_srun(fn: Callable, num_tasks: int, kw: dict) -> list[dict]:
     if r.stderr:
         sys.stderr.write(r.stderr)
     errs = [os.path.join(folder, f"task-{t}.err") for t in range(num_tasks)]
-    missing = [t for t in range(num_tasks) if not os.path.exists(report_path(folder, t))]
-    if r.returncode != 0 or missing:
+    got = {t: load_signed(report_path(folder, t), key) for t in range(num_tasks)
+           if os.path.exists(report_path(folder, t))}
+    raised = [t for t in sorted(got) if "error" in got[t]]
+    if raised:  # a task raised: its exception, as the local launcher raises it (a bug: 1; the user's: 2; ...)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise got[raised[0]]["error"]
+    missing = [t for t in range(num_tasks) if t not in got]
+    if r.returncode != 0 or missing:  # killed (a signal, the OOM killer, a node lost): exit 75, rerun
         failed = missing or list(range(num_tasks))
         tails = "\n".join(f"--- task {t} of {num_tasks} (stderr tail, {errs[t]}):\n{_tail(errs[t])}"
                           for t in failed[:3] if _tail(errs[t]))
-        raise RuntimeError(f"srun launcher: {name}: srun exited {r.returncode}, {len(missing)} of {num_tasks} "
-                           f"tasks left no report (finished parts are kept: rerun to do the rest)\n"
-                           f"{r.stderr[-1500:]}{tails}")
-    reports = [load_signed(report_path(folder, t), key) for t in range(num_tasks)]
+        first, why = _first_failed(r.stderr, failed)
+        sys.stderr.write(f"{r.stderr[-1500:]}{tails}\n")
+        shutil.rmtree(folder, ignore_errors=True)  # the rerun's call writes its own spec
+        raise TaskDied(f"{describe(first, num_tasks, name)} ended without its report under srun "
+                       f"({why or 'srun exited ' + str(r.returncode)}; {len(missing)} of {num_tasks} tasks left none)")
+    reports = [got[t] for t in range(num_tasks)]
     sys.stderr.write(f"[srun] {name}: {num_tasks} tasks on {','.join(sorted({r['host'] for r in reports}))}: "
                      f"procids {','.join(str(r['procid']) for r in reports)}, "
                      f"pids {','.join(str(r['pid']) for r in reports)}, "

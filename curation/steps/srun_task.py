@@ -6,7 +6,8 @@ runs as task ``SLURM_PROCID`` of ``SLURM_NTASKS`` of the job step the orchestrat
 it checks SPEC's HMAC with the call's key (the environment's CURATE_SRUN_KEY, which only that process's
 srun passes on) before unpickling anything -- a spec without the key, without its HMAC or with another one
 exits 2 and runs nothing -- then runs ``fn(task_index, num_tasks, **kw)`` through the runner's measuring
-wrapper (wall time, peak memory) and writes its report beside SPEC, signed with the same key. A task whose
+wrapper (wall time, peak memory) and writes its report beside SPEC, signed with the same key (a task that raised:
+its exception, which the orchestrator raises; then exit 1). A task whose
 part files already exist returns at once (the tasks' own rerun-safety).
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import traceback
+from multiprocessing.pool import ExceptionWithTraceback
 
 from dinopipe.utils.proc import exit_now
 
@@ -45,7 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"srun_task: this is task {t} of {w} (SLURM_PROCID / SLURM_NTASKS), the call has "
               f"{spec['num_tasks']} tasks", file=sys.stderr)
         return 2
-    rep = _measured(spec["fn"], t, w, spec["kw"])
+    try:
+        rep = _measured(spec["fn"], t, w, spec["kw"], die=spec.get("die", {}).get(t))
+    except Exception as exc:  # noqa: BLE001 -- reported to the orchestrator, which raises it as the local launcher does
+        traceback.print_exc()
+        try:
+            dump_signed({"error": ExceptionWithTraceback(exc, exc.__traceback__)},
+                        report_path(os.path.dirname(spec_path), t), key)
+        except Exception:  # noqa: BLE001 -- an unpicklable exception: no report, the orchestrator says 75
+            traceback.print_exc()
+        return 1
     rep.update(procid=t, pid=os.getpid(), host=socket.gethostname())
     dump_signed(rep, report_path(os.path.dirname(spec_path), t), key)
     return 0

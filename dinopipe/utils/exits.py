@@ -5,8 +5,9 @@ classification of an error lives here and nowhere else:
 
 - a mistake of the user (:class:`~dinopipe.config.ConfigError` and its subclasses: a config key or value, a
   path, a file's content, data too small for a setting, an OS error on an output path) -> one line, exit 2;
-- a part a killed or crashed task left unwritten (:class:`UnfinishedError`) -> one line naming the part and
-  saying to rerun, exit :data:`EXIT_UNFINISHED` (75, ``EX_TEMPFAIL`` of sysexits.h: "try again later") --
+- a task that was killed (any signal, the OOM killer) or a part such a task left unwritten
+  (:class:`UnfinishedError`) -> one line naming the step and task or the part, "rerun the same command",
+  exit :data:`EXIT_UNFINISHED` (75, ``EX_TEMPFAIL`` of sysexits.h: "try again later") --
   neither the user's mistake nor a bug;
 - anything else -> the traceback, "please report", exit 1 (:func:`~dinopipe.config.report_bug`).
 

@@ -131,12 +131,24 @@ def test_one_task_runs_as_an_srun_step_only_when_asked_to(fake_srun):
     assert runner.launch_one("local") == {"launcher": "local", "processes": None}
 
 
-def test_a_failed_srun_task_fails_the_call_with_its_stderr(fake_srun):
+def test_a_failed_srun_task_raises_its_exception_and_a_killed_one_is_unfinished(fake_srun, monkeypatch, capsys):
+    """A task that raised: its exception, raised here with the task's traceback (as the local launcher does). A task
+    that left no report (SIGKILLed, as by the OOM killer: the kill_task debug hook): UnfinishedError (exit 75)
+    naming the task; the finished tasks' parts are kept for the rerun."""
+    from dinopipe.utils import debug_hooks
+    from dinopipe.utils.exits import UnfinishedError
+
     folder = fake_srun / "parts"
     with runner.spool(str(fake_srun / "spool")), pytest.raises(RuntimeError) as exc:
         runner.run_step(_record, 3, launcher="srun", folder=str(folder), fail_task=1)
-    assert "task 1 was told to fail" in str(exc.value) and "1 of 3 tasks left no report" in str(exc.value)
+    assert str(exc.value) == "task 1 was told to fail" and "_record" in str(exc.value.__cause__)
     assert sorted(os.listdir(folder)) == ["rec-00000-of-00003.npz", "rec-00002-of-00003.npz"]  # kept for a rerun
+    monkeypatch.setenv(debug_hooks.ENV, "kill_task=_record:2")
+    with runner.spool(str(fake_srun / "spool")), pytest.raises(UnfinishedError) as exc:
+        runner.run_step(_record, 3, launcher="srun", folder=str(fake_srun / "killed"))
+    assert "task 2 of 3 of step _record ended without its report under srun" in str(exc.value)
+    assert "SIGKILLs itself" in capsys.readouterr().err
+    assert sorted(os.listdir(fake_srun / "killed")) == ["rec-00000-of-00003.npz", "rec-00001-of-00003.npz"]
 
 
 def test_srun_outside_an_allocation_is_an_input_error(monkeypatch):
