@@ -82,6 +82,5 @@ def run_command(command: str, body: Callable[..., int], *args: Any, **kwargs: An
         return report_bug(command)
 
 
-__all__ = ["EXIT_BUG", "EXIT_CONFIG_ERROR", "EXIT_UNFINISHED", "EXIT_BAD_DATA", "OutputError", "UnfinishedError", "check_writable",
-           "run_command",
-           "writing"]
+__all__ = ["EXIT_BUG", "EXIT_CONFIG_ERROR", "EXIT_UNFINISHED", "EXIT_BAD_DATA", "OutputError", "UnfinishedError",
+           "check_writable", "run_command", "writing"]
