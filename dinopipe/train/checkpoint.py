@@ -151,7 +151,13 @@ class CheckpointManager:
         # The safe reader: .metadata through the restricted unpickler, bytes entries weights_only (a run
         # folder can come from anywhere; DCP's own reader would unpickle whatever it holds).
         if storage.is_url(str(path)):
-            _store_op(str(path), lambda: safe_dcp.load(dict(states), path, no_dist=not get_info().distributed))
+            try:
+                _store_op(str(path), lambda: safe_dcp.load(dict(states), path, no_dist=not get_info().distributed))
+            except (Exception, CheckpointException) as exc:
+                if storage.classify(_cause(exc))[0] != storage.MISSING:
+                    raise
+                raise CheckpointError(f"{path}: a file of this checkpoint is missing ({_cause(exc)}); it was deleted "
+                                      f"after it was written: restore it or point `latest` at another") from None
         else:
             safe_dcp.load(dict(states), path, no_dist=not get_info().distributed)
         log.info("resumed from %s", path)
@@ -191,7 +197,8 @@ class CheckpointManager:
                 storage.call(lambda: fs.rm(f"{base}/{name}", recursive=True), path)  # a killed run's half save
         barrier()
         maybe_test_signal("save", step, info.rank)
-        _store_op(path, lambda: dcp.save(dict(states), storage_writer=writer_cls(path), no_dist=not info.distributed))
+        _store_op(path, lambda: dcp.save(dict(states), storage_writer=writer_cls(path, **storage.fsspec_options(path)),
+                                         no_dist=not info.distributed))
         barrier()
         if info.is_main:  # one PUT after every rank's files and .metadata: readers see the old or the new name
             storage.call(lambda: fs.pipe_file(f"{base}/latest", (name + "\n").encode()), self.url)

@@ -162,6 +162,14 @@ def _client_options(proto: str) -> dict:
     return {}  # gcsfs and the others keep their own retry loops (not counted here; docs/storage.md)
 
 
+def fsspec_options(url: str) -> dict:
+    """Keyword arguments for an fsspec filesystem another library opens itself (DCP's fsspec reader and writer):
+    this module's endpoint and client retry settings (botocore's own retries off: the whole operation is retried
+    under the store rule instead, :func:`retry_transient`), and a fresh instance (fsspec's cached one may predate
+    the endpoint)."""
+    return {**_client_options(protocol(url)), "skip_instance_cache": True}
+
+
 _fs_cache: dict = {}
 
 
@@ -544,7 +552,8 @@ def iter_prefix(url: str, recursive: bool = True, suffixes: Optional[tuple[str, 
             yield rel, info.get("size", 0), info.get("ETag")
 
 
-__all__ = ["is_url", "protocol", "join", "filesystem", "classify", "call", "retry_transient", "refused", "StoreUnavailable",
-           "StoreRefused", "MissingExtra", "TRANSIENT_KINDS", "REFUSED_KINDS", "read_range", "put_atomic", "put_tree",
-           "take_counts", "count", "COUNTS", "RetryPolicy", "Unreadable", "MISSING", "CHANGED", "TRUNCATED_OBJECT",
-           "READ_ERROR", "register_webdataset_openers", "Listing", "list_prefix", "iter_prefix", "etag_pack", "etag_unpack"]
+__all__ = ["is_url", "protocol", "join", "filesystem", "classify", "call", "retry_transient", "fsspec_options",
+           "refused", "StoreUnavailable", "StoreRefused", "MissingExtra", "TRANSIENT_KINDS", "REFUSED_KINDS",
+           "read_range", "put_atomic", "put_tree", "take_counts", "count", "COUNTS", "RetryPolicy", "Unreadable",
+           "MISSING", "CHANGED", "TRUNCATED_OBJECT", "READ_ERROR", "register_webdataset_openers", "Listing",
+           "list_prefix", "iter_prefix", "etag_pack", "etag_unpack"]
