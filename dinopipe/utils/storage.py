@@ -63,7 +63,7 @@ _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "Credenti
                       "UnauthenticatedError")
 _STATUS = re.compile(r"status code: (\d{3})")
 _CONNECTION_NAMES = ("Disconnected", "Connection", "Payload", "IncompleteRead", "Timeout", "ResponseStreaming",
-                     "ProtocolError", "ReadError")
+                     "ProtocolError", "ReadError", "ChecksumError")  # a body whose checksum fails: cut or garbled
 
 
 class Unreadable(OSError):
@@ -167,7 +167,7 @@ def fsspec_options(url: str) -> dict:
     this module's endpoint and client retry settings (botocore's own retries off: the whole operation is retried
     under the store rule instead, :func:`retry_transient`), and a fresh instance (fsspec's cached one may predate
     the endpoint)."""
-    return {**_client_options(protocol(url)), "skip_instance_cache": True}
+    return _client_options(protocol(url))
 
 
 _fs_cache: dict = {}
@@ -241,6 +241,13 @@ def classify(exc: BaseException) -> tuple[str, bool]:
     if type(exc).__name__ == "PreconditionError":  # obstore's 412: If-Match refused
         return CHANGED, False
     obstore = type(exc).__module__.startswith("obstore")
+    if obstore:  # object_store quotes the store's error body: its code names a refusal
+        if "NoSuchBucket" in text:
+            return NO_BUCKET, False
+        if any(code in text for code in _CREDENTIAL_CODES):
+            return CREDENTIALS, False
+        if any(code in text for code in _FORBIDDEN_CODES - {"403"}):
+            return FORBIDDEN, False
     status = _STATUS.search(text) if obstore else None  # obstore (object_store) names the status in its message
     if status:
         code = int(status.group(1))
