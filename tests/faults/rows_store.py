@@ -16,6 +16,7 @@ EQUAL = "equal to the undisturbed run"
 NOTHING = "nothing written or deleted"
 
 _T, _C, _P = "store: training", "store: curation", "store: publish"
+_E = "store: `dinopipe pretrain`"
 
 
 def _rows(area: str, point: str, bound: float, cases: list[tuple[str, int, str]], rerun: str = EQUAL,
@@ -37,6 +38,14 @@ ROWS = [
         ("no such bucket", 2, NOTHING),
         ("absent (404)", 0, "no checkpoint: the run starts at step 0"),
     ]),
+    *_rows(_E, "resume", 120, [
+        ("SIGKILL at step 6, resumed in a 503 storm > budget", 75,
+         "the bucket's checkpoints and `latest`, metrics.jsonl: unchanged"),
+        ("`latest` lost after the run", 2, "nothing written; the message names both steps"),
+    ], rerun=EQUAL + " (losses of every step)", slow=True),
+    *_rows("training data", "training steps", 120, [
+        ("every image unreadable", 65, "the run folder; the message names the shards"),
+    ], rerun="65 again until the data is fixed", slow=True),
     *_rows(_T, "checkpoint save", 60, [
         ("503 storm < budget", 0, "the new checkpoint, `latest` names it"),
         ("503 storm > budget", 75, "`latest` and the previous checkpoint unchanged"),

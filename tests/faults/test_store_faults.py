@@ -427,7 +427,92 @@ def _pull(store, row, _, tmp_path):
             assert f.read() == data
 
 
-POINTS = {"latest": (_latest, "ckpt"), "checkpoint save": (_save, "ckpt"), "checkpoint load": (_load, "ckpt"),
+# ------------------------------------------------------------------------------------- `dinopipe pretrain`
+def _train():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("train_conftest", Path(__file__).parents[1] / "train" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SAME = ("train.epochs=2", "train.checkpoint_every=4", "data.num_workers=0")
+
+
+@pytest.fixture(scope="module")
+def pretrained(store, pool, tmp_path_factory):
+    """An undisturbed run from the bucket (losses, checkpoints in the bucket) and a run SIGKILLed at step 6."""
+    import subprocess
+
+    train, url = _train(), pool[0]
+    root = tmp_path_factory.mktemp("runs")
+    ref_ckpt, run_ckpt = f"s3://{BUCKET}/e2e/ref", f"s3://{BUCKET}/e2e/run"
+    train.run_pretrain(root / "ref", url, *SAME, f"train.checkpoint_dir={ref_ckpt}")
+    env = dict(train.env(), DINOPIPE_DEBUG_HOOKS="signal=step:6:KILL")
+    r = subprocess.run(train.pretrain_cmd(root / "run", url, *SAME, f"train.checkpoint_dir={run_ckpt}"), env=env,
+                       capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert r.returncode == -9, r.stderr[-3000:]
+    return train, url, root, ref_ckpt, run_ckpt
+
+
+def _pretrain(train, run_dir, url, ckpt, *more):
+    t0 = time.monotonic()
+    r = train.run_pretrain(run_dir, url, *SAME, f"train.checkpoint_dir={ckpt}", *more, check=False)
+    return r.returncode, time.monotonic() - t0, r.stderr
+
+
+def _last_lines(err: str) -> str:
+    """The command's own last line (a pretrain's log lines come first)."""
+    return err.strip().splitlines()[-1] if err.strip() else ""
+
+
+def _resume(store, row, pretrained, tmp_path):
+    train, url, root, ref_ckpt, run_ckpt = pretrained
+    want = train.losses(root / "ref")
+    if row.fault.startswith("SIGKILL"):
+        run, ckpt, prefix = root / "run", run_ckpt, "e2e/run"
+        metrics = (run / "metrics.jsonl").read_text()
+        before = _ls(store, prefix)
+        _arm(store, "503 storm > budget", f"{prefix}/latest")
+        code, secs, err = _pretrain(train, run, url, ckpt)
+        _disarm(store, SimpleNamespace(fault="503 storm > budget", id=row.id))
+        assert _ls(store, prefix) == before and (run / "metrics.jsonl").read_text() == metrics
+        assert f"{ckpt}/latest" in err and "rerun the same command" in _last_lines(err)
+    else:
+        run, ckpt, prefix = root / "ref", ref_ckpt, "e2e/ref"
+        saved = store.client().cat_file(f"{BUCKET}/{prefix}/latest")
+        store.client().rm(f"{BUCKET}/{prefix}/latest")
+        before = _ls(store, prefix)
+        code, secs, err = _pretrain(train, run, url, ckpt)
+        assert _ls(store, prefix) == before
+        assert "step 4" in _last_lines(err) and "none" in _last_lines(err), err[-2000:]
+        store.client().pipe_file(f"{BUCKET}/{prefix}/latest", saved)
+    assert code == row.code, err[-3000:]
+    assert secs <= row.bound_s and "Traceback" not in err
+    code, _, err = _pretrain(train, run, url, ckpt)  # the rerun
+    assert code == 0, err[-3000:]
+    got = train.losses(run)
+    assert sorted(got) == sorted(want) and all(got[s] == want[s] for s in want)
+
+
+def _bad_data(store, row, _, tmp_path):
+    train = _train()
+    pool = tmp_path / "garbage"
+    pool.mkdir()
+    for k in range(12):
+        (pool / f"img{k:02d}.jpg").write_bytes(b"not a jpeg " * (k + 1))
+    t0 = time.monotonic()
+    r = train.run_pretrain(tmp_path / "run", pool, *SAME, "train.max_skipped_in_a_row=3", check=False)
+    secs = time.monotonic() - t0
+    assert r.returncode == row.code and secs <= row.bound_s, r.stderr[-3000:]
+    line = _last_lines(r.stderr)
+    assert "3 steps in a row were skipped" in line and "img" in line and "garbage" in line, line
+    assert "Traceback" not in r.stderr
+
+
+POINTS = {"resume": (_resume, "pretrained"), "training steps": (_bad_data, None),"latest": (_latest, "ckpt"), "checkpoint save": (_save, "ckpt"), "checkpoint load": (_load, "ckpt"),
           "pool walk": (_walk, "pool"), "pool listing": (_walk, "pool"), "sample reads": (_reads, "pool"),
           "sample reads (s3fs)": (_reads, "pool"), "curation listing": (_curation, "images"),
           "curation reads": (_curation, "images"), "publish": (_publish, None), "pull": (_pull, None)}
