@@ -512,7 +512,8 @@ def _bad_data(store, row, _, tmp_path):
     assert "Traceback" not in r.stderr
 
 
-POINTS = {"resume": (_resume, "pretrained"), "training steps": (_bad_data, None),"latest": (_latest, "ckpt"), "checkpoint save": (_save, "ckpt"), "checkpoint load": (_load, "ckpt"),
+POINTS = {"resume": (_resume, "pretrained"), "training steps": (_bad_data, None),
+          "latest": (_latest, "ckpt"), "checkpoint save": (_save, "ckpt"), "checkpoint load": (_load, "ckpt"),
           "pool walk": (_walk, "pool"), "pool listing": (_walk, "pool"), "sample reads": (_reads, "pool"),
           "sample reads (s3fs)": (_reads, "pool"), "curation listing": (_curation, "images"),
           "curation reads": (_curation, "images"), "publish": (_publish, None), "pull": (_pull, None)}
