@@ -106,6 +106,20 @@ ROWS = [
         ("403", 2, "no image called unreadable"),
         ("deleted mid-run", 0, "the other images; the deleted one counted unreadable"),
     ]),
+    *_rows("store: load", "dinopipe.load of an export", 30, [
+        ("503 storm < budget", 0, "the export's weights"),
+        ("503 storm > budget", 75, "nothing cached (no half-fetched folder)"),
+        ("cut body", 0, "the export's weights"),
+        ("403", 2, "nothing cached"),
+    ]),
+    *_rows("store: load", "dinopipe.load of a run folder (DCP)", 30, [
+        ("503 storm > budget", 75, "nothing cached"),
+        ("connection reset", 0, "the checkpoint's backbone"),
+    ]),
+    *_rows("store: load", "dinopipe export --model", 30, [
+        ("503 storm > budget", 75, "no --out written"),
+        ("bad key", 2, "no --out written"),
+    ]),
     *_rows(_P, "publish", 30, [
         ("503 storm < budget", 0, "every file, then the marker"),
         ("503 storm > budget", 75, "no marker; the local output, for the rerun"),

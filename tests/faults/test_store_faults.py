@@ -512,7 +512,79 @@ def _bad_data(store, row, _, tmp_path):
     assert "Traceback" not in r.stderr
 
 
-POINTS = {"resume": (_resume, "pretrained"), "training steps": (_bad_data, None),
+# ------------------------------------------------------------------------------------------- URL loads
+@pytest.fixture(scope="module")
+def exported(store, tmp_path_factory):
+    """A vit_test backbone exported (dinopipe's export folder) and a pretraining-like run folder with a DCP
+    checkpoint, both in the bucket; the backbone's weights."""
+    import torch
+
+    from dinopipe.export.backbone import save_backbone
+    from dinopipe.models.registry import create_model
+    from dinopipe.train.checkpoint import CheckpointManager, ModelOptimState, ValueState
+
+    torch.manual_seed(0)
+    model = create_model("vit_test").eval()
+    out = tmp_path_factory.mktemp("export")
+    save_backbone(model, out / "exp")
+    client = store.client()
+    for f in sorted((out / "exp").rglob("*")):
+        if f.is_file():
+            client.put_file(str(f), f"{BUCKET}/exp/{f.relative_to(out / 'exp')}")
+    run = out / "run"
+    holder = torch.nn.Module()
+    holder.backbone = model  # as a pretraining teacher: teacher.model.backbone.*
+    CheckpointManager(run).save(3, {"trainer": ValueState(step=3), "teacher": ModelOptimState(holder)})
+    for f in sorted(run.rglob("*")):
+        if f.is_file():
+            client.put_file(str(f), f"{BUCKET}/run/{f.relative_to(run)}")
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _url_load(store, row, weights, tmp_path):
+    from dinopipe.export.remote import cache_root
+
+    os.environ["DINOPIPE_CACHE"] = str(tmp_path / "cache")
+    try:
+        if "export --model" in row.point:
+            from dinopipe.app.cli import main
+
+            out = tmp_path / "out"
+            _arm(store, row.fault, "exp/model.safetensors")
+            err = io.StringIO()
+            t0 = time.monotonic()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                code = main(["export", "--model", f"s3://{BUCKET}/exp", "--format", "timm", "--out", str(out)])
+            _disarm(store, row)
+            _check(row, code, time.monotonic() - t0, _last_lines(err.getvalue()) + "\n")
+            assert not out.exists() and not any(cache_root().glob("*"))  # no --out, nothing half-fetched
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert main(["export", "--model", f"s3://{BUCKET}/exp", "--format", "timm", "--out", str(out)]) == 0
+            return
+        import dinopipe
+
+        dcp = "DCP" in row.point
+        url = f"s3://{BUCKET}/run" if dcp else f"s3://{BUCKET}/exp"
+        _arm(store, row.fault, "run/checkpoints/step_00000003/__" if dcp else "exp/model.safetensors")
+        from dinopipe.models.registry import model_defaults
+
+        heads = model_defaults("vit_test")["num_heads"] if dcp else None  # a bare DCP folder records no config
+        code, secs, err, model = _run(lambda: dinopipe.load(url, num_heads=heads))
+        _disarm(store, row)
+        _check(row, code, secs, err)
+        if code != 0:
+            assert not any(cache_root().glob("*"))  # nothing half-fetched left to be read
+            model = dinopipe.load(url, num_heads=heads)  # the rerun
+        got = model.state_dict()
+        assert all((got[k] == v).all() for k, v in weights.items() if k in got) and len(got) > 0
+    finally:
+        os.environ.pop("DINOPIPE_CACHE", None)
+
+
+POINTS = {"dinopipe.load of an export": (_url_load, "exported"),
+          "dinopipe.load of a run folder (DCP)": (_url_load, "exported"),
+          "dinopipe export --model": (_url_load, "exported"),
+          "resume": (_resume, "pretrained"), "training steps": (_bad_data, None),
           "latest": (_latest, "ckpt"), "checkpoint save": (_save, "ckpt"), "checkpoint load": (_load, "ckpt"),
           "pool walk": (_walk, "pool"), "pool listing": (_walk, "pool"), "sample reads": (_reads, "pool"),
           "sample reads (s3fs)": (_reads, "pool"), "curation listing": (_curation, "images"),
