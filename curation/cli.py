@@ -116,7 +116,6 @@ def _main(argv: list[str]) -> int:
         return _kmeans(argv[1:])
     from .config import CurationConfig, check_launcher, validate
     from .pipeline import StepError, build_embedder_for, needs_embedder, run_steps, steps_of
-    from dinopipe.utils import storage
 
     from .remote_output import localize, publish
 
@@ -142,11 +141,9 @@ def _main(argv: list[str]) -> int:
         return 2
     out = cfg.output.dir
     if remote_out is not None:
-        try:
-            print(f"published {publish(out, remote_out)} files to {remote_out}", file=sys.stderr)
-        except storage.Unreadable as exc:  # the bucket refused: the local output stays for a rerun to publish
-            print(f"could not publish {out} to {remote_out}: {exc}", file=sys.stderr)
-            return 1
+        # A publish the store does not let finish raises StoreUnavailable (75; the local output stays for the
+        # rerun to publish) or StoreRefused (2): run_command prints the one line.
+        print(f"published {publish(out, remote_out)} files to {remote_out}", file=sys.stderr)
     if "write" in steps or (args.command == "report" and os.path.exists(os.path.join(out, "manifest.json"))):
         if _all_unreadable(_print_manifest(out), cfg.input.paths, out):
             return 2

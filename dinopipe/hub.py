@@ -59,6 +59,7 @@ from .models.vit import DinoVisionTransformer
 from .utils.lazy_rows import lazy_cat
 from .utils.norm import in_channels, set_input_norm
 from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors, read_safetensors_header
+from .utils.storage import is_url
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,16 @@ def _read_backbone(path: Path, num_heads: Optional[int], which: Optional[str]
     return sd, dict(found.arch or inferred), found.file, num_heads
 
 
+def local_path(path_or_name: str | Path, which: Optional[str] = None) -> Path:
+    """``path_or_name`` as a local path; a bucket URL (``s3://...``) is fetched first into a local cache folder
+    (dinopipe/export/remote.py: only what reading needs, under the store's fault rule) and read from there."""
+    if is_url(str(path_or_name)):
+        from .export.remote import fetch
+
+        return fetch(str(path_or_name), which)
+    return Path(path_or_name)
+
+
 def load(
     path_or_name: str | Path,
     arch: Optional[Mapping[str, Any]] = None,
@@ -119,7 +130,7 @@ def load(
         except ValueError as exc:  # an unknown timm:NAME
             raise CheckpointError(str(exc)) from None
     with torch.device("cpu"):  # the file's tensors are real even while a caller builds on meta (train/meta_init.py)
-        sd, kwargs, file, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
+        sd, kwargs, file, num_heads = _read_backbone(local_path(path_or_name, which), num_heads, which)
     kwargs.update(arch or {})
     if num_heads:
         kwargs["num_heads"] = num_heads
@@ -225,10 +236,11 @@ def backbone_arch(path_or_name: str | Path, num_heads: Optional[int] = None, whi
     name = str(path_or_name)
     if name in list_models() and not Path(name).exists():
         return model_defaults(name)
-    file_arch = readers.recorded_arch(Path(path_or_name), which)  # an export folder records it: skip the weights
+    path_or_name = local_path(path_or_name, which)
+    file_arch = readers.recorded_arch(path_or_name, which)  # an export folder records it: skip the weights
     if file_arch:
         return {**file_arch, **({"num_heads": num_heads} if num_heads else {})}
-    _, kwargs, _, num_heads = _read_backbone(Path(path_or_name), num_heads, which)
+    _, kwargs, _, num_heads = _read_backbone(path_or_name, num_heads, which)
     if num_heads:
         kwargs["num_heads"] = num_heads
     return kwargs
@@ -242,8 +254,8 @@ def check_backbone_file(path_or_name: str | Path, num_heads: Optional[int] = Non
     kwargs. An export folder's weights are not read here (headers only); other files are opened memory-mapped and
     their keys converted lazily (packed tensors and a DCP folder's large tensors are ``LazyRows``, nothing is
     read), as ``backbone_arch`` does. Raises :class:`CheckpointError` naming the file."""
-    arch = backbone_arch(path_or_name, num_heads, which)
-    p = Path(path_or_name)
+    p = local_path(path_or_name, which)
+    arch = backbone_arch(p, num_heads, which)
     if p.exists() and readers.recorded_arch(p, which):
         probe = readers.Probe(readers.locate(p, which), which)
         for f in probe.files or []:
@@ -256,7 +268,7 @@ def check_backbone_file(path_or_name: str | Path, num_heads: Optional[int] = Non
 
 # Writers live in dinopipe/export (imported above, so ``hub.save_backbone``, ``hub.export(...)`` keep working).
 __all__ = [
-    "load", "load_heads", "has_heads", "backbone_arch", "check_backbone_file",
+    "load", "local_path", "load_heads", "has_heads", "backbone_arch", "check_backbone_file",
     "read_checkpoint", "read_dcp_backbone", "CheckpointError",
     "UnsafeCheckpointError",
     "save_backbone", "save_heads", "export", "export_arch", "export_timm", "export_dinov2", "export_dinov3",

@@ -153,16 +153,23 @@ class ImagePoolDataset(Dataset):
         return len(self.refs)
 
     def __getitem__(self, key: tuple[int, int]):
+        where = None
         try:
             sample = self._get(key)
-        except storage.Unreadable as e:  # an object that stayed unreadable: counted by reason, like a bad file
-            sample = ("__corrupt__", e.reason)
+        except storage.Unreadable as e:  # an object the store definitely cannot give: counted by reason
+            sample, where = ("__corrupt__", e.reason), e.url
         io = storage.take_counts()  # this worker's retries since its last sample ride along to the step summary
         if io and isinstance(sample, dict):
             sample = {**sample, "io": io}
-        elif io and isinstance(sample, tuple) and sample[:1] == ("__corrupt__",):
-            sample = (*sample[:2], io)
+        elif isinstance(sample, tuple) and sample[:1] == ("__corrupt__",):
+            # (marker, reason, io, the file or object it came from: named if training stops on bad data)
+            sample = (*sample[:2], io, where or self._where(key[0]))
         return sample
+
+    def _where(self, index: int) -> str:
+        ref = self.refs[index]
+        loc = getattr(ref, "path", None) or getattr(ref, "loc", None)
+        return str(loc[0] if isinstance(loc, (tuple, list)) else loc)
 
     def _get(self, key: tuple[int, int]):
         index, epoch = key
@@ -209,6 +216,9 @@ class SkipCorrupt:
             batch = self.collate(good) if good else {}
         batch["corrupt"] = dict(corrupt)
         batch["n_images"] = len(good)
+        where = sorted({x[3] for x in items if isinstance(x, tuple) and x[:1] == ("__corrupt__",) and len(x) > 3})
+        if where:
+            batch["corrupt_where"] = where
         if io:
             batch["io"] = dict(io)
         return batch

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import os
 import tarfile
-import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -208,22 +207,33 @@ class RemoteSource(ImageSource):
         return len(self.listing)  # shards (kind 'tar') or images (kind 'folder'); no per-object Python list kept
 
     def walk(self, i: int) -> tuple[list[ImageRef], TarWalk]:
-        """Shard ``i``'s image members (TarShardSource's rules: damage and refused members are placeholders);
-        a walk cut by a transient error (a dropped connection, throttling) is retried and counted."""
+        """Shard ``i``'s image members (TarShardSource's rules: damage and refused members are placeholders).
+
+        A walk cut by a transient error (a dropped or reset connection, throttling, a 5xx) is retried for the store's
+        budget and counted, then raises StoreUnavailable: a transient failure is never turned into a
+        ``#damaged-after-N`` placeholder (which the pool index would keep). A tar error is damage only when a second
+        walk stops at the same member with the same error: a body cut by the network stops somewhere else or not at
+        all (the tar reader sees a short read as a broken tar)."""
         url, size = storage.join(self.root, self.listing.name(i)), self.listing.size_of(i)
         fs, path = storage.filesystem(url)
-        policy = storage.RetryPolicy.from_env()
-        for attempt in range(policy.attempts):
+        last: list = [None]
+
+        def once() -> tuple[list[ImageRef], TarWalk]:
             walk = TarWalk(url, size=size, open_fn=lambda: fs.open(path, "rb", block_size=1 << 20,
                                                                   cache_type="readahead"))
-            refs = _walk_refs(self, walk, i)
-            kind, transient = storage.classify(walk.exc) if walk.exc is not None else ("", False)
-            if not transient:
-                return refs, walk
-            storage.count(f"retry/{kind}")
-            time.sleep(policy.wait(attempt))
-        return refs, walk
+            refs = _walk_refs(self, walk, i, mark_damage=False)
+            if isinstance(walk.exc, tarfile.TarError):
+                seen, last[0] = last[0], (walk.error, len(refs))
+                if seen != last[0]:
+                    raise _CutBody(walk.error)  # not yet shown to be the object's own bytes: walk again
+            elif walk.exc is not None:
+                kind, transient = storage.classify(walk.exc)
+                if transient or kind in storage.REFUSED_KINDS:
+                    raise walk.exc  # retried (or refused) by retry_transient, never persisted
+            _mark_damage(self, walk, refs)
+            return refs, walk
 
+        return storage.retry_transient(once, url)
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
         if self.kind == "folder":
             return list(self.ref_seq(task_index, num_tasks))
@@ -257,7 +267,12 @@ class RemoteSource(ImageSource):
             return None
 
 
-def _walk_refs(source: RemoteSource, walk: TarWalk, i: int) -> list[ImageRef]:
+class _CutBody(ConnectionError):
+    """A remote tar walk that stopped on a tar error not seen at the same place before: retried like a dropped
+    connection (storage.classify calls a ConnectionError transient)."""
+
+
+def _walk_refs(source: RemoteSource, walk: TarWalk, i: int, mark_damage: bool = True) -> list[ImageRef]:
     url, shard_name = walk.shard, source.listing.name(i)
     etag, size = source.listing.etag_of(i), source.listing.size_of(i)
     out = []
@@ -265,6 +280,14 @@ def _walk_refs(source: RemoteSource, walk: TarWalk, i: int) -> list[ImageRef]:
         if extension_of(member.name) in IMAGE_EXTENSIONS:
             out.append(ImageRef(f"{source.name}/{shard_name}/{member.name}", source.name,
                                 (url, member.offset_data, member.size, etag, size)))
+    if mark_damage:
+        _mark_damage(source, walk, out)
+    return out
+
+
+def _mark_damage(source: RemoteSource, walk: TarWalk, out: list[ImageRef]) -> None:
+    """Append the placeholders of a walk's damage and refused members to its refs (``out``), in place."""
+    url, shard_name = walk.shard, walk.shard.rsplit("/", 1)[-1]
     if walk.error or walk.cut_off:
         out.append(ImageRef(f"{source.name}/{shard_name}/#damaged-after-{len(out)}-images", source.name,
                             (url, -1, 0, None, -1)))
@@ -272,7 +295,6 @@ def _walk_refs(source: RemoteSource, walk: TarWalk, i: int) -> list[ImageRef]:
               f"({walk.error or 'the object is cut off'})")
     for k, (_, why) in enumerate((n, w) for n, w in walk.refused if extension_of(n) in IMAGE_EXTENSIONS):
         out.append(ImageRef(f"{source.name}/{shard_name}/#refused-{why}-{k}", source.name, (url, -1, 0, None, -1)))
-    return out
 
 
 def _expand_shards(shards) -> list[str]:

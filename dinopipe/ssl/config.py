@@ -261,6 +261,12 @@ class TrainConfig:
     checkpoint_dir: str = ""
     """Where checkpoints go ('' = <output_dir>/checkpoints): a folder, or a URL such as s3://bucket/run/ckpt
     (credentials from the standard provider chain, endpoint from AWS_ENDPOINT_URL_S3; docs/storage.md)."""
+    max_skipped_in_a_row: int = 50
+    """Stop with exit 65 (naming the shards) after this many steps in a row skipped because a rank had no readable
+    image; 0 = never."""
+    max_corrupt_fraction: float = 0.5
+    """Stop with exit 65 (naming the shards) when more than this fraction of the images read by this invocation
+    were unreadable (checked after 256 images); 1.0 = never."""
     device: Device = Device.auto
     """auto (CUDA when available) | cpu | cuda (each rank takes the GPU of its local rank)"""
     stop_after: Optional[int] = None

@@ -54,6 +54,9 @@ def check_ranges(cfg: PretrainConfig) -> None:
     for key in ("epochs", "epoch_length", "log_every", "checkpoint_every", "keep_last", "accumulate"):
         _need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
     _need(t.stop_after is None or t.stop_after >= 1, "train.stop_after", f"must be >= 1 or null, got {t.stop_after}")
+    _need(t.max_skipped_in_a_row >= 0, "train.max_skipped_in_a_row", f"must be >= 0, got {t.max_skipped_in_a_row}")
+    _need(0 < t.max_corrupt_fraction <= 1, "train.max_corrupt_fraction",
+          f"must be in (0, 1], got {t.max_corrupt_fraction}")
     _need(cfg.data.num_workers >= 0, "data.num_workers", f"must be >= 0, got {cfg.data.num_workers}")
     for i, ph in enumerate(cfg.phases):
         key = f"phases.{i}"

@@ -9,7 +9,7 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import ConfigError, exit_on_config_error, load_config, phase_steps
-from ..utils.exits import check_writable
+from ..utils.exits import EXIT_BAD_DATA, EXIT_UNFINISHED, UnfinishedError, check_writable
 from ..data.pool_index import Ranks
 from ..data.pool_index import open_pool as open_indexed_pool
 from ..logs import setup_logging
@@ -21,6 +21,7 @@ from .dist import DistInfo, LaunchError, all_reduce_max_scalar, barrier, end_ran
 from .highres import phase_loader, phase_sizes
 from .knn_probe import build_probe
 from .loop import LoopConfig, NonFiniteLossError, Phase, Trainer
+from .step_data import TooMuchBadData
 from .lr_record import LrBasis
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,9 @@ def train(cfg: Any, task, optimizer, info: DistInfo, refs, read, patch_size: int
                           checkpoint_every=cfg.train.checkpoint_every, keep_last=cfg.train.keep_last,
                           stop_after=cfg.train.stop_after, progress=cfg.train.progress,
                           accumulate=int(getattr(cfg.train, "accumulate", 1)),
-                          checkpoint_dir=str(getattr(cfg.train, "checkpoint_dir", "") or ""))
+                          checkpoint_dir=str(getattr(cfg.train, "checkpoint_dir", "") or ""),
+                          max_skipped_in_a_row=int(getattr(cfg.train, "max_skipped_in_a_row", 50)),
+                          max_corrupt_fraction=float(getattr(cfg.train, "max_corrupt_fraction", 0.5)))
     probe = build_probe(cfg, getattr(task, "task", task), info, phases[-1].end)  # the teacher's kNN (knn.*)
     trainer = Trainer(task, optimizer, lr_basis(cfg, info.world_size), phases, cfg.train.output_dir, info,
                       loop_cfg, pool_size=len(refs), probe=probe)
@@ -175,6 +178,13 @@ def stage_main(name: str, schema: type, validate: Callable[[Any], None], run: Ca
         clean = True
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NON_FINITE
+    except TooMuchBadData as exc:  # decided on the reduced data reports: every rank raises it in the same step
+        clean = True
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_DATA
+    except UnfinishedError as exc:  # the store stayed unavailable for its whole retry budget: rerun
+        print(f"unfinished: {exc} -- {exc.why}; rerun the same command", file=sys.stderr)
+        return EXIT_UNFINISHED
     finally:
         end_rank(clean, done)
 

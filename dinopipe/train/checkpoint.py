@@ -7,11 +7,17 @@ saved with N processes resumes with M.
 
 Everything resumable implements ``state_dict()/load_state_dict()`` (DCP's Stateful protocol) and is passed
 as one dict of named states.
+
+Checkpoints in a bucket follow the store rule (dinopipe/utils/storage.py): only a definite "not found" of
+``latest`` means "no checkpoint yet"; any other failure to read it, or a checkpoint, or to save one, is retried
+for the store's budget and then ends the run with 75 ("rerun the same command"), nothing written or deleted.
+Old checkpoints are pruned by step number, never the newest.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -19,6 +25,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..utils import debug_hooks, safe_dcp, storage
 from ..utils.torch_compat import dcp_fsspec_classes
 from ..utils.io import atomic_write
+from ..utils.safe_load import CheckpointError
 from .dist import barrier, broadcast_object, get_info
 from .signals import maybe_test_signal
 
@@ -142,47 +150,97 @@ class CheckpointManager:
             return None
         # The safe reader: .metadata through the restricted unpickler, bytes entries weights_only (a run
         # folder can come from anywhere; DCP's own reader would unpickle whatever it holds).
-        safe_dcp.load(dict(states), path, no_dist=not get_info().distributed)
+        if storage.is_url(str(path)):
+            try:
+                _store_op(str(path), lambda: safe_dcp.load(dict(states), path, no_dist=not get_info().distributed))
+            except (Exception, CheckpointException) as exc:
+                if storage.classify(_cause(exc))[0] != storage.MISSING:
+                    raise
+                raise CheckpointError(f"{path}: a file of this checkpoint is missing ({_cause(exc)}); it was deleted "
+                                      f"after it was written: restore it or point `latest` at another") from None
+        else:
+            safe_dcp.load(dict(states), path, no_dist=not get_info().distributed)
         log.info("resumed from %s", path)
         return _step_of(path)
 
     # ------------------------------------------------------------------------------- checkpoints at a URL
     def _remote_latest(self) -> Optional[str]:
         fs, base = storage.filesystem(self.url)
+        where = storage.join(self.url, "latest")
+        fs.invalidate_cache(base)  # the answer must come from the store, not from a listing cached earlier
         try:
-            name = storage.call(lambda: fs.cat_file(f"{base}/latest"), self.url).decode().strip()
-        except storage.Unreadable:
-            return None  # no checkpoint yet
+            name = storage.call(lambda: fs.cat_file(f"{base}/latest"), where).decode().strip()
+        except storage.Unreadable as e:
+            if e.reason == storage.MISSING:
+                return None  # a definite not-found: no checkpoint yet
+            raise storage.StoreUnavailable(f"{where}: cannot be read ({e.reason})") from None
+        if not _STEP_NAME.match(name):
+            raise CheckpointError(f"{where}: names {name!r}, not a checkpoint (step_N)")
         path = storage.join(self.url, name)
-        return path if storage.call(lambda: fs.exists(f"{base}/{name}/.metadata"), path) else None
+        try:
+            storage.call(lambda: fs.info(f"{base}/{name}/.metadata"), path)
+        except storage.Unreadable as e:
+            if e.reason != storage.MISSING:
+                raise storage.StoreUnavailable(f"{path}/.metadata: cannot be read ({e.reason})") from None
+            raise CheckpointError(f"{where} names {name}, but {path}/.metadata does not exist (deleted by hand?); "
+                                  f"point `latest` at a complete checkpoint or start a new run folder") from None
+        return path
 
     def _remote_save(self, step: int, states: Mapping[str, Any]) -> str:
         writer_cls, _ = dcp_fsspec_classes()
         name, info = self.name(step), get_info()
         fs, base = storage.filesystem(self.url)
         path = storage.join(self.url, name)
-        if info.is_main and storage.call(lambda: fs.exists(f"{base}/{name}"), path):
-            storage.call(lambda: fs.rm(f"{base}/{name}", recursive=True), path)  # a killed run's half save
+        if info.is_main:
+            fs.invalidate_cache(base)
+            if storage.call(lambda: fs.exists(f"{base}/{name}"), path):
+                storage.call(lambda: fs.rm(f"{base}/{name}", recursive=True), path)  # a killed run's half save
         barrier()
         maybe_test_signal("save", step, info.rank)
-        dcp.save(dict(states), storage_writer=writer_cls(path), no_dist=not info.distributed)
+        _store_op(path, lambda: dcp.save(dict(states), storage_writer=writer_cls(path, **storage.fsspec_options(path)),
+                                         no_dist=not info.distributed))
         barrier()
         if info.is_main:  # one PUT after every rank's files and .metadata: readers see the old or the new name
             storage.call(lambda: fs.pipe_file(f"{base}/latest", (name + "\n").encode()), self.url)
-            old = sorted(p.rsplit("/", 1)[-1] for p in storage.call(lambda: fs.ls(base, detail=False), self.url)
-                         if p.rsplit("/", 1)[-1].startswith("step_"))
-            for stale in old[: -self.keep_last]:
-                if stale != name:
-                    storage.call(lambda s=stale: fs.rm(f"{base}/{s}", recursive=True), self.url)
+            fs.invalidate_cache(base)
+            listed = storage.call(lambda: fs.ls(base, detail=False), self.url)
+            for stale in _stale([p.rstrip("/").rsplit("/", 1)[-1] for p in listed], name, self.keep_last):
+                storage.call(lambda s=stale: fs.rm(f"{base}/{s}", recursive=True), self.url)
         barrier()
         log.info("saved checkpoint %s", path)
         return path
 
     def _prune(self, keep: str) -> None:
-        ckpts = sorted(p for p in self.dir.glob("step_*") if p.is_dir())
-        for old in ckpts[: -self.keep_last]:
-            if old.name != keep:
-                shutil.rmtree(old, ignore_errors=True)
+        ckpts = {p.name: p for p in self.dir.glob("step_*") if p.is_dir()}
+        for name in _stale(ckpts, keep, self.keep_last):
+            shutil.rmtree(ckpts[name], ignore_errors=True)
+
+
+_STEP_NAME = re.compile(r"step_(\d+)$")
+
+
+def _stale(names: Any, keep: str, keep_last: int) -> list[str]:
+    """The checkpoints to delete: all but the ``keep_last`` highest step numbers (parsed, not name order), never
+    ``keep`` (the one just saved) nor the highest step present; names that are not ``step_N`` are left alone."""
+    steps = sorted((int(m.group(1)), n) for n in names if (m := _STEP_NAME.match(n)))
+    if not steps:
+        return []
+    newest = steps[-1][1]
+    return [n for _, n in steps[:-keep_last] if n not in (keep, newest)]
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error behind DCP's CheckpointException (it gathers each rank's error with its traceback)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = next(iter(exc.failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return exc
+
+
+def _store_op(url: str, fn: Any) -> Any:
+    """A whole DCP save or load at ``url`` under the store rule (retried whole while the store fails
+    transiently, then 75; a refusal 2); any other error is raised as it is."""
+    return storage.retry_transient(fn, url, catch=(Exception, CheckpointException), unwrap=_cause)
 
 
 def _name_of(path: Any) -> str:

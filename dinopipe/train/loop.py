@@ -38,9 +38,9 @@ from .checkpoint import CheckpointManager, ValueState
 from .clip import clip_groups_, local_grad_sq
 from .dist import DistInfo, all_reduce_max_scalar
 from .lr_record import LrBasis, resume_batches
-from .metrics import MetricSet, MetricsLogger, UndeclaredMetricError
+from .metrics import MetricSet, MetricsLogger, UndeclaredMetricError, read_metrics
 from .signals import EXIT_PREEMPTED, PreemptionFlag, signals_blocked, test_hooks_from_env
-from .step_data import REPORT_SIZE, DataReport, local_report
+from .step_data import REPORT_SIZE, DataGuard, DataReport, local_report
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,10 @@ class LoopConfig:
     """Micro-batches per optimizer step (gradient accumulation); the global batch is K times the loader's."""
     checkpoint_dir: str = ""
     """'' = run_dir/checkpoints; a folder or an fsspec URL (CheckpointManager)."""
+    max_skipped_in_a_row: int = 50
+    """Steps in a row skipped (a rank had no readable image) after which training stops with exit 65; 0: never."""
+    max_corrupt_fraction: float = 0.5
+    """Fraction of unreadable images (this invocation) above which training stops with exit 65; 1.0: never."""
 
 
 def seed_step(seed: int, step: int, rank: int) -> None:
@@ -95,7 +99,8 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 
 
 # Keys the loop logs itself; a task must not declare them (its own values would be overwritten).
-_LOOP_KEYS = ("loss", "grad_norm", "phase", "data_time", "step_time", "skipped_steps", "corrupt_images")
+_LOOP_KEYS = ("loss", "grad_norm", "phase", "data_time", "step_time", "skipped_steps", "corrupt_images",
+              "checkpoint_step")
 _RUN_STATE = ("lr_batch", "lr_peak", "skipped_steps")  # trainer state added after the first checkpoints
 
 
@@ -184,10 +189,34 @@ class Trainer:
         return vec.tolist()  # the step's one device-to-host sync
 
     # -- main -----------------------------------------------------------------------------------
+    def _check_not_backward(self) -> None:
+        """Refuse (exit 2, every rank) a resume that would go backward: this run folder's metrics.jsonl records a
+        checkpoint saved at a later step than the one found (``latest`` lost, checkpoints deleted, another
+        ``train.checkpoint_dir``): training on would overwrite the later work."""
+        from .dist import broadcast_object
+
+        found = self.ckpt.latest_step() if self.info.is_main else None
+        rows = read_metrics(self.run_dir) if self.info.is_main else []
+        saved = max((int(r.get("checkpoint_step", 0)) for r in rows), default=0)
+        msg = None
+        if self.info.is_main and saved > (found or 0):
+            where = self.ckpt.url or self.ckpt.dir
+            msg = (f"resume would go backward: {self.run_dir}/metrics.jsonl records the checkpoint of step {saved}, "
+                   f"but the checkpoint found in {where} is " + (f"step {found}" if found is not None else "none")
+                   + f"; restore step_{saved:08d} (and `latest`) or start a new train.output_dir")
+        msg = broadcast_object(msg)
+        if msg:
+            from ..config import ConfigError
+
+            raise ConfigError(msg)
+
     def fit(self) -> int:
         """Train to the end (returns 0) or until preempted (returns EXIT_PREEMPTED after saving)."""
+        self._check_not_backward()
         resumed = self._load()
         step = int(self.state.values["step"])
+        self._saved_step = step if resumed is not None else 0
+        self._guard = DataGuard(self.cfg.max_skipped_in_a_row, self.cfg.max_corrupt_fraction)
         if resumed is not None and self.info.is_main:
             log.info("resuming from checkpoint at step %d", step)
         self._metrics = MetricsLogger(self.run_dir, enabled=self.info.is_main, resume_step=step)
@@ -234,6 +263,7 @@ class Trainer:
             while True:
                 stop = self.cfg.stop_after is not None and self._steps_this_run + 1 >= self.cfg.stop_after
                 last = step + 1 >= phase.end or stop
+                micro_done, report_done = micro, report
                 logs, preempted, micro, report, fetch_time = self._train_step(micro, report, batches, step,
                                                                               None if last else k)
                 step += 1
@@ -242,13 +272,16 @@ class Trainer:
                     pos.advance(micro_global, self.pool_size)
                 self.state.values.update(step=step, data_epoch=pos.epoch, data_offset=pos.offset)
                 self._bar.update(1)
+                self._guard.update(step - 1, report_done, micro_done, micro_global * k)
                 if step % self.cfg.log_every == 0 or step == phase.end or step == 1:
-                    logs.update(phase=phase.name, data_time=data_time, step_time=time.perf_counter() - t0)
+                    logs.update(phase=phase.name, data_time=data_time, step_time=time.perf_counter() - t0,
+                                checkpoint_step=self._saved_step)
                     self._metrics.log(step - 1, logs)
                     if "loss" in logs:
                         self._bar.set_postfix(loss=f"{logs['loss']:.4f}")
                 if step % self.cfg.checkpoint_every == 0 or step == phase.end or stop or preempted:
                     self.save()
+                    self._saved_step = step
                     # A signal that arrived during this save: the checkpoint just written is the one to
                     # resume from (one extra all-reduce, on checkpoint steps only).
                     preempted = preempted or self._any_rank(bool(self._preempt))

@@ -63,4 +63,45 @@ class DataReport:
                 **{f"storage_retries/{r}": n for r, n in self.retries.items()}}
 
 
-__all__ = ["DataReport", "REPORT_SIZE", "is_empty", "local_report"]
+class TooMuchBadData(RuntimeError):
+    """Training only skips: K steps in a row had a rank with no readable image, or the fraction of unreadable images
+    passed the bound. Every rank raises it in the same step (it is decided on the reduced reports); exit 65."""
+
+
+class DataGuard:
+    """Ends a training that only skips (``train.max_skipped_in_a_row``, ``train.max_corrupt_fraction``; 0 / 1.0
+    turn a bound off). The fraction counts this invocation's images and is checked once ``min_images`` were read,
+    so a few bad files at the start do not stop a run. Keeps the last few files or objects that failed on this
+    rank, to name them."""
+
+    def __init__(self, max_in_a_row: int, max_fraction: float, min_images: int = 256) -> None:
+        self.max_in_a_row, self.max_fraction, self.min_images = max_in_a_row, max_fraction, min_images
+        self.in_a_row, self.seen, self.corrupt = 0, 0, 0
+        self.where: dict[str, None] = {}  # insertion-ordered set of the latest failing shards / objects
+
+    def update(self, step: int, report: DataReport, micro: Sequence[Any], images: int) -> None:
+        """After step ``step`` (``report``: its agreed data report; ``images``: its global images)."""
+        for b in micro:
+            for w in (b.get("corrupt_where") or ()) if isinstance(b, dict) else ():
+                self.where.pop(w, None)
+                self.where[w] = None
+        while len(self.where) > 8:
+            self.where.pop(next(iter(self.where)))
+        self.in_a_row = self.in_a_row + 1 if report.skip else 0
+        self.seen += images
+        self.corrupt += sum(report.corrupt.values())
+        why = None
+        if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
+            why = f"{self.in_a_row} steps in a row were skipped (train.max_skipped_in_a_row={self.max_in_a_row})"
+        elif (self.max_fraction < 1.0 and self.seen >= self.min_images
+              and self.corrupt > self.max_fraction * self.seen):
+            why = (f"{self.corrupt} of {self.seen} images were unreadable ({self.corrupt / self.seen:.0%} > "
+                   f"train.max_corrupt_fraction={self.max_fraction:g})")
+        if why:
+            names = ", ".join(self.where) or "none on this rank"
+            raise TooMuchBadData(f"training stopped at step {step}: {why}; unreadable data in: {names} "
+                                 f"(reasons: {report.corrupt or 'see metrics.jsonl corrupt/*'}). Fix or remove those "
+                                 f"shards, then rerun: it resumes from the last checkpoint")
+
+
+__all__ = ["DataReport", "DataGuard", "TooMuchBadData", "REPORT_SIZE", "is_empty", "local_report"]

@@ -25,11 +25,15 @@ from typing import Any, Callable, Iterator
 from ..config import EXIT_BUG, EXIT_CONFIG_ERROR, ConfigError, report_bug
 
 EXIT_UNFINISHED = 75
+EXIT_BAD_DATA = 65  # EX_DATAERR of sysexits.h: training only skipped (unreadable shards), named in the message
 
 
 class UnfinishedError(RuntimeError):
     """A part of a step that a task should have written and did not (the task was killed, preempted or crashed
-    before it finished): rerunning the same command writes it. Not the user's mistake and not a bug."""
+    before it finished): rerunning the same command writes it. Not the user's mistake and not a bug. ``why``: the
+    cause named in the one line (a subclass names its own: the object store's retry budget ran out)."""
+
+    why = "a task was killed or crashed before it wrote this"
 
 
 class OutputError(ConfigError):
@@ -73,13 +77,11 @@ def run_command(command: str, body: Callable[..., int], *args: Any, **kwargs: An
         print(f"{command}: error: {exc or type(exc).__name__}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except UnfinishedError as exc:
-        print(f"{command}: unfinished: {exc} -- a task was killed or crashed before it wrote this; rerun the "
-              f"same command", file=sys.stderr)
+        print(f"{command}: unfinished: {exc} -- {exc.why}; rerun the same command", file=sys.stderr)
         return EXIT_UNFINISHED
     except Exception:  # noqa: BLE001 -- everything else is a bug by the contract: exit 1, never 2
         return report_bug(command)
 
 
-__all__ = ["EXIT_BUG", "EXIT_CONFIG_ERROR", "EXIT_UNFINISHED", "OutputError", "UnfinishedError", "check_writable",
-           "run_command",
-           "writing"]
+__all__ = ["EXIT_BUG", "EXIT_CONFIG_ERROR", "EXIT_UNFINISHED", "EXIT_BAD_DATA", "OutputError", "UnfinishedError",
+           "check_writable", "run_command", "writing"]

@@ -81,7 +81,7 @@ def safe_fsspec_reader(url: str) -> Any:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return _with_load_id(_url_metadata(url), self)
 
-    return SafeFsspecReader(url)
+    return SafeFsspecReader(url, **storage.fsspec_options(url))
 
 
 def load(states: dict[str, Any], path: str | Path, no_dist: bool) -> None:

@@ -11,16 +11,23 @@ botocore / google-auth). Nothing here reads, stores, prints or logs them; error 
 error code, never the client's configuration. ``endpoint_url`` (MinIO, Ceph, R2, a test server) comes from
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, botocore's own variables.
 
-Transient errors (throttling, 5xx, a dropped connection, a read cut short) are retried here with capped
-exponential backoff, and counted per kind in :data:`COUNTS` (per process; the training loader moves a worker's
-counts into its batches). The clients' own retry loops are turned off so every retry is seen and counted.
-An object that stays unreadable raises :class:`Unreadable` with a short stable reason (``missing``, ``changed``,
-``truncated``, ``read_error``), the same contract as a corrupt local file.
+One rule for every error a store gives (docs/storage.md, "Faults"):
+
+- **transient** (throttling, 5xx, a dropped or reset connection, a timeout, a read cut short): retried with capped
+  exponential backoff and full jitter for up to the retry budget (``DINOPIPE_STORAGE_RETRY_S``, default 300 s:
+  long enough for S3 throttling), counted per kind in :data:`COUNTS` (per process; the training loader moves a
+  worker's counts into its batches); past the budget :class:`StoreUnavailable` (exit 75, "rerun the same
+  command"). The clients' own retry loops are turned off so every retry is seen and counted.
+- **refused** (403, bad / expired credentials, no such bucket): :class:`StoreRefused` at once (exit 2), naming
+  the URL and the kind, never the credentials.
+- **definite** answers about one object (404 ``missing``, 412 ``changed``, ``truncated``) and anything else that
+  is not transient: :class:`Unreadable` with that short stable reason, the same contract as a corrupt local file.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import random
 import re
@@ -28,6 +35,9 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
+
+from ..config import ConfigError
+from .exits import UnfinishedError
 
 # Stable reasons an object is unreadable (they appear in manifests and step summaries).
 MISSING = "missing"  # listed, then deleted (or never there)
@@ -41,34 +51,88 @@ _lock = threading.Lock()
 _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
              "RequestThrottled", "ProvisionedThroughputExceededException"}
 _SERVER = {"InternalError", "ServiceUnavailable", "RequestTimeout", "InternalServerError", "BadGateway"}
+TRANSIENT_KINDS = ("throttled", "server_error", "connection")
+FORBIDDEN, CREDENTIALS, NO_BUCKET = "forbidden", "credentials", "no_such_bucket"
+REFUSED_KINDS = (FORBIDDEN, CREDENTIALS, NO_BUCKET)
+_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "ExpiredTokenException",
+                     "InvalidToken", "TokenRefreshRequired", "RequestTimeTooSkewed", "UnrecognizedClientException",
+                     "InvalidClientTokenId", "AuthFailure"}
+_FORBIDDEN_CODES = {"AccessDenied", "Forbidden", "403", "AllAccessDisabled", "AccountProblem", "InvalidSecurity",
+                    "NotSignedUp", "InvalidPayer"}
+_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                      "UnauthenticatedError")
 _STATUS = re.compile(r"status code: (\d{3})")
 _CONNECTION_NAMES = ("Disconnected", "Connection", "Payload", "IncompleteRead", "Timeout", "ResponseStreaming",
-                     "ProtocolError", "ReadError")
+                     "ProtocolError", "ReadError", "ChecksumError")  # a body whose checksum fails: cut or garbled
 
 
 class Unreadable(OSError):
-    """An object that could not be read after the retries; ``reason`` is one of the stable reasons above."""
+    """An object the store definitely cannot give (missing, changed, truncated, or a non-transient error);
+    ``reason`` is one of the stable reasons above."""
 
-    def __init__(self, url: str, reason: str, detail: str = "") -> None:
+    def __init__(self, url: str, reason: str = READ_ERROR, detail: str = "") -> None:
         super().__init__(f"{url}: {reason}" + (f" ({detail})" if detail else ""))
         self.url, self.reason = url, reason
 
 
+class _OneLine:
+    """An error re-raised by a DataLoader worker arrives with the worker's traceback in its message
+    (``ExceptionWrapper.reraise``): its text is the last line, so the command still prints one line."""
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if "Traceback (most recent call last)" in text:
+            text = text.strip().splitlines()[-1]
+            text = text.split(": ", 1)[1] if text.split(": ", 1)[0].endswith(type(self).__name__) else text
+        return text
+
+
+class StoreUnavailable(_OneLine, UnfinishedError):
+    """The store kept failing transiently (throttled, 5xx, resets) for the whole retry budget: exit 75, rerun."""
+
+    why = "the object store did not answer within the retry budget (DINOPIPE_STORAGE_RETRY_S)"
+
+
+class StoreRefused(_OneLine, ConfigError):
+    """The store refused the request (403, bad or expired credentials, no such bucket): exit 2 at once."""
+
+
+class MissingExtra(ConfigError):
+    """A URL whose client package is not installed: exit 2 with the pip command."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Capped exponential backoff with full jitter: attempt k waits uniform(0, min(cap, base * 2^k)) seconds."""
+    """Capped exponential backoff with full jitter: attempt k waits uniform(0, min(cap, base * 2^k)) seconds, until
+    ``budget_s`` seconds have passed since the first failure (then :class:`StoreUnavailable`). ``attempts`` > 0
+    also stops after that many attempts (tests)."""
 
-    attempts: int = 8
-    base_s: float = 0.05
-    cap_s: float = 2.0
+    budget_s: float = 300.0
+    base_s: float = 0.1
+    cap_s: float = 10.0
+    attempts: int = 0
 
     @classmethod
     def from_env(cls) -> "RetryPolicy":
-        return cls(attempts=int(os.environ.get("DINOPIPE_STORAGE_ATTEMPTS", cls.attempts)),
-                   cap_s=float(os.environ.get("DINOPIPE_STORAGE_BACKOFF_CAP_S", cls.cap_s)))
+        return cls(budget_s=_env_float("DINOPIPE_STORAGE_RETRY_S", cls.budget_s),
+                   cap_s=_env_float("DINOPIPE_STORAGE_BACKOFF_CAP_S", cls.cap_s),
+                   attempts=int(_env_float("DINOPIPE_STORAGE_ATTEMPTS", 0)))
 
     def wait(self, attempt: int) -> float:
-        return random.uniform(0, min(self.cap_s, self.base_s * 2 ** attempt))
+        return random.uniform(0, min(self.cap_s, self.base_s * 2 ** min(attempt, 60)))
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(f"{name} must be a number of seconds >= 0, got {raw!r}")
+    return value
 
 
 def is_url(path: Any) -> bool:
@@ -98,6 +162,14 @@ def _client_options(proto: str) -> dict:
     return {}  # gcsfs and the others keep their own retry loops (not counted here; docs/storage.md)
 
 
+def fsspec_options(url: str) -> dict:
+    """Keyword arguments for an fsspec filesystem another library opens itself (DCP's fsspec reader and writer):
+    this module's endpoint and client retry settings (botocore's own retries off: the whole operation is retried
+    under the store rule instead, :func:`retry_transient`), and a fresh instance (fsspec's cached one may predate
+    the endpoint)."""
+    return _client_options(protocol(url))
+
+
 _fs_cache: dict = {}
 
 
@@ -115,8 +187,8 @@ def filesystem(url: str):
             cls = fsspec.get_filesystem_class(proto)
         except (ImportError, ValueError) as e:
             extra = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}.get(proto)
-            hint = f"; install it with pip install 'dinopipe[{extra}]'" if extra else ""
-            raise ValueError(f"cannot open {proto}:// URLs: {str(e).splitlines()[0]}{hint}") from None
+            hint = f"; install it with: pip install 'dinopipe[{extra}]'" if extra else ""
+            raise MissingExtra(f"cannot open {proto}:// URLs ({url}): {str(e).splitlines()[0]}{hint}") from None
         fs = cls(**_client_options(proto), skip_instance_cache=True)
         if proto in ("s3", "s3a"):
             fs.retries = 1  # s3fs's own loop off: every retry goes through call() and is counted
@@ -125,14 +197,27 @@ def filesystem(url: str):
 
 
 def classify(exc: BaseException) -> tuple[str, bool]:
-    """(kind, transient) of an error raised by a storage client (s3fs / botocore / aiohttp / gcsfs / OS)."""
+    """(kind, transient) of an error raised by a storage client (s3fs / botocore / aiohttp / gcsfs / obstore / OS).
+    A kind in :data:`REFUSED_KINDS` is a refusal (:func:`refused`), not an unreadable object."""
     if isinstance(exc, Unreadable):
         return exc.reason, False
-    for e in (exc, exc.__cause__, exc.__context__):
+    if isinstance(exc, StoreRefused):
+        return FORBIDDEN, False
+    if type(exc).__module__ == "tarfile":  # a tar reader's error is about bytes, not the connection (its cause may be)
+        cause = exc.__cause__ or exc.__context__
+        return classify(cause) if cause is not None else (READ_ERROR, False)
+    chain = [e for e in (exc, exc.__cause__, exc.__context__) if e is not None]
+    for e in chain:
         response = getattr(e, "response", None)
         if isinstance(response, dict):
             code = (response.get("Error") or {}).get("Code", "")
             status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0
+            if code == "NoSuchBucket":
+                return NO_BUCKET, False
+            if code in _CREDENTIAL_CODES or status == 401:
+                return CREDENTIALS, False
+            if code in _FORBIDDEN_CODES or status == 403:
+                return FORBIDDEN, False
             if code in _THROTTLE or status in (429, 503) and code not in _SERVER:
                 return "throttled", True
             if code in _SERVER or int(status) >= 500:
@@ -141,12 +226,28 @@ def classify(exc: BaseException) -> tuple[str, bool]:
                 return CHANGED, False
             if code in ("NoSuchKey", "404", "NotFound") or status == 404:
                 return MISSING, False
+    names = " ".join(type(e).__name__ for e in chain)
+    if any(n in names for n in _CREDENTIAL_ERRORS):
+        return CREDENTIALS, False
+    if isinstance(exc, PermissionError) or "PermissionDeniedError" in names:
+        return FORBIDDEN, False
     if isinstance(exc, FileNotFoundError):
         return MISSING, False
+    if isinstance(exc, OSError) and exc.errno in (errno.EBUSY, errno.EAGAIN):  # s3fs's SlowDown / 503 / 409
+        return "throttled", True
+    if isinstance(exc, OSError) and exc.errno in (errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET):
+        return "server_error" if exc.errno == errno.EREMOTEIO else "connection", True
     text = str(exc)
     if type(exc).__name__ == "PreconditionError":  # obstore's 412: If-Match refused
         return CHANGED, False
     obstore = type(exc).__module__.startswith("obstore")
+    if obstore:  # object_store quotes the store's error body: its code names a refusal
+        if "NoSuchBucket" in text:
+            return NO_BUCKET, False
+        if any(code in text for code in _CREDENTIAL_CODES):
+            return CREDENTIALS, False
+        if any(code in text for code in _FORBIDDEN_CODES - {"403"}):
+            return FORBIDDEN, False
     status = _STATUS.search(text) if obstore else None  # obstore (object_store) names the status in its message
     if status:
         code = int(status.group(1))
@@ -154,7 +255,8 @@ def classify(exc: BaseException) -> tuple[str, bool]:
             return "throttled", True
         if code >= 500:
             return "server_error", True
-        return {404: MISSING, 412: CHANGED}.get(code, READ_ERROR), False
+        return {404: NO_BUCKET if "NoSuchBucket" in text else MISSING, 412: CHANGED, 401: CREDENTIALS,
+                403: FORBIDDEN}.get(code, READ_ERROR), False
     if obstore and ("HTTP error" in text or "error sending request" in text):
         return "connection", True  # a body cut short / a refused or reset connection (reqwest / hyper)
     if "key does not exist" in text or "NoSuchKey" in text:  # the CRT client's words for a 404
@@ -163,7 +265,6 @@ def classify(exc: BaseException) -> tuple[str, bool]:
         return CHANGED, False
     if "SlowDown" in text or "reduce your request rate" in text:
         return "throttled", True
-    names = " ".join(type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None)
     if isinstance(exc, (ConnectionError, TimeoutError)) or any(n in names for n in _CONNECTION_NAMES):
         return "connection", True
     return READ_ERROR, False
@@ -182,22 +283,59 @@ def take_counts() -> dict[str, int]:
     return out
 
 
+def refused(url: str, kind: str, exc: BaseException) -> StoreRefused:
+    """The one-line refusal of ``url``: the kind and the store's error name, never a credential."""
+    what = {FORBIDDEN: "access denied (403): check the bucket policy and the identity you run as",
+            CREDENTIALS: "the credentials were refused (invalid, expired or missing): renew them",
+            NO_BUCKET: "no such bucket: check the URL"}[kind]
+    return StoreRefused(f"{url}: the object store refused the request: {what} [{type(exc).__name__}]")
+
+
 def call(fn: Callable[[], Any], url: str, policy: Optional[RetryPolicy] = None,
          sleep: Callable[[float], None] = time.sleep):
-    """``fn()`` retried on transient errors (counted as ``retry/<kind>``); a permanent one raises Unreadable."""
+    """``fn()`` (one request to the store) retried on transient errors (counted as ``retry/<kind>``) for up to the
+    policy's budget, then :class:`StoreUnavailable`; a refusal raises :class:`StoreRefused` at once, any other
+    error :class:`Unreadable` with its reason."""
+    try:
+        return retry_transient(fn, url, policy, sleep)
+    except (StoreUnavailable, StoreRefused):
+        raise
+    except Exception as e:  # noqa: BLE001 - every client error is classified, none escapes unnamed
+        raise Unreadable(url, classify(e)[0], type(e).__name__) from None
+
+
+def retry_transient(fn: Callable[[], Any], url: str, policy: Optional[RetryPolicy] = None,
+                    sleep: Callable[[float], None] = time.sleep, catch: tuple = (Exception,),
+                    unwrap: Callable[[BaseException], BaseException] = lambda e: e):
+    """``fn()`` (a request, or a whole operation made of requests: a DCP save) under the store rule: transient
+    errors retried for up to the budget, then :class:`StoreUnavailable`; a refusal :class:`StoreRefused`; any
+    other error (``unwrap`` names its cause: DCP wraps its ranks' errors) re-raised untouched."""
     policy = policy or RetryPolicy.from_env()
-    kind = READ_ERROR
-    for attempt in range(policy.attempts):
+    start, slept, attempt = time.monotonic(), 0.0, 0
+    while True:
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001 - every client error is classified, none escapes unnamed
-            kind, transient = classify(e)
+        except (StoreUnavailable, StoreRefused):
+            raise
+        except catch as e:
+            cause = unwrap(e)
+            if isinstance(cause, (StoreUnavailable, StoreRefused)):
+                raise cause from None
+            kind, transient = classify(cause)
+            if kind in REFUSED_KINDS:
+                raise refused(url, kind, cause) from None
             if not transient:
-                raise Unreadable(url, kind, type(e).__name__) from None
+                raise
             count(f"retry/{kind}")
-            if attempt + 1 < policy.attempts:
-                sleep(policy.wait(attempt))
-    raise Unreadable(url, READ_ERROR, f"still failing after {policy.attempts} attempts: {kind}")
+            attempt += 1
+            # an injected sleep (tests) does not pass real time: the budget counts what was asked to be slept
+            elapsed = max(time.monotonic() - start, slept)
+            if elapsed >= policy.budget_s or (policy.attempts and attempt >= policy.attempts):
+                raise StoreUnavailable(f"{url}: still failing after {attempt} attempts in {elapsed:.0f} s "
+                                       f"({kind}; retry budget {policy.budget_s:g} s)") from None
+            wait = min(policy.wait(attempt - 1), max(0.0, policy.budget_s - elapsed))
+            sleep(wait)
+            slept += wait
 
 
 class _ShortRead(ConnectionError):
@@ -238,15 +376,18 @@ def read_range(url: str, offset: int, size: int, etag: Optional[str] = None, obj
             data = fs.cat_file(path, start=offset or None, end=end)
         want = (end - offset) if end is not None else object_size
         if want is not None and len(data) < want:
+            # A cut connection (retried) or an object that is shorter now (definite): the store says which.
+            reason = _why_unreadable(fs, path, etag, object_size) if object_size is not None else READ_ERROR
+            if reason in (MISSING, CHANGED, TRUNCATED_OBJECT):
+                raise Unreadable(url, reason, f"{len(data)} of {want} bytes")
             raise _ShortRead(f"{len(data)} of {want} bytes")
         return data
 
     try:
         return call(get, url, policy)
     except Unreadable as e:
-        if e.reason != READ_ERROR or object_size is None:
-            raise
-        reason = _why_unreadable(fs, path, etag, object_size)
+        reason = e.reason if e.reason != READ_ERROR or object_size is None else _why_unreadable(fs, path, etag,
+                                                                                                 object_size)
         count(f"unreadable/{reason}")
         raise Unreadable(url, reason) from None
 
@@ -257,7 +398,7 @@ def _why_unreadable(fs, path: str, etag: Optional[str], object_size: int) -> str
         info = fs.info(path)
     except FileNotFoundError:
         return MISSING
-    except Exception:  # noqa: BLE001 - the store is not answering: the read error stands
+    except Exception:  # noqa: BLE001 - the store is not answering: not a definite answer, the read is retried
         return READ_ERROR
     if etag and info.get("ETag") not in (None, etag):
         return CHANGED
@@ -418,6 +559,8 @@ def iter_prefix(url: str, recursive: bool = True, suffixes: Optional[tuple[str, 
             yield rel, info.get("size", 0), info.get("ETag")
 
 
-__all__ = ["is_url", "protocol", "join", "filesystem", "classify", "call", "read_range", "put_atomic", "put_tree",
-           "take_counts", "count", "COUNTS", "RetryPolicy", "Unreadable", "MISSING", "CHANGED", "TRUNCATED_OBJECT",
-           "READ_ERROR", "register_webdataset_openers", "Listing", "list_prefix", "iter_prefix", "etag_pack", "etag_unpack"]
+__all__ = ["is_url", "protocol", "join", "filesystem", "classify", "call", "retry_transient", "fsspec_options",
+           "refused", "StoreUnavailable", "StoreRefused", "MissingExtra", "TRANSIENT_KINDS", "REFUSED_KINDS",
+           "read_range", "put_atomic", "put_tree", "take_counts", "count", "COUNTS", "RetryPolicy", "Unreadable",
+           "MISSING", "CHANGED", "TRUNCATED_OBJECT", "READ_ERROR", "register_webdataset_openers", "Listing",
+           "list_prefix", "iter_prefix", "etag_pack", "etag_unpack"]

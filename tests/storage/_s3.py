@@ -5,7 +5,16 @@ forwards every request to it unchanged unless a fault is armed for the next matc
 
     slowdown   503 with S3's ``SlowDown`` error body (throttling)
     internal   500 ``InternalError``
+    forbidden  403 ``AccessDenied`` (a bucket policy that refuses this identity)
+    badkey     403 ``InvalidAccessKeyId`` (credentials the store does not know)
+    expired    400 ``ExpiredToken`` (a session token past its end)
+    reset      the connection is reset (RST) before any response byte
     drop       moto's real response, headers and the first half of the body, then the connection is closed
+    short      moto's real response with its body cut in half and a Content-Length that says so (a body that
+               looks whole to the HTTP client: only the size tells)
+
+``method`` is the HTTP method a fault applies to (``"*"``: any); ``times`` how many requests it hits (``FOREVER``:
+until :meth:`S3Server.disarm` -- a storm longer than any retry budget).
 
 The clients under test talk to the proxy (``AWS_ENDPOINT_URL_S3``); the test that plants objects talks to moto
 directly, so faults hit only the code under test. Nothing leaves 127.0.0.1.
@@ -16,9 +25,16 @@ from __future__ import annotations
 import http.client
 import logging
 import socket
+import struct
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+FOREVER = 10**9
+_REFUSALS = {"slowdown": ("SlowDown", 503, "Please reduce your request rate."),
+             "internal": ("InternalError", 500, "We encountered an internal error."),
+             "forbidden": ("AccessDenied", 403, "Access Denied"),
+             "badkey": ("InvalidAccessKeyId", 403, "The AWS Access Key Id you provided does not exist in our records."),
+             "expired": ("ExpiredToken", 400, "The provided token has expired.")}
 _ERROR = ("<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code><Message>{msg}</Message>"
           "<RequestId>test</RequestId></Error>")
 
@@ -38,7 +54,7 @@ class _Proxy(BaseHTTPRequestHandler):
         server = self.server
         with server.lock:
             for f in server.faults:
-                if f.times > 0 and f.method == self.command and f.key in self.path:
+                if f.times > 0 and f.method in (self.command, "*") and f.key in self.path:
                     f.times -= 1
                     server.fired[f.action] = server.fired.get(f.action, 0) + 1
                     return f.action
@@ -48,10 +64,14 @@ class _Proxy(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         action = self._fault()
-        if action in ("slowdown", "internal"):
-            code, status, msg = (("SlowDown", 503, "Please reduce your request rate.") if action == "slowdown"
-                                 else ("InternalError", 500, "We encountered an internal error."))
-            data = _ERROR.format(code=code, msg=msg).encode()
+        if action == "reset":
+            self.close_connection = True
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()  # linger 0: the peer gets a RST, not a FIN
+            return
+        if action in _REFUSALS:
+            code, status, msg = _REFUSALS[action]
+            data = _ERROR.format(code=code, msg=msg).encode() if self.command != "HEAD" else b""
             self.send_response(status)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(data)))
@@ -69,6 +89,8 @@ class _Proxy(BaseHTTPRequestHandler):
             if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                 self.send_header(k, v)
         # A HEAD has no body: its Content-Length is the object's, as moto sent it.
+        if action == "short" and self.command == "GET" and len(data) > 1 and resp.status < 300:
+            data = data[: len(data) // 2]
         length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
         self.send_header("Content-Length", length)
         self.end_headers()
