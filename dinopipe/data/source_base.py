@@ -128,7 +128,7 @@ def own_path_refs(name: str, root, paths: Iterable[str], task_index: int, num_ta
             b = p.encode("utf-8")
             key = int.from_bytes(hashlib.blake2b(prefix + b.lstrip(b"/"), digest_size=8).digest(), "little")
             if num_tasks == 1 or key % num_tasks == task_index:
-                yield b, key
+                yield b
 
     blob, ends, drops = collect_paths(own())
     return PathRefs(blob, ends, name, str(root), ImageRef, storage.is_url, drops)
