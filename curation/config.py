@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from dinopipe.config import ConfigError, check_choices, choices
 from dinopipe.utils.proc import usable_cores
@@ -183,9 +183,10 @@ class RebalanceConfig:
     """mode=cluster: images taken from each chosen cluster (DINOv2: 10k)."""
     min_seeds: int = 3
     """mode=cluster: seeds a cluster must hold to be chosen."""
-    levels: list[int] = field(default_factory=lambda: [10_000_000, 500_000, 50_000, 10_000])
-    """mode=hierarchical: clusters per level, bottom-up (Vo et al. 2024 web images); capped at the
-    pool size, so small pools work with the same list."""
+    levels: Any = "auto"
+    """mode=hierarchical: clusters per level, bottom-up, or auto: Vo et al. 2024's 4 levels (DINOv3's 5 above
+    ~4.5B rows) scaled to the pool, bottom clusters of ~120 rows (curation.rebalance.auto_levels); a list is
+    capped at the pool size."""
     target_size: Optional[int] = None
     """mode=hierarchical: images to keep; null = half the deduplicated pool."""
     strategy: Strategy = Strategy.r
@@ -404,10 +405,12 @@ def _validate_rebalance(cfg: CurationConfig) -> None:
         _need(bool(cfg.input.seed_paths), "input.seed_paths",
               f"rebalance.mode={r.mode} retrieves around curated seed images: set "
               f"input.seed_paths, or use rebalance.mode=hierarchical|none")
-    _need(bool(r.levels) and all(k >= 1 for k in r.levels), "rebalance.levels",
-          f"a non-empty list of positive cluster counts, got {list(r.levels)}")
-    _need(list(r.levels) == sorted(r.levels, reverse=True), "rebalance.levels",
-          f"levels go bottom-up, each with fewer clusters than the one below: {list(r.levels)}")
+    if r.levels != "auto":
+        _need(isinstance(r.levels, list) and bool(r.levels)
+              and all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in r.levels),
+              "rebalance.levels", f"auto, or a non-empty list of positive cluster counts, got {r.levels!r}")
+        _need(list(r.levels) == sorted(r.levels, reverse=True), "rebalance.levels",
+              f"levels go bottom-up, each with fewer clusters than the one below: {list(r.levels)}")
     _need(r.target_size is None or r.target_size >= 1, "rebalance.target_size",
           f"must be >= 1 or null, got {r.target_size}")
     _need(r.min_seeds >= 1, "rebalance.min_seeds", f"must be >= 1, got {r.min_seeds}")
@@ -430,7 +433,7 @@ def kmeans_dir(cfg: CurationConfig, default: Optional[str] = None) -> Optional[s
 def rebalance_kwargs(r: RebalanceConfig) -> dict:
     """The keyword arguments of :func:`curation.rebalance.rebalance` for this config."""
     return {"k": r.k, "n_clusters": r.n_clusters, "max_per_cluster": r.max_per_cluster,
-            "min_seeds": r.min_seeds, "levels": tuple(r.levels), "target_size": r.target_size,
+            "min_seeds": r.min_seeds, "levels": r.levels if r.levels == "auto" else tuple(r.levels), "target_size": r.target_size,
             "strategy": r.strategy, "n_resampling_steps": r.n_resampling_steps,
             "sample_size": r.sample_size, "balance_clusters": r.balance_clusters, "seed": r.seed,
             "kmeans": {"init": r.kmeans_init, "init_sample": r.kmeans_init_sample,

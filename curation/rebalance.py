@@ -45,7 +45,7 @@ class RebalanceResult:
 
 def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000,
               max_per_cluster: int = 10000, min_seeds: int = 1,
-              levels: Sequence[int] = (1000, 100), target_size: int | None = None,
+              levels: Sequence[int] | str = (1000, 100), target_size: int | None = None,
               strategy: str = "r", n_resampling_steps: int = 10, sample_size: int = 10,
               balance_clusters: int | None = None, seed: int = 0,
               batch_size: int = 8192, progress: bool = False,
@@ -214,13 +214,14 @@ def retrieval_cluster_based(pool, seeds, n_clusters: int = 1000, max_per_cluster
     return res
 
 
-def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
+def hierarchical_balanced(pool, levels: Sequence[int] | str = (1000, 100),
                           target_size: int | None = None, strategy: str = "r",
                           n_resampling_steps: int = 10, sample_size: int = 10, seed: int = 0,
                           niter: int = 50, progress: bool = False, tree=None, picker=None,
                           scratch: str | None = None, **kmeans_kw) -> RebalanceResult:
     """Hierarchical k-means with resampling, then balanced sampling of ``target_size`` images
-    (default: half the pool). Level sizes larger than the data are capped. ``tree``: the k-means
+    (default: half the pool). Level sizes larger than the data are capped; ``levels="auto"``: sized to the pool
+    (:func:`auto_levels`). ``tree``: the k-means
     levels already computed (by ``curation.dist_kmeans`` over many processes) for these rows."""
     rows = pool if isinstance(pool, Rows) else Rows(pool)
     n = len(rows)
@@ -247,8 +248,33 @@ def hierarchical_balanced(pool, levels: Sequence[int] = (1000, 100),
     return res
 
 
-def capped_levels(levels: Sequence[int], n: int) -> list[int]:
-    """Clusters per level, each capped at the level below (the data at level 1)."""
+PUBLISHED_LEVELS = ((1_200_000_000, (10_000_000, 500_000, 50_000, 10_000)),
+                    (17_000_000_000, (200_000_000, 8_000_000, 800_000, 100_000, 25_000)))
+"""(pool size, clusters per level bottom-up) of the published curations: Vo et al. 2024's web images (4 levels on
+1.2B images, facebookresearch/ssl-data-curation configs/4levels_web_based_images.yaml) and DINOv3's LVD-1689M
+(5 levels on ~17B images). Their bottom clusters hold 120 and 85 images on average."""
+
+
+def auto_levels(n: int) -> list[int]:
+    """``rebalance.levels: auto``: the published recipe whose pool size is nearest to ``n`` (log scale), every
+    level's cluster count scaled by n / its pool size -- each level's clusters hold as many rows on average as in
+    the paper -- and the levels that would hold fewer than 2 clusters dropped (a 10k pool: [83, 4]; 1M: [8333,
+    417, 42, 8]). A pool under ~180 rows gets one level of one cluster (balanced sampling is then uniform)."""
+    n = max(int(n), 1)
+    pool, ks = min(PUBLISHED_LEVELS, key=lambda p: abs(np.log(n / p[0])))
+    out = []
+    for k in ks:
+        scaled = int(round(k * n / pool))
+        if scaled < 2:
+            break
+        out.append(scaled)
+    return out or [1]
+
+
+def capped_levels(levels, n: int) -> list[int]:
+    """Clusters per level, each capped at the level below (the data at level 1); ``"auto"``: :func:`auto_levels`."""
+    if isinstance(levels, str) and levels == "auto":
+        levels = auto_levels(n)
     ks, prev = [], n
     for k in levels:
         prev = max(1, min(int(k), prev))

@@ -121,7 +121,14 @@ def own_path_refs(name: str, root, paths: Iterable[str], task_index: int, num_ta
     from .reflist import PathRefs, collect_paths
 
     check_split(task_index, num_tasks)
-    own = ((p, key) for p in paths for key in (stable_hash(f"{name}/{p.lstrip('/')}"),)
-           if num_tasks == 1 or key % num_tasks == task_index)
-    blob, ends, starts = collect_paths(own)
-    return PathRefs(blob, ends, name, str(root), ImageRef, storage.is_url, starts)
+    prefix = f"{name}/".encode()
+
+    def own():  # stable_hash of the id, on bytes (no str per line kept or joined)
+        for p in paths:
+            b = p.encode("utf-8")
+            key = int.from_bytes(hashlib.blake2b(prefix + b.lstrip(b"/"), digest_size=8).digest(), "little")
+            if num_tasks == 1 or key % num_tasks == task_index:
+                yield b
+
+    blob, ends, drops = collect_paths(own())
+    return PathRefs(blob, ends, name, str(root), ImageRef, storage.is_url, drops)

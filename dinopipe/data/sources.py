@@ -115,10 +115,10 @@ class FileListSource(ImageSource):
         return list(self.ref_seq(task_index, num_tasks))
 
     def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> PathRefs:
-        """This task's images, in list order, as arrays (:class:`~dinopipe.data.reflist.PathRefs`, ~50 B per
-        40-byte path, not ~420 B per ImageRef). The list is streamed and a line kept only when its id hashes to
-        this task: nothing is held per line of the whole list. A path listed twice is one image: both copies hash
-        to the same task (a hash partition), so the task's own rows find it."""
+        """This task's images, in list order, as arrays (:class:`~dinopipe.data.reflist.PathRefs`: the path's bytes
+        and 8 B per row, 12 at the listing's peak; not ~420 B per ImageRef). The list is streamed and a line kept
+        only when its id hashes to this task: nothing is held per line of the whole list. A path listed twice is one
+        image: both copies hash to the same task (a hash partition), so the task's own rows find it."""
         return own_path_refs(self.name, self.root, self._paths(), task_index, num_tasks)
 
     def iter_refs(self) -> Iterator[ImageRef]:

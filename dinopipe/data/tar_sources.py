@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ..utils import storage
+from .reflist import MemberCollector, MemberRefs
 from .source_base import IMAGE_EXTENSIONS, ImageRef, ImageSource, _warn, extension_of, in_split, own_path_refs
 
 
@@ -40,13 +41,17 @@ class TarShardSource(ImageSource):
         self.name = name or Path(self.shards[0]).parent.name or "shards"
 
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
-        out = []
+        return list(self.ref_seq(task_index, num_tasks))
+
+    def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> MemberRefs:
+        """This task's shards' images (the split is per shard), in shard and member order, as arrays
+        (:class:`~dinopipe.data.reflist.MemberRefs`): a shard's ImageRefs are made while it is walked, then dropped."""
+        out = MemberCollector(self.name, ImageRef)
         for shard in self.shards:
             shard_name = Path(shard).name
-            if not in_split(f"{self.name}/{shard_name}", task_index, num_tasks):
-                continue
-            out.extend(self._shard_refs(shard, shard_name))
-        return out
+            if in_split(f"{self.name}/{shard_name}", task_index, num_tasks):
+                out.add(shard_name, shard, self._shard_refs(shard, shard_name))
+        return out.done()
 
     def iter_refs(self) -> Iterator[ImageRef]:
         for shard in self.shards:  # a shard's refs at a time
@@ -235,22 +240,24 @@ class RemoteSource(ImageSource):
 
         return storage.retry_transient(once, url)
     def refs(self, task_index: int = 0, num_tasks: int = 1) -> list[ImageRef]:
-        if self.kind == "folder":
-            return list(self.ref_seq(task_index, num_tasks))
-        out = []
-        for i in range(len(self.listing)):
-            if in_split(f"{self.name}/{self.listing.name(i)}", task_index, num_tasks):
-                out.extend(self.walk(i)[0])
-        out.sort(key=lambda r: r.id)
-        return out
+        return list(self.ref_seq(task_index, num_tasks))
 
     def ref_seq(self, task_index: int = 0, num_tasks: int = 1) -> Sequence[ImageRef]:
-        """This task's images, sorted by id. A folder of images: the listing streamed a page at a time and an image
-        kept only when its id hashes to this task, as arrays (as a local folder's: no task holds the whole
-        listing, nor an ImageRef per own image); the key order is the id order. Shards: :meth:`refs`."""
-        if self.kind != "folder":
-            return self.refs(task_index, num_tasks)
-        return own_path_refs(self.name, self.root, (rel for rel, _, _ in self._images()), task_index, num_tasks)
+        """This task's images, sorted by id, as arrays (no task holds the whole listing, nor an ImageRef per own
+        image). A folder of images: the listing streamed a page at a time and an image kept only when its id hashes
+        to this task; the key order is the id order. Shards (split per shard): each own shard walked, its refs
+        sorted, put in :class:`~dinopipe.data.reflist.MemberRefs`; the shards taken in the order of ``<name>/``,
+        so the rows are in id order."""
+        if self.kind == "folder":
+            return own_path_refs(self.name, self.root, (rel for rel, _, _ in self._images()), task_index, num_tasks)
+        out = MemberCollector(self.name, ImageRef)
+        own = [i for i in range(len(self.listing)) if in_split(f"{self.name}/{self.listing.name(i)}", task_index,
+                                                                num_tasks)]
+        for i in sorted(own, key=lambda i: self.listing.name(i) + "/"):
+            url = storage.join(self.root, self.listing.name(i))
+            out.add(self.listing.name(i), (url, self.listing.etag_of(i), self.listing.size_of(i)),
+                    sorted(self.walk(i)[0], key=lambda r: r.id))
+        return out.done()
 
     def read(self, ref: ImageRef) -> bytes | None:
         # A ref rebuilt from a curation path table carries (url, offset, size) or the url alone: no ETag check then.
