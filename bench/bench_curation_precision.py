@@ -36,6 +36,7 @@ sys.path.insert(0, ROOT)
 
 from bench.precision_pools import POOL_KINDS, build_pool  # noqa: E402
 from curation.descriptor import PCADescriptor  # noqa: E402
+from curation.config import DecontaminateConfig, decontam_threshold  # noqa: E402
 from curation.leakverify import LeakVerifier  # noqa: E402
 from curation.verify import PixelVerifier  # noqa: E402
 
@@ -46,6 +47,93 @@ def _embed(files: list[str]) -> np.ndarray:
     return PCADescriptor().embed_images([Image.open(f).convert("RGB") for f in files])
 
 
+def _blank(path: str) -> bool:
+    """No structure at all (luma std < 2 levels): two such images are the same picture whatever their source."""
+    y = np.asarray(Image.open(path).convert("L"), np.float32)
+    return bool(y.std() < 2.0)
+
+
+def measure_dedup(files: list[str], t: dict, ne: int, C: np.ndarray, k: int) -> dict:
+    """PixelVerifier on the planted copies and on each clean tile's k nearest clean tiles (all distinct)."""
+    nc = len(t["clean"])
+    ci = {r: i for i, r in enumerate(t["clean"])}
+    copies0 = ne + nc + len(t["leaks"])
+    orig = np.array([ne + ci[o] for o, _, _ in t["copies"]], np.int64)
+    cop = copies0 + np.arange(len(t["copies"]))
+    sim = C @ C.T
+    np.fill_diagonal(sim, -np.inf)
+    nn = np.argsort(-sim, axis=1)[:, :k]
+    a, b = np.repeat(np.arange(nc), nn.shape[1]), nn.ravel()
+    keys = np.unique(np.minimum(a, b) * nc + np.maximum(a, b))
+    lo, hi = keys // nc, keys % nc
+    blank = np.array([_blank(files[ne + i]) for i in range(nc)])
+    both_blank = blank[lo] & blank[hi]
+    out = {}
+    for name, structure in (("before", False), ("after", True)):
+        pv = PixelVerifier(lambda i: Image.open(files[i]), structure=structure)
+        t0 = time.perf_counter()
+        copy_ok = pv(orig, cop)
+        sc = pv.scores(ne + lo, ne + hi)
+        wrong = (sc > pv.threshold) & ~both_blank
+        joined = np.zeros(nc, bool)
+        joined[lo[wrong]] = joined[hi[wrong]] = True
+        out[name] = {"copies_grouped": float(copy_ok.mean()), "distinct_pairs": int((~both_blank).sum()),
+                     "distinct_pairs_accepted": int(wrong.sum()), "distinct_kept": float(1 - joined[~blank].mean()),
+                     "blank_pairs": int(both_blank.sum()),
+                     "low_detail_accepted": int((wrong & ~blank[lo] & ~blank[hi]
+                                                 & (np.minimum(_detail(files, ne + lo), _detail(files, ne + hi))
+                                                    <= LOW_DETAIL)).sum()),
+                     "accepted": [[t["clean"][i], t["clean"][j], round(float(x), 3)] for i, j, x in
+                                  sorted(zip(lo[wrong], hi[wrong], sc[wrong]), key=lambda r: -r[2])[:8]],
+                     "seconds": round(time.perf_counter() - t0, 1)}
+    return out
+
+
+LOW_DETAIL = 3.0  # mean luma gradient (levels / px): bench/precision_pools' low-detail bound
+
+
+def _detail(files: list[str], pos: np.ndarray) -> np.ndarray:
+    from bench.precision_pools import detail
+
+    return np.array([detail(np.asarray(Image.open(files[i]).convert("RGB"))) for i in pos])
+
+
+def measure_decontam(files: list[str], t: dict, ne: int, C: np.ndarray, E: np.ndarray, L: np.ndarray) -> dict:
+    """The shipped rule before (cosine > 0.45), and the candidates (cosine > the config's candidate threshold)
+    verified by LeakVerifier; the verifier alone on every (leak, its eval tile)."""
+    nc, nl = len(C), len(L)
+    ei = {r: i for i, r in enumerate(t["eval"])}
+    sc_c, sc_l = C @ E.T, L @ E.T
+    near_c, near_l, max_c, max_l = sc_c.argmax(1), sc_l.argmax(1), sc_c.max(1), sc_l.max(1)
+    truth = np.array([ei[e] for _, e, _ in t["leaks"]])
+    cand = DecontaminateConfig()
+    thr = decontam_threshold(cand, copy_model=False)
+    lv = LeakVerifier(lambda i: Image.open(files[i]), size=cand.verify_size, threshold=cand.verify_threshold,
+                      min_scale=cand.min_scale)
+    t0 = time.perf_counter()
+    c_idx = np.flatnonzero(max_c > thr)
+    v_clean = np.zeros(nc, bool)
+    v_clean[c_idx] = lv(near_c[c_idx], ne + c_idx)
+    s_oracle = lv.scores(truth, ne + nc + np.arange(nl))
+    ok_oracle = s_oracle > lv.threshold
+    found = (max_l > thr) & (near_l == truth)  # the candidate is the right eval tile
+    # a leak whose nearest eval tile is another one: verified against that one
+    other = np.flatnonzero((max_l > thr) & (near_l != truth))
+    v_other = lv(near_l[other], ne + nc + other) if len(other) else np.zeros(0, bool)
+    removed = found & ok_oracle
+    removed[other] = v_other
+    return {"shipped": {"threshold": SHIPPED_DECONTAM, "false_removals": float((max_c > SHIPPED_DECONTAM).mean()),
+                        "leaks_removed": float((max_l > SHIPPED_DECONTAM).mean())},
+            "verified": {"candidate_threshold": thr, "verify_threshold": lv.threshold,
+                         "candidates": int(len(c_idx)), "false_removals": float(v_clean.mean()),
+                         "leaks_removed": float(removed.mean()), "candidate_recall": float(found.mean()),
+                         "verifier_recall": float(ok_oracle.mean()),
+                         "false": [[t["clean"][i], t["eval"][near_c[i]]] for i in np.flatnonzero(v_clean)][:8],
+                         "missed": [[t["leaks"][j][2], round(float(s_oracle[j]), 3)]
+                                    for j in np.flatnonzero(~ok_oracle)][:12],
+                         "seconds": round(time.perf_counter() - t0, 1)}}
+
+
 def measure(root: str, kind: str, seed: int, n_leaks: int, n_copies: int, k: int) -> dict:
     t = build_pool(root, kind, seed=seed, n_leaks=n_leaks, n_copies=n_copies)
     ev = [os.path.join(root, "eval", r) for r in t["eval"]]
@@ -53,70 +141,25 @@ def measure(root: str, kind: str, seed: int, n_leaks: int, n_copies: int, k: int
     leaks = [os.path.join(root, "pool", p) for p, _, _ in t["leaks"]]
     copies = [os.path.join(root, "pool", p) for _, p, _ in t["copies"]]
     files = ev + clean + leaks + copies
-    ne, nc, nl = len(ev), len(clean), len(leaks)
     E, C, L = _embed(ev), _embed(clean), _embed(leaks)
-    out: dict = {"kind": kind, "eval": ne, "clean": nc, "leaks": nl, "copies": len(copies),
-                 "sources": t["sources"]}
-
-    # dedup: planted copies and each clean tile's k nearest clean tiles (all distinct)
-    pv = PixelVerifier(lambda i: Image.open(files[i]))
-    ci = {r: i for i, r in enumerate(t["clean"])}
-    orig = np.array([ne + ci[o] for o, _, _ in t["copies"]])
-    cop = ne + nc + nl + np.arange(len(copies))
-    copy_ok = pv(orig, cop)
-    sim = C @ C.T
-    np.fill_diagonal(sim, -np.inf)
-    nn = np.argsort(-sim, axis=1)[:, :k]
-    a = np.repeat(np.arange(nc), nn.shape[1])
-    b = nn.ravel()
-    lo, hi = np.minimum(a, b), np.maximum(a, b)
-    keys = np.unique(lo * nc + hi)
-    lo, hi = keys // nc, keys % nc
-    t0 = time.perf_counter()
-    sc = pv.scores(ne + lo, ne + hi)
-    wrong = sc > pv.threshold
-    joined = np.zeros(nc, bool)
-    joined[lo[wrong]] = joined[hi[wrong]] = True
-    out["dedup"] = {"copies_grouped": float(copy_ok.mean()) if len(copy_ok) else None,
-                    "distinct_pairs": int(len(keys)), "distinct_pairs_accepted": int(wrong.sum()),
-                    "distinct_kept": float(1 - joined.mean()),
-                    "worst_distinct": [[t["clean"][i], t["clean"][j], round(float(s), 3)] for i, j, s in
-                                       sorted(zip(lo[wrong], hi[wrong], sc[wrong]), key=lambda r: -r[2])[:5]],
-                    "seconds": round(time.perf_counter() - t0, 1)}
-
-    # decontamination: the nearest eval tile of each clean tile / leak, by the descriptor
-    ei = {r: i for i, r in enumerate(t["eval"])}
-    sc_clean, sc_leak = C @ E.T, L @ E.T
-    near_c, near_l = sc_clean.argmax(1), sc_leak.argmax(1)
-    max_c, max_l = sc_clean.max(1), sc_leak.max(1)
-    truth_l = np.array([ei[e] for _, e, _ in t["leaks"]])
-    out["decontam_shipped"] = {"threshold": SHIPPED_DECONTAM,
-                               "false_removals": float((max_c > SHIPPED_DECONTAM).mean()),
-                               "leaks_removed": float((max_l > SHIPPED_DECONTAM).mean())}
-    lv = LeakVerifier(lambda i: Image.open(files[i]))
-    t0 = time.perf_counter()
-    v_clean = lv(near_c, ne + np.arange(nc))
-    v_leak = lv(near_l, ne + nc + np.arange(nl)) & (near_l == truth_l)
-    v_oracle = lv(truth_l, ne + nc + np.arange(nl))
-    scores = lv.scores(truth_l, ne + nc + np.arange(nl))
-    out["decontam_verified"] = {
-        "threshold": lv.threshold, "false_removals": float(v_clean.mean()), "leaks_removed": float(v_leak.mean()),
-        "candidate_recall": float((near_l == truth_l).mean()), "verifier_recall": float(v_oracle.mean()),
-        "missed": [[t["leaks"][j][2], round(float(scores[j]), 3)] for j in np.flatnonzero(~v_oracle)][:10],
-        "seconds": round(time.perf_counter() - t0, 1), "pairs": int(nc + 3 * nl)}
-    return out
+    return {"kind": kind, "eval": len(ev), "clean": len(clean), "leaks": len(leaks), "copies": len(copies),
+            "sources": t["sources"], "dedup": measure_dedup(files, t, len(ev), C, k),
+            "decontam": measure_decontam(files, t, len(ev), C, E, L)}
 
 
 def render(res: dict) -> str:
-    rows = ["| pool | clean / eval / leaks / copies | dedup: copies grouped | distinct kept (pairs accepted) "
-            "| decontam. shipped (cos > 0.45): false removals / leaks removed | verified: false removals / "
-            "leaks removed | candidate recall | verifier recall |", "|" + "---|" * 8]
+    rows = ["| pool | clean / eval / leaks / copies | dedup before: copies grouped / distinct kept / low-detail "
+            "pairs accepted | dedup after | decontam. before (cos > 0.45): false removals / leaks removed | "
+            "after (verified): false removals / leaks removed | candidate recall / verifier recall |",
+            "|" + "---|" * 7]
     for r in res["pools"]:
-        d, s, v = r["dedup"], r["decontam_shipped"], r["decontam_verified"]
-        rows.append(f"| {r['kind']} | {r['clean']} / {r['eval']} / {r['leaks']} / {r['copies']} | "
-                    f"{d['copies_grouped']:.2f} | {d['distinct_kept']:.3f} ({d['distinct_pairs_accepted']} of "
-                    f"{d['distinct_pairs']}) | {s['false_removals']:.3f} / {s['leaks_removed']:.2f} | "
-                    f"{v['false_removals']:.3f} / {v['leaks_removed']:.2f} | {v['candidate_recall']:.2f} | "
+        d0, d1 = r["dedup"]["before"], r["dedup"]["after"]
+        s, v = r["decontam"]["shipped"], r["decontam"]["verified"]
+        def cell(d):
+            return (f"{d['copies_grouped']:.2f} / {d['distinct_kept']:.3f} / {d['low_detail_accepted']}")
+        rows.append(f"| {r['kind']} | {r['clean']} / {r['eval']} / {r['leaks']} / {r['copies']} | {cell(d0)} | "
+                    f"{cell(d1)} | {s['false_removals']:.3f} / {s['leaks_removed']:.2f} | "
+                    f"{v['false_removals']:.3f} / {v['leaks_removed']:.2f} | {v['candidate_recall']:.2f} / "
                     f"{v['verifier_recall']:.2f} |")
     return "\n".join(rows)
 

@@ -101,6 +101,30 @@ def leak(arr: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, int, st
     return np.asarray(img), q, " ".join(what)
 
 
+def leak_mild(arr: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, int, str]:
+    """An eval image leaked as issue 49 measured it: resized, cropped, re-lit or shifted, then re-encoded."""
+    h, w = arr.shape[:2]
+    kind = ("resize", "crop", "relight", "shift")[int(rng.integers(0, 4))]
+    img = Image.fromarray(arr)
+    if kind == "resize":
+        s = rng.uniform(0.5, 1.5)
+        img = img.resize((max(16, round(w * s)), max(16, round(h * s))), Image.BICUBIC)
+    elif kind == "crop":
+        fy, fx = rng.uniform(0.75, 0.95, 2)
+        ch, cw = round(h * fy), round(w * fx)
+        y0, x0 = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
+        img = img.crop((x0, y0, x0 + cw, y0 + ch))
+    elif kind == "relight":
+        x = np.asarray(img, np.float32)
+        x = (x - x.mean()) * rng.uniform(0.8, 1.2) + x.mean() * rng.uniform(0.7, 1.3)
+        img = Image.fromarray(np.clip(x, 0, 255).astype(np.uint8))
+    else:  # shifted: the frame moved by 5-10 % (a crop on one side, the same size)
+        dy, dx = (round(d * rng.uniform(0.05, 0.1)) for d in (h, w))
+        img = img.crop((dx, dy, w, h)).resize((w, h), Image.BICUBIC)
+    q = int(rng.integers(50, 91))
+    return np.asarray(img), q, f"{kind} q{q}"
+
+
 def copy_of(arr: np.ndarray, rng: np.random.Generator, j: int) -> tuple[np.ndarray, int, str]:
     """A pool image as the web copies it: (pixels, JPEG quality, kind)."""
     kind = COPY_KINDS[j % len(COPY_KINDS)]
@@ -126,10 +150,12 @@ POOL_SETTINGS = {  # side (source px), resize factor of the photos, written side
 
 
 def build_pool(root: str, kind: str, seed: int = 0, n_leaks: int = 30, n_copies: int = 30,
-               max_pool: int | None = None, max_eval: int | None = None, eval_third: int = 0) -> dict:
+               max_pool: int | None = None, max_eval: int | None = None, eval_third: int = 0,
+               leaks: str = "hard") -> dict:
     """Write ``root/eval``, ``root/pool`` (``clean/``, ``leaks/``, ``copies/``) for one pool kind; return the
     truth: {"clean": [rel], "leaks": [[pool rel, eval rel, what]], "copies": [[original rel, copy rel, what]],
-    "eval": [rel], "sources": {"eval": [...], "pool": [...]}}. Paths relative to root/pool and root/eval."""
+    "eval": [rel], "sources": {"eval": [...], "pool": [...]}}. Paths relative to root/pool and root/eval.
+    ``leaks``: 'hard' (:func:`leak`) or 'mild' (:func:`leak_mild`, issue 49's measured setup)."""
     photos = real_photos()
     rng = np.random.default_rng(seed)
     srcs = _sources(kind, photos)
@@ -165,7 +191,7 @@ def build_pool(root: str, kind: str, seed: int = 0, n_leaks: int = 30, n_copies:
         truth["clean"].append("clean/" + rel)
     for j, i in enumerate(rng.permutation(len(ev))[:n_leaks]):
         rel, t = ev[i]
-        px, q, what = leak(resize(t), rng)
+        px, q, what = (leak if leaks == "hard" else leak_mild)(resize(t), rng)
         p = f"leaks/{j:03d}_{rel}"
         _write(os.path.join(root, "pool", p), jpeg(px, q))
         truth["leaks"].append([p, rel, what])
