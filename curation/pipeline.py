@@ -440,7 +440,8 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
     if step == "report":
         from .report_step import make_report
 
-        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples, tasks=cfg.tasks)
+        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples, tasks=cfg.tasks,
+                           eval_sources=cfg.input.eval_paths or None)
     raise ValueError(f"unknown step '{step}'; choose from {', '.join(STEPS + SHARDED)}")
 
 

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from .alignment import structured_match
+
 # Measured on the bench pools (bench/bench_copy.py): copies >= 0.6, distinct tiles <= 0.35.
 DEFAULT_THRESHOLD = 0.5
 # Band-pass std (luminance in [0, 1]). Below LOW_ENERGY in the fine band (sky, blur, smooth
@@ -294,8 +296,6 @@ class PixelVerifier:
         """Accepted pairs that match along one edge, on a smooth gradient or a periodic texture only (no local
         agreement, or no unique alignment: curation.leakverify.structured_match) score 0: low-detail images of
         different sources pass the global correlation that way (docs/curation-scale.md measured 0.55-0.73)."""
-        from .leakverify import structured_match
-
         for j in idx[out[start + idx] > self.threshold]:
             fa, fb = feats[ia[j]], feats[ib[j]]
             with torch.no_grad():
