@@ -134,21 +134,23 @@ def measure_decontam(files: list[str], t: dict, ne: int, C: np.ndarray, E: np.nd
                          "seconds": round(time.perf_counter() - t0, 1)}}
 
 
-def measure(root: str, kind: str, seed: int, n_leaks: int, n_copies: int, k: int) -> dict:
-    t = build_pool(root, kind, seed=seed, n_leaks=n_leaks, n_copies=n_copies)
+def measure(root: str, kind: str, seed: int, n_leaks: int, n_copies: int, k: int, max_pool: int | None = None,
+            max_eval: int | None = None, leaks: str = "hard") -> dict:
+    t = build_pool(root, kind, seed=seed, n_leaks=n_leaks, n_copies=n_copies, max_pool=max_pool, max_eval=max_eval,
+                   leaks=leaks)
     ev = [os.path.join(root, "eval", r) for r in t["eval"]]
     clean = [os.path.join(root, "pool", r) for r in t["clean"]]
     leaks = [os.path.join(root, "pool", p) for p, _, _ in t["leaks"]]
     copies = [os.path.join(root, "pool", p) for _, p, _ in t["copies"]]
     files = ev + clean + leaks + copies
     E, C, L = _embed(ev), _embed(clean), _embed(leaks)
-    return {"kind": kind, "eval": len(ev), "clean": len(clean), "leaks": len(leaks), "copies": len(copies),
+    return {"kind": kind, "leak_kind": leaks, "eval": len(ev), "clean": len(clean), "leaks": len(leaks), "copies": len(copies),
             "sources": t["sources"], "dedup": measure_dedup(files, t, len(ev), C, k),
             "decontam": measure_decontam(files, t, len(ev), C, E, L)}
 
 
 def render(res: dict) -> str:
-    rows = ["| pool | clean / eval / leaks / copies | dedup before: copies grouped / distinct kept / low-detail "
+    rows = ["| pool (leaks) | clean / eval / leaks / copies | dedup before: copies grouped / distinct kept / low-detail "
             "pairs accepted | dedup after | decontam. before (cos > 0.45): false removals / leaks removed | "
             "after (verified): false removals / leaks removed | candidate recall / verifier recall |",
             "|" + "---|" * 7]
@@ -157,7 +159,8 @@ def render(res: dict) -> str:
         s, v = r["decontam"]["shipped"], r["decontam"]["verified"]
         def cell(d):
             return (f"{d['copies_grouped']:.2f} / {d['distinct_kept']:.3f} / {d['low_detail_accepted']}")
-        rows.append(f"| {r['kind']} | {r['clean']} / {r['eval']} / {r['leaks']} / {r['copies']} | {cell(d0)} | "
+        sizes = f"{r['clean']} / {r['eval']} / {r['leaks']} / {r['copies']}"
+        rows.append(f"| {r['kind']} ({r.get('leak_kind', 'hard')}) | {sizes} | {cell(d0)} | "
                     f"{cell(d1)} | {s['false_removals']:.3f} / {s['leaks_removed']:.2f} | "
                     f"{v['false_removals']:.3f} / {v['leaks_removed']:.2f} | {v['candidate_recall']:.2f} / "
                     f"{v['verifier_recall']:.2f} |")
@@ -172,6 +175,10 @@ def main(argv=None) -> int:
     p.add_argument("--copies", type=int, default=30)
     p.add_argument("--k", type=int, default=4, help="clean neighbours per clean tile verified (dedup)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-pool", type=int, default=None, help="clean pool tiles per pool (a seeded sample)")
+    p.add_argument("--max-eval", type=int, default=None, help="eval tiles per pool (a seeded sample)")
+    p.add_argument("--leak-kind", choices=("hard", "mild"), default="hard",
+                   help="hard: crops to half, mirrors, rotations, borders, colour; mild: issue 49's measured setup")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     import torch
@@ -179,7 +186,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     res = {"args": vars(a), "pools": []}
     for kind in a.pools:
-        r = measure(os.path.join(a.work, kind), kind, a.seed, a.leaks, a.copies, a.k)
+        r = measure(os.path.join(a.work, f"{kind}-{a.leak_kind}"), kind, a.seed, a.leaks, a.copies, a.k, a.max_pool,
+                    a.max_eval, a.leak_kind)
         print(json.dumps(r), flush=True)
         res["pools"].append(r)
     print(render(res))

@@ -24,6 +24,9 @@ UNIQUE_RADIUS, UNIQUE_MARGIN = 0.08, 0.1
 # of them agreeing, the peak 0.03 above any alignment 8 % away (bench/bench_curation_precision.py: planted
 # copies pass; the low-detail distinct pairs the global correlation accepted fail one of the three).
 COPY_BLOCKS, COPY_AGREE, COPY_MARGIN = 2, 0.9, 0.03
+FINE_MIN = 0.3  # the fine band's correlation at the coarse alignment a leak needs: a smooth surface (a colour
+# gradient, an out-of-focus fundus) matches on the coarse band but not in detail (bench: 0.16-0.26 for those, 0.4-0.9
+# for the leaks the coarse rules pass)
 TOP = 2  # coarse hypotheses refined at full resolution
 INNER = 0.9  # the template is the contained image's central 90 % (crop edges, rotation corners left out)
 
@@ -135,3 +138,8 @@ def structured_match(band_a: torch.Tensor, band_b: torch.Tensor) -> bool:
     return n_inf >= COPY_BLOCKS and agree >= COPY_AGREE and margin >= COPY_MARGIN
 
 
+
+
+def refined_score(cont: torch.Tensor, held: torch.Tensor, hyp: tuple) -> float:
+    """The best correlation of ``held`` in ``cont`` at ``hyp`` refined (scale, rotation), every position."""
+    return _refined(cont, held, hyp)[0]

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .alignment import AGREE, BAND, MIN_BLOCKS, SCALES, TOP, UNIQUE_MARGIN, agreement, alignment_scores
+from .alignment import (AGREE, BAND, FINE_MIN, MIN_BLOCKS, SCALES, TOP, UNIQUE_MARGIN, agreement, alignment_scores,
+                        refined_score)
 from .verify import FILL_SIGMA, MIN_CONTENT, PixelVerifier, _blur, padding_mask
 
 DEFAULT_THRESHOLD = 0.5
@@ -95,17 +96,22 @@ class LeakVerifier(PixelVerifier):
     def scores(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
         out = np.full(len(a), -1.0, np.float32)
-        self.last_detail = np.zeros((len(a), 3), np.float32)
+        self.last_detail = np.zeros((len(a), 4), np.float32)
         for i, (pa, pb) in enumerate(zip(a, b)):
             self.n_pairs += 1
             fa, fb = self._get(pa), self._get(pb)
             if fa is None or fb is None:
                 continue
             ba, bb = (x.to(self.device) for x in self._pair_bands(fa, fb))
-            out[i], inf, agree, margin = self._score_pair(ba, bb)
-            self.last_detail[i] = (inf, agree, margin)
-            if inf < MIN_BLOCKS or agree < AGREE or margin < UNIQUE_MARGIN:
-                out[i] = min(out[i], 0.0)  # structure in too few places, or a match in one place only
+            (out[i], inf, agree, margin), d, hyp = self._score_pair(ba, bb)
+            fine = -1.0
+            if out[i] > self.threshold:  # the fine band at the same alignment: detail, not only a smooth surface
+                fe, fp = (x.to(self.device) for x in (fa[0], fb[0]))
+                with torch.no_grad():
+                    fine = refined_score(*((fe, fp) if d == 0 else (fp, fe)), hyp)
+            self.last_detail[i] = (inf, agree, margin, fine)
+            if inf < MIN_BLOCKS or agree < AGREE or margin < UNIQUE_MARGIN or fine < FINE_MIN:
+                out[i] = min(out[i], 0.0)  # structure in too few places, in one place only, or no detail
         return out
 
     def _score_pair(self, ea: torch.Tensor, pb: torch.Tensor) -> tuple[float, int, float]:
@@ -118,8 +124,8 @@ class LeakVerifier(PixelVerifier):
                 d, h = divmod(j, len(self.hyps))
                 cont, held = (ea, pb) if d == 0 else (pb, ea)
                 got = agreement(cont, held, self.hyps[h])
-                if best is None or got[0] > best[0]:
-                    best = got
+                if best is None or got[0] > best[0][0]:
+                    best = (got, d, self.hyps[h])
             return best
 
 

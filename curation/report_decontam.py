@@ -51,7 +51,7 @@ def decontam_section(out_dir: str, sources, eval_sources, threshold: float, path
     for name in sorted(set(set_of)):
         m = set_of == name
         lines.append(f"| {name} | {int(m.sum())} | {int((score[m] > threshold).sum())} |")
-    if not len(rows):
+    if not len(rows) or not eval_sources:  # no pixels of the eval set to show (e.g. report run on its own)
         return lines + [""], None
     acc = np.flatnonzero(score > threshold)
     rej = np.flatnonzero(score <= threshold)
