@@ -1,7 +1,7 @@
 """Precision / recall of copy verification and of decontamination on real pixels, per kind of pool.
 
-    nice -n 10 python bench/bench_curation_precision.py --work /tmp/precision \\
-        --json bench/results/curation_precision.json
+    nice -n 10 python bench/bench_curation_precision.py --work /tmp/precision --pools mixed --leak-kind hard \\
+        --max-pool 200 --max-eval 100 --json mixed-hard.json    # one process per pool kind and leak kind
 
 Pools (bench/precision_pools.py): the real photos packages ship, split by source photo into thirds (eval =
 tiles of one third, pool = tiles of the others, so the clean pool shares no pixel with the eval set); kinds
@@ -135,17 +135,17 @@ def measure_decontam(files: list[str], t: dict, ne: int, C: np.ndarray, E: np.nd
 
 
 def measure(root: str, kind: str, seed: int, n_leaks: int, n_copies: int, k: int, max_pool: int | None = None,
-            max_eval: int | None = None, leaks: str = "hard") -> dict:
+            max_eval: int | None = None, leak_kind: str = "hard") -> dict:
     t = build_pool(root, kind, seed=seed, n_leaks=n_leaks, n_copies=n_copies, max_pool=max_pool, max_eval=max_eval,
-                   leaks=leaks)
+                   leaks=leak_kind)
     ev = [os.path.join(root, "eval", r) for r in t["eval"]]
     clean = [os.path.join(root, "pool", r) for r in t["clean"]]
     leaks = [os.path.join(root, "pool", p) for p, _, _ in t["leaks"]]
     copies = [os.path.join(root, "pool", p) for _, p, _ in t["copies"]]
     files = ev + clean + leaks + copies
     E, C, L = _embed(ev), _embed(clean), _embed(leaks)
-    return {"kind": kind, "leak_kind": leaks, "eval": len(ev), "clean": len(clean), "leaks": len(leaks), "copies": len(copies),
-            "sources": t["sources"], "dedup": measure_dedup(files, t, len(ev), C, k),
+    return {"kind": kind, "leak_kind": leak_kind, "eval": len(ev), "clean": len(clean), "leaks": len(leaks),
+            "copies": len(copies), "sources": t["sources"], "dedup": measure_dedup(files, t, len(ev), C, k),
             "decontam": measure_decontam(files, t, len(ev), C, E, L)}
 
 
