@@ -187,11 +187,12 @@ DECONTAM_CANDIDATE = 0.2
 """decontaminate.threshold with verification on the offline descriptor (bench/bench_curation_precision.py)."""
 
 
-def decontam_threshold(d: "DecontaminateConfig", copy_model: bool) -> float:
-    """The candidate cosine decontamination uses (see DecontaminateConfig.threshold)."""
+def decontam_threshold(d: "DecontaminateConfig", copy_model: bool, verify: bool | None = None) -> float:
+    """The candidate cosine decontamination uses (see DecontaminateConfig.threshold); ``verify``: whether the
+    candidates are verified on pixels (default ``d.verify``; False where there are no pixels, e.g. a simulation)."""
     if d.threshold is not None:
         return float(d.threshold)
-    return DECONTAM_CANDIDATE if d.verify and not copy_model else 0.45
+    return DECONTAM_CANDIDATE if (d.verify if verify is None else verify) and not copy_model else 0.45
 
 
 @dataclass

@@ -183,7 +183,7 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     ``eval_embedded``: read embeddings/eval/ as it is."""
     dc = decontaminate or DecontaminateConfig()
     verify = dc.verify and bool(eval_sources) and pool_sources is not None and not eval_embedded
-    threshold = decontam_threshold(dc, os.path.exists(_p(out_dir, "copy_model.json")))
+    threshold = decontam_threshold(dc, os.path.exists(_p(out_dir, "copy_model.json")), verify)
     e = embed or EmbedConfig()
     # every whole-pool array is a mapped file, read and written a block at a time: what this process holds is a
     # block's temporaries and the copy components of the direct eval matches (few), not O(pool)
