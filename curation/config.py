@@ -166,8 +166,33 @@ class TasksConfig:
 
 @dataclass
 class DecontaminateConfig:
-    threshold: float = 0.45
-    """Cosine to an eval image above which the pool image's whole copy group goes (DINOv2: 0.45)."""
+    threshold: Optional[float] = None
+    """Cosine (copy descriptor or dedup.model) to the nearest eval image above which a pool image is a candidate.
+    null: with verify, DECONTAM_CANDIDATE for the offline descriptor (calibrated on
+    bench/bench_curation_precision.py: leaks' cosines are low) and DINOv2's 0.45 for a copy model (SSCD); without
+    verify, 0.45 (DINOv2: cosine > 0.45 drops the whole copy group)."""
+    verify: bool = True
+    """Verify every candidate on pixels (curation.leakverify: crops down to min_scale, resizes, mirrors, small
+    rotations, borders, colour changes) before it counts; false: the cosine decides alone (DINOv2's way)."""
+    verify_threshold: float = 0.5
+    """Noise-aware correlation above which a candidate is a view of its eval image (with local agreement and a
+    unique alignment; bench figures in docs/curation.md)."""
+    verify_size: int = 128
+    """Side (px) at which candidates are compared."""
+    min_scale: float = 0.5
+    """Smallest scale searched between a pool image and its eval image (0.5: crops down to half a side)."""
+
+
+DECONTAM_CANDIDATE = 0.2
+"""decontaminate.threshold with verification on the offline descriptor (bench/bench_curation_precision.py)."""
+
+
+def decontam_threshold(d: "DecontaminateConfig", copy_model: bool, verify: bool | None = None) -> float:
+    """The candidate cosine decontamination uses (see DecontaminateConfig.threshold); ``verify``: whether the
+    candidates are verified on pixels (default ``d.verify``; False where there are no pixels, e.g. a simulation)."""
+    if d.threshold is not None:
+        return float(d.threshold)
+    return DECONTAM_CANDIDATE if (d.verify if verify is None else verify) and not copy_model else 0.45
 
 
 @dataclass
@@ -313,10 +338,19 @@ def validate(cfg: CurationConfig, step: str = "run") -> None:
           f"must be >= 1 or null (auto), got {cfg.tasks.count}")
     for key, t in (("dedup.threshold", cfg.dedup.threshold),
                    ("decontaminate.threshold", cfg.decontaminate.threshold)):
-        if t is None and key == "dedup.threshold":
+        if t is None:
             continue
         _need(-1.0 <= t <= 1.0, key, f"a cosine similarity in [-1, 1], got {t}")
+    _validate_decontaminate(cfg.decontaminate)
     _validate_rebalance(cfg)
+
+
+def _validate_decontaminate(d: DecontaminateConfig) -> None:
+    _need(isinstance(d.verify, bool), "decontaminate.verify", f"true or false, got {d.verify!r}")
+    _need(-1.0 <= d.verify_threshold <= 1.0, "decontaminate.verify_threshold",
+          f"a normalised correlation in [-1, 1], got {d.verify_threshold}")
+    _need(d.verify_size >= 32, "decontaminate.verify_size", f"must be >= 32 px, got {d.verify_size}")
+    _need(0.5 <= d.min_scale <= 1.0, "decontaminate.min_scale", f"a scale in [0.5, 1], got {d.min_scale}")
 
 
 def _validate_dedup(d: DedupConfig) -> None:

@@ -32,7 +32,7 @@ from dinopipe.config import ConfigError, save_config
 from dinopipe.utils.exits import UnfinishedError
 
 from .config import (CurationConfig, DecontaminateConfig, DedupConfig, EmbedConfig, HashDedupConfig, KnnConfig,
-                     TasksConfig, WriteConfig, kmeans_dir, knn_kwargs, task_plan,
+                     TasksConfig, WriteConfig, decontam_threshold, kmeans_dir, knn_kwargs, task_plan,
                      check_launcher, validate)
 from .dedup import resolve_threshold
 from .descriptor import DescriptorConfig
@@ -177,11 +177,15 @@ def _knn(knn: KnnConfig | None) -> dict | None:
 def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: DecontaminateConfig | None = None,
                        embed: EmbedConfig | None = None, knn: KnnConfig | None = None,
                        progress: bool = True, tasks: TasksConfig | None = None, eval_embedded: bool = False,
-                       trust_code: bool = False) -> dict:
-    """Drop the copy component of every pool image with cosine > ``decontaminate.threshold`` to an
-    eval image (eval images embedded with ``embed.batch_size`` / ``embed.num_workers``; ``eval_embedded``:
-    read embeddings/eval/ as it is)."""
-    threshold = (decontaminate or DecontaminateConfig()).threshold
+                       trust_code: bool = False, pool_sources=None) -> dict:
+    """Drop the copy component of every pool image whose nearest eval image (cosine > the candidate threshold,
+    curation.config.decontam_threshold) is verified on pixels (``decontaminate.verify``: the pixels of
+    ``pool_sources`` and ``eval_sources``, curation.decontam_verify; without pixels -- eval_embedded, or verify
+    off -- the cosine decides). Eval images embedded with ``embed.batch_size`` / ``embed.num_workers``;
+    ``eval_embedded``: read embeddings/eval/ as it is."""
+    dc = decontaminate or DecontaminateConfig()
+    verify = dc.verify and bool(eval_sources) and pool_sources is not None and not eval_embedded
+    threshold = decontam_threshold(dc, os.path.exists(_p(out_dir, "copy_model.json")), verify)
     e = embed or EmbedConfig()
     # every whole-pool array is a mapped file, read and written a block at a time: what this process holds is a
     # block's temporaries and the copy components of the direct eval matches (few), not O(pool)
@@ -198,14 +202,25 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
         alive = positions_where(out_dir, alive_path, prev, lambda b: b != HASH_DUP)
         plan = task_plan(tasks or TasksConfig(), len(alive))
         w = plan["tasks"] if len(ev) and len(alive) else 0
-        chunks = (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress, plan, stream=True)
-                  if len(ev) and len(alive) else
-                  ((s, np.full(t - s, -np.inf), np.full(t - s, -1, np.int64)) for s, t in blocks(len(alive))))
+        def stream():  # the saved chunks, a chunk at a time (searched on the first call)
+            return (sharded_nearest_eval(out_dir, pool, alive, ev, _knn(knn), progress, plan, stream=True)
+                    if len(ev) and len(alive) else
+                    ((s, np.full(t - s, -np.inf), np.full(t - s, -1, np.int64)) for s, t in blocks(len(alive))))
+        chunks = stream()
+    cand = None
+    if chunks is not None and verify:  # the candidates, verified on pixels before anything is written
+        cand = _verified(out_dir, chunks, alive, alive_path, threshold, eval_sources, pool_sources, dc, ev, plan)
+        chunks = stream()
     out = StepWriter(out_dir, "decontaminate")  # after the search: a wrong input leaves the old step as it was
     status = out.array("status", np.int8, len(prev))
     max_sim = out.array("eval_sim", np.float32, len(prev), fill=np.nan)
     for s, t in blocks(len(prev)):
         status[s:t] = prev[s:t]
+    if cand is not None:  # per row: its nearest eval image and the pixel score (NaN: not a candidate)
+        nearest_a = out.array("eval_nearest", np.int64, len(prev), fill=-1)
+        score_a = out.array("eval_score", np.float32, len(prev), fill=np.nan)
+        nearest_a[alive[cand["pos"]]] = cand["nearest"]
+        score_a[alive[cand["pos"]]] = cand["score"]
     if chunks is not None:
         # curation.decontaminate.expand_to_components a chunk at a time: the direct matches' components first,
         # marked in a mapped flag per component (a component is named by a row position), so nothing here grows
@@ -216,7 +231,7 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
         for s, sim, _nearest in chunks:
             rows = alive[s:s + len(sim)]
             max_sim[rows] = np.asarray(sim, np.float32)
-            hit[np.asarray(component[rows[np.asarray(sim) > threshold]])] = True
+            hit[np.asarray(component[rows[_direct(sim, s, threshold, cand)]])] = True
         # then their whole components. One reason per image, the first step's: a copy duplicate stays a copy
         # duplicate, so the manifest's counts are the step summaries' (decontaminated = kept images removed here).
         for s, t in blocks(len(alive)):
@@ -229,7 +244,43 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
         os.remove(alive_path)
         os.remove(hit_path)
     out.finish()
-    return {"decontaminated": n_removed, "tasks": {"eval_search": w}}
+    summary = {"decontaminated": n_removed, "threshold": threshold, "verify": verify, "tasks": {"eval_search": w}}
+    if cand is not None:
+        summary.update(candidates=int(len(cand["pos"])), verified=int(cand["ok"].sum()),
+                       verify_threshold=dc.verify_threshold)
+    return summary
+
+
+def _verified(out_dir: str, chunks, alive, alive_path: str, threshold: float, eval_sources, pool_sources,
+              dc: DecontaminateConfig, ev, plan: dict):
+    """The candidates of the chunk stream (positions in ``alive`` with cosine > ``threshold``) scored on pixels
+    (curation.decontam_verify, W tasks): {"pos", "nearest", "score", "ok"}; 21 B per candidate held."""
+    from .decontam_verify import candidate_scores
+    from .knn_steps import _digest
+
+    pos, nearest = [], []
+    for s, sim, near in chunks:
+        sim, near = np.asarray(sim), np.asarray(near)
+        hit = np.flatnonzero(sim > threshold)
+        pos.append(s + hit)
+        nearest.append(near[hit])
+    pos = np.concatenate(pos) if pos else np.zeros(0, np.int64)
+    nearest = np.concatenate(nearest) if nearest else np.zeros(0, np.int64)
+    score = candidate_scores(out_dir, pos, nearest, alive_path, eval_sources, pool_sources, dc,
+                             f"{ev.digest}-{_digest(alive)}", plan)
+    return {"pos": pos, "nearest": nearest, "score": score, "ok": score > dc.verify_threshold}
+
+
+def _direct(sim, start: int, threshold: float, cand: dict | None) -> np.ndarray:
+    """The rows of a chunk (first alive position ``start``) that matched an eval image: verified candidates, or
+    (no verification) cosine > threshold."""
+    sim = np.asarray(sim)
+    if cand is None:
+        return sim > threshold
+    lo, hi = np.searchsorted(cand["pos"], [start, start + len(sim)])
+    direct = np.zeros(len(sim), bool)
+    direct[cand["pos"][lo:hi][cand["ok"][lo:hi]] - start] = True
+    return direct
 
 
 def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: dict | None = None,
@@ -395,7 +446,7 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
         return {**res, "tasks": {**res["tasks"], "table": w}} if w else res  # (after `curate run`'s embed: 0)
     if step == "decontaminate":
         return step_decontaminate(out, cfg.input.eval_paths or None, cfg.decontaminate, e, knn, prog, cfg.tasks,
-                                  inputs.eval_embedded, cfg.dedup.trust_code)
+                                  inputs.eval_embedded, cfg.dedup.trust_code, cfg.input.paths)
     if step == "rebalance":
         return step_rebalance(out, cfg.rebalance, cfg.input.seed_paths or None, embedder, e, knn, prog,
                               kmeans_dir=kmeans_dir(cfg), tasks=cfg.tasks, trust_code=cfg.dedup.trust_code,
@@ -406,7 +457,8 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
     if step == "report":
         from .report_step import make_report
 
-        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples, tasks=cfg.tasks)
+        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples, tasks=cfg.tasks,
+                           eval_sources=cfg.input.eval_paths or None)
     raise ValueError(f"unknown step '{step}'; choose from {', '.join(STEPS + SHARDED)}")
 
 
@@ -440,7 +492,9 @@ def _params(cfg: CurationConfig) -> dict:
             "dedup_threshold": resolve_threshold(cfg.dedup.threshold, cfg.dedup.verify),
             "verify": cfg.dedup.verify, "verify_threshold": cfg.dedup.verify_threshold,
             "grouping": cfg.dedup.grouping, "copy_model": cfg.dedup.model,
-            "decontam_threshold": cfg.decontaminate.threshold, "rebalance_mode": cfg.rebalance.mode,
+            "decontam_threshold": decontam_threshold(cfg.decontaminate, cfg.dedup.model is not None),
+            "decontam_verify": cfg.decontaminate.verify, "decontam_verify_threshold": cfg.decontaminate.verify_threshold,
+            "rebalance_mode": cfg.rebalance.mode,
             "embed_model": cfg.embed.model}
 
 

@@ -27,6 +27,7 @@ from dinopipe.data.sources import as_multi  # noqa: E402
 from dinopipe.utils.io import atomic_write  # noqa: E402
 
 from .embstore import open_embeddings  # noqa: E402
+from .report_decontam import decontam_section  # noqa: E402
 from .report_tasks import ReportStats, SimStats, of_arrays  # noqa: E402
 from .stepfiles import _STATUS_NAMES, KEPT, NOT_SELECTED, load_step  # noqa: E402
 from .write import STATUSES  # noqa: E402
@@ -34,7 +35,7 @@ from .write import STATUSES  # noqa: E402
 _RED, _BLUE, _GREEN, _ORANGE = "#c0392b", "#2e86c1", "#1e8449", "#e67e22"
 
 
-def write_report(out_dir: str, sources, params: dict, st: ReportStats, balance: dict) -> str:
+def write_report(out_dir: str, sources, params: dict, st: ReportStats, balance: dict, eval_sources=None) -> str:
     """The plots and ``report/summary.md`` from the merged numbers ``st`` (curation.report_step.make_report runs
     this as one task of its own: matplotlib, its figure buffers and the contact sheet's decoded images are that
     task's memory, not the orchestrator's) -> the summary's path."""
@@ -54,6 +55,11 @@ def write_report(out_dir: str, sources, params: dict, st: ReportStats, balance: 
                                     sources, os.path.join(rep, "duplicates.png"), emb),
     }
     groups = group_lines(names, st.groups)
+    dec_lines, dec_png = decontam_section(out_dir, sources, eval_sources, params.get("decontam_verify_threshold", 0.5),
+                                          os.path.join(rep, "decontamination.png"))
+    if dec_png:
+        plots["decontamination"] = dec_png
+    groups = groups + dec_lines
     balance["clusters"] = balance_of_counts(st.cluster_before, st.cluster_after)
     path = os.path.join(rep, "summary.md")
     atomic_write(path, summary_markdown(manifest, params, balance, st.nn, plots, out_dir, groups))
@@ -330,8 +336,9 @@ def summary_markdown(manifest: dict, params: dict, balance: dict, nn_sim, plots:
               + (f"each verified on pixels (correlation > {params.get('verify_threshold')}), "
                  if params.get("verify", False) else "not verified (descriptor edges), ")
               + f"{params.get('grouping', 'components')} groups",
-              f"- decontamination: cosine > {params['decontam_threshold']} to an eval image "
-              f"(the image's whole copy group is removed)",
+              f"- decontamination: cosine > {params['decontam_threshold']} to the nearest eval image"
+              + (f", verified on pixels (score > {params.get('decontam_verify_threshold')})"
+                 if params.get("decontam_verify") else "") + " (the image's whole copy group is removed)",
               f"- embedder for rebalancing: {params.get('embed_model') or 'copy descriptor'}",
               f"- nearest-neighbour similarities within ±0.05 of the dedup threshold: {nn.near} of "
               f"{nn.n} (few means the threshold sits in a gap)", ""]

@@ -14,7 +14,7 @@ from .steps.runner import launch_alone, run_step
 
 
 def make_report(out_dir: str, sources, params: dict, n_examples: int = 8, tasks=None,
-                num_tasks: int | None = None) -> str:
+                num_tasks: int | None = None, eval_sources=None) -> str:
     """Write ``out_dir/report/`` and return the path of its summary.md.
 
     ``params``: dedup_threshold, decontam_threshold, hash_max_distance, hash_enabled, k,
@@ -39,13 +39,13 @@ def make_report(out_dir: str, sources, params: dict, n_examples: int = 8, tasks=
     w = num_tasks if num_tasks is not None else w
     st = report_stats(out_dir, params["dedup_threshold"], params["decontam_threshold"], n_examples, w, launcher)
     got = run_step(report_figures_task, 1, **launch_alone(launcher, w), out_dir=out_dir, sources=sources, params=params, stats=st,
-                   balance=balance)
+                   balance=balance, eval_sources=eval_sources)
     return got[0]["result"]["path"]
 
 
 def report_figures_task(t: int, w: int, out_dir: str, sources, params: dict, stats: ReportStats,
-                        balance: dict) -> dict:
+                        balance: dict, eval_sources=None) -> dict:
     """The report's plots and summary.md, the one task (curation.report.write_report)."""
     from .report import write_report
 
-    return {"path": write_report(out_dir, sources, params, stats, balance)}
+    return {"path": write_report(out_dir, sources, params, stats, balance, eval_sources)}

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from .alignment import structured_match
+
 # Measured on the bench pools (bench/bench_copy.py): copies >= 0.6, distinct tiles <= 0.35.
 DEFAULT_THRESHOLD = 0.5
 # Band-pass std (luminance in [0, 1]). Below LOW_ENERGY in the fine band (sky, blur, smooth
@@ -129,13 +131,14 @@ class PixelVerifier:
     def __init__(self, read: Callable[[int], Image.Image | None], size: int = 128,
                  threshold: float = DEFAULT_THRESHOLD, scales=(0.96, 1.0, 1.04),
                  max_shift: float = 0.08, sigmas=(1.0, 3.0), cache_size: int = 4096,
-                 batch_pairs: int = 512, device: str | torch.device = "cpu"):
+                 batch_pairs: int = 512, device: str | torch.device = "cpu", structure: bool = True):
         from dinopipe.utils.device import pick_device
 
         self.device = pick_device(device, "dedup.verify_device")
         self.read, self.size, self.threshold = read, size, threshold
         self.scales, self.max_shift, self.sigmas = tuple(scales), max_shift, tuple(sigmas)
         self.cache_size, self.batch_pairs = cache_size, batch_pairs
+        self.structure = structure  # accepted pairs must also match with structure in many places, at one position
         self._cache: OrderedDict[int, tuple] = OrderedDict()
         self.n_pairs = 0
         self.n_reads = 0
@@ -221,7 +224,8 @@ class PixelVerifier:
             return c[:, t:, t:] - c[:, :-t, t:] - c[:, t:, :-t] + c[:, :-t, :-t]
 
         tot = box(a)
-        var = (box(a * a) - tot * tot / (t * t)).clamp_min(1e-12)
+        # floor: a window with no energy (masked padding) would divide FFT round-off by ~0 (scores of 2-150)
+        var = (box(a * a) - tot * tot / (t * t)).clamp_min(FLAT_ENERGY ** 2 * t * t)
         return torch.fft.rfft2(a), var.sqrt()
 
     @staticmethod
@@ -290,7 +294,19 @@ class PixelVerifier:
                     fb_u = torch.stack([feats[i][band] for i in ub]).to(self.device)
                     sc = self._score_textured(fa_u, fb_u, ja.ravel(), jb.ravel())
                 out[start + idx] = sc.float().cpu().numpy()
+                if self.structure:
+                    self._refuse_unstructured(out, start, idx, feats, ia, ib, band)
         return out
+
+    def _refuse_unstructured(self, out, start, idx, feats, ia, ib, band) -> None:
+        """Accepted pairs that match along one edge, on a smooth gradient or a periodic texture only (no local
+        agreement, or no unique alignment: curation.leakverify.structured_match) score 0: low-detail images of
+        different sources pass the global correlation that way (docs/curation-scale.md measured 0.55-0.73)."""
+        for j in idx[out[start + idx] > self.threshold]:
+            fa, fb = feats[ia[j]], feats[ib[j]]
+            with torch.no_grad():
+                if not structured_match(fa[2].to(self.device), fb[2].to(self.device)):  # coarse: JPEG-proof
+                    out[start + j] = min(out[start + j], 0.0)
 
     def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.scores(a, b) > self.threshold
@@ -339,7 +355,7 @@ class PartedVerifier:
     the call's pairs from ``<parts_dir>/callC-pairs.npz``."""
 
     def __init__(self, verifier: Callable | None, parts_dir: str, num_tasks: int = 1, launcher: str = "inline",
-                 factory: Callable | None = None):
+                 factory: Callable | None = None, scores: bool = False):
         if verifier is None and factory is None:
             raise ValueError("PartedVerifier needs a verifier or a factory")
         self.verifier, self.factory, self.parts_dir = verifier, factory, parts_dir
@@ -347,6 +363,7 @@ class PartedVerifier:
         self.computed = 0
         self.calls = 0  # copy_dedup_from_pairs verifies twice (candidates, then lone images): parts per call
         self.reports: list[dict] = []
+        self.scores = scores  # True: each pair's verifier.scores (float32) in place of its verdict
 
     def _part(self, a: np.ndarray, task_index: int) -> np.ndarray:
         from .steps.runner import owned_pairs
@@ -354,7 +371,8 @@ class PartedVerifier:
         return owned_pairs(a, task_index, self.num_tasks)
 
     def task(self, a: np.ndarray, b: np.ndarray, task_index: int, call: int = 0) -> np.ndarray:
-        ok, computed = _verify_part(self._verifier, a, b, task_index, self.num_tasks, self.parts_dir, call)
+        ok, computed = _verify_part(self._verifier, a, b, task_index, self.num_tasks, self.parts_dir, call,
+                                    self.scores)
         self.computed += computed
         return ok
 
@@ -365,7 +383,7 @@ class PartedVerifier:
 
     def __call__(self, a, b) -> np.ndarray:
         a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
-        out = np.zeros(len(a), bool)
+        out = np.zeros(len(a), np.float32 if self.scores else bool)
         call, self.calls = self.calls, self.calls + 1
         if self.launcher != "inline" and self.factory is not None:  # W processes (W = 1: tasks.isolate)
             import os
@@ -379,7 +397,7 @@ class PartedVerifier:
             with atomic_path(pairs, suffix=".npz") as tmp:
                 np.savez(tmp, a=a, b=b)
             got = run_step(verify_pairs_task, self.num_tasks, **launch(self.launcher, self.num_tasks), pairs=pairs,
-                           parts_dir=self.parts_dir, call=call, factory=self.factory)
+                           parts_dir=self.parts_dir, call=call, factory=self.factory, scores=self.scores)
             self.reports += got
             for t, g in enumerate(got):
                 out[self._part(a, t)] = _read_ok(self.parts_dir, call, t, self.num_tasks)
@@ -390,7 +408,8 @@ class PartedVerifier:
             from .steps.runner import run_step
 
             for t, g in enumerate(run_step(verify_arrays_task, self.num_tasks, "local", processes=0, a=a, b=b,
-                                           parts_dir=self.parts_dir, call=call, factory=self.factory)):
+                                           parts_dir=self.parts_dir, call=call, factory=self.factory,
+                                           scores=self.scores)):
                 out[self._part(a, t)] = _read_ok(self.parts_dir, call, t, self.num_tasks)
                 self.computed += g["result"]["computed"]
             return out
@@ -411,8 +430,9 @@ def _read_ok(parts_dir: str, call: int, task_index: int, num_tasks: int) -> np.n
 
 
 def _verify_part(get_verifier: Callable, a: np.ndarray, b: np.ndarray, task_index: int, num_tasks: int,
-                 parts_dir: str, call: int) -> tuple[np.ndarray, int]:
-    """(verdicts of task ``task_index``'s pairs, 1 if computed here / 0 if read back from its part)."""
+                 parts_dir: str, call: int, scores: bool = False) -> tuple[np.ndarray, int]:
+    """(verdicts of task ``task_index``'s pairs, 1 if computed here / 0 if read back from its part).
+    ``scores``: the verifier's scores (float32) in place of its verdicts."""
     import hashlib
     import os
 
@@ -428,7 +448,10 @@ def _verify_part(get_verifier: Callable, a: np.ndarray, b: np.ndarray, task_inde
         with np.load(path, allow_pickle=False) as z:
             if str(z["digest"]) == digest:
                 return z["ok"], 0
-    ok = np.asarray(get_verifier()(a[sel], b[sel]), bool) if len(sel) else np.zeros(0, bool)
+    if scores:
+        ok = np.asarray(get_verifier().scores(a[sel], b[sel]), np.float32) if len(sel) else np.zeros(0, np.float32)
+    else:
+        ok = np.asarray(get_verifier()(a[sel], b[sel]), bool) if len(sel) else np.zeros(0, bool)
     os.makedirs(parts_dir, exist_ok=True)
     with atomic_path(path, suffix=".npz") as tmp:
         np.savez(tmp, ok=ok, digest=np.array(digest))
@@ -436,16 +459,17 @@ def _verify_part(get_verifier: Callable, a: np.ndarray, b: np.ndarray, task_inde
 
 
 def verify_arrays_task(t: int, w: int, a: np.ndarray, b: np.ndarray, parts_dir: str, call: int,
-                       factory: Callable) -> dict:
+                       factory: Callable, scores: bool = False) -> dict:
     """Inline runner task ``t`` of ``w`` of one verification call (the pairs passed as arrays)."""
-    ok, computed = _verify_part(factory, a, b, t, w, parts_dir, call)
+    ok, computed = _verify_part(factory, a, b, t, w, parts_dir, call, scores)
     return {"pairs": int(len(ok)), "computed": computed}
 
 
-def verify_pairs_task(t: int, w: int, pairs: str, parts_dir: str, call: int, factory: Callable) -> dict:
+def verify_pairs_task(t: int, w: int, pairs: str, parts_dir: str, call: int, factory: Callable,
+                      scores: bool = False) -> dict:
     """Runner task ``t`` of ``w`` of one verification call: its pairs of ``pairs`` (.npz: a, b), verified by
     ``factory()``'s verifier (built here: one feature cache per task), written as its part."""
     with np.load(pairs, allow_pickle=False) as z:
         a, b = z["a"], z["b"]
-    ok, computed = _verify_part(factory, a, b, t, w, parts_dir, call)
+    ok, computed = _verify_part(factory, a, b, t, w, parts_dir, call, scores)
     return {"pairs": int(len(ok)), "computed": computed}
