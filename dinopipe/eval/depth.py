@@ -97,6 +97,33 @@ class SigLoss(nn.Module):
         return torch.sqrt(dg.clamp_min(1e-12))
 
 
+class DepthLoss(nn.Module):
+    """``loss_fn(pred, target) -> (loss, logs)`` for ``fit_dense_head``: the (B, 1, h, w) prediction upsampled to
+    the label, SigLoss on pixels with a measurement. A module, so SigLoss's warm-up count is checkpointed."""
+
+    metric_keys = ("sigloss",)
+
+    def __init__(self, warm_iter: int = 100) -> None:
+        super().__init__()
+        self.sig = SigLoss(warm_iter=warm_iter)
+
+    def forward(self, pred: Tensor, target: Tensor) -> tuple[Tensor, dict]:
+        pred = F.interpolate(pred, size=target.shape[-2:], mode="bilinear", align_corners=False)
+        loss = self.sig(pred, target, target > 0)
+        return loss, {"sigloss": loss.detach()}
+
+
+class BinsHead(nn.Module):
+    """A head's bin logits -> (B, 1, h, w) metres on the head's grid: the module ``fit_dense_head`` trains."""
+
+    def __init__(self, head: nn.Module, min_depth: float, max_depth: float) -> None:
+        super().__init__()
+        self.head, self.min_depth, self.max_depth = head, min_depth, max_depth
+
+    def forward(self, feats) -> Tensor:
+        return bins_to_depth(self.head(feats), self.min_depth, self.max_depth)
+
+
 def bins_to_depth(logits: Tensor, min_depth: float, max_depth: float) -> Tensor:
     """(B, n_bins, h, w) logits -> (B, 1, h, w) metres: AdaBins' linear bins and linear norm (dinov3 default)."""
     bins = torch.linspace(min_depth, max_depth, logits.shape[1], device=logits.device, dtype=logits.dtype)
@@ -202,5 +229,6 @@ def build_head(kind: str, dim: int, n_blocks: int, protocol: str = "dinov3", n_b
     raise ValueError(f"--head must be linear or dpt, got '{kind}'")
 
 
-__all__ = ["METRIC_KEYS", "depth_metrics", "image_metrics", "eval_mask", "SigLoss", "bins_to_depth", "out_indices",
+__all__ = ["METRIC_KEYS", "depth_metrics", "image_metrics", "eval_mask", "SigLoss", "DepthLoss", "BinsHead",
+            "bins_to_depth", "out_indices",
            "BackboneFeatures", "LinearDepthHead", "DepthModel", "predict", "build_head"]

@@ -13,7 +13,6 @@ CPU for a map ``DepthModel`` upsamples bilinearly anyway).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -33,13 +32,15 @@ class ResidualConvUnit(nn.Module):
 class FusionBlock(nn.Module):
     """(coarser path, this level) -> refined, upsampled x2 to the next finer level's size."""
 
-    def __init__(self, ch: int) -> None:
+    def __init__(self, ch: int, has_skip: bool = True) -> None:
         super().__init__()
-        self.res1, self.res2 = ResidualConvUnit(ch), ResidualConvUnit(ch)
+        # the coarsest level starts the path: no skip to refine (no weights that would never train)
+        self.res1 = ResidualConvUnit(ch) if has_skip else None
+        self.res2 = ResidualConvUnit(ch)
         self.project = nn.Conv2d(ch, ch, 1)
 
     def forward(self, x: Tensor, skip: Tensor | None, out_hw: tuple[int, int]) -> Tensor:
-        if skip is not None:
+        if self.res1 is not None:
             x = F.interpolate(x, size=skip.shape[-2:], mode="bilinear", align_corners=False) + self.res1(skip)
         x = self.res2(x)
         return self.project(F.interpolate(x, size=out_hw, mode="bilinear", align_corners=False))
@@ -60,7 +61,7 @@ class DPTHead(nn.Module):
             nn.Conv2d(hidden[3], hidden[3], 3, stride=2, padding=1),
         ])
         self.to_features = nn.ModuleList(nn.Conv2d(c, features, 3, padding=1, bias=False) for c in hidden)
-        self.fusion = nn.ModuleList(FusionBlock(features) for _ in hidden)
+        self.fusion = nn.ModuleList(FusionBlock(features, has_skip=i < 3) for i in range(4))
         self.out = nn.Sequential(
             nn.Conv2d(features, features // 2, 3, padding=1),
             nn.Conv2d(features // 2, 32, 3, padding=1), nn.ReLU(),
@@ -74,7 +75,7 @@ class DPTHead(nn.Module):
         # coarsest (stride 32) to finest (stride 4); each fusion output has the next finer level's size
         for i in range(3, -1, -1):
             target = tuple(levels[i - 1].shape[-2:]) if i else (8 * h, 8 * w)
-            path = self.fusion[i](levels[i] if path is None else path, None if path is None else levels[i], target)
+            path = self.fusion[i](levels[i] if path is None else path, levels[i], target)
         return self.out(path)
 
 

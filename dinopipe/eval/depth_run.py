@@ -20,12 +20,11 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 
 from ..config import Choice, ConfigError, save_config
 from .data import LabelError
-from .depth import METRIC_KEYS, DepthModel, SigLoss, build_head, depth_metrics, predict
+from .depth import METRIC_KEYS, BinsHead, DepthLoss, DepthModel, build_head, depth_metrics, predict
 from .depth_data import DepthSet, DepthTrainSet, image_tensor, max_valid_depth, open_depth, read_depth_png
 
 log = logging.getLogger(__name__)
@@ -76,15 +75,6 @@ class DepthConfig:
     dpt_features: int = 0
     """DPT fusion channels; 0 = min(256, 4 * embed_dim)."""
     seed: int = 0
-
-
-def _loss(sig: SigLoss):
-    def loss_fn(pred: torch.Tensor, target: torch.Tensor):
-        pred = nn.functional.interpolate(pred, size=target.shape[-2:], mode="bilinear", align_corners=False)
-        valid = target > 0
-        loss = sig(pred, target, valid)
-        return loss, {"sigloss": loss.detach()}
-    return loss_fn
 
 
 def evaluate(model: DepthModel, data: DepthSet, size: int, cfg: DepthConfig, device: torch.device,
@@ -149,8 +139,7 @@ def run_depth(cfg: DepthConfig, model_ref: str, train_dir: str, val_dir: str, ou
                            warmup_frac=cfg.warmup_frac, device=str(device), out=str(out / "run"), seed=cfg.seed,
                            progress=progress)
     t0 = time.time()
-    fit = fit_dense_head(model.features, _BinsHead(model), loader, None, _loss(SigLoss()), tcfg,
-                         metric_keys=("sigloss",))
+    fit = fit_dense_head(model.features, BinsHead(head, cfg.min_depth, max_depth), loader, None, DepthLoss(), tcfg)
     if fit["exit"] != 0:
         return {"exit": fit["exit"]}
     train_s = time.time() - t0
@@ -172,21 +161,6 @@ def head_config(cfg: DepthConfig, layers: list[int], max_depth: float, size: int
 
 def _plain(cfg: DepthConfig) -> dict:
     return {k: (v.value if isinstance(v, Choice) else v) for k, v in asdict(cfg).items()}
-
-
-class _BinsHead(nn.Module):
-    """The depth model's head + bins as the trainer's head: features -> (B, 1, h, w) metres on the head's grid."""
-
-    def __init__(self, model: DepthModel) -> None:
-        super().__init__()
-        self.model = [model]  # not a submodule: the trainer checkpoints the head below, not the backbone twice
-        self.head = model.head
-
-    def forward(self, feats):
-        from .depth import bins_to_depth
-
-        m = self.model[0]
-        return bins_to_depth(self.head(feats), m.min_depth, m.max_depth)
 
 
 __all__ = ["DepthConfig", "run_depth", "evaluate", "check_depth_config", "head_config"]

@@ -92,7 +92,7 @@ def load_head_model(path: str | Path, device: str | torch.device = "cpu") -> nn.
     ref = str(cfg.get("backbone", BACKBONE_DIR))
     backbone = load(path / ref if (path / ref).exists() else ref, device="cpu")
     model, head = _BUILDERS[task](backbone, dict(cfg["head"]))
-    sd = read_safetensors(path / HEAD_WEIGHTS)
+    sd, _ = read_safetensors(path / HEAD_WEIGHTS)
     try:
         head.load_state_dict(sd, strict=True)
     except RuntimeError as exc:

@@ -16,7 +16,9 @@ The contract:
     the dataset has ``takes_epoch = True``, else ``dataset[index]``), its ``batch_size``, ``collate_fn`` and
     ``num_workers`` kept. With a ``key`` and a frozen backbone, features are computed once per key and cached
     (``cfg.cache_features``): the key must name the exact input (e.g. index and flip).
-  * ``loss_fn(pred, targets) -> (loss, logs)``: logs are numbers (declared metrics of the loop, logged each step).
+  * ``loss_fn(pred, targets) -> (loss, logs)``: the logs' numeric keys are declared to the loop by ``metric_keys``
+    (or the loss's ``metric_keys`` attribute) and logged to metrics.jsonl. A stateful loss (an ``nn.Module``) is
+    checkpointed with the head, so a resumed run computes the same losses.
   * ``val_fn(backbone, head) -> dict`` runs once after training (eval mode, no grad) and is returned under
     ``"val"``.
   * ``cfg`` (:class:`HeadTrainConfig`): epochs, lr (the head's AdamW peak, linear warm-up then cosine),
@@ -67,6 +69,8 @@ class HeadTrainConfig:
     bf16: bool = True
     """bf16 autocast of the forward on CUDA (the head's and a tuned backbone's); ignored on CPU."""
     cache_features: bool = True
+    stop_after: Optional[int] = None
+    """Stop (with a checkpoint) after this many steps of this call: how tests interrupt a run."""
 
 
 class PatchMap(nn.Module):
@@ -112,6 +116,9 @@ class DenseHeadTask:
         self.backbone, self.head, self.loss_fn, self.cfg, self.device = backbone, head, loss_fn, cfg, device
         self.tuned = cfg.backbone_lr > 0
         self.backbone.requires_grad_(self.tuned)
+        for n, p in self.backbone.named_parameters():
+            if n.endswith("mask_token"):
+                p.requires_grad_(False)
         parts = {"head": head, "backbone": backbone}
         if isinstance(loss_fn, nn.Module):
             parts["loss"] = loss_fn
@@ -218,10 +225,13 @@ def fit_dense_head(backbone: nn.Module, head: nn.Module, train_loader: DataLoade
     batch = min(int(loader.batch_size or 1), n)
     per_epoch = n // batch
     total = max(1, cfg.epochs * per_epoch)
-    task = DenseHeadTask(backbone, head, loss_fn, cfg, device, metric_keys)
+    task = DenseHeadTask(backbone, head, loss_fn, cfg, device, metric_keys or tuple(getattr(loss_fn, "metric_keys", ())))
     groups = [{"params": [p for p in head.parameters() if p.requires_grad], "lr_multiplier": 1.0}]
     if task.tuned:
-        groups.append({"params": list(backbone.parameters()), "is_backbone": True,
+        # mask_token only serves masked pretraining: no gradient here, and an optimizer state that never forms
+        # would not match a resumed run's (DCP loads the state of every parameter in the optimizer)
+        groups.append({"params": [p for n, p in backbone.named_parameters() if not n.endswith("mask_token")],
+                       "is_backbone": True,
                        "lr_multiplier": cfg.backbone_lr / cfg.lr})
     if isinstance(loss_fn, nn.Module) and any(p.requires_grad for p in loss_fn.parameters()):
         groups.append({"params": [p for p in loss_fn.parameters() if p.requires_grad]})
@@ -237,7 +247,8 @@ def fit_dense_head(backbone: nn.Module, head: nn.Module, train_loader: DataLoade
 
     info = DistInfo(device=device)
     loop_cfg = LoopConfig(seed=cfg.seed, clip_grad=cfg.clip_grad, log_every=cfg.log_every,
-                          checkpoint_every=cfg.checkpoint_every or per_epoch, keep_last=2, progress=cfg.progress)
+                          checkpoint_every=cfg.checkpoint_every or per_epoch, keep_last=2, progress=cfg.progress,
+                          stop_after=cfg.stop_after)
     trainer = Trainer(task, optimizer, schedules, [Phase("head", 0, total, batch, batch, batch, build_loader)],
                       cfg.out, info, loop_cfg, pool_size=n)
     rc = trainer.fit()
