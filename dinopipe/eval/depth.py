@@ -137,7 +137,9 @@ def out_indices(n_blocks: int, n: int) -> list[int]:
     """``n`` evenly spaced block indices ending at the last (dinov3 FOUR_EVEN_INTERVALS for n=4)."""
     if n == 1:
         return [n_blocks - 1]
-    return [i * (n_blocks // n) - 1 for i in range(1, n + 1)] if n_blocks >= n else list(range(n_blocks))
+    if n_blocks >= n:
+        return [i * (n_blocks // n) - 1 for i in range(1, n + 1)]
+    return [max(0, -(-(i + 1) * n_blocks // n) - 1) for i in range(n)]  # a shallow model: blocks repeat
 
 
 class BackboneFeatures(nn.Module):
@@ -150,8 +152,9 @@ class BackboneFeatures(nn.Module):
         self.backbone, self.layers = backbone, list(layers)
 
     def forward(self, x: Tensor) -> list[tuple[Tensor, Tensor]]:
-        return list(self.backbone.get_intermediate_layers(x, n=self.layers, reshape=True, return_class_token=True,
-                                                          norm=True))
+        uniq = sorted(set(self.layers))  # the backbone returns each block once, in block order
+        outs = self.backbone.get_intermediate_layers(x, n=uniq, reshape=True, return_class_token=True, norm=True)
+        return [outs[uniq.index(i)] for i in self.layers]
 
 
 class LinearDepthHead(nn.Module):

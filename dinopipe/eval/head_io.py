@@ -135,14 +135,16 @@ def _graph(model: nn.Module) -> nn.Module:
 
 
 def trace_head_model(model: nn.Module, image_size: Optional[int] = None) -> torch.export.ExportedProgram:
-    """torch.export of ``model.forward(images)``: dynamic batch, height and width (multiples of the patch)."""
+    """torch.export of ``model.forward(images)``: dynamic batch, height and width (multiples of the patch, at least
+    3 patches)."""
     from torch.export import Dim
 
     g = _graph(model)
     p = int(g.backbone.patch_size)
     size = int(image_size or 4 * p)
-    shapes = {"x": {0: Dim("batch", min=1, max=4096), 2: p * Dim("grid_h", min=1, max=512),
-                    3: p * Dim("grid_w", min=1, max=512)}}
+    # >= 3 patches a side: a DPT head's stride-2 level then has >= 2 rows (a size-1 dim would be specialised)
+    shapes = {"x": {0: Dim("batch", min=1, max=4096), 2: p * Dim("grid_h", min=3, max=512),
+                    3: p * Dim("grid_w", min=3, max=512)}}
     with torch.no_grad():
         return torch.export.export(g, (torch.randn(2, 3, size, size),), dynamic_shapes=shapes)
 
