@@ -1,0 +1,150 @@
+"""Depth heads on scenes rendered from real pixels: DPT vs the linear-bins probe, a pretrained backbone vs its
+random init, 3 seeds each, through the same path as `dinopipe eval depth` (``run_depth``).
+
+Scenes (``dinopipe/eval/depth_scenes.py``): a pinhole camera over a textured ground plane (scikit-image's
+brick / grass / gravel) with photo billboards standing at known depths before a photo wall; train scenes use the
+left half of every source image, val scenes the right half. Each seed renders its own train and val sets and
+seeds the head. Reported: the official metrics (dinov3 formulas) on val, mean and standard error over seeds,
+and the difference DPT - linear in units of its standard error.
+
+    python bench/bench_depth.py --teacher runs/quickstart/pretrain/export/teacher   # after `make quickstart`
+    python bench/bench_depth.py --teacher T --picture docs/depth_bench.png          # + predictions beside truth
+
+JSON in bench/results/depth.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dinopipe.config import load_config  # noqa: E402
+from dinopipe.eval.depth import METRIC_KEYS  # noqa: E402
+from dinopipe.eval.depth_run import DepthConfig, run_depth  # noqa: E402
+from dinopipe.eval.depth_scenes import build_depth_scenes  # noqa: E402
+
+SHOW = ("abs_rel", "rmse", "a1", "silog")
+
+
+def _sets(root: Path, seed: int, n_train: int, n_val: int, size: int) -> tuple[Path, Path]:
+    tr, va = root / f"s{seed}" / "train", root / f"s{seed}" / "val"
+    if not tr.exists():
+        build_depth_scenes(tr, n_train, size, seed=1000 + seed, half="left")
+        build_depth_scenes(va, n_val, size, seed=2000 + seed, half="right")
+    return tr, va
+
+
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--teacher", required=True, help="a pretrained backbone dinopipe.load reads")
+    ap.add_argument("--random", default="vit_test", help="the random-init model of the same architecture")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--train", type=int, default=48)
+    ap.add_argument("--val", type=int, default=16)
+    ap.add_argument("--size", type=int, default=112)
+    ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--dpt-features", type=int, default=64)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "depth.json"))
+    ap.add_argument("--picture", default=None, help="PNG: val images, truth, linear and DPT predictions")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    rows = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for seed in range(args.seeds):
+            tr, va = _sets(root, seed, args.train, args.val, args.size)
+            for bb_name, bb in (("pretrained", args.teacher), ("random", args.random)):
+                for head in ("linear", "dpt"):
+                    cfg = load_config(DepthConfig, None, [f"head={head}", f"epochs={args.epochs}", f"seed={seed}",
+                                                          f"img_size={args.size}", "workers=0",
+                                                          f"dpt_features={args.dpt_features}", "max_depth=20"])
+                    out = root / f"r_{seed}_{bb_name}_{head}"
+                    t = time.time()
+                    res = run_depth(cfg, bb, str(tr), str(va), out, torch.device("cpu"),
+                                    save_predictions=bool(args.picture) and seed == 0, progress=False)
+                    rows.append({"seed": seed, "backbone": bb_name, "head": head, "seconds": round(time.time() - t, 1),
+                                 **{k: res[k] for k in METRIC_KEYS}})
+                    print(f"seed {seed} {bb_name:10s} {head:6s} " + "  ".join(f"{k} {res[k]:.4f}" for k in SHOW)
+                          + f"  ({rows[-1]['seconds']} s)", flush=True)
+                    if args.picture and seed == 0 and bb_name == "pretrained":
+                        (root / f"pic_{head}").symlink_to(out / "predictions")
+        if args.picture:
+            _picture(root, va if args.seeds == 1 else root / "s0" / "val", Path(args.picture))
+    summary = {}
+    for bb_name in ("pretrained", "random"):
+        for head in ("linear", "dpt"):
+            sel = [r for r in rows if r["backbone"] == bb_name and r["head"] == head]
+            summary[f"{bb_name}/{head}"] = {k: _mean_se([r[k] for r in sel]) for k in METRIC_KEYS}
+    comparisons = {}
+    for name, a, b in (("dpt_vs_linear/pretrained", "pretrained/dpt", "pretrained/linear"),
+                       ("dpt_vs_linear/random", "random/dpt", "random/linear"),
+                       ("pretrained_vs_random/linear", "pretrained/linear", "random/linear"),
+                       ("pretrained_vs_random/dpt", "pretrained/dpt", "random/dpt")):
+        # paired by seed (same scenes): the mean and standard error of the per-seed difference in abs_rel
+        ka, kb = a.split("/"), b.split("/")
+        diffs = [next(r["abs_rel"] for r in rows if r["seed"] == s and [r["backbone"], r["head"]] == ka)
+                 - next(r["abs_rel"] for r in rows if r["seed"] == s and [r["backbone"], r["head"]] == kb)
+                 for s in range(args.seeds)]
+        m, se = _mean_se(diffs)
+        comparisons[name] = {"abs_rel_diff": m, "se": se, "n_se": (-m / se) if se and se > 0 else None}
+    result = {"bench": "depth", "settings": vars(args), "rows": rows, "summary": summary,
+              "comparisons": comparisons, "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
+              "device": "cpu"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\n| backbone | head | abs_rel | rmse (m) | a1 | silog |\n|---|---|---|---|---|---|")
+    for key, s in summary.items():
+        bb_name, head = key.split("/")
+        print(f"| {bb_name} | {head} | " + " | ".join(f"{s[k][0]:.3f} ± {s[k][1]:.3f}" for k in SHOW) + " |")
+    for name, c in comparisons.items():
+        print(f"{name}: abs_rel difference {c['abs_rel_diff']:+.4f} ± {c['se']:.4f} "
+              f"({c['n_se']:.1f} standard errors better)" if c["n_se"] is not None else f"{name}: {c}")
+    print(f"wrote {args.out} ({result['seconds']} s)")
+    return 0
+
+
+def _picture(root: Path, val: Path, out: Path, n: int = 4) -> None:
+    """Rows: image, truth, linear, DPT (pretrained backbone, seed 0); one colour scale per column."""
+    from PIL import Image
+
+    from dinopipe.eval.depth_data import open_depth, read_depth_png
+
+    data = open_depth(val)
+    cols = []
+    for (img, dep), name in list(zip(data.pairs, data.names))[:n]:
+        gt = read_depth_png(dep)
+        top = max(float(gt.max()), 1e-3)
+
+        def color(d):
+            x = np.clip(1 - d / top, 0, 1)
+            return (np.stack([x, x ** 2, 0.3 + 0.7 * (1 - x)], -1) * 255 * (d > 0)[..., None]).astype(np.uint8)
+
+        tiles = [np.asarray(Image.open(img).convert("RGB")), color(gt)]
+        tiles += [color(np.load(root / f"pic_{h}" / f"{name}.npy")) for h in ("linear", "dpt")]
+        cols.append(np.concatenate(tiles, 0))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.concatenate(cols, 1)).save(out)
+    print(f"picture: {out} (rows: image, truth, linear, DPT)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
