@@ -56,11 +56,14 @@ def main() -> int:
     ap.add_argument("--teacher", required=True, help="a pretrained backbone dinopipe.load reads")
     ap.add_argument("--random", default="vit_test", help="the random-init model of the same architecture")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--train", type=int, default=48)
-    ap.add_argument("--val", type=int, default=16)
+    ap.add_argument("--heads", nargs="+", default=["linear", "dpt"])
+    ap.add_argument("--train", type=int, default=32)
+    ap.add_argument("--val", type=int, default=12)
     ap.add_argument("--size", type=int, default=112)
-    ap.add_argument("--epochs", type=int, default=15)
-    ap.add_argument("--dpt-features", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--dpt-features", type=int, default=32)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "depth.json"))
     ap.add_argument("--picture", default=None, help="PNG: val images, truth, linear and DPT predictions")
     args = ap.parse_args()
@@ -72,11 +75,12 @@ def main() -> int:
         root = Path(tmp)
         for seed in range(args.seeds):
             tr, va = _sets(root, seed, args.train, args.val, args.size)
-            for bb_name, bb in (("pretrained", args.teacher), ("random", args.random)):
-                for head in ("linear", "dpt"):
+            for bb_name, bb in (("pretrained", args.teacher), ("random", args.random))[:2 if args.random else 1]:
+                for head in args.heads:
                     cfg = load_config(DepthConfig, None, [f"head={head}", f"epochs={args.epochs}", f"seed={seed}",
                                                           f"img_size={args.size}", "workers=0",
-                                                          f"dpt_features={args.dpt_features}", "max_depth=20"])
+                                                          f"dpt_features={args.dpt_features}", "max_depth=20",
+                                                          f"batch_size={args.batch_size}", f"lr={args.lr}"])
                     out = root / f"r_{seed}_{bb_name}_{head}"
                     t = time.time()
                     res = run_depth(cfg, bb, str(tr), str(va), out, torch.device("cpu"),
@@ -93,13 +97,16 @@ def main() -> int:
     for bb_name in ("pretrained", "random"):
         for head in ("linear", "dpt"):
             sel = [r for r in rows if r["backbone"] == bb_name and r["head"] == head]
-            summary[f"{bb_name}/{head}"] = {k: _mean_se([r[k] for r in sel]) for k in METRIC_KEYS}
+            if sel:
+                summary[f"{bb_name}/{head}"] = {k: _mean_se([r[k] for r in sel]) for k in METRIC_KEYS}
     comparisons = {}
     for name, a, b in (("dpt_vs_linear/pretrained", "pretrained/dpt", "pretrained/linear"),
                        ("dpt_vs_linear/random", "random/dpt", "random/linear"),
                        ("pretrained_vs_random/linear", "pretrained/linear", "random/linear"),
                        ("pretrained_vs_random/dpt", "pretrained/dpt", "random/dpt")):
         # paired by seed (same scenes): the mean and standard error of the per-seed difference in abs_rel
+        if a not in summary or b not in summary:
+            continue
         ka, kb = a.split("/"), b.split("/")
         diffs = [next(r["abs_rel"] for r in rows if r["seed"] == s and [r["backbone"], r["head"]] == ka)
                  - next(r["abs_rel"] for r in rows if r["seed"] == s and [r["backbone"], r["head"]] == kb)
@@ -111,7 +118,7 @@ def main() -> int:
               "device": "cpu"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\n| backbone | head | abs_rel | rmse (m) | a1 | silog |\n|---|---|---|---|---|---|")
+    print("\n| backbone | head | abs_rel | rmse (m) | a1 | silog |\n|---|---|---|---|---|---|")
     for key, s in summary.items():
         bb_name, head = key.split("/")
         print(f"| {bb_name} | {head} | " + " | ".join(f"{s[k][0]:.3f} ± {s[k][1]:.3f}" for k in SHOW) + " |")

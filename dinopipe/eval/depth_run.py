@@ -74,6 +74,9 @@ class DepthConfig:
     """Random horizontal flips during training."""
     dpt_features: int = 0
     """DPT fusion channels; 0 = min(256, 4 * embed_dim)."""
+    sigloss_warm_iter: int = 100
+    """SigLoss steps with the mean term only (dinov3: 100); a run of fewer than 10x this many steps uses a tenth of
+    its steps, or the variance term (the shape of the scene) would never be trained."""
     seed: int = 0
 
 
@@ -111,6 +114,7 @@ def check_depth_config(cfg: DepthConfig) -> None:
          cfg.eval_min_depth)
     need(cfg.img_size >= 0, "img_size", ">= 0", cfg.img_size)
     need(0 <= cfg.warmup_frac < 1, "warmup_frac", "in [0, 1)", cfg.warmup_frac)
+    need(cfg.sigloss_warm_iter >= 0, "sigloss_warm_iter", ">= 0", cfg.sigloss_warm_iter)
 
 
 def run_depth(cfg: DepthConfig, model_ref: str, train_dir: str, val_dir: str, out: Path, device: torch.device,
@@ -139,7 +143,9 @@ def run_depth(cfg: DepthConfig, model_ref: str, train_dir: str, val_dir: str, ou
                            warmup_frac=cfg.warmup_frac, device=str(device), out=str(out / "run"), seed=cfg.seed,
                            progress=progress)
     t0 = time.time()
-    fit = fit_dense_head(model.features, BinsHead(head, cfg.min_depth, max_depth), loader, None, DepthLoss(), tcfg)
+    steps = cfg.epochs * (len(train) // min(cfg.batch_size, len(train)))
+    loss = DepthLoss(warm_iter=min(cfg.sigloss_warm_iter, steps // 10))
+    fit = fit_dense_head(model.features, BinsHead(head, cfg.min_depth, max_depth), loader, None, loss, tcfg)
     if fit["exit"] != 0:
         return {"exit": fit["exit"]}
     train_s = time.time() - t0
