@@ -53,7 +53,8 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--teacher", required=True, help="a pretrained backbone dinopipe.load reads")
+    ap.add_argument("--teacher", default=None, help="a pretrained backbone dinopipe.load reads")
+    ap.add_argument("--summarize", default=None, help="only recompute and print the tables of a results JSON")
     ap.add_argument("--random", default="vit_test", help="the random-init model of the same architecture")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--heads", nargs="+", default=["linear", "dpt"])
@@ -67,6 +68,14 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "depth.json"))
     ap.add_argument("--picture", default=None, help="PNG: val images, truth, linear and DPT predictions")
     args = ap.parse_args()
+    if args.summarize:
+        res = json.loads(Path(args.summarize).read_text())
+        res["summary"], res["comparisons"] = summarize(res["rows"], res["settings"]["seeds"])
+        Path(args.summarize).write_text(json.dumps(res, indent=2))  # the tables of the current summarize()
+        print_tables(res["summary"], res["comparisons"])
+        return 0
+    if not args.teacher:
+        ap.error("--teacher is required")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     rows = []
@@ -93,6 +102,23 @@ def main() -> int:
                         (root / f"pic_{head}").symlink_to(out / "predictions")
         if args.picture:
             _picture(root, va if args.seeds == 1 else root / "s0" / "val", Path(args.picture))
+    summary, comparisons = summarize(rows, args.seeds)
+    result = {"bench": "depth", "settings": vars(args), "rows": rows, "summary": summary,
+              "comparisons": comparisons, "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
+              "device": "cpu"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print_tables(summary, comparisons)
+    print(f"wrote {args.out} ({result['seconds']} s)")
+    return 0
+
+
+LOWER_BETTER = {k: k not in ("a1", "a2", "a3") for k in METRIC_KEYS}
+
+
+def summarize(rows: list[dict], seeds: int) -> tuple[dict, dict]:
+    """Mean and standard error over seeds per (backbone, head); paired per-seed differences (same scenes) for
+    DPT - linear and pretrained - random, with how many standard errors the first is better by."""
     summary = {}
     for bb_name in ("pretrained", "random"):
         for head in ("linear", "dpt"):
@@ -104,33 +130,34 @@ def main() -> int:
                        ("dpt_vs_linear/random", "random/dpt", "random/linear"),
                        ("pretrained_vs_random/linear", "pretrained/linear", "random/linear"),
                        ("pretrained_vs_random/dpt", "pretrained/dpt", "random/dpt")):
-        # paired by seed (same scenes): the mean and standard error of the per-seed difference in abs_rel
         if a not in summary or b not in summary:
             continue
         ka, kb = a.split("/"), b.split("/")
-        diffs = [next(r["abs_rel"] for r in rows if r["seed"] == s and [r["backbone"], r["head"]] == ka)
-                 - next(r["abs_rel"] for r in rows if r["seed"] == s and [r["backbone"], r["head"]] == kb)
-                 for s in range(args.seeds)]
-        m, se = _mean_se(diffs)
-        comparisons[name] = {"abs_rel_diff": m, "se": se, "n_se": (-m / se) if se and se > 0 else None}
-    result = {"bench": "depth", "settings": vars(args), "rows": rows, "summary": summary,
-              "comparisons": comparisons, "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
-              "device": "cpu"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print("\n| backbone | head | abs_rel | rmse (m) | a1 | silog |\n|---|---|---|---|---|---|")
+        comparisons[name] = {}
+        for k in SHOW:
+            diffs = [next(r[k] for r in rows if r["seed"] == s and [r["backbone"], r["head"]] == ka)
+                     - next(r[k] for r in rows if r["seed"] == s and [r["backbone"], r["head"]] == kb)
+                     for s in range(seeds)]
+            m, se = _mean_se(diffs)
+            better = -m if LOWER_BETTER[k] else m
+            comparisons[name][k] = {"diff": m, "se": se, "n_se_better": better / se if se and se > 0 else None}
+    return summary, comparisons
+
+
+def print_tables(summary: dict, comparisons: dict) -> None:
+    print("\n| backbone | head | " + " | ".join(SHOW) + " |\n|---|---|" + "---|" * len(SHOW))
     for key, s in summary.items():
         bb_name, head = key.split("/")
         print(f"| {bb_name} | {head} | " + " | ".join(f"{s[k][0]:.3f} ± {s[k][1]:.3f}" for k in SHOW) + " |")
+    print("\n| comparison (first better by, in standard errors of the paired difference) | " + " | ".join(SHOW)
+          + " |\n|---|" + "---|" * len(SHOW))
     for name, c in comparisons.items():
-        print(f"{name}: abs_rel difference {c['abs_rel_diff']:+.4f} ± {c['se']:.4f} "
-              f"({c['n_se']:.1f} standard errors better)" if c["n_se"] is not None else f"{name}: {c}")
-    print(f"wrote {args.out} ({result['seconds']} s)")
-    return 0
+        print(f"| {name} | " + " | ".join(f"{c[k]['n_se_better']:+.1f}" if c[k]["n_se_better"] is not None
+                                          else "-" for k in SHOW) + " |")
 
 
 def _picture(root: Path, val: Path, out: Path, n: int = 4) -> None:
-    """Rows: image, truth, linear, DPT (pretrained backbone, seed 0); one colour scale per column."""
+    """Rows: image, truth, linear, DPT (pretrained backbone, seed 0); inverse depth, one colour scale per column."""
     from PIL import Image
 
     from dinopipe.eval.depth_data import open_depth, read_depth_png
@@ -139,11 +166,11 @@ def _picture(root: Path, val: Path, out: Path, n: int = 4) -> None:
     cols = []
     for (img, dep), name in list(zip(data.pairs, data.names))[:n]:
         gt = read_depth_png(dep)
-        top = max(float(gt.max()), 1e-3)
+        lo, hi = 1.0 / max(float(gt.max()), 1e-3), 1.0 / max(float(gt[gt > 0].min()), 1e-3)
 
-        def color(d):
-            x = np.clip(1 - d / top, 0, 1)
-            return (np.stack([x, x ** 2, 0.3 + 0.7 * (1 - x)], -1) * 255 * (d > 0)[..., None]).astype(np.uint8)
+        def color(d):  # inverse depth (near = bright yellow, far = dark blue), the truth's range for every row
+            x = np.clip((1.0 / np.maximum(d, 1e-3) - lo) / (hi - lo), 0, 1)
+            return (np.stack([x, x ** 0.7 * 0.9, 0.5 * (1 - x)], -1) * 255 * (d > 0)[..., None]).astype(np.uint8)
 
         tiles = [np.asarray(Image.open(img).convert("RGB")), color(gt)]
         tiles += [color(np.load(root / f"pic_{h}" / f"{name}.npy")) for h in ("linear", "dpt")]
