@@ -254,6 +254,12 @@ def fit_dense_head(backbone: nn.Module, head: nn.Module, train_loader: DataLoade
     rc = trainer.fit()
     out: dict[str, Any] = {"exit": rc, "steps": int(trainer.state.values["step"]), "epochs": cfg.epochs,
                            "batch_size": batch, "lr": cfg.lr, "backbone_lr": cfg.backbone_lr}
+    logged = Path(cfg.out) / "metrics.jsonl"
+    if logged.is_file():  # the last logged step's loss (the loop logs every log_every steps and the last one)
+        import json
+
+        last = [json.loads(x) for x in logged.read_text().splitlines() if '"loss"' in x][-1:]
+        out["train_loss"] = last[0]["loss"] if last else None
     if rc == 0 and val_fn is not None:
         backbone.eval()
         head.eval()

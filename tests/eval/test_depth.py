@@ -108,6 +108,7 @@ def test_dpt_trains_with_registers_and_rope_frozen_or_tuned(sets, tmp_path, name
                                                      ).state_dict().items()}
         res, model = _fit(sets, tmp_path / f"run{lr}", backbone_lr=lr, name=name)
         assert res["exit"] == 0 and res["steps"] == 6 and res["val"] == {"ok": 1}
+        assert np.isfinite(res["train_loss"])
         moved = any(not torch.equal(ref[k], v) for k, v in model.backbone.state_dict().items())
         assert moved == changes
         assert (tmp_path / f"run{lr}" / "metrics.jsonl").is_file()
