@@ -47,6 +47,47 @@ def _sets(root: Path, seed: int, n_train: int, n_val: int, size: int) -> tuple[P
     return tr, va
 
 
+MOTORCYCLE = {"focal_px": 994.978, "baseline_m": 0.193001, "doffs_px": 31.086}  # skimage's docstring (1/4 scale)
+
+
+def motorcycle_check(model_dir: Path) -> dict:
+    """Middlebury's Motorcycle (scikit-image's ``stereo_motorcycle``): depth from the ground-truth disparity and the
+    calibration, Z = f B / (d + doffs). Only the image's right half is scored (train scenes drew billboards from the
+    left half of every photo, this one included). The prediction is aligned to the truth in scale and shift by least
+    squares (dinov3's ``align_least_squares``), as for a model trained on other scenes its metric scale means
+    nothing: what is left is the shape."""
+    import torch.nn.functional as F
+    from skimage import data
+
+    import dinopipe
+    from dinopipe.eval.depth import depth_metrics
+    from dinopipe.eval.depth_data import image_tensor
+
+    left, _, disp = data.stereo_motorcycle()
+    w = left.shape[1] // 2
+    img, disp = left[:, w:], disp[:, w:]
+    gt = np.where(np.isfinite(disp), MOTORCYCLE["focal_px"] * MOTORCYCLE["baseline_m"]
+                  / (np.nan_to_num(disp, posinf=0) + MOTORCYCLE["doffs_px"]), 0.0)
+    gt = np.where(np.isfinite(disp), gt, 0.0).astype(np.float64)
+    model = dinopipe.load(model_dir)
+    p = int(model.patch)
+    h, ww = 8 * p, int(round(8 * p * img.shape[1] / img.shape[0] / p)) * p
+    from PIL import Image
+
+    tmp = Path(tempfile.mkstemp(suffix=".png")[1])
+    Image.fromarray(img).save(tmp)
+    x = image_tensor(tmp, (h, ww))[None]
+    tmp.unlink()
+    with torch.no_grad():
+        pred = F.interpolate(model(x), size=gt.shape, mode="bilinear", align_corners=False)[0, 0].double().numpy()
+    valid = gt > 0
+    A = np.stack([pred[valid], np.ones(valid.sum())], 1)
+    scale, shift = np.linalg.lstsq(A, gt[valid], rcond=None)[0]
+    aligned = np.maximum(pred * scale + shift, 1e-3)
+    m = depth_metrics([aligned], [gt])
+    return {k: m[k] for k in ("abs_rel", "a1", "rmse", "silog")}
+
+
 def _mean_se(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
 
@@ -95,9 +136,11 @@ def main() -> int:
                     res = run_depth(cfg, bb, str(tr), str(va), out, torch.device("cpu"),
                                     save_predictions=bool(args.picture) and seed == 0, progress=False)
                     rows.append({"seed": seed, "backbone": bb_name, "head": head, "seconds": round(time.time() - t, 1),
-                                 **{k: res[k] for k in METRIC_KEYS}})
+                                 **{k: res[k] for k in METRIC_KEYS},
+                                 "motorcycle": motorcycle_check(out / "model")})
                     print(f"seed {seed} {bb_name:10s} {head:6s} " + "  ".join(f"{k} {res[k]:.4f}" for k in SHOW)
-                          + f"  ({rows[-1]['seconds']} s)", flush=True)
+                          + f"  ({rows[-1]['seconds']} s)  motorcycle (aligned) abs_rel "
+                          + f"{rows[-1]['motorcycle']['abs_rel']:.4f} a1 {rows[-1]['motorcycle']['a1']:.4f}", flush=True)
                     if args.picture and seed == 0 and bb_name == "pretrained":
                         (root / f"pic_{head}").symlink_to(out / "predictions")
         if args.picture:
@@ -125,6 +168,9 @@ def summarize(rows: list[dict], seeds: int) -> tuple[dict, dict]:
             sel = [r for r in rows if r["backbone"] == bb_name and r["head"] == head]
             if sel:
                 summary[f"{bb_name}/{head}"] = {k: _mean_se([r[k] for r in sel]) for k in METRIC_KEYS}
+                if all("motorcycle" in r for r in sel):
+                    summary[f"{bb_name}/{head}"]["motorcycle"] = {
+                        k: _mean_se([r["motorcycle"][k] for r in sel]) for k in sel[0]["motorcycle"]}
     comparisons = {}
     for name, a, b in (("dpt_vs_linear/pretrained", "pretrained/dpt", "pretrained/linear"),
                        ("dpt_vs_linear/random", "random/dpt", "random/linear"),
@@ -149,6 +195,11 @@ def print_tables(summary: dict, comparisons: dict) -> None:
     for key, s in summary.items():
         bb_name, head = key.split("/")
         print(f"| {bb_name} | {head} | " + " | ".join(f"{s[k][0]:.3f} ± {s[k][1]:.3f}" for k in SHOW) + " |")
+    if all("motorcycle" in s for s in summary.values()):
+        print("\n| motorcycle (right half, scale+shift aligned) | abs_rel | a1 |\n|---|---|---|")
+        for key, s in summary.items():
+            mc = s["motorcycle"]
+            print(f"| {key} | {mc['abs_rel'][0]:.3f} ± {mc['abs_rel'][1]:.3f} | {mc['a1'][0]:.3f} ± {mc['a1'][1]:.3f} |")
     print("\n| comparison (first better by, in standard errors of the paired difference) | " + " | ".join(SHOW)
           + " |\n|---|" + "---|" * len(SHOW))
     for name, c in comparisons.items():
