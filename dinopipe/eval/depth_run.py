@@ -126,6 +126,7 @@ def run_depth(cfg: DepthConfig, model_ref: str, train_dir: str, val_dir: str, ou
     check_depth_config(cfg)
     train, val = open_depth(train_dir), open_depth(val_dir)  # data problems surface before the model loads
     max_depth = cfg.max_depth or float(math.ceil(max_valid_depth(train)))
+    torch.manual_seed(cfg.seed)  # a registry name is a random init: the same one for the same seed
     backbone = load(model_ref, device=device, num_heads=num_heads)
     p = int(backbone.patch_size)
     size = cfg.img_size or int(backbone.patch_embed.img_size[0])
