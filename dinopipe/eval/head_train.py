@@ -24,6 +24,9 @@ The contract:
   * ``cfg`` (:class:`HeadTrainConfig`): epochs, lr (the head's AdamW peak, linear warm-up then cosine),
     backbone_lr (0 = frozen: no gradient, eval mode; > 0 = tuned in the same optimizer as an ``is_backbone``
     group), device, out (the run folder), bf16 (autocast on CUDA where the backbone is tuned).
+
+Not yet: several processes. The loop runs here in one process (``DistInfo()``); sharding a tuned backbone with
+FSDP2 over a torchrun job (``train/parallel.py``) and evaluating on rank 0 is the missing piece.
 """
 
 from __future__ import annotations
