@@ -71,8 +71,12 @@ gpu-proxy: venv
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/gpu_proxy.py
 	$(BIN)/python bench/gpu_proxy.py --render
 
+# Also dinov3 (.official/dinov3: its depth metrics, run by tests/eval/test_depth_metrics.py); offline, give a local
+# git dir: make official-src OFFICIAL_SRC=/path/dinov2.git OFFICIAL_SRC_V3=/path/dinov3.git
+OFFICIAL_SRC_V3 ?= https://github.com/facebookresearch/dinov3
 official-src:
 	bench/fetch_official.sh $(OFFICIAL_SRC) .official/dinov2
+	PATHS="dinov3 LICENSE.md" bench/fetch_official.sh $(OFFICIAL_SRC_V3) .official/dinov3
 
 gpu-bench-wheels:
 	PYTHON=$(PY) bench/gpu_bench_wheels.sh .whl

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Extract the official DINOv2 source (never vendored) into DEST (default .official/dinov2, git-ignored) for
+# Extract the official DINOv2 (or DINOv3) source (never vendored) into DEST (default .official/dinov2, git-ignored) for
 # bench/gpu_bench.py, from SRC: a git directory (a bare mirror or a clone's .git) or a URL to clone (online).
 #   bench/fetch_official.sh /work/.mirror/facebookresearch+dinov2/repo
 #   bench/fetch_official.sh https://github.com/facebookresearch/dinov2
@@ -16,7 +16,9 @@ if [ ! -d "$src" ]; then
 fi
 rm -rf "$dest"
 mkdir -p "$dest"
-git --git-dir="$src" archive "$ref" | tar -x -C "$dest"
+# PATHS (optional): only these paths of the tree (a mirror may lack the blobs of large notebooks)
+# shellcheck disable=SC2086
+git --git-dir="$src" archive "$ref" ${PATHS:-} | tar -x -C "$dest"
 git --git-dir="$src" rev-parse "$ref" > "$dest/COMMIT"
 [ -n "$tmp" ] && rm -rf "$tmp"
-echo "official dinov2 $(cat "$dest/COMMIT") in $dest ($(du -sh "$dest" | cut -f1))"
+echo "official $(basename "$dest") $(cat "$dest/COMMIT") in $dest ($(du -sh "$dest" | cut -f1))"

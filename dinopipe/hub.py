@@ -121,6 +121,10 @@ def load(
     ``attn_backend='sdpa'``, ``drop_path_rate``) change run-time behaviour, not weights.
     """
     name = str(path_or_name)
+    if _is_head_folder(Path(name)):  # backbone + a trained dense head: a model that predicts
+        import importlib  # the eval layer's loader, resolved at call time (hub stays below eval, as an entry point)
+
+        return importlib.import_module("dinopipe.eval.head_io").load_head_model(name, device=device)
     if (name in list_models() or is_timm_name(name)) and not Path(name).exists():
         from .models.registry import create_model
 
@@ -151,6 +155,15 @@ def load(
         )
     _recorded_norm(model, Path(file))
     return model.to(device).eval()
+
+
+def _is_head_folder(path: Path) -> bool:
+    """A folder ``dinopipe.eval.head_io.save_head`` wrote (config.json format ``dinopipe-head/N``)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and str(cfg.get("format", "")).startswith("dinopipe-head/")
 
 
 def _recorded_norm(model: nn.Module, file: Path) -> None:

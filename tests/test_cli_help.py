@@ -12,7 +12,8 @@ from dinopipe.config import config_reference
 
 COMMANDS = [[], ["models"], ["export"], ["config"], ["pretrain"], ["distill"], ["pipeline"], ["curate"],
             ["curate", "run"], ["curate", "plan"], ["curate", "simulate"], ["curate", "kmeans"], ["eval"],
-            ["eval", "knn"], ["eval", "linear"], ["eval", "seg"], ["plan"], ["slurm"], ["gpu-check"]]
+            ["eval", "knn"], ["eval", "linear"], ["eval", "seg"], ["eval", "depth"], ["plan"], ["slurm"],
+            ["gpu-check"]]
 # The `curate` entry point (curation/cli.py) on its own: the step parser and the commands it hands over.
 CURATE_COMMANDS = [[], ["run"], ["embed"], ["index"], ["plan"], ["simulate"], ["kmeans"]]
 # Source markup a reader of --help should not see: reST literals and roles, markdown code, bold, links, headings.

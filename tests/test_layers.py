@@ -37,6 +37,8 @@ GROUPS: dict[str, str] = {
     # 4: entry points and orchestration, the only place dinopipe and curation meet
     "dinopipe.app": "app",  # dinopipe/app/: the commands and the orchestration of both packages
     "dinopipe.eval.cli": "app",
+    "dinopipe.eval.head_train": "train",  # the dense heads' bridge into the one training loop (train's Task)
+    "dinopipe.eval.depth_run": "app",  # `eval depth`'s command: trains through head_train
     "curation.cli": "app",
 }
 

@@ -40,6 +40,8 @@ def _schema(kind: str) -> type:
         from .pipeline import PipelineConfig as schema
     elif kind == "slurm":
         from .slurm import SlurmConfig as schema
+    elif kind == "depth":
+        from ..eval.depth_run import DepthConfig as schema
     else:
         schema = ModelConfig
     return schema
@@ -47,7 +49,7 @@ def _schema(kind: str) -> type:
 
 # Config kinds `dinopipe config --kind` knows: the stage commands and the model section.
 SCHEMAS: dict[str, Callable[[], type]] = {k: (lambda k=k: _schema(k))
-                                          for k in ("pretrain", "distill", "curation", "pipeline", "slurm", "model")}
+                                          for k in ("pretrain", "distill", "curation", "pipeline", "slurm", "model", "depth")}
 
 
 def _cmd_models(args: argparse.Namespace) -> int:

@@ -65,7 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
     seg.add_argument("--batch-size", type=int, default=16, help="images per forward / probe step")
     seg.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     seg.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
+    _depth_parser(sub)
     return p
+
+
+def _depth_parser(sub) -> None:
+    """`eval depth` (issue 50): a depth head (linear bins / DPT) on the backbone; flags override --config's keys."""
+    d = sub.add_parser("depth", help="train + evaluate a depth head (linear bins or DPT), images/ + depth/")
+    d.add_argument("--model", required=True, help="dinopipe export/run dir, DINOv2 .pth, timm file, registry name")
+    d.add_argument("--train", required=True, help="depth set: images/X.jpg + depth/X.png (uint16 mm, 0 = invalid)")
+    d.add_argument("--val", required=True, help="depth set for the metrics")
+    d.add_argument("--out", required=True, help="output folder: metrics.json, model/, run/, predictions/")
+    d.add_argument("--head", choices=["linear", "dpt"], default=None, help="default: linear (or the config's)")
+    d.add_argument("--config", default=None, help="YAML of DepthConfig keys (dinopipe config --kind depth)")
+    d.add_argument("--save-predictions", action="store_true", help="OUT/predictions/X.npy, float32 metres")
+    d.add_argument("--epochs", type=int, default=None)
+    d.add_argument("--lr", type=float, default=None, help="AdamW peak learning rate of the head")
+    d.add_argument("--backbone-lr", type=float, default=None, help="0 = frozen backbone (default)")
+    d.add_argument("--img-size", type=int, default=None, help="square size (default: the model's img_size)")
+    d.add_argument("--batch-size", type=int, default=None)
+    d.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    d.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
+    d.add_argument("overrides", nargs="*", help="key=value DepthConfig overrides (e.g. flip_tta=true)")
 
 
 def _print_seg(res: dict) -> None:
@@ -213,6 +234,10 @@ def _main(args: argparse.Namespace) -> int:
     from ..hub import CheckpointError
     from ..utils.exits import writing
 
+    if args.task == "depth":
+        from .depth_run import main_depth
+
+        return main_depth(args)
     check_args(args)
     try:
         out = run_seg(args) if args.task == "seg" else run(args)
