@@ -1,9 +1,10 @@
-"""dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]
+"""dinopipe eval knn|linear|seg|detect --model PATH --train SRC --val SRC [--out results.json]
 
 SRC is a folder of class sub-folders or webdataset .tar shards with a label per sample (see
 dinopipe.eval.data). PATH is anything dinopipe.load accepts. Results are printed as a table and, with
 --out, written as JSON. For seg SRC is a dense set, images/X.jpg + masks/X.png (class indices,
-255 = ignore; see dinopipe.eval.dense_data), and the probe is linear on frozen patch tokens (mIoU).
+255 = ignore; see dinopipe.eval.dense_data), and the head linear on frozen patch tokens or a feature pyramid into
+UperNet / Mask2Former (mIoU). For detect SRC is a COCO JSON (dinopipe.eval.coco; mAP by pycocotools).
 Exit codes (docs/exit-codes.md): 0 done, 2 a mistake in the arguments, the data or the model file (one line),
 1 a bug to report.
 """
@@ -71,7 +72,29 @@ def build_parser() -> argparse.ArgumentParser:
     seg.add_argument("--save-predictions", action="store_true", help="OUT/predictions/X.png (class indices)")
     seg.add_argument("--backbone-lr", type=float, default=0.0, help="tune the backbone at this lr (0: frozen)")
     seg.add_argument("--channels", type=int, default=256, help="pyramid / decoder width of upernet and m2f")
+    det = sub.add_parser("detect", help="a ViTDet pyramid into torchvision's Faster R-CNN / Mask R-CNN / FCOS, "
+                                        "COCO JSON in, COCO mAP out (pycocotools)")
+    det.add_argument("--model", required=True, help="dinopipe export/run dir, DINOv2 .pth, timm file, registry name")
+    det.add_argument("--train", required=True, help="COCO instances JSON (file_name relative to its folder)")
+    det.add_argument("--val", required=True, help="COCO instances JSON scored with pycocotools")
+    det.add_argument("--out", required=True, help="folder: OUT/predictions.json (COCO results), OUT/metrics.json")
+    det.add_argument("--head", choices=["fasterrcnn", "maskrcnn", "fcos"], default="fasterrcnn")
+    det.add_argument("--images", default=None, help="folder file_name is relative to (default: the JSON's)")
+    det.add_argument("--img-size", type=int, default=None, help="shorter image side (default: the model's img_size)")
+    det.add_argument("--epochs", type=int, default=12)
+    det.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of the pyramid and detector")
+    det.add_argument("--backbone-lr", type=float, default=0.0, help="tune the backbone at this lr (0: frozen)")
+    det.add_argument("--channels", type=int, default=256, help="pyramid width")
+    det.add_argument("--batch-size", type=int, default=4, help="images per step")
+    det.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    det.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
     return p
+
+
+def _print_detect(res: dict) -> None:
+    for k, v in res.items():
+        if k.startswith(("bbox_", "segm_")):
+            print(f"{k:>12} {'-' if v is None else f'{100 * v:.2f}'}")
 
 
 def _print_seg(res: dict) -> None:
@@ -210,6 +233,13 @@ def check_args(args: argparse.Namespace) -> None:
         need(min(args.wds) >= 0, "--wds", ">= 0 each", args.wds)
     else:
         need(args.lr > 0, "--lr", "> 0", args.lr)
+    if args.task == "detect":
+        need(args.lr > 0, "--lr", "> 0", args.lr)
+        need(args.backbone_lr >= 0, "--backbone-lr", ">= 0", args.backbone_lr)
+        need(args.channels >= 8, "--channels", ">= 8", args.channels)
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ConfigError(f"--out: '{args.out}' is a file; give a folder")
+        return
     if args.task == "seg":
         need(args.backbone_lr >= 0, "--backbone-lr", ">= 0", args.backbone_lr)
         need(args.channels >= 8, "--channels", ">= 8", args.channels)
@@ -239,6 +269,13 @@ def _main(args: argparse.Namespace) -> int:
 
     check_args(args)
     try:
+        if args.task == "detect":
+            from .detect import run_detect
+
+            out = run_detect(args)
+            _print_detect(out["detect"])
+            print(f"results written to {Path(args.out) / 'metrics.json'} and predictions.json")
+            return 0
         out = run_seg(args) if args.task == "seg" else run(args)
     except (LabelError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
