@@ -243,6 +243,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.task == "seg":
         need(args.backbone_lr >= 0, "--backbone-lr", ">= 0", args.backbone_lr)
         need(args.channels >= 8, "--channels", ">= 8", args.channels)
+        need(args.head != "m2f" or args.channels % 32 == 0, "--channels", "a multiple of 32 with m2f", args.channels)
         need(not args.save_predictions or bool(args.out), "--save-predictions", "given with --out", None)
         need(not (args.save_predictions and str(args.out).endswith(".json")), "--out",
              "a folder with --save-predictions", args.out)

@@ -83,6 +83,8 @@ class Mask2FormerSegHead(nn.Module):
         from transformers.models.mask2former.modeling_mask2former import (
             Mask2FormerLoss, Mask2FormerPixelDecoder, Mask2FormerTransformerModule)
 
+        if channels % 32:
+            raise ValueError(f"Mask2Former's width must be a multiple of 32 (its GroupNorm), got {channels}")
         cfg = Mask2FormerConfig(num_labels=num_classes, feature_size=channels, mask_feature_size=channels,
                                 hidden_dim=channels, encoder_feedforward_dim=4 * channels,
                                 dim_feedforward=4 * channels, num_queries=num_queries,
