@@ -237,6 +237,7 @@ def check_args(args: argparse.Namespace) -> None:
         need(args.lr > 0, "--lr", "> 0", args.lr)
         need(args.backbone_lr >= 0, "--backbone-lr", ">= 0", args.backbone_lr)
         need(args.channels >= 8, "--channels", ">= 8", args.channels)
+        need(args.head != "fcos" or args.channels % 32 == 0, "--channels", "a multiple of 32 with fcos", args.channels)
         if Path(args.out).exists() and not Path(args.out).is_dir():
             raise ConfigError(f"--out: '{args.out}' is a file; give a folder")
         return
