@@ -93,7 +93,8 @@ def evaluate_seg(backbone: nn.Module, head: nn.Module, data: DenseSet, size: int
         pred = predict_image(backbone, head, img_path, size, tuple(mask.shape), device)
         cm += confusion(pred, mask, num_classes)
         if save_dir is not None:
-            Image.fromarray(pred.numpy().astype(np.uint8)).save(save_dir / (Path(img_path).stem + ".png"))
+            dtype = np.uint8 if num_classes <= 256 else np.uint16  # 16-bit PNG past 256 classes
+            Image.fromarray(pred.numpy().astype(dtype)).save(save_dir / (Path(img_path).stem + ".png"))
     return iou_from_confusion(cm)
 
 
