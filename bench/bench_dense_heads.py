@@ -86,6 +86,9 @@ def run_seeds(args, backbone_spec: str, work: Path) -> dict:
                 keep["det_preds"] = preds
         if seed == 0:
             keep["paths"] = paths
+        partial = Path(args.out).with_suffix(".partial.json")  # each finished seed survives an interrupted run
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"backbone": backbone_spec, **_summarise(rows)}, indent=2))
     return _summarise(rows), keep
 
 
@@ -183,6 +186,7 @@ def main() -> int:
     res["seconds"] = round(time.time() - t0, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
+    Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)
     for name in ("random", "trained"):
         if name in res:
             for head, e in res[name]["seg"].items():
