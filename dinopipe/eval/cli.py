@@ -1,9 +1,10 @@
-"""dinopipe eval knn|linear|seg --model PATH --train SRC --val SRC [--out results.json]
+"""dinopipe eval knn|linear|seg|detect --model PATH --train SRC --val SRC [--out results.json]
 
 SRC is a folder of class sub-folders or webdataset .tar shards with a label per sample (see
 dinopipe.eval.data). PATH is anything dinopipe.load accepts. Results are printed as a table and, with
 --out, written as JSON. For seg SRC is a dense set, images/X.jpg + masks/X.png (class indices,
-255 = ignore; see dinopipe.eval.dense_data), and the probe is linear on frozen patch tokens (mIoU).
+255 = ignore; see dinopipe.eval.dense_data), and the head linear on frozen patch tokens or a feature pyramid into
+UperNet / Mask2Former (mIoU). For detect SRC is a COCO JSON (dinopipe.eval.coco; mAP by pycocotools).
 Exit codes (docs/exit-codes.md): 0 done, 2 a mistake in the arguments, the data or the model file (one line),
 1 a bug to report.
 """
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     seg.add_argument("--model", required=True, help="dinopipe export/run dir, DINOv2 .pth, timm file, registry name")
     seg.add_argument("--train", required=True, help="dense set: images/X.jpg + masks/X.png (class indices)")
     seg.add_argument("--val", required=True, help="dense set for mIoU")
-    seg.add_argument("--out", default=None, help="write results here as JSON")
+    seg.add_argument("--out", default=None, help="a folder: OUT/metrics.json (+ OUT/predictions/X.png); "
+                     "a name ending in .json: the results as that one file")
     seg.add_argument("--img-size", type=int, default=None, help="square resize (default: the model's img_size)")
     seg.add_argument("--epochs", type=int, default=100)
     seg.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate of the linear head")
@@ -65,8 +67,35 @@ def build_parser() -> argparse.ArgumentParser:
     seg.add_argument("--batch-size", type=int, default=16, help="images per forward / probe step")
     seg.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     seg.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
+    seg.add_argument("--head", choices=["linear", "upernet", "m2f"], default="linear",
+                     help="linear probe, or a feature pyramid into UperNet / Mask2Former (docs/eval.md)")
+    seg.add_argument("--save-predictions", action="store_true", help="OUT/predictions/X.png (class indices)")
+    seg.add_argument("--backbone-lr", type=float, default=0.0, help="tune the backbone at this lr (0: frozen)")
+    seg.add_argument("--channels", type=int, default=256, help="pyramid / decoder width of upernet and m2f")
+    det = sub.add_parser("detect", help="a ViTDet pyramid into torchvision's Faster R-CNN / Mask R-CNN / FCOS, "
+                                        "COCO JSON in, COCO mAP out (pycocotools)")
+    det.add_argument("--model", required=True, help="dinopipe export/run dir, DINOv2 .pth, timm file, registry name")
+    det.add_argument("--train", required=True, help="COCO instances JSON (file_name relative to its folder)")
+    det.add_argument("--val", required=True, help="COCO instances JSON scored with pycocotools")
+    det.add_argument("--out", required=True, help="folder: OUT/predictions.json (COCO results), OUT/metrics.json")
+    det.add_argument("--head", choices=["fasterrcnn", "maskrcnn", "fcos"], default="fasterrcnn")
+    det.add_argument("--images", default=None, help="folder file_name is relative to (default: the JSON's)")
+    det.add_argument("--img-size", type=int, default=None, help="shorter image side (default: the model's img_size)")
+    det.add_argument("--epochs", type=int, default=12)
+    det.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of the pyramid and detector")
+    det.add_argument("--backbone-lr", type=float, default=0.0, help="tune the backbone at this lr (0: frozen)")
+    det.add_argument("--channels", type=int, default=256, help="pyramid width")
+    det.add_argument("--batch-size", type=int, default=4, help="images per step")
+    det.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    det.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
     _depth_parser(sub)
     return p
+
+
+def _print_detect(res: dict) -> None:
+    for k, v in res.items():
+        if k.startswith(("bbox_", "segm_")):
+            print(f"{k:>12} {'-' if v is None else f'{100 * v:.2f}'}")
 
 
 def _depth_parser(sub) -> None:
@@ -107,8 +136,15 @@ def run_seg(args: argparse.Namespace) -> dict:
     device = pick_device(args.device, key="--device")
     model = load(args.model, device=device, num_heads=args.num_heads)
     size = args.img_size or int(model.patch_embed.img_size[0])
-    if size % int(model.patch_size):
+    if size % int(model.patch_size) and not _seg_heads_path(args):  # the pyramid path resamples to its grid
         raise LabelError(f"--img-size {size} is not a multiple of the model's patch size {model.patch_size}")
+    if _seg_heads_path(args):  # pyramid heads, a folder --out or saved predictions (dinopipe.eval.seg_train)
+        from .seg_train import run_seg_heads
+
+        desc = {"source": train.source, "images": len(train), "classes": train.num_classes}
+        return {"task": "seg", "model": str(args.model), "device": str(device), "feature": f"{args.head} head",
+                "img_size": size, "train": desc, "val": {**desc, "source": val.source, "images": len(val)},
+                "seg": run_seg_heads(args, train, val, model, device, size)}
     t0 = time.time()
     f_train, m_train = extract_dense(model, train, size, args.batch_size, device)
     f_val, m_val = extract_dense(model, val, size, args.batch_size, device)
@@ -122,6 +158,11 @@ def run_seg(args: argparse.Namespace) -> dict:
     out["seg"] = seg_probe(f_train, m_train, f_val, m_val, train.num_classes, epochs=args.epochs, lr=args.lr,
                            batch_size=args.batch_size, bn=not args.no_bn, device=device)
     return out
+
+
+def _seg_heads_path(args: argparse.Namespace) -> bool:
+    return args.task == "seg" and (args.head != "linear" or args.save_predictions or args.backbone_lr > 0
+                                   or bool(args.out and not str(args.out).endswith(".json")))
 
 
 def _describe(d: LabelledImages, unreadable: int) -> dict:
@@ -213,9 +254,24 @@ def check_args(args: argparse.Namespace) -> None:
         need(min(args.wds) >= 0, "--wds", ">= 0 each", args.wds)
     else:
         need(args.lr > 0, "--lr", "> 0", args.lr)
+    if args.task == "detect":
+        need(args.lr > 0, "--lr", "> 0", args.lr)
+        need(args.backbone_lr >= 0, "--backbone-lr", ">= 0", args.backbone_lr)
+        need(args.channels >= 8, "--channels", ">= 8", args.channels)
+        need(args.head != "fcos" or args.channels % 32 == 0, "--channels", "a multiple of 32 with fcos", args.channels)
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ConfigError(f"--out: '{args.out}' is a file; give a folder")
+        return
+    if args.task == "seg":
+        need(args.backbone_lr >= 0, "--backbone-lr", ">= 0", args.backbone_lr)
+        need(args.channels >= 8, "--channels", ">= 8", args.channels)
+        need(args.head != "m2f" or args.channels % 32 == 0, "--channels", "a multiple of 32 with m2f", args.channels)
+        need(not args.save_predictions or bool(args.out), "--save-predictions", "given with --out", None)
+        need(not (args.save_predictions and str(args.out).endswith(".json")), "--out",
+             "a folder with --save-predictions", args.out)
     if args.out:
         out = Path(args.out)
-        if out.is_dir():
+        if out.is_dir() and not _seg_heads_path(args):
             raise ConfigError(f"--out: '{out}' is a folder; give a file name (results.json)")
         parent = next((q for q in (out.parent, *out.parent.parents) if q.exists()), Path("."))
         if not parent.is_dir() or not os.access(parent, os.W_OK):
@@ -240,6 +296,13 @@ def _main(args: argparse.Namespace) -> int:
         return main_depth(args)
     check_args(args)
     try:
+        if args.task == "detect":
+            from .detect import run_detect
+
+            out = run_detect(args)
+            _print_detect(out["detect"])
+            print(f"results written to {Path(args.out) / 'metrics.json'} and predictions.json")
+            return 0
         out = run_seg(args) if args.task == "seg" else run(args)
     except (LabelError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -250,7 +313,9 @@ def _main(args: argparse.Namespace) -> int:
     print(f"{args.task}: {out['train']['images']} train / {out['val']['images']} val images, "
           f"{out['train']['classes']} classes, feature {out['feature']} at {out['img_size']} px")
     {"knn": _print_knn, "linear": _print_linear, "seg": _print_seg}[args.task](out[args.task])
-    if args.out:
+    if args.out and _seg_heads_path(args):
+        print(f"results written to {Path(args.out) / 'metrics.json'}")
+    elif args.out:
         with writing(args.out):  # a full disk or a folder made read-only meanwhile: exit 2 naming it
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(out, indent=2))

@@ -1,0 +1,88 @@
+"""Segmentation heads on the pyramid: the CLI's outputs, mIoU equal to the confusion-matrix one recomputed from
+the saved predictions, slide inference on an image larger than the crop, and Mask2Former's loss and inference."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dinopipe.eval.cli import main
+from dinopipe.eval.dense_data import open_dense
+from dinopipe.eval.paste_data import build_paste_sets
+from dinopipe.eval.seg import confusion, iou_from_confusion
+from dinopipe.eval.seg_heads import build_seg_head
+from dinopipe.eval.seg_train import slide_logits, train_seg
+from dinopipe.models import create_model
+
+M2F_SMALL = dict(num_queries=8, decoder_layers=3, encoder_layers=1, train_num_points=256)
+
+
+@pytest.fixture(scope="module")
+def paste(tmp_path_factory):
+    return build_paste_sets(tmp_path_factory.mktemp("paste"), 8, 3, size=64)
+
+
+def _recomputed_miou(pred_dir, val_dir, num_classes):
+    cm = torch.zeros(num_classes, num_classes, dtype=torch.long)
+    for m in sorted((val_dir / "masks").iterdir()):
+        truth = torch.from_numpy(np.asarray(Image.open(m)).astype(np.int64))
+        pred = torch.from_numpy(np.asarray(Image.open(pred_dir / m.name)).astype(np.int64))
+        assert pred.shape == truth.shape
+        cm += confusion(pred, truth, num_classes)
+    return iou_from_confusion(cm)
+
+
+def test_cli_upernet_writes_metrics_equal_to_the_confusion_miou_of_its_predictions(paste, tmp_path, capsys):
+    out = tmp_path / "out"
+    # One val image larger than the crop: slide inference, prediction at the label's own size.
+    big = paste["val"]
+    Image.open(big / "images" / "0000.png").resize((160, 64)).save(big / "images" / "0000.png")
+    Image.open(big / "masks" / "0000.png").resize((160, 64), Image.NEAREST).save(big / "masks" / "0000.png")
+    rc = main(["seg", "--model", "vit_test", "--train", str(paste["train"]), "--val", str(big), "--head", "upernet",
+               "--img-size", "64", "--epochs", "2", "--lr", "1e-3", "--channels", "16", "--batch-size", "4",
+               "--device", "cpu", "--out", str(out), "--save-predictions"])
+    assert rc == 0, capsys.readouterr().err
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics) >= {"mIoU", "per_class_IoU", "pixel_acc"} and metrics["head"] == "upernet"
+    assert sorted(p.name for p in (out / "predictions").iterdir()) == ["0000.png", "0001.png", "0002.png"]
+    assert not (out / "predictions.partial").exists()
+    ref = _recomputed_miou(out / "predictions", big, 4)
+    assert metrics["mIoU"] == pytest.approx(ref["miou"], abs=1e-6)
+    assert metrics["per_class_IoU"] == ref["per_class_iou"]
+    assert "mIoU" in capsys.readouterr().out
+
+
+def test_bad_flags_exit_2_before_anything_is_written(paste, tmp_path, capsys):
+    base = ["seg", "--model", "vit_test", "--train", str(paste["train"]), "--val", str(paste["val"]), "--device", "cpu"]
+    assert main(base + ["--head", "m2f", "--channels", "48", "--out", str(tmp_path / "o")]) == 2
+    assert "--channels" in capsys.readouterr().err
+    assert main(base + ["--save-predictions"]) == 2
+    assert "--save-predictions" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_slide_inference_averages_windows_and_equals_one_window_when_the_image_fits():
+    torch.manual_seed(0)
+    bb, head = create_model("vit_test").eval(), build_seg_head("linear", 64, 3).eval()
+    x = torch.randn(3, 64, 64)
+    one = slide_logits(bb, head, x, 64)
+    from dinopipe.eval._fit_fallback import grid_features
+
+    torch.testing.assert_close(one, head.logits(head(grid_features(bb, x[None])), (64, 64))[0])
+    wide = torch.randn(3, 64, 150)
+    got = slide_logits(bb, head, wide, 64)  # windows at x = 0, 43, 86: pixels 0-42 are seen by the first only
+    first = head.logits(head(grid_features(bb, wide[None, :, :, :64])), (64, 64))[0]
+    assert got.shape == (3, 64, 150) and torch.isfinite(got).all()
+    torch.testing.assert_close(got[:, :, :43], first[:, :, :43])
+
+
+def test_mask2former_trains_and_gives_semantic_scores(paste):
+    tr = open_dense(paste["train"])
+    head, res = train_seg(create_model("vit_test"), "m2f", tr, tr, size=64, epochs=1, lr=1e-3, channels=32,
+                          batch_size=4, m2f=M2F_SMALL)
+    assert 0 <= res["miou"] <= 1 and res["loss_dice"] >= 0 and np.isfinite(res["train_loss"])
+    raw = head(torch.randn(2, 64, 4, 4))
+    scores = head.logits(raw, (60, 64))
+    assert scores.shape == (2, 4, 60, 64) and (scores >= 0).all()  # P(class) x sigmoid(mask), summed over queries
