@@ -65,7 +65,7 @@ gpu-bench:
 	OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) bench/gpu_bench.py --out gpu-bench $(GPU_BENCH_ARGS)
 
 # dinopipe's step and the official one, their GPU cost estimated on this CPU (bench/gpu_proxy.py: fake tensors, datasheet
-# rooflines, calibrated on the GPU runs of docs/gpu.md); JSON in bench/results/gpu_proxy.json, tables in docs/gpu.md
+# rooflines, an estimate; never fitted to the GPU runs of docs/gpu.md); JSON in bench/results/gpu_proxy.json, tables in docs/gpu.md
 # and README.md. Needs `make official-src`.
 gpu-proxy: venv
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/gpu_proxy.py

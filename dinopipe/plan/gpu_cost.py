@@ -12,16 +12,14 @@ compute) and records, per aten op that reaches the dispatcher:
   by the number of tensor lists); FSDP2's custom copy ops as their CUDA implementations launch.
 
 :func:`estimate` costs each op on a datasheet roofline -- ``max(FLOPs / (eff * peak), bytes / (eff * bandwidth),
-floor)`` -- for the GPUs of :data:`GPUS` and sums per category. What it cannot see (host time between launches,
-the CUDA caching allocator, inductor's fusion, small-GEMM efficiency below the datasheet) is what
-:func:`calibrate` folds into two constants fitted to measured steps: ``measured = scale * roofline + gap *
-kernels``. The ranking of two codes comes from the ops; the absolute figure from the calibration.
+floor)`` -- for the GPUs of :data:`GPUS` and sums per category. What it cannot see: host time between launches,
+the CUDA caching allocator, small-GEMM efficiency below the datasheet, and (for an eager step) inductor's fusion,
+which bench/gpu_proxy_compiled.py estimates from inductor's own generated kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from typing import Any, Iterable, Optional
 
@@ -281,38 +279,5 @@ def top_ops(ops: list[OpCost], gpu: GPU, n: int = 12) -> list[dict]:
             for k, v in rows]
 
 
-def calibrate(pairs: list[tuple[float, int, float]], min_scale: float = 1.0) -> tuple[float, float]:
-    """Fit ``measured_s = scale * roofline_s + gap_s * kernels`` (least squares on relative error, gap >= 0,
-    scale >= ``min_scale``: the roofline is a lower bound of the device's time, so a fit that would run the
-    device faster than it is a fit of noise) over ``pairs`` of (roofline seconds, kernels, measured seconds).
-    Returns (scale, gap_s)."""
-    rows = [(r / m, k / m) for r, k, m in pairs]
-    a11 = sum(x * x for x, _ in rows)
-    a12 = sum(x * y for x, y in rows)
-    a22 = sum(y * y for _, y in rows)
-    b1, b2 = sum(x for x, _ in rows), sum(y for _, y in rows)
-    det = a11 * a22 - a12 * a12
-    if det > 0:
-        scale, gap = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
-        if scale >= min_scale and gap >= 0:
-            return scale, gap
-    # a bound active: the best gap at scale = min_scale, or the best scale without gap
-    at_min = (min_scale, max(0.0, (b2 - min_scale * a12) / a22))
-    only_scale = (max(min_scale, b1 / a11), 0.0)
-
-    def err(p):
-        return sum((p[0] * x + p[1] * y - 1) ** 2 for x, y in rows)
-    return min(at_min, only_scale, key=err)
-
-
-def calibrated_seconds(roofline_s: float, kernels: int, scale: float, gap: float) -> float:
-    return scale * roofline_s + gap * kernels
-
-
-def rel_error(estimate: float, measured: float) -> float:
-    return estimate / measured - 1.0 if measured else math.nan
-
-
 __all__ = ["CostRecorder", "OpCost", "GPU", "GPUS", "EFF", "CATEGORIES", "category", "multi_tensor_launches",
-           "tensor_bytes", "flop_formulas", "op_seconds", "summarise", "top_ops", "calibrate",
-           "calibrated_seconds", "rel_error"]
+           "tensor_bytes", "flop_formulas", "op_seconds", "summarise", "top_ops"]
