@@ -51,11 +51,14 @@ MEASURED = [
     ("H200", "vit_l14", 32, "dinopipe", 100.0, "2026-11-27, compiled, code BEFORE issue 29's step changes"),
     ("H200", "vit_l14", 32, "official", 144.0, "2026-11-27, eager, no xformers"),
 ]
+CONDITIONS_W = ("eager step, rank 0 of {w} on one node (fake process group): dinopipe FSDP2 as shipped, the official "
+                "FSDP1 (SHARD_GRAD_OP); collectives on NVLink (450 GB/s a direction, 80%), bounds: comm exposed (sum) or "
+                "overlapped (max); the official attends per crop group with SDPA (no xformers); bf16")
 CONDITIONS = ("eager step, one rank: dinopipe without FSDP (train/mirror.py), the official FSDP1 at world size 1; "
               "the official attends per crop group with SDPA (no xformers); bf16; H100/H200/A100 datasheet rooflines")
 
 
-def record_dinopipe(model: str, b: int, small: bool = False) -> tuple[list, dict]:
+def record_dinopipe(model: str, b: int, small: bool = False, world: int = 1) -> tuple[list, dict]:
     """dinopipe's real step under the recorder; (ops, extra figures)."""
     from dinopipe.app.gpu_check_train import _task_config
     from dinopipe.plan.trace import trace
@@ -66,13 +69,13 @@ def record_dinopipe(model: str, b: int, small: bool = False) -> tuple[list, dict
     base.adamw_impl = lambda device: {"fused": True}  # what the trainer picks on CUDA (the fake device is cpu)
     rec = gc.CostRecorder()
     try:
-        res = trace(cfg, 1, steps=2, comm_debug=False, recorder=rec)
+        res = trace(cfg, world, steps=2, comm_debug=False, recorder=rec)
     finally:
         base.adamw_impl = saved
     return rec.ops, {"peak_gib": res.peak_bytes / 2**30}
 
 
-def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIAL) -> tuple[list, dict]:
+def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIAL, world: int = 1) -> tuple[list, dict]:
     """The official SSLMetaArch step under the recorder; (ops, extra figures)."""
     import torch.distributed as dist
 
@@ -80,7 +83,7 @@ def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIA
     from dinopipe.app.gpu_check_train import _task_config
     from dinopipe.utils import torch_compat as compat
 
-    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=1)
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=world)
     try:
         train_mod = off.import_official(src, cpu=True)
         from dinov2.train.ssl_meta_arch import SSLMetaArch
@@ -121,8 +124,8 @@ def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIA
         dist.destroy_process_group()
 
 
-def case_summary(ops: list, extra: dict) -> dict:
-    out = {g: gc.summarise(ops, gpu) for g, gpu in gc.GPUS.items()}
+def case_summary(ops: list, extra: dict, world: int = 1) -> dict:
+    out = {g: gc.summarise(ops, gpu, world) for g, gpu in gc.GPUS.items()}
     out["top_h200"] = gc.top_ops(ops, gc.GPUS["H200"])
     out.update(extra)
     return out
@@ -136,6 +139,8 @@ def derive(cases: dict) -> None:
             d, o = c["dinopipe"][g]["total"], c["official"][g]["total"]
             c["ratio"][g] = {"roofline": o["ms"] / d["ms"], "kernels": d["kernels"] / o["kernels"],
                              "bytes": d["gb"] / o["gb"]}
+            if "ms_overlapped" in d:  # W > 1: comm hidden behind compute
+                c["ratio"][g]["roofline_overlapped"] = o["ms_overlapped"] / d["ms_overlapped"]
 
 
 def print_case(name: str, c: dict) -> None:
@@ -150,6 +155,10 @@ def print_case(name: str, c: dict) -> None:
         line = (f"  {g}: roofline {d['ms']:.1f} vs {o['ms']:.1f} ms (speed ratio {r['roofline']:.2f}), kernels "
                 f"{d['kernels']} vs {o['kernels']} ({r['kernels']:.2f}), GB {d['gb']:.1f} vs {o['gb']:.1f} "
                 f"({r['bytes']:.2f}), MFU {d['mfu']:.1%} vs {o['mfu']:.1%}")
+        if "ms_overlapped" in d:
+            line += (f"; W={d['world']}: compute {d['compute_ms']:.1f} vs {o['compute_ms']:.1f} ms, comm "
+                     f"{c['dinopipe'][g]['categories']['comm']['ms']:.1f} vs {c['official'][g]['categories']['comm']['ms']:.1f}"
+                     f" ms, overlapped ratio {r['roofline_overlapped']:.2f}")
         print(line)
     print(f"  traced peak GiB: dinopipe {c['dinopipe'].get('peak_gib') or float('nan'):.2f}, official "
           f"{c['official'].get('peak_gib') or float('nan'):.2f}")
@@ -161,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="vit_s14:64,vit_l14:32")
     ap.add_argument("--small", action="store_true", help="vit_test, b=4, tiny heads (the smoke)")
     ap.add_argument("--official", default=str(OFFICIAL), help="the official source (make official-src)")
+    ap.add_argument("--world", type=int, default=1,
+                    help="ranks of one node (fake process group): dinopipe FSDP2 as shipped, the official FSDP1")
     ap.add_argument("--render", action="store_true", help="write docs/gpu.md and README.md tables from --json")
     ap.add_argument("--json", default=str(OUT))
     args = ap.parse_args(argv)
@@ -184,9 +195,10 @@ def main(argv=None) -> int:
     for model, b in cases_arg:
         t0 = time.perf_counter()
         name = f"{model}_b{b}"
-        d_ops, d_extra = record_dinopipe(model, b, args.small)
-        o_ops, o_extra = record_official(model, b, args.small, src)
-        cases[name] = {"dinopipe": case_summary(d_ops, d_extra), "official": case_summary(o_ops, o_extra),
+        d_ops, d_extra = record_dinopipe(model, b, args.small, args.world)
+        o_ops, o_extra = record_official(model, b, args.small, src, args.world)
+        cases[name] = {"dinopipe": case_summary(d_ops, d_extra, args.world),
+                       "official": case_summary(o_ops, o_extra, args.world),
                        "trace_s": round(time.perf_counter() - t0, 1)}
     derive(cases)
     for name, c in cases.items():
@@ -194,7 +206,8 @@ def main(argv=None) -> int:
     report = {"torch": torch.__version__, "gpus": {k: vars(v) for k, v in gc.GPUS.items()}, "eff": gc.EFF,
               "floor_us": gc.FLOOR_S * 1e6, "measured": [dict(zip(("gpu", "model", "b", "code", "images_per_s", "note"),
                                                                    m)) for m in MEASURED],
-              "conditions": CONDITIONS, "cases": cases}
+              "conditions": CONDITIONS if args.world == 1 else CONDITIONS_W.format(w=args.world),
+              "world": args.world, "cases": cases}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
