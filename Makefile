@@ -15,7 +15,7 @@ FLOOR_TESTS := tests/train/test_fsdp_matrix.py tests/train/test_mixed_precision.
 	tests/test_export_onnx.py tests/test_export_roundtrip.py tests/utils/test_torch_compat.py \
 	tests/ssl/test_adamw_local.py
 
-.PHONY: venv venv-floor test test-floor test-fast bench curation-tables quickstart gpu-check gpu-bench gpu-proxy official-src gpu-bench-wheels clean
+.PHONY: venv venv-floor test test-floor test-fast bench curation-tables quickstart gpu-check gpu-bench gpu-proxy official-src gpu-bench-wheels gpu-proxy-compiled clean
 
 venv: $(STAMP)
 
@@ -70,6 +70,11 @@ gpu-bench:
 gpu-proxy: venv
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/gpu_proxy.py
 	$(BIN)/python bench/gpu_proxy.py --render
+
+# the compiled steps (inductor's Triton kernels for a pretend Hopper GPU, generated on this CPU, costed per kernel);
+# JSON in bench/results/gpu_proxy_compiled.json. Needs `make official-src` and triton (the torch wheel's).
+gpu-proxy-compiled: venv
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/gpu_proxy_compiled.py
 
 official-src:
 	bench/fetch_official.sh $(OFFICIAL_SRC) .official/dinov2

@@ -75,7 +75,8 @@ def record_dinopipe(model: str, b: int, small: bool = False, world: int = 1) -> 
     return rec.ops, {"peak_gib": res.peak_bytes / 2**30}
 
 
-def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIAL, world: int = 1) -> tuple[list, dict]:
+def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIAL, world: int = 1,
+                    prepare=None, recorder_hook=None) -> tuple[list, dict]:
     """The official SSLMetaArch step under the recorder; (ops, extra figures)."""
     import torch.distributed as dist
 
@@ -98,11 +99,15 @@ def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIA
             m = SSLMetaArch(cfg)
         fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
         rec = gc.CostRecorder()
+        if recorder_hook is not None:  # bench/gpu_proxy_compiled.py: its compiled regions report into the recorder
+            recorder_hook(rec)
         # peak memory: torch's MemTracker registers grad hooks on every parameter and FSDP1's frozen teacher
         # refuses them, so the official side's traced peak is not available here (gpu-bench measures both)
         peak = None
         with off.cpu_step_shims(True), fake:
             m.to_empty(device="cpu")  # materialised without values (its init_weights reads them)
+            if prepare is not None:
+                prepare(m)
             m.prepare_for_distributed_training()
             m.train()
             opt = train_mod.build_optimizer(cfg, m.get_params_groups())

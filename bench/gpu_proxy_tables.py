@@ -38,6 +38,10 @@ def category_table(name: str, after: dict, before: dict | None) -> str:
         "dinopipe now", "official"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cat in CATEGORIES:
+        if cat not in a["official"]["H200"]["categories"] or not any(
+                x[s]["H200"]["categories"].get(cat, {}).get("kernels") for x in (a, b) if x for s in x
+                if s in ("dinopipe", "official")):
+            continue  # a category neither step launches (fused / extern: compiled steps only)
         cells = ([_cell(b["dinopipe"]["H200"]["categories"][cat])] if b else []) + [
             _cell(a["dinopipe"]["H200"]["categories"][cat]), _cell(a["official"]["H200"]["categories"][cat])]
         rows.append(f"| {cat} | " + " | ".join(cells) + " |")

@@ -31,7 +31,10 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ..utils import torch_compat as compat
 
-CATEGORIES = ("gemm", "attention", "copy/cast/cat", "index", "elementwise", "reduce/norm", "optimizer", "comm")
+CATEGORIES = ("gemm", "attention", "copy/cast/cat", "index", "elementwise", "reduce/norm", "optimizer", "comm",
+              "fused", "extern")
+"""``fused``: an inductor-generated Triton kernel; ``extern``: another extern kernel of a compiled region
+(plan/inductor_cost.py); both are empty in an eager step."""
 
 
 @dataclasses.dataclass(frozen=True)
