@@ -121,3 +121,15 @@ def test_profile_groups_kernels_by_the_estimates_categories(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_profile_step.py"), str(tmp_path / "x"),
                           "--cases", "vit_s14:64:fast"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "kind" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_gathers_and_in_place_scatters_move_only_the_rows_they_name():
+    """CUDA's index_select reads the rows it selects; index_add_ reads its source and updates only the rows it
+    names (the packed crops' stochastic depth gathers from and adds into a pack of all groups)."""
+    x, idx, src = torch.randn(100, 8), torch.tensor([1, 5, 7]), torch.randn(3, 8)
+    y = x.clone()
+    ops = _record(lambda: (x.index_select(0, idx), y.index_add_(0, idx, src)))
+    sel, add = ops
+    rows = 3 * 8 * 4
+    assert (sel.name, sel.read, sel.written) == ("index_select", rows + 3 * 8, rows)
+    assert (add.name, add.read, add.written) == ("index_add_", rows + 3 * 8 + rows, rows)
