@@ -15,7 +15,7 @@ FLOOR_TESTS := tests/train/test_fsdp_matrix.py tests/train/test_mixed_precision.
 	tests/test_export_onnx.py tests/test_export_roundtrip.py tests/utils/test_torch_compat.py \
 	tests/ssl/test_adamw_local.py
 
-.PHONY: venv venv-floor test test-floor test-fast bench curation-tables quickstart gpu-check gpu-bench gpu-proxy official-src gpu-bench-wheels clean
+.PHONY: venv venv-floor test test-floor test-fast bench curation-tables quickstart gpu-check gpu-bench gpu-proxy official-src gpu-bench-wheels gpu-proxy-compiled clean
 
 venv: $(STAMP)
 
@@ -65,11 +65,16 @@ gpu-bench:
 	OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PY) bench/gpu_bench.py --out gpu-bench $(GPU_BENCH_ARGS)
 
 # dinopipe's step and the official one, their GPU cost estimated on this CPU (bench/gpu_proxy.py: fake tensors, datasheet
-# rooflines, calibrated on the GPU runs of docs/gpu.md); JSON in bench/results/gpu_proxy.json, tables in docs/gpu.md
+# rooflines, an estimate; never fitted to the GPU runs of docs/gpu.md); JSON in bench/results/gpu_proxy.json, tables in docs/gpu.md
 # and README.md. Needs `make official-src`.
 gpu-proxy: venv
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/gpu_proxy.py
 	$(BIN)/python bench/gpu_proxy.py --render
+
+# the compiled steps (inductor's Triton kernels for a pretend Hopper GPU, generated on this CPU, costed per kernel);
+# JSON in bench/results/gpu_proxy_compiled.json. Needs `make official-src` and triton (the torch wheel's).
+gpu-proxy-compiled: venv
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python bench/gpu_proxy_compiled.py
 
 # Also dinov3 (.official/dinov3: its depth metrics, run by tests/eval/test_depth_metrics.py); offline, give a local
 # git dir: make official-src OFFICIAL_SRC=/path/dinov2.git OFFICIAL_SRC_V3=/path/dinov3.git

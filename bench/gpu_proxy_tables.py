@@ -38,6 +38,10 @@ def category_table(name: str, after: dict, before: dict | None) -> str:
         "dinopipe now", "official"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cat in CATEGORIES:
+        if cat not in a["official"]["H200"]["categories"] or not any(
+                x[s]["H200"]["categories"].get(cat, {}).get("kernels") for x in (a, b) if x for s in x
+                if s in ("dinopipe", "official")):
+            continue  # a category neither step launches (fused / extern: compiled steps only)
         cells = ([_cell(b["dinopipe"]["H200"]["categories"][cat])] if b else []) + [
             _cell(a["dinopipe"]["H200"]["categories"][cat]), _cell(a["official"]["H200"]["categories"][cat])]
         rows.append(f"| {cat} | " + " | ".join(cells) + " |")
@@ -50,11 +54,26 @@ def category_table(name: str, after: dict, before: dict | None) -> str:
     return "\n".join(rows)
 
 
+def measured_table(report: dict) -> str:
+    """The same-GPU pairs timed so far (bench/gpu_proxy.py's MEASURED), dinopipe beside the official step."""
+    pairs: dict = {}
+    for m in report.get("measured", []):
+        pairs.setdefault((m["gpu"], m["model"], m["b"]), {})[m["code"]] = m
+    rows = ["| measured (card, date) | case | images/s, dinopipe / official | dinopipe / official | how |",
+            "|---|---|---|---|---|"]
+    for (gpu, model, b), p in pairs.items():
+        d, o = p["dinopipe"], p["official"]
+        name = TITLES.get(f"{model}_b{b}", f"{model} b={b}")
+        rows.append(f"| {gpu}, {d['note'].split(',')[0]} | {name} | {d['images_per_s']:.0f} / {o['images_per_s']:.0f} | "
+                    f"**{d['images_per_s'] / o['images_per_s']:.2f}** | dinopipe: {d['note'].split(', ', 1)[1]}; "
+                    f"official: {o['note'].split(', ', 1)[1]} |")
+    return "\n".join(rows)
+
+
 def ratio_table(after: dict, before: dict | None) -> str:
-    """Per case and GPU: the speed ratio dinopipe / official (roofline and calibrated), kernels, bytes, MFU."""
-    rows = ["| case | GPU (datasheet) | speed ratio, roofline | speed ratio, calibrated | images/s calibrated, "
-            "dinopipe / official | kernels, dinopipe / official | bytes, dinopipe / official | MFU (roofline), "
-            "dinopipe / official |", "|---|---|---|---|---|---|---|---|"]
+    """Per case and GPU datasheet: the estimated speed ratio dinopipe / official (roofline), kernels, bytes, MFU."""
+    rows = ["| case | GPU (datasheet) | estimated speed ratio (roofline) | kernels, dinopipe / official | "
+            "bytes, dinopipe / official | MFU (roofline), dinopipe / official |", "|---|---|---|---|---|---|"]
     for name in _names(after):
         c = after["cases"][name]
         for g in ("H100", "H200", "A100"):
@@ -62,44 +81,28 @@ def ratio_table(after: dict, before: dict | None) -> str:
             prev = ""
             if before and name in before["cases"]:
                 prev = f" (before: {before['cases'][name]['ratio'][g]['roofline']:.2f})"
-            cal = f"{r['calibrated']:.2f}" if "calibrated" in r else "–"
-            ips = (f"{d['images_per_s']:.0f} / {o['images_per_s']:.0f}" if "images_per_s" in d else "–")
-            rows.append(f"| {TITLES.get(name, name)} | {g} | {r['roofline']:.2f}{prev} | {cal} | {ips} | "
+            rows.append(f"| {TITLES.get(name, name)} | {g} | {r['roofline']:.2f}{prev} | "
                         f"{d['kernels']:,} / {o['kernels']:,} ({r['kernels']:.2f}) | {d['gb']:.0f} / {o['gb']:.0f} GB "
                         f"({r['bytes']:.2f}) | {d['mfu']:.1%} / {o['mfu']:.1%} |")
     return "\n".join(rows)
 
 
-def calibration_table(after: dict) -> str:
-    cal = after.get("calibration") or {}
-    if not cal:
-        return "(no calibration: no GPU measurement matches the estimated cases)"
-    src = f", fitted on `{cal['from']}`" if cal.get("from") else ""
-    rows = [f"measured step = {cal['scale']:.2f} × roofline + {cal['gap_us']:.1f} µs × kernels{src}; "
-            f"rms error {cal['rms_error']:.1%}", "",
-            "| GPU | case | code | measured images/s | estimated | step time error | what was measured |",
-            "|---|---|---|---|---|---|---|"]
-    for p in cal["pairs"]:
-        rows.append(f"| {p['gpu']} | {TITLES.get(p['case'], p['case'])} | {p['code']} | {p['measured_images_per_s']:.0f} | "
-                    f"{p['estimated_images_per_s']:.0f} | {p['error']:+.1%} | {p['note']} |")
-    return "\n".join(rows)
-
-
 def doc_section(after: dict, before: dict | None) -> str:
-    parts = [ratio_table(after, before), ""]
+    parts = ["Measured first (same GPU, same run):", "", measured_table(after), "",
+             f"Estimated (roofline; {after.get('conditions', 'eager, one rank')}):", "", ratio_table(after, before), ""]
     for name in _names(after):
         parts += [f"**{TITLES.get(name, name)}**, per category:", "", category_table(name, after, before), ""]
-    parts += ["Calibration:", "", calibration_table(after)]
-    return "\n".join(parts)
+    return "\n".join(parts).rstrip()
 
 
 def readme_table(after: dict) -> str:
-    rows = ["| case | speed dinopipe / official, H200 roofline (calibrated) | H100 | kernels | bytes |",
-            "|---|---|---|---|---|"]
+    rows = [measured_table(after), "",
+            "Estimated on a CPU (H200 / H100 datasheet roofline, eager, one rank: dinopipe without FSDP, the official "
+            "FSDP1 without xformers):", "",
+            "| case | estimated speed, H200 | H100 | kernels | bytes |", "|---|---|---|---|---|"]
     for name in _names(after):
         h2, h1 = after["cases"][name]["ratio"]["H200"], after["cases"][name]["ratio"]["H100"]
-        rows.append(f"| {TITLES.get(name, name)} | {h2['roofline']:.2f} ({h2.get('calibrated', float('nan')):.2f}) | "
-                    f"{h1['roofline']:.2f} ({h1.get('calibrated', float('nan')):.2f}) | {h2['kernels']:.2f}× | "
+        rows.append(f"| {TITLES.get(name, name)} | {h2['roofline']:.2f} | {h1['roofline']:.2f} | {h2['kernels']:.2f}× | "
                     f"{h2['bytes']:.2f}× |")
     return "\n".join(rows)
 

@@ -1,5 +1,5 @@
 """The GPU cost estimate's counter (dinopipe/plan/gpu_cost.py): FLOPs, bytes and kernels of a known op sequence,
-CUDA's multi-tensor launch chunking, the calibration fit, and bench/gpu_proxy.py's smoke (vit_test) with the
+CUDA's multi-tensor launch chunking, and bench/gpu_proxy.py's smoke (vit_test) with the
 official side where its source is here (``make official-src``)."""
 
 import json
@@ -81,12 +81,6 @@ def test_roofline_takes_the_slower_of_compute_and_memory_and_a_floor():
     assert gc.op_seconds(tiny, gpu, eff, floor=1e-6) == pytest.approx(3e-6)
 
 
-def test_calibration_recovers_the_scale_and_gap_it_was_made_with():
-    pairs = [(r, k, 2.5 * r + 4e-6 * k) for r, k in ((0.030, 2500), (0.040, 2700), (0.110, 4000), (0.12, 6000))]
-    scale, gap = gc.calibrate(pairs)
-    assert scale == pytest.approx(2.5, rel=1e-6) and gap == pytest.approx(4e-6, rel=1e-6)
-
-
 def test_gpu_proxy_smoke_writes_both_steps_costs(tmp_path):
     out = tmp_path / "proxy.json"
     args = [sys.executable, str(REPO / "bench" / "gpu_proxy.py"), "--small", "--out", str(out)]
@@ -127,3 +121,15 @@ def test_profile_groups_kernels_by_the_estimates_categories(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_profile_step.py"), str(tmp_path / "x"),
                           "--cases", "vit_s14:64:fast"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "kind" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_gathers_and_in_place_scatters_move_only_the_rows_they_name():
+    """CUDA's index_select reads the rows it selects; index_add_ reads its source and updates only the rows it
+    names (the packed crops' stochastic depth gathers from and adds into a pack of all groups)."""
+    x, idx, src = torch.randn(100, 8), torch.tensor([1, 5, 7]), torch.randn(3, 8)
+    y = x.clone()
+    ops = _record(lambda: (x.index_select(0, idx), y.index_add_(0, idx, src)))
+    sel, add = ops
+    rows = 3 * 8 * 4
+    assert (sel.name, sel.read, sel.written) == ("index_select", rows + 3 * 8, rows)
+    assert (add.name, add.read, add.written) == ("index_add_", rows + 3 * 8 + rows, rows)

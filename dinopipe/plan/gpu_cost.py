@@ -6,22 +6,22 @@ compute) and records, per aten op that reaches the dispatcher:
 - FLOPs from ``torch.utils.flop_counter``'s registry (GEMMs, convolutions, attention), with the CPU SDPA kernels
   registered under the CUDA flash formulas (same math; the CPU kernel is what runs under fake tensors on ``cpu``);
 - bytes read and written: every tensor argument read, every returned tensor (and ``out=``) written; views and
-  metadata ops move nothing; a broadcast (stride 0) dimension is read once;
+  metadata ops move nothing; a broadcast (stride 0) dimension is read once; an in-place scatter (``index_add_``,
+  ``index_put_``, ...) reads its source and index and updates only the rows they name, a gather (``index_select``,
+  ``gather``, ...) reads the rows it selects and its index;
 - kernels: one per op that moves data, none for views; multi-tensor ``_foreach_*`` and fused optimizer ops as
   CUDA's ``multi_tensor_apply`` launches them (a launch per 320 blocks of 64 Ki elements or per 36..110 tensors,
   by the number of tensor lists); FSDP2's custom copy ops as their CUDA implementations launch.
 
 :func:`estimate` costs each op on a datasheet roofline -- ``max(FLOPs / (eff * peak), bytes / (eff * bandwidth),
-floor)`` -- for the GPUs of :data:`GPUS` and sums per category. What it cannot see (host time between launches,
-the CUDA caching allocator, inductor's fusion, small-GEMM efficiency below the datasheet) is what
-:func:`calibrate` folds into two constants fitted to measured steps: ``measured = scale * roofline + gap *
-kernels``. The ranking of two codes comes from the ops; the absolute figure from the calibration.
+floor)`` -- for the GPUs of :data:`GPUS` and sums per category. What it cannot see: host time between launches,
+the CUDA caching allocator, small-GEMM efficiency below the datasheet, and (for an eager step) inductor's fusion,
+which bench/gpu_proxy_compiled.py estimates from inductor's own generated kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from typing import Any, Iterable, Optional
 
@@ -31,7 +31,10 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ..utils import torch_compat as compat
 
-CATEGORIES = ("gemm", "attention", "copy/cast/cat", "index", "elementwise", "reduce/norm", "optimizer", "comm")
+CATEGORIES = ("gemm", "attention", "copy/cast/cat", "index", "elementwise", "reduce/norm", "optimizer", "comm",
+              "fused", "extern")
+"""``fused``: an inductor-generated Triton kernel; ``extern``: another extern kernel of a compiled region
+(plan/inductor_cost.py); both are empty in an eager step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,16 +44,18 @@ class GPU:
     """Dense bf16 tensor-core peak (datasheet, SXM)."""
     tb_per_s: float
     """HBM bandwidth (datasheet)."""
+    link_gb_per_s: float = 450.0
+    """NVLink bandwidth per direction (datasheet: H100/H200 SXM 900 GB/s, A100 600 GB/s, both directions)."""
 
 
 GPUS = {
-    "H100": GPU("H100 SXM 80GB", 989.0, 3.35),
-    "H200": GPU("H200 SXM 141GB", 989.0, 4.8),
-    "A100": GPU("A100 SXM 80GB", 312.0, 2.039),
+    "H100": GPU("H100 SXM 80GB", 989.0, 3.35, 450.0),
+    "H200": GPU("H200 SXM 141GB", 989.0, 4.8, 450.0),
+    "A100": GPU("A100 SXM 80GB", 312.0, 2.039, 300.0),
 }
 # Fractions of the datasheet a well-shaped kernel reaches (CUTLASS/cuBLAS bf16 GEMMs, flash attention, streaming
 # elementwise kernels), and the shortest kernel (launch to completion on the device).
-EFF = {"gemm": 0.70, "attention": 0.45, "memory": 0.80}
+EFF = {"gemm": 0.70, "attention": 0.45, "memory": 0.80, "link": 0.80}
 FLOOR_S = 2.5e-6
 
 # -- what an op does ---------------------------------------------------------------------------------------------
@@ -77,6 +82,12 @@ _REDUCE = {"native_layer_norm", "native_layer_norm_backward", "_softmax", "_log_
            "var", "var_mean", "std", "logsumexp", "argmax", "argmin", "cumsum", "sort", "topk", "prod", "any", "all",
            "nll_loss_forward", "nll_loss_backward", "native_group_norm", "native_group_norm_backward"}
 # ops that read only their first argument's metadata (shape, dtype, device), not its data
+# in-place scatters: the kernel reads the source (and the index) and updates only the rows it names, never the rest
+# of ``self`` (CUDA's index_add_ / index_put_ loop over the source); the position of the source argument
+_SCATTER_INPLACE = {"index_add_": 3, "index_copy_": 3, "index_put_": 2, "_index_put_impl_": 2, "scatter_add_": 3,
+                    "scatter_": 3}
+# gathers: the kernel reads the rows it selects (as many bytes as it writes) and the index, not all of ``self``
+_GATHER = {"index_select", "gather", "index", "embedding", "take"}
 _META_SELF = {"new_full", "new_zeros", "new_ones", "new_empty", "new_empty_strided", "zeros_like", "ones_like",
               "full_like", "empty_like", "rand_like", "randn_like", "randint_like"}
 # CUDA multi_tensor_apply: tensors per launch by the number of tensor lists (depth_to_max_tensors), blocks per launch
@@ -208,6 +219,13 @@ class CostRecorder(compat.torch_dispatch_mode_cls()):
             outs = outs[-1:]
         written = sum(tensor_bytes(t) for t in {id(t): t for t in outs}.values())
         read = sum(tensor_bytes(t) for t in ins)
+        if name in _SCATTER_INPLACE and len(args) > _SCATTER_INPLACE[name] and isinstance(args[0], torch.Tensor):
+            src = _tensors(args[_SCATTER_INPLACE[name]])
+            rows = sum(t.numel() for t in src) * args[0].element_size()  # the part of self the kernel touches
+            read = sum(tensor_bytes(t) for t in ins if t is not args[0]) + rows
+            written = rows
+        elif name in _GATHER and args and isinstance(args[0], torch.Tensor):
+            read = sum(tensor_bytes(t) for t in ins if t is not args[0]) + min(written, tensor_bytes(args[0]))
         packet = func._overloadpacket
         flops = 0
         fn = self._flops.get(packet) or self._flops.get(func)
@@ -243,10 +261,29 @@ class CostRecorder(compat.torch_dispatch_mode_cls()):
 # -- costing ----------------------------------------------------------------------------------------------------
 
 
-def op_seconds(op: OpCost, gpu: GPU, eff: Optional[dict] = None, floor: float = FLOOR_S) -> float:
+def wire_bytes(op: OpCost, world: int) -> float:
+    """Bytes a rank sends over the link for a collective, as NCCL's ring moves them: an all-gather or a
+    reduce-scatter (W-1)/W of the full buffer (the output, the input), an all-reduce twice that; 0 at one rank."""
+    if world <= 1 or op.category != "comm":
+        return 0.0
+    share = (world - 1) / world
+    if "reduce_scatter" in op.name:
+        return op.read * share
+    if "gather" in op.name:
+        return op.written * share
+    if "reduce" in op.name:  # all-reduce: in place, reduce-scatter then all-gather
+        return 2 * op.written * share
+    return op.written * share  # broadcast, all-to-all
+
+
+def op_seconds(op: OpCost, gpu: GPU, eff: Optional[dict] = None, floor: float = FLOOR_S, world: int = 1) -> float:
+    """The op's time on ``gpu``'s roofline; a collective at ``world`` > 1 ranks on its NVLink bandwidth instead of
+    HBM (one node of 8: every rank on NVLink)."""
     if op.kernels == 0:
         return 0.0
     e = eff or EFF
+    if world > 1 and op.category == "comm":
+        return max(wire_bytes(op, world) / (e["link"] * gpu.link_gb_per_s * 1e9), floor * op.kernels)
     compute = 0.0
     if op.flops:
         compute = op.flops / ((e["attention"] if op.category == "attention" else e["gemm"]) * gpu.bf16_tflops * 1e12)
@@ -254,18 +291,23 @@ def op_seconds(op: OpCost, gpu: GPU, eff: Optional[dict] = None, floor: float = 
     return max(compute, memory, floor * op.kernels)
 
 
-def summarise(ops: list[OpCost], gpu: GPU) -> dict:
-    """Per category: ms, kernels, GFLOP, GB; and the totals."""
+def summarise(ops: list[OpCost], gpu: GPU, world: int = 1) -> dict:
+    """Per category: ms, kernels, GFLOP, GB; and the totals. At ``world`` > 1 the totals also give the compute
+    time (all but comm) and the step's bounds: comm fully exposed (``ms``, the sum) and fully overlapped with
+    compute (``ms_overlapped``: max of the two), as FSDP's prefetching aims for."""
     cats: dict[str, dict] = {c: {"ms": 0.0, "kernels": 0, "gflop": 0.0, "gb": 0.0} for c in CATEGORIES}
     for op in ops:
         c = cats[op.category]
-        c["ms"] += op_seconds(op, gpu) * 1e3
+        c["ms"] += op_seconds(op, gpu, world=world) * 1e3
         c["kernels"] += op.kernels
         c["gflop"] += op.flops / 1e9
         c["gb"] += op.bytes / 1e9
     total = {k: sum(c[k] for c in cats.values()) for k in ("ms", "kernels", "gflop", "gb")}
     model_flops = sum(op.flops for op in ops if op.category in ("gemm", "attention"))
     total["mfu"] = model_flops / (total["ms"] / 1e3) / (gpu.bf16_tflops * 1e12) if total["ms"] else 0.0
+    if world > 1:
+        compute = total["ms"] - cats["comm"]["ms"]
+        total.update(world=world, compute_ms=compute, ms_overlapped=max(compute, cats["comm"]["ms"]))
     return {"categories": cats, "total": total}
 
 
@@ -281,38 +323,5 @@ def top_ops(ops: list[OpCost], gpu: GPU, n: int = 12) -> list[dict]:
             for k, v in rows]
 
 
-def calibrate(pairs: list[tuple[float, int, float]], min_scale: float = 1.0) -> tuple[float, float]:
-    """Fit ``measured_s = scale * roofline_s + gap_s * kernels`` (least squares on relative error, gap >= 0,
-    scale >= ``min_scale``: the roofline is a lower bound of the device's time, so a fit that would run the
-    device faster than it is a fit of noise) over ``pairs`` of (roofline seconds, kernels, measured seconds).
-    Returns (scale, gap_s)."""
-    rows = [(r / m, k / m) for r, k, m in pairs]
-    a11 = sum(x * x for x, _ in rows)
-    a12 = sum(x * y for x, y in rows)
-    a22 = sum(y * y for _, y in rows)
-    b1, b2 = sum(x for x, _ in rows), sum(y for _, y in rows)
-    det = a11 * a22 - a12 * a12
-    if det > 0:
-        scale, gap = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
-        if scale >= min_scale and gap >= 0:
-            return scale, gap
-    # a bound active: the best gap at scale = min_scale, or the best scale without gap
-    at_min = (min_scale, max(0.0, (b2 - min_scale * a12) / a22))
-    only_scale = (max(min_scale, b1 / a11), 0.0)
-
-    def err(p):
-        return sum((p[0] * x + p[1] * y - 1) ** 2 for x, y in rows)
-    return min(at_min, only_scale, key=err)
-
-
-def calibrated_seconds(roofline_s: float, kernels: int, scale: float, gap: float) -> float:
-    return scale * roofline_s + gap * kernels
-
-
-def rel_error(estimate: float, measured: float) -> float:
-    return estimate / measured - 1.0 if measured else math.nan
-
-
 __all__ = ["CostRecorder", "OpCost", "GPU", "GPUS", "EFF", "CATEGORIES", "category", "multi_tensor_launches",
-           "tensor_bytes", "flop_formulas", "op_seconds", "summarise", "top_ops", "calibrate",
-           "calibrated_seconds", "rel_error"]
+           "tensor_bytes", "flop_formulas", "op_seconds", "wire_bytes", "summarise", "top_ops"]

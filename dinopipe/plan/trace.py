@@ -181,11 +181,13 @@ def planner_figures(cfg: Any, world_size: int, phase: Any, n_masked: int) -> dic
 
 
 def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None, seed: int = 0,
-          comm_debug: bool = True, recorder: Any = None) -> TraceResult:
+          comm_debug: bool = True, recorder: Any = None, compile_backend: Any = None) -> TraceResult:
     """Run ``steps`` real training steps of the PretrainConfig ``cfg`` as rank 0 of ``world_size`` ranks.
     ``comm_debug``: also attach torch's ``CommDebugMode`` (op counts; the byte counter runs regardless).
     ``recorder``: a dispatch mode (plan/gpu_cost.py's ``CostRecorder``) entered innermost, its ``active`` set
-    for the last step only (the first one also creates the optimizer's state)."""
+    for the last step only (the first one also creates the optimizer's state). ``compile_backend``: a
+    ``torch.compile`` backend that runs on fake tensors (plan/inductor_cost.py's); the recipe's ``parallel.compile``
+    then compiles as in training, with it, instead of running eagerly."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -204,7 +206,7 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
     # The traced model is the registry variant (a released file's weights do not change memory), compiled
     # blocks run eagerly (no inductor under fake tensors).
     cfg.model.pretrained = None
-    cfg.parallel.compile = False
+    cfg.parallel.compile = bool(cfg.parallel.compile) and compile_backend is not None
     index, ph = _phase(cfg, phase)
     ph = largest_variant(ph)  # a high-res adaptation phase: the largest size triple it draws
     dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=world_size)
@@ -227,7 +229,8 @@ def trace(cfg: Any, world_size: int, steps: int = 2, phase: Optional[str] = None
         sched = build_schedules(cfg, world_size)
         fake = compat.fake_tensor_mode(allow_non_fake_inputs=True)
         with fake:
-            parallelize_task(task, info, cfg.parallel)
+            parallelize_task(task, info, cfg.parallel, **({} if compile_backend is None else
+                                                            {"compile_backend": compile_backend}))
             task.to_empty(device="cpu")
             o = cfg.optim
             optimizer = task.build_optimizer(partial(build_param_groups, lr_decay_rate=o.layerwise_decay,

@@ -9,7 +9,8 @@
 
 The teacher side (centring / Sinkhorn-Knopp and its all-reduce) lives in :mod:`dinopipe.ssl.centering`; the
 loss modules own one :class:`TeacherCentering` each so the centre is part of their state dict.
-Cross-entropies are computed in float32 whatever the autocast dtype.
+The DINO cross-entropy is computed in float32 whatever the logits' dtype; the iBOT one, over the (masked patches,
+prototypes) matrix, divides and normalises in the logits' dtype as the official code does and sums in float32.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ from torch import Tensor, nn
 
 from ..utils.masks import mask_token_weights
 from .centering import AllReduceFn, TeacherCentering
+
+
+def _log_softmax_native(student_logits: Tensor, student_temp: float) -> Tensor:
+    """log softmax(logits / temp) in the logits' own dtype, as DINOv2's and DINOv3's iBOT losses compute it (bf16
+    logits: bf16 division and log-softmax, whose backward reads and writes bf16; fp32 logits: unchanged). The
+    product with the fp32 teacher targets is then promoted to fp32 inside the multiply, so the sum over the K
+    prototypes stays in fp32."""
+    return F.log_softmax(student_logits / student_temp, dim=-1)
 
 
 def _log_softmax32(student_logits: Tensor, student_temp: float) -> Tensor:
@@ -141,7 +150,9 @@ class IBOTPatchLoss(_TeacherTargetLoss):
             masks_weight = mask_token_weights(masks)
         if masks_weight.shape[0] != student_logits.shape[0]:
             raise ValueError(f"{masks_weight.shape[0]} mask weights for {student_logits.shape[0]} masked patches")
-        lsm = _log_softmax32(student_logits, self.student_temp)
+        # the largest tensor of the step ((M masked patches, 65,536) for the recipes): in the logits' dtype, as the
+        # official loss; fp32 doubled its bytes (~8 GB per ViT-S/14 b=64 step, docs/gpu.md)
+        lsm = _log_softmax_native(student_logits, self.student_temp)
         per_patch = -(teacher_probs.float() * lsm).sum(dim=-1)  # (M,)
         return (per_patch * masks_weight.float()).sum() / max(int(n_images), 1)
 
