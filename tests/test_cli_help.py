@@ -12,7 +12,7 @@ from dinopipe.config import config_reference
 
 COMMANDS = [[], ["models"], ["export"], ["config"], ["pretrain"], ["distill"], ["pipeline"], ["curate"],
             ["curate", "run"], ["curate", "plan"], ["curate", "simulate"], ["curate", "kmeans"], ["eval"],
-            ["eval", "knn"], ["eval", "linear"], ["eval", "seg"], ["eval", "depth"], ["plan"], ["slurm"],
+            ["eval", "knn"], ["eval", "linear"], ["eval", "seg"], ["eval", "depth"], ["eval", "detect"], ["plan"], ["slurm"],
             ["gpu-check"]]
 # The `curate` entry point (curation/cli.py) on its own: the step parser and the commands it hands over.
 CURATE_COMMANDS = [[], ["run"], ["embed"], ["index"], ["plan"], ["simulate"], ["kmeans"]]

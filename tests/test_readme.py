@@ -204,7 +204,7 @@ def test_python_modules_exist(cmd):
 
 
 def _pip_extras(cmd: str) -> list[str] | None:
-    m = re.match(r"pip install -e '?\.\[([\w,-]+)\]'?$", cmd)
+    m = re.match(r"pip install (?:-e '?\.|'?dinopipe)\[([\w,-]+)\]'?$", cmd)
     return m.group(1).split(",") if m else None
 
 
@@ -248,6 +248,8 @@ def _checked_by(cmd: str) -> list[str]:
         checks.append("pip extra exists")
     if cmd.startswith(".venv/bin/ruff "):
         checks.append("lint runs")
+    if len(toks) > 1 and toks[0] == "python" and toks[1].startswith("bench/") and (REPO / toks[1]).is_file():
+        checks.append("bench script exists")  # its flags: the bench's own test or run; the path: above
     return checks
 
 
