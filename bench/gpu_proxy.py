@@ -89,6 +89,9 @@ def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIA
         train_mod = off.import_official(src, cpu=True)
         from dinov2.train.ssl_meta_arch import SSLMetaArch
 
+        if world > 1:
+            _official_reshard_shim()
+
         dcfg = _task_config(small, False, model=model, batch=b)
         cfg = off.official_config(dcfg, model, b, "bf16")
         if small:
@@ -127,6 +130,21 @@ def record_official(model: str, b: int, small: bool = False, src: Path = OFFICIA
         return rec.ops, {"peak_gib": peak, "shims": dict(off.SHIMS)}
     finally:
         dist.destroy_process_group()
+
+
+def _official_reshard_shim() -> None:
+    """The official ``free_if_fsdp`` reads FSDP1's ``_handles`` (torch 2.0); torch >= 2.1 keeps one ``_handle``.
+    Sharded (W > 1) only: the teacher's unsharded parameters freed after its forward, as the official code means."""
+    import dinov2.fsdp as ofsdp
+    from torch.distributed.fsdp._runtime_utils import _reshard
+
+    def free_if_fsdp(x):
+        if ofsdp.is_sharded_fsdp(x) and x._handle is not None:
+            try:
+                _reshard(x, x._handle, True)
+            except AssertionError:  # not unsharded at this point (nothing to free)
+                pass
+    ofsdp.free_if_fsdp = free_if_fsdp
 
 
 def case_summary(ops: list, extra: dict, world: int = 1) -> dict:
