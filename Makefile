@@ -89,7 +89,7 @@ gpu-bench-wheels:
 bench: venv
 	$(BIN)/python bench/run_all.py
 
-# curation/plan_rates.json and the curation tables of docs/curation-scale.md and README.md, from the growth bench's JSON
+# curation/plan_rates.json and the curation tables of docs/curation-scale.md and docs/benchmarks.md, from the growth bench's JSON
 # (bench/bench_curation_scale.py --json; several files: SCALE_JSON="a.json b.json"); VERIFY_JSON: bench_verify --json.
 # RATES_JSON: the runs the planner's rates are taken from (and checked against): 384-d runs with a whole search,
 # since the plan has no per-dimension rate; SCALE_JSON: the growth table (the 10M run is 128-d, 1% of rows queried).

@@ -1,4 +1,4 @@
-"""The curation tables of docs/curation-scale.md and README.md, generated, not typed: the growth table from the
+"""The curation tables of docs/curation-scale.md and docs/benchmarks.md, generated, not typed: the growth table from the
 JSON of bench/bench_curation_scale.py, the planner's worked examples from `curate plan`'s output.
 
     python bench/render_tables.py --scale bench/results/scale_1m.json [more JSON ...] [--rates curation/plan_rates.json]
@@ -26,7 +26,7 @@ from bench.rates_from_bench import load_runs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "curation-scale.md")
-README = os.path.join(ROOT, "README.md")
+README = os.path.join(ROOT, "docs", "benchmarks.md")  # the short form (README.md links to it)
 
 # the worked examples of docs/curation-scale.md "The planner": (title, `curate plan` arguments)
 EXAMPLES = [
@@ -207,7 +207,7 @@ def default_chain_section(runs: list[dict], option: str = "--default-chain") -> 
 
 
 def readme_table(runs: list[dict]) -> str:
-    """README's short form: the largest N, every W, the runner calls only."""
+    """docs/benchmarks.md's short form: the largest N, every W, the runner calls only."""
     big = max(int(r["n"]) for r in runs)
     top = sorted((r for r in runs if int(r["n"]) == big), key=lambda r: int(r["tasks"]))
     rows = [_rows(r) for r in top]
@@ -392,7 +392,7 @@ def render(paths: list[str], rates: str | None = None, doc: str = DOC, readme: s
         doc_regions["default-chain-large-table"] = default_chain_section(load_runs(chain_large_paths),
                                                                          "--default-chain-large")
     for path, regions in ((doc, doc_regions),
-                          (readme, {"readme-scale-table": readme_table(runs)})):
+                          (readme, {"summary-scale-table": readme_table(runs)})):
         with open(path) as f:
             old = f.read()
         new = old

@@ -150,7 +150,7 @@ def test_tables_render_deterministically_into_their_markers_only(tmp_path):
     doc.write_text("# Page\n\nkept above\n<!-- begin: scale-table -->\nold typed table\n<!-- end: scale-table -->\n"
                    "between\n<!-- begin: plan-check -->\n<!-- end: plan-check -->\n"
                    "<!-- begin: plan-tables -->\n<!-- end: plan-tables -->\nkept below\n")
-    readme.write_text("intro\n<!-- begin: readme-scale-table -->\n<!-- end: readme-scale-table -->\noutro\n")
+    readme.write_text("intro\n<!-- begin: summary-scale-table -->\n<!-- end: summary-scale-table -->\noutro\n")
     rates = str(tmp_path / "rates.json")  # from the same JSON (bench/rates.json may hold later runs)
     assert rates_from_bench.main(["--scale", str(scale), "--out", rates]) == 0
     assert render_tables.render([str(scale)], rates, str(doc), str(readme)) == [str(doc), str(readme)]
@@ -239,7 +239,7 @@ def test_the_task_memory_table_judges_each_call_against_the_goals(tmp_path):
                    + "".join(f"<!-- begin: {r} -->\n<!-- end: {r} -->\n" for r in ("scale-table", "plan-check",
                                                                                    "plan-tables")))
     readme = tmp_path / "README.md"
-    readme.write_text("<!-- begin: readme-scale-table -->\n<!-- end: readme-scale-table -->\n")
+    readme.write_text("<!-- begin: summary-scale-table -->\n<!-- end: summary-scale-table -->\n")
     rates = str(tmp_path / "rates.json")
     assert rates_from_bench.main(["--scale", str(path), "--out", rates]) == 0
     render_tables.render([str(path)], rates, str(doc), str(readme), task_paths=[str(path)])
@@ -297,7 +297,7 @@ def test_the_default_chain_table_has_the_write_and_the_report(tmp_path):
     doc.write_text("<!-- begin: scale-table -->\n<!-- end: scale-table -->\n<!-- begin: plan-check -->\n"
                    "<!-- end: plan-check -->\n<!-- begin: plan-tables -->\n<!-- end: plan-tables -->\n"
                    "<!-- begin: default-chain-table -->\n<!-- end: default-chain-table -->\n")
-    readme.write_text("<!-- begin: readme-scale-table -->\n<!-- end: readme-scale-table -->\n")
+    readme.write_text("<!-- begin: summary-scale-table -->\n<!-- end: summary-scale-table -->\n")
     scale = ROOT / "bench" / "results" / "scale_1m.json"
     rates = str(tmp_path / "rates.json")
     assert rates_from_bench.main(["--scale", str(scale), "--out", rates]) == 0
