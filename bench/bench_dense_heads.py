@@ -60,7 +60,7 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
 def run_seeds(args, backbone_spec: str, work: Path) -> dict:
     rows: dict = {"seg": {h: [] for h in SEG}, "det": []}
     keep = {}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         paths = build_paste_sets(work / f"s{seed}", args.n_train, args.n_val, size=args.size, seed=100 * seed)
         tr, va = open_dense(paths["train"]), open_dense(paths["val"], num_classes=len(OBJECTS) + 1)
         for head, (lr, extra) in SEG.items():
@@ -71,7 +71,7 @@ def run_seeds(args, backbone_spec: str, work: Path) -> dict:
                                       "seconds": round(time.time() - t0, 1)})
             print(f"{backbone_spec} seed {seed} {head:8s} mIoU {100 * res['miou']:.2f}  ({time.time() - t0:.0f} s)",
                   flush=True)
-            if seed == 0:
+            if seed == args.first_seed:
                 keep[head] = h
         if args.det_epochs:
             t0 = time.time()
@@ -82,9 +82,9 @@ def run_seeds(args, backbone_spec: str, work: Path) -> dict:
             rows["det"].append({"seed": seed, **{k: res[k] for k in ("bbox_AP", "bbox_AP50", "bbox_AP75")},
                                 "seconds": round(time.time() - t0, 1)})
             print(f"{backbone_spec} seed {seed} fasterrcnn AP50 {100 * res['bbox_AP50']:.2f}", flush=True)
-            if seed == 0:
+            if seed == args.first_seed:
                 keep["det_preds"] = preds
-        if seed == 0:
+        if seed == args.first_seed:
             keep["paths"] = paths
         partial = Path(args.out).with_suffix(".partial.json")  # each finished seed survives an interrupted run
         partial.parent.mkdir(parents=True, exist_ok=True)
@@ -161,6 +161,7 @@ def picture(keep: dict, backbone_spec: str, size: int, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--n-train", type=int, default=48)
     ap.add_argument("--n-val", type=int, default=16)
