@@ -34,7 +34,19 @@ def under_root(root: str | Path, path: str) -> str:
     return path if base == "." else base.rstrip("/") + "/" + path
 
 
-class PathRefs(Sequence):
+class _RefRows(Sequence):
+    """Rows held as arrays, an ``ImageRef`` made only for the row asked (``_ref``)."""
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._ref(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} of {n}")
+        return self._ref(i % n)
+
+
+class PathRefs(_RefRows):
     """The rows of one file list as a byte array of paths; row ``i`` is ``ref_cls(id, name, loc)`` with
     ``id = <name>/<path without a leading '/'>`` and ``loc`` the path (absolute or a URL) or ``root/path``.
 
@@ -63,14 +75,6 @@ class PathRefs(Sequence):
         path = self.path(i)
         full = path if os.path.isabs(path) or self.is_url(path) else under_root(self.root, path)
         return self.ref_cls(f"{self.name}/{path.lstrip('/')}", self.name, full)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self._ref(j) for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"row {i} of {n}")
-        return self._ref(i % n)
 
     def nbytes(self) -> int:
         """Bytes of the arrays held (the path bytes, 8 per row, 16 per dropped repeat)."""
@@ -169,7 +173,7 @@ class ConcatRefs(Sequence):
         return self.parts[k][i - self.starts[k]]
 
 
-class MemberRefs(Sequence):
+class MemberRefs(_RefRows):
     """The members of a task's tar shards as arrays: per row the member name's bytes and an int64 end, data offset
     and size (24 B beyond the name); per shard its name, where it is (a path, or a URL with its ETag and size) and
     its first row. Row ``i`` is ``ref_cls(<source>/<shard>/<member>, source, loc)`` with the loc the shard walk
@@ -195,14 +199,6 @@ class MemberRefs(Sequence):
         else:
             loc = (head, off, size)
         return self.ref_cls(f"{self.source}/{shard_name}/{member}", self.source, loc)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self._ref(j) for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"row {i} of {n}")
-        return self._ref(i % n)
 
     def nbytes(self) -> int:
         return self.blob.nbytes + self.ends.nbytes + self.offsets.nbytes + self.sizes.nbytes + self.first.nbytes

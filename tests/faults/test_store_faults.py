@@ -29,29 +29,11 @@ STORMS = {"503 storm < budget": ("slowdown", 3), "503 storm > budget": ("slowdow
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    pytest.importorskip("moto.server", reason="moto[server] is a dev dependency: pip install -e '.[cpu,dev]'")
-    pytest.importorskip("s3fs", reason="s3fs is in the [s3] extra")
-    from tests.storage._s3 import S3Server
-    from tests.storage.conftest import PLANTED_SECRET
+    from tests.storage.conftest import s3_server
 
-    env = {"AWS_ACCESS_KEY_ID": "AKIDPLANTEDTEST", "AWS_SECRET_ACCESS_KEY": PLANTED_SECRET,
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-           "DINOPIPE_STORAGE_BACKOFF_CAP_S": "0.05", "DINOPIPE_STORAGE_RETRY_S": str(BUDGET_S),
-           "DINOPIPE_SCRATCH": str(tmp_path_factory.mktemp("scratch"))}
-    saved = {k: os.environ.get(k) for k in [*env, "AWS_ENDPOINT_URL_S3", "DINOPIPE_S3_READER"]}
-    os.environ.update(env)
-    server = S3Server()
-    os.environ["AWS_ENDPOINT_URL_S3"] = server.endpoint
-    server.client().mkdir(BUCKET)
-    try:
+    with s3_server(BUCKET, DINOPIPE_STORAGE_RETRY_S=str(BUDGET_S),
+                   DINOPIPE_SCRATCH=str(tmp_path_factory.mktemp("scratch"))) as server:
         yield server
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _slug(row: Row) -> str:

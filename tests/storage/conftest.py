@@ -3,6 +3,7 @@ credentials holding a planted secret, and a pool of real photos as webdataset sh
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import tarfile
@@ -14,20 +15,22 @@ PLANTED_SECRET = "planted-S3CR3T-2f9c41d7e5b8a6"
 BUCKET = "pool"
 
 
-@pytest.fixture(scope="session")
-def s3():
+@contextlib.contextmanager
+def s3_server(bucket: str, **extra_env: str):
+    """A loopback S3 server (moto behind the fault proxy) with a bucket, the planted credentials and ``extra_env`` in
+    os.environ for the duration; the environment is restored after."""
     pytest.importorskip("moto.server", reason="moto[server] is a dev dependency: pip install -e '.[cpu,dev]'")
     pytest.importorskip("s3fs", reason="s3fs is in the [s3] extra")
     from tests.storage._s3 import S3Server
 
     env = {"AWS_ACCESS_KEY_ID": "AKIDPLANTEDTEST", "AWS_SECRET_ACCESS_KEY": PLANTED_SECRET,
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-           "DINOPIPE_STORAGE_BACKOFF_CAP_S": "0.05"}
-    saved = {k: os.environ.get(k) for k in [*env, "AWS_ENDPOINT_URL_S3"]}
+           "DINOPIPE_STORAGE_BACKOFF_CAP_S": "0.05", **extra_env}
+    saved = {k: os.environ.get(k) for k in [*env, "AWS_ENDPOINT_URL_S3", "DINOPIPE_S3_READER"]}
     os.environ.update(env)
     server = S3Server()
     os.environ["AWS_ENDPOINT_URL_S3"] = server.endpoint
-    server.client().mkdir(BUCKET)
+    server.client().mkdir(bucket)
     try:
         yield server
     finally:
@@ -37,6 +40,12 @@ def s3():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def s3():
+    with s3_server(BUCKET) as server:
+        yield server
 
 
 def make_shards(root: str, per_shard: int = 4) -> list[str]:
