@@ -4,6 +4,7 @@ task owns (not N), and the planted answer is found."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -148,7 +149,8 @@ def test_decontamination_removes_the_kept_rows_of_every_component_with_a_direct_
     res = simulate(str(work), 6000, 32, tasks=2, **{**SMALL, "n_eval": 400, "overlap": 150})
     dd, dc = load_step(str(work), "dedup"), load_step(str(work), "decontaminate")
     sim = dc["eval_sim"]  # NaN for the hash duplicates: never searched, never a direct match
-    ref = expand_to_components(sim, np.zeros(len(sim), np.int64), res["config"]["decontaminate"]["threshold"],
+    used = json.loads((work / "steps" / "decontaminate.json").read_text())["threshold"]  # no pixels: the cosine's
+    ref = expand_to_components(sim, np.zeros(len(sim), np.int64), used,
                                dd["component"])
     want = ref.removed & (dd["status"] == KEPT)
     np.testing.assert_array_equal(dc["status"] == DECONTAM, want)
