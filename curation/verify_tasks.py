@@ -56,23 +56,16 @@ def own_keys(chunks, n: int, threshold: float, task_index: int, num_tasks: int) 
 
 
 def verifier_key(factory: Callable) -> str:
-    """What of the verifier a part's digest covers: the factory's function and every argument it is built from
-    (:func:`_stable`: the input sources, sizes, thresholds, and the content of the row files it reads), so a
-    rerun with another verification setting -- or other sources, or other rows -- verifies again."""
+    """What of the verifier a part's digest covers: the factory's function and what it is built from -- plain
+    arguments (sizes, thresholds) as they are, a file argument (a row file) with its content's sha1, an object
+    that says which of its settings matter (``digest_key()``, e.g. a PixelVerifier) by those, a nested partial
+    likewise -- so a rerun with another verification setting, or other rows, verifies again. Anything else (a
+    source, a per-row array) by its type alone: walking it held O(pool) bytes in the orchestrator
+    (tests/curation/test_step_memory.py)."""
     return json.dumps(_stable(factory), sort_keys=True)
 
 
 def _stable(x, depth: int = 0):
-    """``x`` as plain JSON that is the same in every process for the same settings: numbers and strings as
-    they are (a string naming an existing file: also its content's sha1), sequences and mappings element by
-    element, arrays by their bytes' sha1, a ``functools.partial`` as its function and arguments, a dataclass as
-    its fields, an object with ``digest_key()`` by what that returns, a function by its qualified name, anything
-    else by its type and its public attributes (to a depth of 6:
-    below that by its type alone, so a client object inside a source does not lead the walk through its
-    internals)."""
-    if depth > 6:
-        return f"{type(x).__module__}.{type(x).__qualname__}"
-    d = depth + 1
     if x is None or isinstance(x, (bool, int, float)):
         return x
     if isinstance(x, (str, os.PathLike)):
@@ -80,22 +73,24 @@ def _stable(x, depth: int = 0):
         return [x, _file_sha1(x)] if os.path.isfile(x) else x
     if isinstance(x, np.generic):
         return x.item()
-    if isinstance(x, np.ndarray):
-        return ["ndarray", str(x.dtype), list(x.shape), hashlib.sha1(np.ascontiguousarray(x).tobytes()).hexdigest()]
-    if isinstance(x, (list, tuple)):
-        return [_stable(v, d) for v in x]
-    if isinstance(x, dict):
-        return {str(k): _stable(v, d) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(x, functools.partial):
-        return ["partial", _stable(x.func, d), _stable(list(x.args), d), _stable(dict(x.keywords), d)]
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return [type(x).__qualname__, _stable({f.name: getattr(x, f.name) for f in dataclasses.fields(x)}, d)]
-    if callable(getattr(x, "digest_key", None)):  # an object that says which of its settings matter
-        return [f"{type(x).__module__}.{type(x).__qualname__}", _stable(x.digest_key(), d)]
+    if depth < 4 and isinstance(x, functools.partial):
+        return ["partial", _stable(x.func, depth + 1), [_stable(v, depth + 1) for v in x.args],
+                {str(k): _stable(v, depth + 1) for k, v in sorted(x.keywords.items())}]
+    if depth < 4 and callable(getattr(x, "digest_key", None)):  # an object that says which settings matter
+        return [f"{type(x).__module__}.{type(x).__qualname__}", _stable(x.digest_key(), depth + 1)]
+    if depth < 4 and dataclasses.is_dataclass(x) and not isinstance(x, type):  # a config section
+        return [type(x).__qualname__, {f.name: _stable(getattr(x, f.name), depth + 1) for f in dataclasses.fields(x)}]
+    if depth < 4 and isinstance(x, dict) and len(x) <= 64:
+        return {str(k): _stable(v, depth + 1) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if depth < 4 and isinstance(x, (list, tuple)) and len(x) <= 64:
+        return [_stable(v, depth + 1) for v in x]
     if callable(x) and hasattr(x, "__qualname__"):
         return f"{getattr(x, '__module__', '')}.{x.__qualname__}"
-    public = {k: v for k, v in vars(x).items() if not k.startswith("_")} if hasattr(x, "__dict__") else {}
-    return [f"{type(x).__module__}.{type(x).__qualname__}", _stable(public, d)]
+    # any other object: its type and its plain public settings (numbers, strings), never its containers
+    public = vars(x) if hasattr(x, "__dict__") else {}
+    plain = {k: _stable(v, depth + 1) for k, v in sorted(public.items())
+             if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
+    return [f"{type(x).__module__}.{type(x).__qualname__}", plain]
 
 
 def _file_sha1(path: str) -> str:
