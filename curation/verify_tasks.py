@@ -96,7 +96,7 @@ def _stable(x, depth: int = 0):
 def _file_sha1(path: str) -> str:
     h = hashlib.sha1()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
+        for chunk in iter(lambda: f.read(1 << 16), b""):  # a small buffer: the file is O(pool)
             h.update(chunk)
     return h.hexdigest()[:16]
 
