@@ -143,22 +143,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
-    def forward(self, x: Tensor, shapes: GroupShapes, rope: Optional[Sequence[Optional[RopeSinCos]]] = None,
-                per_group: bool = False) -> Tensor | list[Tensor]:
-        """x: (T, D) packed tokens of all groups, T = sum(b * n) -> (T, D). ``rope``: (sin, cos) per group (DINOv3).
-
-        ``per_group``: one (b * n, D) output per group instead, each group's attention output projected on its own
-        (one more GEMM launch), so nothing concatenates them: for a caller that adds each group back on its own
-        (the efficient stochastic depth)."""
-        outs = self._attend(x, shapes, rope)
-        if per_group:
-            if len(outs) == 1 and len(shapes) > 1:  # xformers eager: one output for the pack
-                return list(self.proj(outs[0]).split([b * n for b, n in shapes]))
-            return [self.proj(o) for o in outs]
-        return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
-
-    def _attend(self, x: Tensor, shapes: GroupShapes, rope) -> list[Tensor]:
-        """Attention before the projection: one (b * n, D) tensor per group, or one (T, D) for the whole pack."""
+    def forward(self, x: Tensor, shapes: GroupShapes, rope: Optional[Sequence[Optional[RopeSinCos]]] = None) -> Tensor:
+        """x: (T, D) packed tokens of all groups, T = sum(b * n) -> (T, D). ``rope``: (sin, cos) per group (DINOv3)."""
         T, D = x.shape
         H, hd = self.num_heads, self.head_dim
         qkv = self.qkv(x)  # (T, 3D)
@@ -170,11 +156,12 @@ class Attention(nn.Module):
             for chunk, (b, n) in zip(qkv.split([b * n for b, n in shapes]), shapes):
                 q, k, v = chunk.view(b, n, 3, H, hd).unbind(2)  # each (b, n, H, hd)
                 outs.append(xformers_attention(q, k, v).reshape(b * n, D))
-            return outs
+            return self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
         if backend == "xformers":  # eager: one launch for the whole pack
             q, k, v = qkv.view(1, T, 3, H, hd).unbind(2)  # each (1, T, H, hd)
             mask = _block_diagonal_mask(tuple((int(b), int(n)) for b, n in shapes))
-            return [xformers_ops().memory_efficient_attention(q, k, v, attn_bias=mask).reshape(T, D)]
+            out = xformers_ops().memory_efficient_attention(q, k, v, attn_bias=mask)
+            return self.proj(out.reshape(T, D))
         outs = []
         for chunk, (b, n) in zip(qkv.split([b * n for b, n in shapes]), shapes):
             # unbind, then transpose (not one permute): the backward then stacks dq, dk, dv straight into qkv's
@@ -185,7 +172,8 @@ class Attention(nn.Module):
             else:
                 o = math_attention(q, k, v)
             outs.append(o.transpose(1, 2).reshape(b * n, D))
-        return outs
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.proj(out)
 
 
 def attention_flops(num_tokens: int, dim: int) -> int:

@@ -6,10 +6,8 @@ on the kept subset of the batch and adds it back with ``index_add`` scaled by B/
 saves ~40% of the block's compute. Below a small rate the gather/scatter costs more than it saves, so we
 fall back to masked DropPath there (DINOv2 uses 0.1 as that threshold).
 
-A block works on one *pack* of all crop-size groups' tokens, (sum B_i*N_i, D), with the groups' (B_i, N_i):
-norms, linear layers and the MLP run once on all tokens; attention runs per group (see attention.py). The
-backbones pack once before the first block and split once after the last, so no block concatenates
-activations (a list of groups, or one tensor, is accepted too and packed on the way in).
+A block works on a *list* of tensors, one per crop-size group, (B_i, N_i, D): norms, linear layers and
+the MLP run once on all tokens concatenated; attention runs per group (see attention.py).
 """
 
 from __future__ import annotations
@@ -49,54 +47,27 @@ def subset_size(batch: int, rate: float) -> int:
     return max(1, int(batch * (1.0 - rate)))
 
 
-def group_rows(shapes: list[tuple[int, int]], device: torch.device) -> list[Tensor]:
-    """Per group, its (B_i, N_i) grid of row indices into the pack (groups in order)."""
-    grids, off = [], 0
-    for b, n in shapes:
-        grids.append(torch.arange(off, off + b * n, device=device).view(b, n))
-        off += b * n
-    return grids
-
-
-def drop_add_residual_packed(
-    t: Tensor, shapes: list[tuple[int, int]], branch: Callable[[Tensor, list], Tensor | TensorList], rate: float,
-    grids: Optional[list[Tensor]] = None,
-) -> Tensor:
-    """Efficient stochastic depth on a pack (sum B_i*N_i, D): x + (B_i/k_i) * branch(x) on k_i random samples of
-    each group, the other samples unchanged; ``branch(sub_pack, sub_shapes)`` returns the kept rows' residual,
-    packed or one tensor per group.
-
-    The pack stays one tensor from block to block: the kept samples' rows are gathered by one ``index_select``
-    and the residuals added back by one ``index_add`` per group, with no concatenation of activations (the rows'
-    int64 indices are concatenated instead). Each group draws its own subset, in group order.
-    """
-    keep = [torch.randperm(b, device=t.device)[: subset_size(b, rate)] for b, _ in shapes]
-    grids = grids if grids is not None else group_rows(shapes, t.device)
-    rows = [g.index_select(0, idx).flatten() for g, idx in zip(grids, keep)]
-    sub_shapes = [(idx.numel(), n) for idx, (_, n) in zip(keep, shapes)]
-    # index_select, not x[idx]: its backward is an index_add, ~25x cheaper on CPU than advanced indexing's
-    # index_put with accumulate (measured in bench/bench_vit.py's profile).
-    res = branch(t.index_select(0, rows[0] if len(rows) == 1 else torch.cat(rows)), sub_shapes)
-    if isinstance(res, Tensor):
-        res = res.split([k * n for k, n in sub_shapes])
-    out = None
-    for r, rws, (b, _), idx in zip(res, rows, shapes, keep):
-        # The scale multiplies the source rather than going in as index_add's alpha: under torch.compile with
-        # dynamic batch sizes a symbolic alpha makes the decomposition guard on it (torch 2.11: "Guard failed on
-        # the same frame it was created", seen in gpu-check's task on an H100).
-        src = r.reshape(-1, t.shape[-1]).to(t.dtype) * (b / idx.numel())
-        # the first group's add copies the pack, the others add into that copy (no further copy of it)
-        out = torch.index_add(t, 0, rws, src) if out is None else out.index_add_(0, rws, src)
-    return out
-
-
 def drop_add_residual_subset(
     xs: TensorList, branch: Callable[[TensorList], TensorList], rate: float
 ) -> TensorList:
-    """:func:`drop_add_residual_packed` on a list of groups (B_i, N_i, D), ``branch`` taking and returning lists."""
-    t, shapes = pack(xs)
-    out = drop_add_residual_packed(t, shapes, lambda u, sub: branch(unpack(u, sub)), rate)
-    return unpack(out, shapes)
+    """x + (B/k) * branch(x) on k random samples of each group; the other samples pass unchanged.
+
+    The branch never sees the dropped samples, so their compute is skipped, not masked. Each group
+    draws its own subset (crop sizes are independent batches).
+    """
+    keep = [torch.randperm(x.shape[0], device=x.device)[: subset_size(x.shape[0], rate)] for x in xs]
+    # index_select, not x[idx]: its backward is an index_add, ~25x cheaper on CPU than advanced indexing's
+    # index_put with accumulate (measured in bench/bench_vit.py's profile).
+    residuals = branch([x.index_select(0, idx) for x, idx in zip(xs, keep)])
+    out = []
+    for x, idx, r in zip(xs, keep, residuals):
+        # The scale multiplies the source rather than going in as index_add's alpha: under torch.compile with
+        # dynamic batch sizes a symbolic alpha makes the decomposition guard on it (torch 2.11: "Guard failed on
+        # the same frame it was created", seen in gpu-check's task on an H100).
+        scale = x.shape[0] / idx.numel()
+        y = torch.index_add(x.flatten(1), 0, idx, r.flatten(1).to(x.dtype) * scale)
+        out.append(y.view_as(x))
+    return out
 
 
 def SwiGLU(in_features: int, hidden_features: int, out_features: Optional[int] = None,
@@ -145,48 +116,32 @@ class Block(nn.Module):
         # Masked fallback (and the baseline the bench compares against).
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def _attn_branch(self, t: Tensor, shapes: list, rope: Optional[list] = None,
-                     per_group: bool = False) -> Tensor | TensorList:
-        """Attention residual of a pack; ``per_group``: one tensor per group, each group's output projected on
-        its own (one more GEMM launch) instead of concatenating the groups' attention outputs for one GEMM."""
-        h = self.norm1(t)
-        if per_group:
-            return [self.ls1(o) for o in self.attn(h, shapes, rope=rope, per_group=True)]
-        return self.ls1(self.attn(h, shapes) if rope is None else self.attn(h, shapes, rope=rope))
+    def _attn_branch(self, xs: TensorList, rope: Optional[list] = None) -> TensorList:
+        t, shapes = pack(xs)
+        out = self.attn(self.norm1(t), shapes) if rope is None else self.attn(self.norm1(t), shapes, rope=rope)
+        return unpack(self.ls1(out), shapes)
 
-    def _ffn_branch(self, t: Tensor, shapes: list) -> Tensor:
-        return self.ls2(self.mlp(self.norm2(t)))
+    def _ffn_branch(self, xs: TensorList) -> TensorList:
+        t, shapes = pack(xs)
+        return unpack(self.ls2(self.mlp(self.norm2(t))), shapes)
 
-    def forward(self, xs: TensorList | Tensor, rope: Optional[list] = None,
-                shapes: Optional[list[tuple[int, int]]] = None) -> TensorList | Tensor:
-        """Groups as a list of (B_i, N_i, D) (returns a list), one (B, N, D) tensor, or with ``shapes`` a pack
-        (sum B_i*N_i, D) as :func:`pack` makes it (returns the pack: the backbones keep one pack through all
-        blocks). ``rope``: one (sin, cos) per crop group for RoPE backbones (DINOv3); positions are per group, so
+    def forward(self, xs: TensorList | Tensor, rope: Optional[list] = None) -> TensorList | Tensor:
+        """``rope``: one (sin, cos) per crop group for RoPE backbones (DINOv3); positions are per group, so
         the efficient stochastic depth's per-sample subsets need no change."""
-        if shapes is not None:
-            return self.forward_packed(xs, list(shapes), rope)
         single = isinstance(xs, Tensor)
-        xs = [xs] if single else xs
-        t, shp = pack(xs)
-        out = unpack(self.forward_packed(t, shp, rope), shp)
-        return out[0] if single else out
-
-    def forward_packed(self, t: Tensor, shapes: list[tuple[int, int]], rope: Optional[list] = None) -> Tensor:
+        if single:
+            xs = [xs]
         rate = self.drop_path_rate if self.training else 0.0
-        efficient = rate > EFFICIENT_DROP_PATH_MIN_RATE and self.efficient_drop_path
-        attn = functools.partial(self._attn_branch, rope=rope, per_group=efficient and len(shapes) > 1)
-        grids = group_rows(shapes, t.device) if efficient and len(shapes) > 1 else None
-        for branch in (attn, self._ffn_branch):
-            if efficient:
-                t = drop_add_residual_packed(t, shapes, branch, rate, grids)
-            elif rate > 0:  # masked DropPath: one mask per sample of each group
-                r = branch(t, shapes)
-                t = pack([x + self.drop_path(y) for x, y in zip(unpack(t, shapes), unpack(r, shapes))])[0]
+        attn_branch = self._attn_branch if rope is None else functools.partial(self._attn_branch, rope=rope)
+        for branch in (attn_branch, self._ffn_branch):
+            if rate > EFFICIENT_DROP_PATH_MIN_RATE and self.efficient_drop_path:
+                xs = drop_add_residual_subset(xs, branch, rate)
+            elif rate > 0:
+                xs = [x + self.drop_path(r) for x, r in zip(xs, branch(xs))]
             else:
-                t = t + branch(t, shapes)
-        return t
+                xs = [x + r for x, r in zip(xs, branch(xs))]
+        return xs[0] if single else xs
 
 
-__all__ = ["Block", "SwiGLU", "swiglu_hidden", "pack", "unpack", "drop_add_residual_subset", "drop_add_residual_packed",
-           "group_rows", "subset_size",
+__all__ = ["Block", "SwiGLU", "swiglu_hidden", "pack", "unpack", "drop_add_residual_subset", "subset_size",
            "EFFICIENT_DROP_PATH_MIN_RATE"]

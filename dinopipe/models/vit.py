@@ -17,7 +17,7 @@ from timm.layers import Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 
 from .attention import BACKENDS, Attention
-from .block import Block, pack, unpack
+from .block import Block
 
 
 def interpolate_pos_embed(
@@ -177,11 +177,9 @@ class DinoVisionTransformer(nn.Module):
         masks_list = list(masks_list) if masks_list is not None else [None] * len(x_list)
         if len(masks_list) != len(x_list):
             raise ValueError(f"{len(x_list)} crop groups but {len(masks_list)} masks")
-        # one pack of all groups' tokens from the first block to the last (no concatenation per block)
-        t, shapes = pack([self.prepare_tokens_with_masks(x, m) for x, m in zip(x_list, masks_list)])
+        xs = [self.prepare_tokens_with_masks(x, m) for x, m in zip(x_list, masks_list)]
         for blk in self.blocks:
-            t = blk(t, shapes=shapes)
-        xs = unpack(t, shapes)
+            xs = blk(xs)
         return [self._output(x, m) for x, m in zip(xs, masks_list)]
 
     def forward_features(self, x: Tensor | Sequence[Tensor], masks=None):

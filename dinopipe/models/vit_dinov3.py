@@ -24,7 +24,7 @@ from timm.layers import GluMlp, Mlp, PatchEmbed, trunc_normal_
 from torch import Tensor, nn
 
 from .attention import BACKENDS, Attention
-from .block import Block, pack, unpack
+from .block import Block
 from .rope import RopeEmbedding
 
 
@@ -197,12 +197,10 @@ class DinoV3VisionTransformer(nn.Module):
         xs = [t for t, _ in prepared]
         grids = [hw for _, hw in prepared]
         ropes = self._ropes(grids, xs[0].device)
-        t, shapes = pack(xs)  # one pack from the first block to the last (no concatenation per block)
         for i, blk in enumerate(self.blocks):
             if i and self._redraw_rope():
-                ropes = self._ropes(grids, t.device)
-            t = blk(t, rope=ropes, shapes=shapes)
-        xs = unpack(t, shapes)
+                ropes = self._ropes(grids, xs[0].device)
+            xs = blk(xs, rope=ropes)
         return [self._output(x, m, local=self.training and i == 1) for i, (x, m) in enumerate(zip(xs, masks_list))]
 
     def _redraw_rope(self) -> bool:
