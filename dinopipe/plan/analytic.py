@@ -75,10 +75,11 @@ class HeadArch:
         dims = [self.in_dim, *self.hidden, self.bottleneck]
         return 2 * (sum(a * b for a, b in zip(dims, dims[1:])) + self.bottleneck * self.n_prototypes)
 
-    def saved_per_token(self, c: int) -> int:
-        """Linear inputs + GELU inputs + normalize input + prototype-layer input (compute dtype), and the fp32
-        log-softmax of the logits the loss keeps."""
-        return c * (self.in_dim + 2 * sum(self.hidden) + 2 * self.bottleneck) + 4 * self.n_prototypes
+    def saved_per_token(self, c: int, lsm: int = 4) -> int:
+        """Linear inputs + GELU inputs + normalize input + prototype-layer input (compute dtype), and the
+        log-softmax of the logits the loss keeps: fp32 for DINO (``lsm`` = 4), the compute dtype for iBOT
+        (ssl/losses.py: ``lsm`` = c)."""
+        return c * (self.in_dim + 2 * sum(self.hidden) + 2 * self.bottleneck) + lsm * self.n_prototypes
 
 
 def _shapes(module: nn.Module) -> list[tuple[int, ...]]:
@@ -338,8 +339,13 @@ def step_memory(cfg, arch: Arch, heads: list[HeadArch], phase, b: int, c: int, a
     # Student.
     backbone = backbone_saved_bytes(arch, groups, sizes, c, attn, checkpointing, stat_bytes)
     head_tok = _head_tokens(cfg, heads, groups, m)
-    head_saved = sum(h.saved_per_token(c) * n + h.n_prototypes * h.bottleneck * c for h, n in head_tok)
-    logits_grad = sum(n * h.n_prototypes * (4 + c) for h, n in head_tok)  # start of backward
+    # the DINO loss keeps an fp32 log-softmax of its CLS logits, the iBOT loss one in the compute dtype of its
+    # masked-patch logits (ssl/losses.py), and so does the gradient that starts the backward
+    n_ibot = {id(h): (m if i == len(head_tok) - 1 else 0) for i, (h, _) in enumerate(head_tok)}
+    head_saved = sum(h.saved_per_token(c) * (n - n_ibot[id(h)]) + h.saved_per_token(c, c) * n_ibot[id(h)]
+                     + h.n_prototypes * h.bottleneck * c for h, n in head_tok)
+    logits_grad = sum(((n - n_ibot[id(h)]) * (4 + c) + n_ibot[id(h)] * 2 * c) * h.n_prototypes
+                      for h, n in head_tok)  # start of backward
     workspace = t * (2 * F + 3 * D) * c + attn_nn  # gradients alive inside one block's backward
     if checkpointing:
         workspace += max(block_saved_bytes(arch, groups, c, attn, r, stat_bytes) for r in set(arch.drop_rates))

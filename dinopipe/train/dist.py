@@ -171,9 +171,11 @@ def all_reduce_max_scalar(x: float) -> float:
 
 
 def launched_world_size() -> int:
-    """World size when this process is one rank of a torchrun / srun launch (its whole work is the stage it runs),
-    else 1."""
-    launched = "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_PROCID" in os.environ
+    """World size when this process is one rank of a torchrun / srun launch, or of any launcher that starts one
+    process per rank with torch's env:// variables (RANK, WORLD_SIZE, MASTER_ADDR: mpirun wrappers, a script) --
+    its whole work is the stage it runs -- else 1."""
+    env_launch = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_PROCID" in os.environ or env_launch
     return dist.get_world_size() if launched and dist.is_available() and dist.is_initialized() else 1
 
 

@@ -78,8 +78,12 @@ def test_pool_from_a_bucket_gives_the_local_pools_bytes_and_batches(shards, tmp_
         return [next(it) for _ in range(3)]
 
     torch.set_num_threads(1)
+    # the reads above may have been retried (a loaded machine times out a request): their counts ride along with the
+    # next batch this process makes ("io"), which is not image data; start the comparison from zero
+    from dinopipe.utils import storage
+    storage.take_counts()
     for a, b in zip(batches(local, 0), batches(remote, 2)):  # the bucket through forked DataLoader workers
-        assert a.keys() == b.keys()
+        assert a.keys() - {"io"} == b.keys() - {"io"}
         for k in a:
             if torch.is_tensor(a[k]):
                 assert torch.equal(a[k], b[k]), k
