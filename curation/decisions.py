@@ -27,9 +27,8 @@ import numpy as np
 from dinopipe.utils.exits import UnfinishedError  # a killed task, not a mistake: exit 75
 from dinopipe.utils.io import atomic_open, atomic_write_json
 
-# status codes of the step arrays (curation.pipeline), and the one only this table knows
-STATUS_NAMES = ("kept", "hash_duplicates", "copy_duplicates", "decontaminated", "not_selected", "unreadable")
-UNREADABLE = 5
+from .status import STATUS_NAMES, UNREADABLE  # noqa: F401  (the one status table: curation/status.py)
+
 HEADER = "id\tsource\tstatus\tgroup_or_reason\n"
 CHUNK = 65536
 _PART = re.compile(r"part-(\d{5})-of-(\d{5})\.json$")

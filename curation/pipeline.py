@@ -39,7 +39,7 @@ from .descriptor import DescriptorConfig
 from .embeddings import EmbedTarget, build_path_table, embed_pool_multi, open_embeddings
 from .knn_steps import embed_eval, hash_survivors, sharded_copy_dedup, sharded_nearest_eval, verifier_factory
 from .rebalance_step import embed_seeds, step_rebalance
-from .stepfiles import (_STATUS_NAMES, COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, StepWriter,  # noqa: F401
+from .stepfiles import (COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED, StepWriter,  # noqa: F401
                         _p, _save_step, blocks, copy_embedder, get_descriptor, load_step, positions_where,
                         rebalance_rows, step_dir, step_exists, step_path)
 from .decisions import finish_decisions, selection_digest
@@ -453,11 +453,11 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
                               seeds_embedded=inputs.seeds_embedded)
     if step == "write":
         return step_write(cfg.input.paths, out, cfg.write, progress=prog, tasks=cfg.tasks, extra={
-            "params": _params(cfg), "steps": _load_summaries(out)})
+            "params": _params(cfg, out), "steps": _load_summaries(out)})
     if step == "report":
         from .report_step import make_report
 
-        return make_report(out, cfg.input.paths, _params(cfg), cfg.report.n_examples, tasks=cfg.tasks,
+        return make_report(out, cfg.input.paths, _params(cfg, out), cfg.report.n_examples, tasks=cfg.tasks,
                            eval_sources=cfg.input.eval_paths or None)
     raise ValueError(f"unknown step '{step}'; choose from {', '.join(STEPS + SHARDED)}")
 
@@ -485,14 +485,22 @@ def _retrieval(cfg: CurationConfig) -> bool:
     return cfg.rebalance.mode == "sample" and bool(cfg.input.seed_paths)
 
 
-def _params(cfg: CurationConfig) -> dict:
-    """The settings recorded in manifest.json and the report."""
+def _params(cfg: CurationConfig, out: str | None = None) -> dict:
+    """The settings recorded in manifest.json and the report. The decontamination threshold is the one the step
+    used, from its summary in ``out`` (steps/decontaminate.json: 0.2 with pixel verification, 0.45 without -- an
+    eval set given as embeddings has no pixels), else the one the config implies."""
+    used = None
+    path = _p(out, "steps", "decontaminate.json") if out else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            used = json.load(f).get("threshold")
     return {"hash_enabled": cfg.hash_dedup.enabled, "hash_max_distance": cfg.hash_dedup.max_distance,
             "k": cfg.dedup.k, "index": cfg.dedup.index,
             "dedup_threshold": resolve_threshold(cfg.dedup.threshold, cfg.dedup.verify),
             "verify": cfg.dedup.verify, "verify_threshold": cfg.dedup.verify_threshold,
             "grouping": cfg.dedup.grouping, "copy_model": cfg.dedup.model,
-            "decontam_threshold": decontam_threshold(cfg.decontaminate, cfg.dedup.model is not None),
+            "decontam_threshold": used if used is not None else decontam_threshold(cfg.decontaminate,
+                                                                                     cfg.dedup.model is not None),
             "decontam_verify": cfg.decontaminate.verify, "decontam_verify_threshold": cfg.decontaminate.verify_threshold,
             "rebalance_mode": cfg.rebalance.mode,
             "embed_model": cfg.embed.model}

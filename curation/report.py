@@ -29,8 +29,8 @@ from dinopipe.utils.io import atomic_write  # noqa: E402
 from .embstore import open_embeddings  # noqa: E402
 from .report_decontam import decontam_section  # noqa: E402
 from .report_tasks import ReportStats, SimStats, of_arrays  # noqa: E402
-from .stepfiles import _STATUS_NAMES, KEPT, NOT_SELECTED, load_step  # noqa: E402
-from .write import STATUSES  # noqa: E402
+from .status import KEPT, NOT_SELECTED, STATUS_NAMES, STATUSES  # noqa: E402
+from .stepfiles import load_step  # noqa: E402
 
 _RED, _BLUE, _GREEN, _ORANGE = "#c0392b", "#2e86c1", "#1e8449", "#e67e22"
 
@@ -273,10 +273,11 @@ def contact_sheet(ids, groups: list[np.ndarray], status, nn_sim, sources, path: 
             name = str(ids[pos]).split("/", 1)[-1]
             name = name if len(name) <= 26 else "..." + name[-23:]
             sim = "" if not np.isfinite(nn_sim[pos]) else f" nn {nn_sim[pos]:.2f}"
-            label = ("KEPT" if kept else _STATUS_NAMES.get(int(status[pos]), "?").replace(
+            code = int(status[pos])
+            label = ("KEPT" if kept else (STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else "?").replace(
                 "_", " ")) + sim
             if kept and int(status[pos]) != KEPT:  # the group's representative, later dropped
-                label += f", then {_STATUS_NAMES[int(status[pos])].replace('_', ' ')}"
+                label += f", then {STATUS_NAMES[int(status[pos])].replace('_', ' ')}"
             if kept:
                 size, n_origins, flags = group_flags(ids, members)
                 name += f"\ngroup of {size} from {n_origins} origin{'s' * (n_origins > 1)}"

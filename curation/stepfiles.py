@@ -20,9 +20,7 @@ from dinopipe.utils.io import atomic_path, atomic_write_json
 from .embstore import open_embeddings
 from .steps.runner import BLOCK
 
-KEPT, HASH_DUP, COPY_DUP, DECONTAM, NOT_SELECTED = 0, 1, 2, 3, 4
-_STATUS_NAMES = {KEPT: "kept", HASH_DUP: "hash_duplicates", COPY_DUP: "copy_duplicates",
-                 DECONTAM: "decontaminated", NOT_SELECTED: "not_selected"}
+from .status import COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED  # noqa: F401  (the codes the steps write)
 
 
 def _p(out_dir: str, *parts: str) -> str:

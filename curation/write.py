@@ -29,9 +29,7 @@ from dinopipe.data.pool_index import INDEX_NAME, member_locations, tar_index, wr
 from dinopipe.data.sources import MultiSource, extension_of
 from dinopipe.utils.io import atomic_path, atomic_write_json
 
-# Every input image ends in exactly one of these (manifest.json counts them).
-STATUSES = ("kept", "hash_duplicates", "copy_duplicates", "decontaminated", "unreadable",
-            "not_selected")
+from .status import STATUSES  # noqa: F401  (every input image ends in exactly one of these: curation/status.py)
 
 
 def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dict], out_dir: str,

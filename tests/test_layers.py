@@ -39,6 +39,8 @@ GROUPS: dict[str, str] = {
     "dinopipe.eval.cli": "app",
     "dinopipe.eval.head_train": "train",  # the dense heads' bridge into the one training loop (train's Task)
     "dinopipe.eval.depth_run": "app",  # `eval depth`'s command: trains through head_train
+    "dinopipe.eval.seg_train": "app",  # `eval seg --head`'s command: trains through head_train
+    "dinopipe.eval.detect": "app",  # `eval detect`'s command: trains through head_train
     "curation.cli": "app",
 }
 

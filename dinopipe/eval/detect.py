@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from ._fit_fallback import fit_dense_head  # swap for .head_train at merge (issue 50)
 from .coco import CocoSet, CocoTrainSet, coco_metrics, collate, to_coco_results
+from .head_train import HeadTrainConfig, fit_dense_head
 from .pyramid import SIZE_DIVISIBLE, STRIDES, PyramidBackbone
 
 DETECTORS = ("fasterrcnn", "maskrcnn", "fcos")
@@ -79,7 +79,25 @@ class DetectorHead(nn.Module):
 
 
 def _det_loss(losses: dict, _targets) -> tuple[torch.Tensor, dict]:
-    return sum(losses.values()), {k: v.detach() for k, v in losses.items()}
+    return sum(losses.values()), {k: float(v.detach()) for k, v in losses.items()}
+
+
+# the loss terms each torchvision detector returns in training (the training loop's metrics.jsonl)
+LOSS_KEYS = {"fasterrcnn": ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"),
+             "maskrcnn": ("loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"),
+             "fcos": ("classification", "bbox_regression", "bbox_ctrness")}
+
+
+class ImagesThrough(nn.Module):
+    """The training loop's backbone for a detector: the images pass through unchanged (the detector runs the ViT
+    itself, inside its pyramid); it holds the ViT so that the loop freezes it, or tunes it at its own lr."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        self.vit = vit
+
+    def forward(self, images: list) -> list:
+        return images
 
 
 @torch.no_grad()
@@ -98,23 +116,31 @@ def predict_coco(head: DetectorHead, data: CocoSet, cat_ids: list[int], batch_si
 
 def train_detector(backbone: nn.Module, kind: str, train: CocoSet, val: CocoSet, *, img_size: int, epochs: int,
                    lr: float, backbone_lr: float = 0.0, batch_size: int = 4, device=torch.device("cpu"),
-                   seed: int = 0, channels: int = 256) -> tuple[DetectorHead, dict, list[dict]]:
-    """Fit a detector and score it on ``val``: (head, metrics, COCO results rows)."""
+                   seed: int = 0, channels: int = 256, run_dir: Optional[Path] = None,
+                   progress: bool = False) -> tuple[DetectorHead, dict, list[dict]]:
+    """Fit a detector through the one training loop (``run_dir``: its checkpoints and metrics.jsonl; a rerun with
+    the same folder resumes; None = a temporary folder) and score it on ``val``: (head, metrics, COCO rows)."""
+    import tempfile
+
     torch.manual_seed(seed)
     head = DetectorHead(build_detector(backbone, kind, len(train.cat_ids), img_size, channels))
     masks = kind == "maskrcnn"
-    loader = torch.utils.data.DataLoader(CocoTrainSet(train, masks=masks), batch_size=batch_size, shuffle=True,
-                                         collate_fn=collate, generator=torch.Generator().manual_seed(seed))
+    loader = torch.utils.data.DataLoader(CocoTrainSet(train, masks=masks), batch_size=batch_size,
+                                         collate_fn=collate)
     rows: list[dict] = []
 
     def val_fn(bb, hd):
         rows.extend(predict_coco(hd, val, train.cat_ids))
         return coco_metrics(val, rows, ("bbox", "segm") if masks else ("bbox",))
 
-    cfg = {"epochs": epochs, "lr": lr, "backbone_lr": backbone_lr, "device": str(device), "out": None,
-           "seed": seed, "features": lambda bb, x: x}  # the detector runs the backbone itself
-    res = fit_dense_head(backbone, head, loader, val_fn, _det_loss, cfg)
-    return head, {"head": kind, "epochs": epochs, "lr": lr, "backbone_lr": backbone_lr, **res}, rows
+    with tempfile.TemporaryDirectory(prefix="dinopipe-detect-") as tmp:
+        cfg = HeadTrainConfig(epochs=epochs, lr=lr, backbone_lr=backbone_lr, device=str(device),
+                              out=str(run_dir or tmp), seed=seed, progress=progress, cache_features=False)
+        fit = fit_dense_head(ImagesThrough(backbone), head, loader, val_fn, _det_loss, cfg,
+                             metric_keys=LOSS_KEYS[kind])
+    res = {"head": kind, "epochs": epochs, "lr": lr, "backbone_lr": backbone_lr, "exit": fit["exit"],
+           "steps": fit["steps"], "train_loss": fit.get("train_loss"), **fit.get("val", {})}
+    return head, res, rows
 
 
 def run_detect(args) -> dict:
@@ -131,9 +157,11 @@ def run_detect(args) -> dict:
     size = args.img_size or int(model.patch_embed.img_size[0])
     _, res, rows = train_detector(model, args.head, train, val, img_size=size, epochs=args.epochs, lr=args.lr,
                                   backbone_lr=args.backbone_lr, batch_size=args.batch_size, device=device,
-                                  channels=args.channels)
+                                  channels=args.channels, run_dir=Path(args.out) / "run", progress=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if res["exit"] != 0:  # preempted: checkpointed in OUT/run, the rerun of the same command resumes
+        return {"task": "detect", "exit": res["exit"], "out": os.fspath(out)}
     atomic_write_json(out / "predictions.json", rows)
     metrics = {k: v for k, v in res.items() if k.startswith(("bbox_", "segm_"))}
     atomic_write_json(out / "metrics.json", {**metrics, "head": args.head, "img_size": size,
@@ -143,4 +171,5 @@ def run_detect(args) -> dict:
             "out": os.fspath(out), "detect": res}
 
 
-__all__ = ["DETECTORS", "build_detector", "DetectorHead", "predict_coco", "train_detector", "run_detect"]
+__all__ = ["DETECTORS", "LOSS_KEYS", "ImagesThrough", "build_detector", "DetectorHead", "predict_coco",
+           "train_detector", "run_detect"]

@@ -7,10 +7,11 @@ interrupted run (rerun the same command), ``metrics.jsonl``, the progress bar, g
 check, and SIGTERM/SIGUSR1 preemption (exit 124 after a checkpoint).
 
 The contract:
-  * ``backbone(images)`` returns what ``head`` takes. A bare dinopipe ViT (anything with
-    ``get_intermediate_layers``) is wrapped in :class:`PatchMap`: the final-norm patch tokens of the last block as a
-    (B, D, h, w) map. Depth passes its own multi-block wrapper, the pyramid heads take the map and build their
-    pyramid inside the head module.
+  * ``backbone(images)`` returns what ``head`` takes (``head(features, targets)`` in training for a head with
+    ``takes_targets = True``: torchvision's detectors, which also hold and run the backbone themselves). A bare
+    dinopipe ViT (anything with ``get_intermediate_layers``) is wrapped in :class:`PatchMap`: the final-norm patch
+    tokens of the last block as a (B, D, h, w) map. Depth passes its own multi-block wrapper, the pyramid heads
+    their padded stride-16 grid (:class:`.pyramid.GridFeatures`) and build their pyramid inside the head module.
   * ``train_loader``: a ``DataLoader`` (or a ``Dataset``) whose samples are ``(image, target)`` or
     ``(key, image, target)``; its dataset is re-read through the loop's sampler (``dataset[(index, epoch)]`` when
     the dataset has ``takes_epoch = True``, else ``dataset[index]``), its ``batch_size``, ``collate_fn`` and
@@ -150,12 +151,14 @@ class DenseHeadTask:
 
     def __call__(self, batch: Any, values: dict[str, float]) -> tuple[Tensor, dict[str, Any]]:
         keys, x, y = batch if len(batch) == 3 else (None, *batch)
-        x, y = x.to(self.device, non_blocking=True), _to(y, self.device)
+        x, y = _to(x, self.device), _to(y, self.device)  # x: a batch tensor, or a list of images (detection)
         self.head.train()
         if self.tuned:
             self.backbone.train()
         with self._autocast():
-            pred = self.head(self._features(keys, x))
+            feats = self._features(keys, x)
+            # a head that computes its losses itself (torchvision's detectors) takes the targets in training
+            pred = self.head(feats, y) if getattr(self.head, "takes_targets", False) else self.head(feats)
         loss, logs = self.loss_fn(_float(pred), y)
         return loss, logs
 
@@ -229,7 +232,10 @@ def fit_dense_head(backbone: nn.Module, head: nn.Module, train_loader: DataLoade
     per_epoch = n // batch
     total = max(1, cfg.epochs * per_epoch)
     task = DenseHeadTask(backbone, head, loss_fn, cfg, device, metric_keys or tuple(getattr(loss_fn, "metric_keys", ())))
-    groups = [{"params": [p for p in head.parameters() if p.requires_grad], "lr_multiplier": 1.0}]
+    # a head may hold the backbone (a torchvision detector runs it itself): those parameters are the backbone's
+    bb_ids = {id(p) for p in backbone.parameters()}
+    groups = [{"params": [p for p in head.parameters() if p.requires_grad and id(p) not in bb_ids],
+               "lr_multiplier": 1.0}]
     if task.tuned:
         # mask_token only serves masked pretraining: no gradient here, and an optimizer state that never forms
         # would not match a resumed run's (DCP loads the state of every parameter in the optimizer)

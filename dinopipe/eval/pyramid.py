@@ -106,5 +106,23 @@ def level_strides(maps: "OrderedDict[str, Tensor]", image_hw: tuple[int, int]) -
     return [image_hw[0] / m.shape[-2] for m in maps.values()]
 
 
+def grid_features(backbone: nn.Module, x: Tensor) -> Tensor:
+    """The pyramid heads' input: :func:`patch_grid` of ``x`` padded to a multiple of 32 (training and slide
+    inference call this one function)."""
+    return patch_grid(backbone, pad_to(x))
+
+
+class GridFeatures(nn.Module):
+    """:func:`grid_features` as the backbone module the one training loop trains or freezes (``backbone`` is the
+    ViT; a tuned run's parameters are its parameters)."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, x: Tensor) -> Tensor:
+        return grid_features(self.backbone, x)
+
+
 __all__ = ["SimplePyramid", "PyramidBackbone", "patch_grid", "pad_to", "LayerNorm2d", "STRIDES",
-           "SIZE_DIVISIBLE", "level_strides"]
+           "SIZE_DIVISIBLE", "level_strides", "grid_features", "GridFeatures"]

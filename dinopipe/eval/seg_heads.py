@@ -32,6 +32,7 @@ class _PixelHead(nn.Module):
     """Heads whose raw output is a (B, C, h, w) logit map at ``stride`` of the padded canvas."""
 
     stride = 16
+    metric_keys = ("ce",)  # what ``loss`` logs (the training loop's metrics.jsonl)
 
     def logits(self, raw: Tensor, out_hw: tuple[int, int]) -> Tensor:
         return _upsample_crop(raw, self.stride, out_hw)
@@ -98,6 +99,7 @@ class Mask2FormerSegHead(nn.Module):
         self.weights = {"loss_cross_entropy": cfg.class_weight, "loss_mask": cfg.mask_weight,
                         "loss_dice": cfg.dice_weight}
         self.criterion = Mask2FormerLoss(config=cfg, weight_dict=self.weights)
+        self.metric_keys = tuple(self.weights)  # what ``loss`` logs
 
     def forward(self, grid: Tensor) -> dict:
         maps = list(self.pyramid(grid).values())

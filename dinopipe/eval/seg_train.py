@@ -1,7 +1,8 @@
 """Train and score a segmentation head (``dinopipe eval seg --head linear|upernet|m2f``).
 
 Training: images resized to a square ``size`` (masks nearest, as the linear probe), random horizontal flips,
-per-pixel cross-entropy (Mask2Former: its matched loss), through ``fit_dense_head``. Scoring is the same for
+per-pixel cross-entropy (Mask2Former: its matched loss), through the one training loop
+(:func:`.head_train.fit_dense_head`: checkpoints and metrics.jsonl in ``OUT/run``, a rerun resumes). Scoring is the same for
 every head: each val image is resized so that its short side is ``size`` (aspect kept); an image longer than
 that is covered by ``size`` x ``size`` windows at stride 2/3 ``size`` whose logits are averaged (slide
 inference, as mmseg's ``slide`` mode); the logits are upsampled to the label's own size and counted in the
@@ -23,8 +24,9 @@ from PIL import Image
 from torch import Tensor, nn
 
 from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from ._fit_fallback import fit_dense_head, grid_features  # swap for .head_train at merge (issue 50)
 from .dense_data import DenseSet
+from .head_train import HeadTrainConfig, fit_dense_head
+from .pyramid import GridFeatures, grid_features
 from .seg import confusion, iou_from_confusion, load_pair
 from .seg_heads import build_seg_head
 
@@ -101,20 +103,32 @@ def evaluate_seg(backbone: nn.Module, head: nn.Module, data: DenseSet, size: int
 def train_seg(backbone: nn.Module, kind: str, train: DenseSet, val: DenseSet, *, size: int, epochs: int,
               lr: float, backbone_lr: float = 0.0, batch_size: int = 8, device=torch.device("cpu"),
               seed: int = 0, channels: int = 256, m2f: Optional[dict] = None,
-              save_dir: Optional[Path] = None) -> tuple[nn.Module, dict]:
-    """Build the head, fit it, score it on ``val``: (head, results)."""
+              save_dir: Optional[Path] = None, run_dir: Optional[Path] = None,
+              progress: bool = False) -> tuple[nn.Module, dict]:
+    """Build the head, fit it through the one training loop (``run_dir``: its checkpoints and metrics.jsonl; a
+    rerun with the same folder resumes; None = a temporary folder), score it on ``val``: (head, results)."""
+    import tempfile
+
     torch.manual_seed(seed)
     head = build_seg_head(kind, int(backbone.embed_dim), train.num_classes, channels=channels, **(m2f or {}))
-    loader = torch.utils.data.DataLoader(SegTrainSet(train, size), batch_size=batch_size, shuffle=True,
-                                         generator=torch.Generator().manual_seed(seed), drop_last=len(train) > batch_size)
+    loader = torch.utils.data.DataLoader(SegTrainSet(train, size), batch_size=batch_size)
 
-    def val_fn(bb, hd):
-        return evaluate_seg(bb, hd, val, size, train.num_classes, device, save_dir)
+    def val_fn(_features, hd):  # slide inference on the ViT itself (the loop hands back its GridFeatures wrapper)
+        return evaluate_seg(backbone, hd, val, size, train.num_classes, device, save_dir)
 
-    cfg = {"epochs": epochs, "lr": lr, "backbone_lr": backbone_lr, "device": str(device), "out": None,
-           "seed": seed}
-    res = fit_dense_head(backbone, head, loader, val_fn, lambda raw, y: head.loss(raw, y), cfg)
-    return head, {"head": kind, "epochs": epochs, "lr": lr, "backbone_lr": backbone_lr, **res}
+    def loss(raw, y):
+        value, logs = head.loss(raw, y)
+        return value, {k: float(v) for k, v in logs.items()}
+
+    with tempfile.TemporaryDirectory(prefix="dinopipe-seg-") as tmp:
+        cfg = HeadTrainConfig(epochs=epochs, lr=lr, backbone_lr=backbone_lr, device=str(device),
+                              out=str(run_dir or tmp), seed=seed, progress=progress, cache_features=False)
+        fit = fit_dense_head(GridFeatures(backbone), head, loader, val_fn, loss, cfg,
+                             metric_keys=tuple(getattr(head, "metric_keys", ())))
+    if fit["exit"] != 0:  # preempted (124): checkpointed in run_dir, the rerun resumes
+        return head, {"head": kind, "exit": fit["exit"], "steps": fit["steps"]}
+    return head, {"head": kind, "epochs": epochs, "lr": lr, "backbone_lr": backbone_lr, "exit": 0,
+                  "steps": fit["steps"], "train_loss": fit.get("train_loss"), **fit["val"]}
 
 
 def run_seg_heads(args, train: DenseSet, val: DenseSet, model: nn.Module, device, size: int) -> dict:
@@ -129,7 +143,10 @@ def run_seg_heads(args, train: DenseSet, val: DenseSet, model: nn.Module, device
         pred_dir.mkdir(parents=True)
     _, res = train_seg(model, args.head, train, val, size=size, epochs=args.epochs, lr=args.lr,
                        backbone_lr=args.backbone_lr, batch_size=args.batch_size, device=device,
-                       channels=args.channels, save_dir=pred_dir)
+                       channels=args.channels, save_dir=pred_dir, run_dir=out / "run" if out is not None else None,
+                       progress=out is not None)
+    if res.get("exit", 0) != 0:
+        return res
     if out is not None:
         metrics = {"mIoU": res["miou"], "per_class_IoU": res["per_class_iou"], "pixel_acc": res["pixel_acc"],
                    "head": args.head, "img_size": size, "num_classes": train.num_classes}

@@ -165,3 +165,17 @@ def test_the_report_draws_in_a_task_of_its_own_and_the_orchestrator_never_import
     assert res["figures"] == [False] and not res["mpl"]  # drawn in a fresh process; never imported here
     assert open(res["path"]).read() == first
     assert all((out / "report" / f).stat().st_size > 0 for f in ("similarity.png", "duplicates.png"))
+
+
+def test_the_manifest_records_the_decontamination_threshold_the_step_used(tmp_path):
+    """An eval set without pixels (given as embeddings) is decided at cosine 0.45, not the verified candidate 0.2:
+    the manifest and the report must say 0.45, the value in the step's summary, not the config's default."""
+    import json
+
+    cfg = _config([str(tmp_path / "pool")], tmp_path / "out")
+    assert cfg.decontaminate.threshold is None and cfg.decontaminate.verify
+    assert _params(cfg)["decontam_threshold"] == 0.2  # nothing run yet: what the config implies
+    steps = tmp_path / "out" / "steps"
+    steps.mkdir(parents=True)
+    (steps / "decontaminate.json").write_text(json.dumps({"decontaminated": 3, "threshold": 0.45, "verify": False}))
+    assert _params(cfg, str(tmp_path / "out"))["decontam_threshold"] == 0.45

@@ -98,3 +98,21 @@ def test_each_detector_trains_on_the_pyramid(paste, kind):
     assert np.isfinite(res["train_loss"]) and all(0 <= res[k] <= 1 for k in ("bbox_AP", "bbox_AP50", "bbox_AP75"))
     if kind == "maskrcnn":
         assert "segm_AP" in res and all("segmentation" in r for r in rows)
+
+
+@pytest.mark.parametrize("backbone_lr", [0.0, 1e-4])
+def test_the_detector_trains_through_the_one_loop_with_the_vit_frozen_or_tuned(paste, tmp_path, backbone_lr):
+    """The detector holds the ViT; the loop owns it: frozen (unchanged), or tuned in its own lr group (changed), and
+    the loss terms land in the run folder's metrics.jsonl next to a checkpoint."""
+    tr = open_coco(paste["train_json"])
+    torch.manual_seed(0)
+    vit = create_model("vit_test")
+    before = {k: v.clone() for k, v in vit.state_dict().items()}
+    _, res, _ = train_detector(vit, "fasterrcnn", tr, tr, img_size=64, epochs=1, lr=1e-3, channels=32, batch_size=3,
+                               backbone_lr=backbone_lr, run_dir=tmp_path / "run")
+    changed = [k for k, v in vit.state_dict().items() if not torch.equal(v, before[k])]
+    assert res["exit"] == 0 and np.isfinite(res["train_loss"])
+    assert (len(changed) > 0) == (backbone_lr > 0), changed[:5]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss_box_reg" in r and "loss_objectness" in r for r in rows), rows[-1]
+    assert any((tmp_path / "run" / "checkpoints").iterdir())

@@ -68,7 +68,7 @@ def test_slide_inference_averages_windows_and_equals_one_window_when_the_image_f
     bb, head = create_model("vit_test").eval(), build_seg_head("linear", 64, 3).eval()
     x = torch.randn(3, 64, 64)
     one = slide_logits(bb, head, x, 64)
-    from dinopipe.eval._fit_fallback import grid_features
+    from dinopipe.eval.pyramid import grid_features
 
     torch.testing.assert_close(one, head.logits(head(grid_features(bb, x[None])), (64, 64))[0])
     wide = torch.randn(3, 64, 150)
@@ -78,11 +78,16 @@ def test_slide_inference_averages_windows_and_equals_one_window_when_the_image_f
     torch.testing.assert_close(got[:, :, :43], first[:, :, :43])
 
 
-def test_mask2former_trains_and_gives_semantic_scores(paste):
+def test_mask2former_trains_and_gives_semantic_scores(paste, tmp_path):
+    import json
+
     tr = open_dense(paste["train"])
     head, res = train_seg(create_model("vit_test"), "m2f", tr, tr, size=64, epochs=1, lr=1e-3, channels=32,
-                          batch_size=4, m2f=M2F_SMALL)
-    assert 0 <= res["miou"] <= 1 and res["loss_dice"] >= 0 and np.isfinite(res["train_loss"])
+                          batch_size=4, m2f=M2F_SMALL, run_dir=tmp_path / "run")
+    assert 0 <= res["miou"] <= 1 and np.isfinite(res["train_loss"])
+    # trained through the one loop: its metrics.jsonl holds the matched loss's terms
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("loss_dice", -1) >= 0 and "loss_mask" in r for r in logged), logged[-1]
     raw = head(torch.randn(2, 64, 4, 4))
     scores = head.logits(raw, (60, 64))
     assert scores.shape == (2, 4, 60, 64) and (scores >= 0).all()  # P(class) x sigmoid(mask), summed over queries
