@@ -36,7 +36,7 @@ BACKBONE_DIR = "backbone"
 HeadBuilder = Callable[[nn.Module, dict], tuple[nn.Module, nn.Module]]
 _BUILDERS: dict[str, HeadBuilder] = {}
 # tasks whose builder lives in another module: imported when such a folder is loaded
-_BUILDER_MODULES = {"depth": __name__}
+_BUILDER_MODULES = {"depth": __name__, "seg": "dinopipe.eval.seg_model"}
 
 
 def register_head_builder(task: str, builder: HeadBuilder) -> None:
@@ -117,15 +117,59 @@ register_head_builder("depth", _build_depth)
 
 
 # -- deployable graphs of backbone + head -------------------------------------------------------------------
+def _pool_matrix(n: torch.Tensor, out: int, like: torch.Tensor) -> torch.Tensor:
+    """(out, n) averaging matrix of adaptive average pooling over a length-``n`` axis: row i averages
+    [floor(i n / out), ceil((i + 1) n / out)), as torch's adaptive_avg_pool2d defines its windows."""
+    idx = torch.arange(n, device=like.device)
+    i = torch.arange(out, device=like.device)
+    start, end = (i * n) // out, ((i + 1) * n + out - 1) // out
+    m = ((idx[None] >= start[:, None]) & (idx[None] < end[:, None])).to(like.dtype)
+    return m / m.sum(1, keepdim=True)
+
+
+class TraceableAdaptiveAvgPool2d(nn.Module):
+    """nn.AdaptiveAvgPool2d as two matrix products built from the input's size: ONNX exporters otherwise fix its
+    kernel to the traced size (UperNet's pyramid pooling then gave wrong scores, up to 1e-2, at any other size)."""
+
+    def __init__(self, output_size) -> None:
+        super().__init__()
+        o = output_size if isinstance(output_size, (tuple, list)) else (output_size, output_size)
+        self.out_h, self.out_w = int(o[0]), int(o[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ph = _pool_matrix(x.shape[-2], self.out_h, x)
+        pw = _pool_matrix(x.shape[-1], self.out_w, x)
+        return torch.matmul(torch.matmul(ph, x), pw.transpose(0, 1))
+
+
+def _traceable_pools(model: nn.Module) -> None:
+    """Swap every fixed-size nn.AdaptiveAvgPool2d of ``model`` for :class:`TraceableAdaptiveAvgPool2d`: where it is
+    registered and in the plain lists some modules also call it through (transformers' UperNet's ``layers``)."""
+    swap: dict[int, nn.Module] = {}
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            size = getattr(child, "output_size", None)
+            sizes = size if isinstance(size, (tuple, list)) else (size,)
+            if isinstance(child, nn.AdaptiveAvgPool2d) and None not in sizes:
+                new = swap.setdefault(id(child), TraceableAdaptiveAvgPool2d(size))
+                setattr(module, name, new)
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, list):
+                value[:] = [swap.get(id(v), v) for v in value]
+
+
 def _graph(model: nn.Module) -> nn.Module:
     """An eval-mode fp32 CPU copy whose backbone traces at any grid (the backbone export's patches:
-    ``export/onnx.py``): the DINOv2 position embedding resampled by matrix products, SDPA attention."""
+    ``export/onnx.py``): the DINOv2 position embedding resampled by matrix products, SDPA attention; and whose head's
+    adaptive average pools (UperNet's pyramid pooling) are size-generic matrix products."""
     import copy
     import types
 
     from ..export.onnx import _traceable_pos_encoding
 
     g = copy.deepcopy(model).cpu().eval().float()
+    _traceable_pools(g)
     bb = g.backbone
     if hasattr(bb, "pos_embed"):
         bb.interpolate_pos_encoding = types.MethodType(_traceable_pos_encoding, bb)
@@ -143,8 +187,9 @@ def trace_head_model(model: nn.Module, image_size: Optional[int] = None) -> torc
     p = int(g.backbone.patch_size)
     size = int(image_size or 4 * p)
     # >= 3 patches a side: a DPT head's stride-2 level then has >= 2 rows (a size-1 dim would be specialised)
-    shapes = {"x": {0: Dim("batch", min=1, max=4096), 2: p * Dim("grid_h", min=3, max=512),
-                    3: p * Dim("grid_w", min=3, max=512)}}
+    # by position: each task's model names its input as it likes (depth ``x``, seg ``images``)
+    shapes = ({0: Dim("batch", min=1, max=4096), 2: p * Dim("grid_h", min=3, max=512),
+               3: p * Dim("grid_w", min=3, max=512)},)
     with torch.no_grad():
         return torch.export.export(g, (torch.randn(2, 3, size, size),), dynamic_shapes=shapes)
 

@@ -141,7 +141,7 @@ def run_seg_heads(args, train: DenseSet, val: DenseSet, model: nn.Module, device
         pred_dir = out / "predictions.partial"  # renamed when complete: no half set of predictions
         shutil.rmtree(pred_dir, ignore_errors=True)
         pred_dir.mkdir(parents=True)
-    _, res = train_seg(model, args.head, train, val, size=size, epochs=args.epochs, lr=args.lr,
+    head, res = train_seg(model, args.head, train, val, size=size, epochs=args.epochs, lr=args.lr,
                        backbone_lr=args.backbone_lr, batch_size=args.batch_size, device=device,
                        channels=args.channels, save_dir=pred_dir, run_dir=out / "run" if out is not None else None,
                        progress=out is not None)
@@ -154,6 +154,11 @@ def run_seg_heads(args, train: DenseSet, val: DenseSet, model: nn.Module, device
             final = out / "predictions"
             shutil.rmtree(final, ignore_errors=True)
             os.replace(pred_dir, final)
+        # the head with its backbone (the tuned one when --backbone-lr > 0): dinopipe.load(OUT/model) predicts
+        from .head_io import save_head
+        from .seg_model import seg_head_config
+
+        save_head(out / "model", model, head, seg_head_config(args.head, train.num_classes, args.channels, size))
         atomic_write_json(out / "metrics.json", metrics, indent=2)
     return res
 
