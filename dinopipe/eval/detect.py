@@ -21,6 +21,7 @@ from torch import nn
 
 from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from .coco import CocoSet, CocoTrainSet, coco_metrics, collate, to_coco_results
+from .head_io import register_head_builder, save_head
 from .head_train import HeadTrainConfig, fit_dense_head
 from .pyramid import SIZE_DIVISIBLE, STRIDES, PyramidBackbone
 
@@ -76,6 +77,27 @@ class DetectorHead(nn.Module):
             return self.detector(images)
         targets = [{k: v.to(dev) for k, v in t.items()} for t in targets]
         return self.detector(images, targets)
+
+
+def detector_parts(detector: nn.Module) -> nn.Module:
+    """The detector's own weights without its ViT (saved once, under backbone/): the pyramid and every other
+    child (RPN and RoI heads, or FCOS's head). The modules are shared with ``detector``: loading into the parts
+    loads the detector."""
+    parts = {name: child for name, child in detector.named_children() if name != "backbone"}
+    return nn.ModuleDict({"pyramid": detector.backbone.pyramid, **parts})
+
+
+def detect_head_config(kind: str, num_classes: int, img_size: int, channels: int, categories: list[int]) -> dict:
+    return {"task": "detect", "head": kind, "num_classes": int(num_classes), "img_size": int(img_size),
+            "channels": int(channels), "categories": [int(c) for c in categories]}
+
+
+def _build_detect(backbone: nn.Module, hc: dict) -> tuple[nn.Module, nn.Module]:
+    det = build_detector(backbone, str(hc["head"]), int(hc["num_classes"]), int(hc["img_size"]), int(hc["channels"]))
+    return DetectorHead(det), detector_parts(det)
+
+
+register_head_builder("detect", _build_detect)
 
 
 def _det_loss(losses: dict, _targets) -> tuple[torch.Tensor, dict]:
@@ -155,7 +177,7 @@ def run_detect(args) -> dict:
     device = pick_device(args.device, key="--device")
     model = load(args.model, device=device, num_heads=args.num_heads)
     size = args.img_size or int(model.patch_embed.img_size[0])
-    _, res, rows = train_detector(model, args.head, train, val, img_size=size, epochs=args.epochs, lr=args.lr,
+    head, res, rows = train_detector(model, args.head, train, val, img_size=size, epochs=args.epochs, lr=args.lr,
                                   backbone_lr=args.backbone_lr, batch_size=args.batch_size, device=device,
                                   channels=args.channels, run_dir=Path(args.out) / "run", progress=True)
     out = Path(args.out)
@@ -163,6 +185,9 @@ def run_detect(args) -> dict:
     if res["exit"] != 0:  # preempted: checkpointed in OUT/run, the rerun of the same command resumes
         return {"task": "detect", "exit": res["exit"], "out": os.fspath(out)}
     atomic_write_json(out / "predictions.json", rows)
+    # the detector with its backbone (the tuned one with --backbone-lr): dinopipe.load(OUT/model) detects
+    save_head(out / "model", model, detector_parts(head.detector),
+              detect_head_config(args.head, len(train.cat_ids), size, args.channels, train.cat_ids))
     metrics = {k: v for k, v in res.items() if k.startswith(("bbox_", "segm_"))}
     atomic_write_json(out / "metrics.json", {**metrics, "head": args.head, "img_size": size,
                                              "train_images": len(train), "val_images": len(val),
@@ -171,5 +196,5 @@ def run_detect(args) -> dict:
             "out": os.fspath(out), "detect": res}
 
 
-__all__ = ["DETECTORS", "LOSS_KEYS", "ImagesThrough", "build_detector", "DetectorHead", "predict_coco",
+__all__ = ["DETECTORS", "LOSS_KEYS", "detector_parts", "detect_head_config", "ImagesThrough", "build_detector", "DetectorHead", "predict_coco",
            "train_detector", "run_detect"]

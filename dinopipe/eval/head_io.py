@@ -36,7 +36,7 @@ BACKBONE_DIR = "backbone"
 HeadBuilder = Callable[[nn.Module, dict], tuple[nn.Module, nn.Module]]
 _BUILDERS: dict[str, HeadBuilder] = {}
 # tasks whose builder lives in another module: imported when such a folder is loaded
-_BUILDER_MODULES = {"depth": __name__, "seg": "dinopipe.eval.seg_model"}
+_BUILDER_MODULES = {"depth": __name__, "seg": "dinopipe.eval.seg_model", "detect": "dinopipe.eval.detect"}
 
 
 def register_head_builder(task: str, builder: HeadBuilder) -> None:

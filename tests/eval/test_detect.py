@@ -72,6 +72,16 @@ def test_cli_detect_writes_coco_results_that_pycocotools_scores_the_same(paste, 
     ev.evaluate(), ev.accumulate(), ev.summarize()
     for k, v in zip(("bbox_AP", "bbox_AP50", "bbox_AP75"), ev.stats[:3]):
         assert metrics[k] == pytest.approx(v, abs=1e-6)
+    # saved with its backbone: dinopipe.load gives the detector back, and it detects what eval detect wrote
+    import dinopipe
+    from dinopipe.eval.detect import predict_coco
+
+    model = dinopipe.load(str(out / "model"))
+    val = open_coco(paste["val_json"], cat_ids=open_coco(paste["train_json"]).cat_ids)
+    again = predict_coco(model, val, val.cat_ids)
+    assert [(r["image_id"], r["category_id"]) for r in again] == [(r["image_id"], r["category_id"]) for r in preds]
+    np.testing.assert_allclose([r["bbox"] + [r["score"]] for r in again], [r["bbox"] + [r["score"]] for r in preds],
+                               rtol=1e-5, atol=1e-4)
 
 
 def test_cli_detect_bad_input_exits_2_and_writes_nothing(paste, tmp_path, capsys):
