@@ -196,5 +196,5 @@ def run_detect(args) -> dict:
             "out": os.fspath(out), "detect": res}
 
 
-__all__ = ["DETECTORS", "LOSS_KEYS", "detector_parts", "detect_head_config", "ImagesThrough", "build_detector", "DetectorHead", "predict_coco",
-           "train_detector", "run_detect"]
+__all__ = ["DETECTORS", "LOSS_KEYS", "detector_parts", "detect_head_config", "ImagesThrough", "build_detector",
+           "DetectorHead", "predict_coco", "train_detector", "run_detect"]
