@@ -87,7 +87,7 @@ def _leaf_keys(schema, prefix=""):
             yield f"{prefix}{f.name}"
 
 
-@pytest.mark.parametrize("kind", ["pretrain", "distill", "curation", "pipeline", "slurm", "model"])
+@pytest.mark.parametrize("kind", ["pretrain", "distill", "curation", "pipeline", "slurm", "model", "seg", "detect"])
 def test_config_reference_lists_every_key_with_its_default(capsys, kind):
     assert main(["config", "--kind", kind]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -112,7 +112,7 @@ def test_config_with_a_file_still_prints_it_resolved(capsys):
     assert "base_lr: 0.001" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kind", ["pretrain", "distill", "curation", "pipeline", "slurm", "model"])
+@pytest.mark.parametrize("kind", ["pretrain", "distill", "curation", "pipeline", "slurm", "model", "seg", "detect"])
 def test_every_key_of_every_kind_has_a_one_line_doc(capsys, kind):
     """`dinopipe config --kind X` prints a doc beside every key (a field without an attribute docstring or a
     comment would print bare), and the printed doc is plain words (no source markup)."""

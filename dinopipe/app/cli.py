@@ -42,6 +42,10 @@ def _schema(kind: str) -> type:
         from .slurm import SlurmConfig as schema
     elif kind == "depth":
         from ..eval.depth_run import DepthConfig as schema
+    elif kind == "seg":
+        from ..eval.head_configs import SegHeadsConfig as schema
+    elif kind == "detect":
+        from ..eval.head_configs import DetectConfig as schema
     else:
         schema = ModelConfig
     return schema
@@ -49,7 +53,8 @@ def _schema(kind: str) -> type:
 
 # Config kinds `dinopipe config --kind` knows: the stage commands and the model section.
 SCHEMAS: dict[str, Callable[[], type]] = {k: (lambda k=k: _schema(k))
-                                          for k in ("pretrain", "distill", "curation", "pipeline", "slurm", "model", "depth")}
+                                          for k in ("pretrain", "distill", "curation", "pipeline", "slurm", "model", "depth",
+                                                    "seg", "detect")}
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -217,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Without --config or overrides: every key of that kind of config, with its "
                        "default and a one-line description. With them: the config checked and printed resolved.")
     c.add_argument("--kind", default="model", choices=sorted(SCHEMAS),
-                   help="pretrain | distill | curation | pipeline | slurm | model (default: model)")
+                   help="pretrain | distill | curation | pipeline | slurm | model | depth | seg | detect (default: model)")
     c.add_argument("--config", default=None, help="a YAML file of that kind to check and print resolved")
     c.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     c.set_defaults(func=_cmd_config)

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     seg.add_argument("--save-predictions", action="store_true", help="OUT/predictions/X.png (class indices)")
     seg.add_argument("--backbone-lr", type=float, default=0.0, help="tune the backbone at this lr (0: frozen)")
     seg.add_argument("--channels", type=int, default=256, help="pyramid / decoder width of upernet and m2f")
+    seg.add_argument("--config", default=None, help="the pyramid heads' path: YAML of the keys beyond these flags "
+                     "(dinopipe config --kind seg)")
+    seg.add_argument("overrides", nargs="*", help="key=value overrides of those keys (e.g. m2f.num_queries=50)")
     det = sub.add_parser("detect", help="a ViTDet pyramid into torchvision's Faster R-CNN / Mask R-CNN / FCOS, "
                                         "COCO JSON in, COCO mAP out (pycocotools)")
     det.add_argument("--model", required=True, help="dinopipe export/run dir, DINOv2 .pth, timm file, registry name")
@@ -88,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     det.add_argument("--batch-size", type=int, default=4, help="images per step")
     det.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     det.add_argument("--num-heads", type=int, default=None, help="only for foreign files with non-64-dim heads")
+    det.add_argument("--config", default=None, help="YAML of the keys beyond these flags (dinopipe config --kind "
+                     "detect)")
+    det.add_argument("overrides", nargs="*", help="key=value overrides of those keys (e.g. train.weight_decay=0.05)")
     _depth_parser(sub)
     return p
 
@@ -144,7 +150,7 @@ def run_seg(args: argparse.Namespace) -> dict:
         desc = {"source": train.source, "images": len(train), "classes": train.num_classes}
         return {"task": "seg", "model": str(args.model), "device": str(device), "feature": f"{args.head} head",
                 "img_size": size, "train": desc, "val": {**desc, "source": val.source, "images": len(val)},
-                "seg": run_seg_heads(args, train, val, model, device, size)}
+                "seg": run_seg_heads(args, train, val, model, device, size, getattr(args, "head_cfg", None))}
     t0 = time.time()
     f_train, m_train = extract_dense(model, train, size, args.batch_size, device)
     f_val, m_val = extract_dense(model, val, size, args.batch_size, device)
@@ -278,6 +284,22 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--out: cannot write '{out}' ('{parent}' is not a writable folder)")
 
 
+def _head_config(args: argparse.Namespace):
+    """The SegHeadsConfig / DetectConfig of ``--config`` and key=value (None for the other tasks)."""
+    if args.task not in ("seg", "detect"):
+        return None
+    from ..config import ConfigError, load_config
+    from .head_configs import DetectConfig, SegHeadsConfig, check_fit_config
+
+    given = args.config is not None or bool(args.overrides)
+    if args.task == "seg" and given and not _seg_heads_path(args):
+        raise ConfigError("--config / key=value: settings of the pyramid heads' path (--head upernet|m2f, or --out "
+                          "FOLDER); the linear probe's --out NAME.json path takes flags only")
+    cfg = load_config(SegHeadsConfig if args.task == "seg" else DetectConfig, args.config, args.overrides)
+    check_fit_config(cfg)
+    return cfg
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
@@ -295,15 +317,20 @@ def _main(args: argparse.Namespace) -> int:
 
         return main_depth(args)
     check_args(args)
+    args.head_cfg = _head_config(args)  # --config / key=value of seg's heads path and detect: exit 2 before any work
     try:
         if args.task == "detect":
             from .detect import run_detect
 
-            out = run_detect(args)
+            out = run_detect(args, args.head_cfg)
+            if out.get("exit"):  # preempted: checkpointed in OUT/run, the same command resumes
+                return int(out["exit"])
             _print_detect(out["detect"])
             print(f"results written to {Path(args.out) / 'metrics.json'} and predictions.json")
             return 0
         out = run_seg(args) if args.task == "seg" else run(args)
+        if args.task == "seg" and out["seg"].get("exit"):  # a pyramid head preempted: the same command resumes
+            return int(out["seg"]["exit"])
     except (LabelError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from .coco import CocoSet, CocoTrainSet, coco_metrics, collate, to_coco_results
+from .head_configs import DetectConfig, fit_kwargs
 from .head_io import register_head_builder, save_head
 from .head_train import HeadTrainConfig, fit_dense_head
 from .pyramid import SIZE_DIVISIBLE, STRIDES, PyramidBackbone
@@ -138,8 +139,9 @@ def predict_coco(head: DetectorHead, data: CocoSet, cat_ids: list[int], batch_si
 
 def train_detector(backbone: nn.Module, kind: str, train: CocoSet, val: CocoSet, *, img_size: int, epochs: int,
                    lr: float, backbone_lr: float = 0.0, batch_size: int = 4, device=torch.device("cpu"),
-                   seed: int = 0, channels: int = 256, run_dir: Optional[Path] = None,
-                   progress: bool = False) -> tuple[DetectorHead, dict, list[dict]]:
+                   seed: int = 0, channels: int = 256, run_dir: Optional[Path] = None, progress: bool = False,
+                   weight_decay: float = 1e-4, warmup_frac: float = 0.1, clip_grad: float = 35.0, flip: bool = True,
+                   workers: int = 0) -> tuple[DetectorHead, dict, list[dict]]:
     """Fit a detector through the one training loop (``run_dir``: its checkpoints and metrics.jsonl; a rerun with
     the same folder resumes; None = a temporary folder) and score it on ``val``: (head, metrics, COCO rows)."""
     import tempfile
@@ -147,8 +149,8 @@ def train_detector(backbone: nn.Module, kind: str, train: CocoSet, val: CocoSet,
     torch.manual_seed(seed)
     head = DetectorHead(build_detector(backbone, kind, len(train.cat_ids), img_size, channels))
     masks = kind == "maskrcnn"
-    loader = torch.utils.data.DataLoader(CocoTrainSet(train, masks=masks), batch_size=batch_size,
-                                         collate_fn=collate)
+    loader = torch.utils.data.DataLoader(CocoTrainSet(train, masks=masks, flip=flip), batch_size=batch_size,
+                                         collate_fn=collate, num_workers=workers)
     rows: list[dict] = []
 
     def val_fn(bb, hd):
@@ -157,7 +159,8 @@ def train_detector(backbone: nn.Module, kind: str, train: CocoSet, val: CocoSet,
 
     with tempfile.TemporaryDirectory(prefix="dinopipe-detect-") as tmp:
         cfg = HeadTrainConfig(epochs=epochs, lr=lr, backbone_lr=backbone_lr, device=str(device),
-                              out=str(run_dir or tmp), seed=seed, progress=progress, cache_features=False)
+                              out=str(run_dir or tmp), seed=seed, progress=progress, cache_features=False,
+                              weight_decay=weight_decay, warmup_frac=warmup_frac, clip_grad=clip_grad)
         fit = fit_dense_head(ImagesThrough(backbone), head, loader, val_fn, _det_loss, cfg,
                              metric_keys=LOSS_KEYS[kind])
     res = {"head": kind, "epochs": epochs, "lr": lr, "backbone_lr": backbone_lr, "exit": fit["exit"],
@@ -165,7 +168,7 @@ def train_detector(backbone: nn.Module, kind: str, train: CocoSet, val: CocoSet,
     return head, res, rows
 
 
-def run_detect(args) -> dict:
+def run_detect(args, cfg=None) -> dict:
     """``dinopipe eval detect``: OUT/predictions.json (COCO results) and OUT/metrics.json (pycocotools)."""
     from ..hub import load
     from ..utils.device import pick_device
@@ -179,7 +182,8 @@ def run_detect(args) -> dict:
     size = args.img_size or int(model.patch_embed.img_size[0])
     head, res, rows = train_detector(model, args.head, train, val, img_size=size, epochs=args.epochs, lr=args.lr,
                                   backbone_lr=args.backbone_lr, batch_size=args.batch_size, device=device,
-                                  channels=args.channels, run_dir=Path(args.out) / "run", progress=True)
+                                  channels=args.channels, run_dir=Path(args.out) / "run", progress=True,
+                                  **fit_kwargs(cfg or DetectConfig()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if res["exit"] != 0:  # preempted: checkpointed in OUT/run, the rerun of the same command resumes

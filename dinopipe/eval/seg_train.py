@@ -103,15 +103,17 @@ def evaluate_seg(backbone: nn.Module, head: nn.Module, data: DenseSet, size: int
 def train_seg(backbone: nn.Module, kind: str, train: DenseSet, val: DenseSet, *, size: int, epochs: int,
               lr: float, backbone_lr: float = 0.0, batch_size: int = 8, device=torch.device("cpu"),
               seed: int = 0, channels: int = 256, m2f: Optional[dict] = None,
-              save_dir: Optional[Path] = None, run_dir: Optional[Path] = None,
-              progress: bool = False) -> tuple[nn.Module, dict]:
+              save_dir: Optional[Path] = None, run_dir: Optional[Path] = None, progress: bool = False,
+              weight_decay: float = 1e-4, warmup_frac: float = 0.1, clip_grad: float = 35.0, flip: bool = True,
+              workers: int = 0) -> tuple[nn.Module, dict]:
     """Build the head, fit it through the one training loop (``run_dir``: its checkpoints and metrics.jsonl; a
     rerun with the same folder resumes; None = a temporary folder), score it on ``val``: (head, results)."""
     import tempfile
 
     torch.manual_seed(seed)
     head = build_seg_head(kind, int(backbone.embed_dim), train.num_classes, channels=channels, **(m2f or {}))
-    loader = torch.utils.data.DataLoader(SegTrainSet(train, size), batch_size=batch_size)
+    loader = torch.utils.data.DataLoader(SegTrainSet(train, size, flip=flip), batch_size=batch_size,
+                                         num_workers=workers)
 
     def val_fn(_features, hd):  # slide inference on the ViT itself (the loop hands back its GridFeatures wrapper)
         return evaluate_seg(backbone, hd, val, size, train.num_classes, device, save_dir)
@@ -122,7 +124,8 @@ def train_seg(backbone: nn.Module, kind: str, train: DenseSet, val: DenseSet, *,
 
     with tempfile.TemporaryDirectory(prefix="dinopipe-seg-") as tmp:
         cfg = HeadTrainConfig(epochs=epochs, lr=lr, backbone_lr=backbone_lr, device=str(device),
-                              out=str(run_dir or tmp), seed=seed, progress=progress, cache_features=False)
+                              out=str(run_dir or tmp), seed=seed, progress=progress, cache_features=False,
+                              weight_decay=weight_decay, warmup_frac=warmup_frac, clip_grad=clip_grad)
         fit = fit_dense_head(GridFeatures(backbone), head, loader, val_fn, loss, cfg,
                              metric_keys=tuple(getattr(head, "metric_keys", ())))
     if fit["exit"] != 0:  # preempted (124): checkpointed in run_dir, the rerun resumes
@@ -131,9 +134,16 @@ def train_seg(backbone: nn.Module, kind: str, train: DenseSet, val: DenseSet, *,
                   "steps": fit["steps"], "train_loss": fit.get("train_loss"), **fit["val"]}
 
 
-def run_seg_heads(args, train: DenseSet, val: DenseSet, model: nn.Module, device, size: int) -> dict:
-    """The CLI's path for ``--head`` / a folder ``--out``: metrics.json (+ predictions/) under OUT."""
+def run_seg_heads(args, train: DenseSet, val: DenseSet, model: nn.Module, device, size: int, cfg=None) -> dict:
+    """The CLI's path for ``--head`` / a folder ``--out``: metrics.json (+ predictions/) under OUT; ``cfg``: the
+    :class:`.head_configs.SegHeadsConfig` (``--config`` and key=value)."""
+    from dataclasses import asdict
+
     from ..utils.io import atomic_write_json
+    from .head_configs import SegHeadsConfig, fit_kwargs
+
+    cfg = cfg or SegHeadsConfig()
+    m2f = asdict(cfg.m2f) if args.head == "m2f" else None
 
     out = Path(args.out) if args.out else None
     pred_dir = None
@@ -144,7 +154,7 @@ def run_seg_heads(args, train: DenseSet, val: DenseSet, model: nn.Module, device
     head, res = train_seg(model, args.head, train, val, size=size, epochs=args.epochs, lr=args.lr,
                        backbone_lr=args.backbone_lr, batch_size=args.batch_size, device=device,
                        channels=args.channels, save_dir=pred_dir, run_dir=out / "run" if out is not None else None,
-                       progress=out is not None)
+                       progress=out is not None, m2f=m2f, **fit_kwargs(cfg))
     if res.get("exit", 0) != 0:
         return res
     if out is not None:
@@ -158,7 +168,7 @@ def run_seg_heads(args, train: DenseSet, val: DenseSet, model: nn.Module, device
         from .head_io import save_head
         from .seg_model import seg_head_config
 
-        save_head(out / "model", model, head, seg_head_config(args.head, train.num_classes, args.channels, size))
+        save_head(out / "model", model, head, seg_head_config(args.head, train.num_classes, args.channels, size, m2f))
         atomic_write_json(out / "metrics.json", metrics, indent=2)
     return res
 

@@ -95,6 +95,10 @@ def test_cli_detect_bad_input_exits_2_and_writes_nothing(paste, tmp_path, capsys
     (tmp_path / "x.json").write_text("{not json")
     assert main(base + ["--train", str(tmp_path / "x.json"), "--val", str(paste["val_json"])]) == 2
     assert "not a JSON" in capsys.readouterr().err
+    ok = ["--train", str(paste["train_json"]), "--val", str(paste["val_json"])]
+    for bad, key in ((["train.weight_decay=-1"], "train.weight_decay"), (["no_such_key=1"], "no_such_key")):
+        assert main(base + ok + bad) == 2
+        assert key in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 

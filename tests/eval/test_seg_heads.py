@@ -107,6 +107,26 @@ def test_bad_flags_exit_2_before_anything_is_written(paste, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_config_keys_reach_the_head_and_a_wrong_one_exits_2_before_anything_is_written(paste, tmp_path, capsys):
+    """`--config` + key=value: the keys beyond the flags (dinopipe config --kind seg)."""
+    base = ["seg", "--model", "vit_test", "--train", str(paste["train"]), "--val", str(paste["val"]), "--device", "cpu",
+            "--head", "m2f", "--img-size", "64", "--epochs", "1", "--channels", "32", "--batch-size", "4"]
+    for bad, key in ((["m2f.num_querys=8"], "num_querys"), (["m2f.num_queries=0"], "m2f.num_queries"),
+                     (["train.warmup_frac=abc"], "train.warmup_frac")):
+        assert main(base + ["--out", str(tmp_path / "bad")] + bad) == 2
+        assert key in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    cfg = tmp_path / "seg.yaml"
+    cfg.write_text("m2f:\n  num_queries: 8\n  decoder_layers: 3\n  encoder_layers: 1\n  train_num_points: 256\n")
+    out = tmp_path / "out"
+    assert main(base + ["--out", str(out), "--config", str(cfg), "train.weight_decay=0.05"]) == 0, capsys.readouterr().err
+    saved = json.loads((out / "model" / "config.json").read_text())["head"]
+    assert saved["m2f"] == {"num_queries": 8, "decoder_layers": 3, "encoder_layers": 1, "train_num_points": 256}
+    import dinopipe
+
+    model = dinopipe.load(str(out / "model"))  # rebuilt from the recorded keys: 8 queries
+    assert model.head.transformer.queries_embedder.weight.shape[0] == 8
+
+
 def test_slide_inference_averages_windows_and_equals_one_window_when_the_image_fits():
     torch.manual_seed(0)
     bb, head = create_model("vit_test").eval(), build_seg_head("linear", 64, 3).eval()
