@@ -318,6 +318,10 @@ def render_sources(rates: dict[str, Rate]) -> str:
     return "\n".join(out)
 
 
+def _level(text: str):
+    return "auto" if text == "auto" else parse_count(text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="curate plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -349,7 +353,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval", type=parse_count, default=1_000_000, help="eval images to decontaminate against")
     p.add_argument("--scan-rate", type=float, default=None, help="dim-ops/s per GPU (or per CPU task)")
     p.add_argument("--embed-rate", type=float, default=None, help="images/s per embedding task")
-    p.add_argument("--levels", type=parse_count, nargs="*", default=[], help="hierarchical k-means levels, e.g. 10M 500k")
+    p.add_argument("--levels", type=_level, nargs="*", default=[],
+                   help="hierarchical k-means levels, e.g. 10M 500k, or auto (rebalance.levels: auto for this pool)")
     p.add_argument("--resampling", type=int, default=10,
                    help="resampling steps per k-means level (rebalance.n_resampling_steps)")
     p.add_argument("--sample-size", type=int, default=10, help="rows per cluster resampled (rebalance.sample_size)")
@@ -377,6 +382,16 @@ def main(argv=None) -> int:
         if getattr(a, name) is not None and getattr(a, name) < 1:
             print(f"curate plan: error: --{name} must be >= 1, got {getattr(a, name)}", file=sys.stderr)
             return 2
+    if "auto" in a.levels:
+        if a.levels != ["auto"]:
+            print(f"curate plan: error: --levels auto stands alone, got {' '.join(map(str, a.levels))}",
+                  file=sys.stderr)
+            return 2
+        from .rebalance import auto_levels  # what a run with rebalance.levels: auto clusters
+
+        a.levels = auto_levels(pool)
+        print(f"--levels auto: {' '.join(f'{k:,}' for k in a.levels)} clusters (bottom-up, ~{pool / a.levels[0]:.0f} "
+              f"rows per bottom cluster)")
     try:
         rates = load_rates(a.rates)
     except InputError as e:

@@ -329,3 +329,17 @@ def test_an_installed_copy_plans_with_the_measured_rates(tmp_path):
                                                               "PATH": "/usr/bin:/bin"}, timeout=120).stdout
     shipped = json.loads((root / "curation" / "plan_rates.json").read_text())["rates"]
     assert int(out) >= len(shipped) > 0
+
+
+def test_plan_levels_auto_plans_the_levels_a_run_would_use(capsys):
+    """`--levels auto`: the levels rebalance.levels: auto gives this pool, and the same table as those levels given."""
+    from curation.rebalance import auto_levels
+
+    ks = auto_levels(142_000_000)
+    assert main(["plan", "--pool", "142M", "--levels", "auto"]) == 0
+    auto = capsys.readouterr().out
+    assert f"--levels auto: {' '.join(f'{k:,}' for k in ks)} clusters" in auto
+    assert main(["plan", "--pool", "142M", "--levels", *map(str, ks)]) == 0
+    assert auto.split("\n", 1)[1] == capsys.readouterr().out
+    assert main(["plan", "--pool", "142M", "--levels", "auto", "500k"]) == 2
+    assert "stands alone" in capsys.readouterr().err
