@@ -80,14 +80,14 @@ gpu-proxy-compiled: venv
 # git dir: make official-src OFFICIAL_SRC=/path/dinov2.git OFFICIAL_SRC_V3=/path/dinov3.git
 OFFICIAL_SRC_V3 ?= https://github.com/facebookresearch/dinov3
 official-src:
-	bench/fetch_official.sh $(OFFICIAL_SRC) .official/dinov2
-	PATHS="dinov3 LICENSE.md" bench/fetch_official.sh $(OFFICIAL_SRC_V3) .official/dinov3
+	bench/tools/fetch_official.sh $(OFFICIAL_SRC) .official/dinov2
+	PATHS="dinov3 LICENSE.md" bench/tools/fetch_official.sh $(OFFICIAL_SRC_V3) .official/dinov3
 
 gpu-bench-wheels:
-	PYTHON=$(PY) bench/gpu_bench_wheels.sh .whl
+	PYTHON=$(PY) bench/tools/gpu_bench_wheels.sh .whl
 
 bench: venv
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/tools/run_all.py
 
 # curation/plan_rates.json and the curation tables of docs/curation-scale.md and docs/benchmarks.md, from the growth bench's JSON
 # (bench/bench_curation_scale.py --json; several files: SCALE_JSON="a.json b.json"); VERIFY_JSON: bench_verify --json.
@@ -104,8 +104,8 @@ CHAIN_JSON ?= bench/results/scale_default_chain.json bench/results/scale_default
 CHAIN_LARGE_JSON ?= bench/results/scale_default_chain_10m.json
 VERIFY_JSON ?=
 curation-tables: venv
-	$(BIN)/python bench/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out curation/plan_rates.json
-	$(BIN)/python bench/render_tables.py --scale $(SCALE_JSON) --rates curation/plan_rates.json --check $(RATES_JSON) \
+	$(BIN)/python bench/tools/rates_from_bench.py --scale $(RATES_JSON) $(if $(VERIFY_JSON),--verify $(VERIFY_JSON)) --out curation/plan_rates.json
+	$(BIN)/python bench/tools/render_tables.py --scale $(SCALE_JSON) --rates curation/plan_rates.json --check $(RATES_JSON) \
 		$(if $(TASKS_JSON),--tasks-memory $(TASKS_JSON)) $(if $(CHAIN_JSON),--default-chain $(CHAIN_JSON)) \
 		$(if $(CHAIN_LARGE_JSON),--default-chain-large $(CHAIN_LARGE_JSON))
 

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
                            overrides=a.overrides, config=a.config,
                            progress=(a.json or os.path.join(a.work, "bench")) + f".n{n}-w{w}.progress.jsonl")
             res["total_s"] = time.perf_counter() - t0
-            res["meta"] = run_meta(argv)  # date, machine, command: what bench/rates_from_bench.py cites
+            res["meta"] = run_meta(argv)  # date, machine, command: what bench/tools/rates_from_bench.py cites
             print(render(res), flush=True)
             results.append(res)
             if not a.keep:

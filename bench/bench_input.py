@@ -13,7 +13,7 @@ JPEGs (quality 90) into two webdataset tar shards. Each path runs in this proces
 * ``official``: ``webdataset.WebDataset(...).decode("pil")`` -> ``DataAugmentationDINO`` -> its
   ``collate_data_and_cast`` (fp16 crops, as its training casts them) with its ``MaskingGenerator``. The source
   is never vendored: ``--dinov2`` names a checkout, else ``.official/dinov2`` (``make official-src``), else
-  ``bench/fetch_official.sh`` extracts it from ``--mirror`` (a git directory or URL) into a temporary folder.
+  ``bench/tools/fetch_official.sh`` extracts it from ``--mirror`` (a git directory or URL) into a temporary folder.
   Absent all: "official: not available".
 * ``gpu path, host side``: what the workers do with ``data.augment_on=gpu`` (bytes, header, draws, masks);
   the device's decode and crops are timed by ``make gpu-bench``.
@@ -150,7 +150,7 @@ def device_rate(shards: list[str], cache: str, batch: int, device: str, seconds:
 
 def official_source(path: Optional[str], mirror: str, tmp: str) -> Optional[str]:
     """A folder holding the dinov2 package: ``path``; else ``.official/dinov2`` (``make official-src``); else
-    extracted from ``mirror`` (a git directory or URL) by ``bench/fetch_official.sh``; None if none works."""
+    extracted from ``mirror`` (a git directory or URL) by ``bench/tools/fetch_official.sh``; None if none works."""
     def has_it(d: str) -> bool:
         return os.path.isfile(os.path.join(d, "dinov2", "data", "augmentations.py"))
 
@@ -159,7 +159,7 @@ def official_source(path: Optional[str], mirror: str, tmp: str) -> Optional[str]
     if has_it(OFFICIAL):
         return OFFICIAL
     dest = os.path.join(tmp, "dinov2-src")
-    r = subprocess.run(["bash", os.path.join(BENCH, "fetch_official.sh"), mirror, dest], capture_output=True)
+    r = subprocess.run(["bash", os.path.join(BENCH, "tools", "fetch_official.sh"), mirror, dest], capture_output=True)
     return dest if r.returncode == 0 and has_it(dest) else None
 
 

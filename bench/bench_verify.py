@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-pairs", type=int, default=3000)
     p.add_argument("--before", default=None, help="main's verify.py as a file (default: git show main:...)")
-    p.add_argument("--json", default=None, help="also write the rate here (bench/rates_from_bench.py reads it)")
+    p.add_argument("--json", default=None, help="also write the rate here (bench/tools/rates_from_bench.py reads it)")
     args = p.parse_args(argv)
     import torch
 

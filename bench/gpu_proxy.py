@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=str(OUT))
     args = ap.parse_args(argv)
     if args.render:
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # the renderers live in bench/tools/
         import gpu_proxy_tables
 
         return gpu_proxy_tables.render(Path(args.json))

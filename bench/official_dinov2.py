@@ -1,6 +1,6 @@
 """The official DINOv2 training step (facebookresearch/dinov2 ``SSLMetaArch``), built and stepped as its
 ``dinov2/train/train.py`` does, for ``bench/gpu_bench.py``. The source is never vendored: ``make official-src``
-(bench/fetch_official.sh) extracts it into ``.official/dinov2``.
+(bench/tools/fetch_official.sh) extracts it into ``.official/dinov2``.
 
 The official code as published does not run unchanged on today's torch without xFormers; the smallest
 shims that make it run are applied here, each recorded in ``SHIMS`` (the bench writes them into its JSON):

@@ -1,4 +1,4 @@
-"""Where a bench's JSON was measured: date, machine, command (bench/rates_from_bench.py cites them)."""
+"""Where a bench's JSON was measured: date, machine, command (bench/tools/rates_from_bench.py cites them)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Slurm chain (slurm/submit_curation.sh) gives three steps arrays of their own: em
 the copy and eval searches (-s: --search-tasks) and the k-means tree (-k: --kmeans-tasks).
 
 Times are op counts or rows over rates, each printed with its mark: measured (source) -- from curation/plan_rates.json,
-which bench/rates_from_bench.py derives from the JSON of bench/bench_curation_scale.py and bench/bench_verify.py,
+which bench/tools/rates_from_bench.py derives from the JSON of bench/bench_curation_scale.py and bench/bench_verify.py,
 or a cited measurement -- or ASSUMED (--rates FILE: another rates file). Index sizes are exact (faiss code
 sizes). Steps: embed, hash dedup, index train / add / merge, search, verification, grouping, decontamination,
 k-means levels, sampling, shard writing, decisions.
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     p.add_argument("--sample-size", type=int, default=10, help="rows per cluster resampled (rebalance.sample_size)")
     p.add_argument("--pairs-per-image", type=float, default=1.0,
                    help="candidate pairs to verify per image (0: dedup.verify=false)")
-    p.add_argument("--rates", default=None, help="rates file (default curation/plan_rates.json; bench/rates_from_bench.py)")
+    p.add_argument("--rates", default=None, help="rates file (default curation/plan_rates.json; bench/tools/rates_from_bench.py)")
     a = p.parse_args(argv)
     try:
         pool = parse_count(a.pool)

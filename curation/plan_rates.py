@@ -1,7 +1,7 @@
 """The rates `curate plan` multiplies by: each one measured (with where, when, on what, by which command) or
 ASSUMED, never a bare number.
 
-A rates file (``curation/plan_rates.json``, written by ``bench/rates_from_bench.py`` from the JSON of
+A rates file (``curation/plan_rates.json``, written by ``bench/tools/rates_from_bench.py`` from the JSON of
 ``bench/bench_curation_scale.py`` and ``bench/bench_verify.py``)::
 
     {"rates": {"hash_dedup": {"value": 118000.0, "unit": "rows/s per task",
@@ -71,7 +71,7 @@ DEFAULTS: dict[str, tuple[float, str, dict | None]] = {
     "cpu_scan": (2.3e9, "dim-ops/s per core", {**_ENV, "run": "IVF SQfp16 scan, nprobe 16", "label": "faiss IVF scan"}),
     "cpu_gemm": (7e10, "FLOP/s per core", {**_ENV, "run": "IndexFlatIP exact search", "label": "faiss flat GEMM"}),
 }
-"""The ASSUMED ones are replaced by measured ones as the benches cover them (bench/rates_from_bench.py)."""
+"""The ASSUMED ones are replaced by measured ones as the benches cover them (bench/tools/rates_from_bench.py)."""
 
 USED = ("hash_dedup", "verification", "grouping", "sampling", "decisions", "write_shards", "merge", "network",
         "cpu_scan", "cpu_gemm")
@@ -98,7 +98,7 @@ def load_rates(path: str | None = None) -> dict[str, Rate]:
                 raise ValueError(f"rate {name!r} is {value}, must be > 0")
             rates[name] = Rate(value, str(e.get("unit", rates.get(name, Rate(0, "")).unit)), e.get("source") or None)
     except FileNotFoundError:
-        raise InputError(f"--rates {path}: no such file (bench/rates_from_bench.py writes one)") from None
+        raise InputError(f"--rates {path}: no such file (bench/tools/rates_from_bench.py writes one)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise InputError(f"--rates {path}: not a rates file ({type(e).__name__}: {e}); expected "
                          '{"rates": {"name": {"value": x, "unit": ..., "source": {...} or null}}}') from None

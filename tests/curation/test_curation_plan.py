@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import rates_from_bench, render_tables
+from bench.tools import rates_from_bench, render_tables
 from curation.cli import main
 from curation.config import TasksConfig, task_plan
 from curation.plan import chain_tasks, code_bytes, parse_count, plan

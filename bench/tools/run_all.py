@@ -1,8 +1,8 @@
 """Run every bench/bench_*.py in turn, each in its own interpreter (``make bench``).
 
-    python bench/run_all.py            # full runs
-    python bench/run_all.py --quick    # smoke run; --quick is passed to every script
-    python bench/run_all.py -k vit     # only scripts whose name contains "vit"
+    python bench/tools/run_all.py            # full runs
+    python bench/tools/run_all.py --quick    # smoke run; --quick is passed to every script
+    python bench/tools/run_all.py -k vit     # only scripts whose name contains "vit"
 
 New benches are found by their file name, so adding ``bench/bench_<thing>.py`` is enough; each script must
 accept ``--quick`` and print its results as ``name: X.XX`` lines. Exits non-zero if any script failed.
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     p.add_argument("-k", dest="pattern", default="", help="only scripts whose file name contains this")
     args = p.parse_args(argv)
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # bench/, this tool in bench/tools/
     scripts = sorted(s for s in glob.glob(os.path.join(here, "bench_*.py"))
                      if args.pattern in os.path.basename(s))
     if not scripts:

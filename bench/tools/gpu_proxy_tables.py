@@ -1,6 +1,6 @@
 """The GPU estimate's tables in docs/gpu.md and README.md, generated from bench/gpu_proxy.py's JSON (never typed):
 ``python bench/gpu_proxy.py --render`` (``make gpu-proxy`` runs it after the bench). Each table goes between its
-markers (``<!-- begin: NAME -->`` ... ``<!-- end: NAME -->``, bench/render_tables.py's ``replace_region``); the
+markers (``<!-- begin: NAME -->`` ... ``<!-- end: NAME -->``, bench/tools/render_tables.py's ``replace_region``); the
 output depends only on the JSON files."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.render_tables import replace_region  # noqa: E402
+from bench.tools.render_tables import replace_region  # noqa: E402
 from dinopipe.plan.gpu_cost import CATEGORIES  # noqa: E402
 
 DOC = REPO / "docs" / "gpu.md"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Extract the official DINOv2 (or DINOv3) source (never vendored) into DEST (default .official/dinov2, git-ignored) for
 # bench/gpu_bench.py, from SRC: a git directory (a bare mirror or a clone's .git) or a URL to clone (online).
-#   bench/fetch_official.sh /work/.mirror/facebookresearch+dinov2/repo
-#   bench/fetch_official.sh https://github.com/facebookresearch/dinov2
+#   bench/tools/fetch_official.sh /work/.mirror/facebookresearch+dinov2/repo
+#   bench/tools/fetch_official.sh https://github.com/facebookresearch/dinov2
 # DEST/COMMIT records the commit; the GPU machine has no network: carry DEST there (and .whl, see the Makefile).
 set -euo pipefail
 src=${1:-https://github.com/facebookresearch/dinov2}

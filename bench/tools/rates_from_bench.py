@@ -2,9 +2,9 @@
 measures, pixel pairs/s per core from the verification bench, each with its source (bench, date, machine,
 command, run).
 
-    python bench/rates_from_bench.py --scale bench/results/scale_1m.json [more scale JSON ...] \\
+    python bench/tools/rates_from_bench.py --scale bench/results/scale_1m.json [more scale JSON ...] \\
         [--verify verify.json] --out curation/plan_rates.json
-    python bench/rates_from_bench.py --scale old.json --stamp date=2026-11-27 machine="..." command="..."
+    python bench/tools/rates_from_bench.py --scale old.json --stamp date=2026-11-27 machine="..." command="..."
 
 Per step, from ``bench/bench_curation_scale.py``'s runs (``{"runs": [{"n", "tasks", "steps": {step: {"runs":
 [{"fn", "tasks", "task_s", ...}]}}, "step_results", "meta"}]}``; several files are merged): the run with the
@@ -121,7 +121,7 @@ def stamp(path: str, pairs: list[str]) -> int:
     n = 0
     for r in doc["runs"]:
         if not r.get("meta"):
-            r["meta"], n = {**meta, "added": "by hand (bench/rates_from_bench.py --stamp)"}, n + 1
+            r["meta"], n = {**meta, "added": "by hand (bench/tools/rates_from_bench.py --stamp)"}, n + 1
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     return n
@@ -132,7 +132,7 @@ def build(scale: list[str], verify: str | None = None) -> dict:
     if verify:
         with open(verify) as f:
             rates.update(verify_rate(json.load(f), verify))
-    return {"generated_by": "python bench/rates_from_bench.py " + " ".join(
+    return {"generated_by": "python bench/tools/rates_from_bench.py " + " ".join(
                 [f"--scale {' '.join(scale)}"] + ([f"--verify {verify}"] if verify else [])),
             "generated": time.strftime("%Y-%m-%d", time.gmtime()),
             "note": "rows/s of one task; a rate missing here is ASSUMED in `curate plan` (curation/plan_rates.py)",
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--stamp", nargs="+", default=None, metavar="KEY=VALUE",
                    help="only add meta (date=, machine=, command=) to the --scale file's runs that have none")
     p.add_argument("--verify", default=None, help="JSON of bench/bench_verify.py --json")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                                  "curation", "plan_rates.json"))
     a = p.parse_args(argv)
     if a.stamp:
