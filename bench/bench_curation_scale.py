@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -29,16 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.run_meta import run_meta  # noqa: E402
+from bench.tools.render_tables import slope  # noqa: E402  (the growth exponent the docs' tables print)
 from curation.simulate.run import differing, render, simulate  # noqa: E402
-
-
-def slope(ns, ts):
-    """Least-squares slope of log t against log N."""
-    x = [math.log(n) for n in ns]
-    y = [math.log(max(t, 1e-3)) for t in ts]
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    den = sum((a - mx) ** 2 for a in x)
-    return sum((a - mx) * (b - my) for a, b in zip(x, y)) / den if den else float("nan")
 
 
 def main(argv=None) -> int:
