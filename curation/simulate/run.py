@@ -153,7 +153,8 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
     ``progress``: one JSON line per finished step.
     ``query_fraction`` < 1: only that fraction of the rows queries the copy search (every row is indexed;
     :class:`curation.pipeline.ChainInputs`); the copies' recall then counts the planted pairs with a queried end."""
-    from ..pipeline import ChainInputs, build_tables, run_steps
+    from ..pipeline import ChainInputs, run_steps
+    from ..embed_step import build_tables
 
     table: dict = {}
     block = runner.BLOCK

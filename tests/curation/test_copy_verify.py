@@ -169,7 +169,9 @@ class _TinyCopyNet(torch.nn.Module):
 def test_torchscript_copy_model_replaces_the_descriptor(pool_dir, tmp_path):
     from curation.config import DedupConfig, EmbedConfig
     from curation.embeddings import open_embeddings
-    from curation.pipeline import step_decontaminate, step_dedup, step_embed
+    from curation.decontaminate_step import step_decontaminate
+    from curation.dedup_step import step_dedup
+    from curation.embed_step import step_embed
 
     path = tmp_path / "copy.torchscript.pt"
     torch.jit.save(torch.jit.script(_TinyCopyNet().eval()), str(path))

@@ -183,7 +183,7 @@ def test_the_embed_step_builds_the_table_as_w_tasks(real_pool, pool_dir, tmp_pat
     """`curate run`'s embed step builds the descriptors' path table right after embedding as tasks.count W
     tasks (its summary says how many); the next step finds it current and builds nothing."""
     from curation.config import EmbedConfig, TasksConfig
-    from curation.pipeline import build_tables, step_embed
+    from curation.embed_step import build_tables, step_embed
 
     out = tmp_path / "out"
     pool = tmp_path / "pool"

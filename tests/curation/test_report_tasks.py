@@ -123,7 +123,8 @@ def test_curate_runs_report_is_the_same_as_three_tasks(pool_dir, tmp_path):
     run_curation(cfg)
     one = (out / "report" / "summary.md").read_text()
     assert "## Largest copy groups" in one and "## Balance" in one
-    three = open(make_report(str(out), [str(pool_dir[0])], _params(cfg), cfg.report.n_examples, num_tasks=3)).read()
+    params = _params(cfg, str(out))  # the thresholds the steps used (steps/<step>.json), as the run's report
+    three = open(make_report(str(out), [str(pool_dir[0])], params, cfg.report.n_examples, num_tasks=3)).read()
     assert three == one
 
 
@@ -142,7 +143,7 @@ def test_the_report_draws_in_a_task_of_its_own_and_the_orchestrator_never_import
                   rebalance={"mode": "hierarchical", "levels": [6, 3], "target_size": 20})
     cfg.report.enabled = False
     run_curation(cfg)
-    params = _params(cfg)
+    params = _params(cfg, str(out))
     with recording() as rec:
         first = open(make_report(str(out), [str(pool_dir[0])], params, cfg.report.n_examples, num_tasks=2,
                                   tasks=None)).read()
@@ -178,4 +179,5 @@ def test_the_manifest_records_the_decontamination_threshold_the_step_used(tmp_pa
     steps = tmp_path / "out" / "steps"
     steps.mkdir(parents=True)
     (steps / "decontaminate.json").write_text(json.dumps({"decontaminated": 3, "threshold": 0.45, "verify": False}))
-    assert _params(cfg, str(tmp_path / "out"))["decontam_threshold"] == 0.45
+    used = _params(cfg, str(tmp_path / "out"))
+    assert used["decontam_threshold"] == 0.45 and used["decontam_verify"] is False

@@ -107,7 +107,7 @@ def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch, caps
 def test_ondisk_index_equals_one_process_build(big_pool, tmp_path):
     """W = 3 add tasks + on-disk merge search exactly like the index one process filled."""
     from curation.embeddings import embed_pool, open_embeddings
-    from curation.pipeline import get_descriptor
+    from curation.stepfiles import get_descriptor
 
     desc = get_descriptor(str(tmp_path / "d"))
     emb_dir = str(tmp_path / "emb")
@@ -183,7 +183,7 @@ def test_eval_and_retrieval_searches_in_local_processes(big_pool, tmp_path):
     """The nearest-eval and retrieval searches as W = 2 local processes (rows reopened from RowSources) give
     the chunks one inline task gives."""
     from curation.embeddings import embed_pool, open_embeddings
-    from curation.pipeline import get_descriptor
+    from curation.stepfiles import get_descriptor
 
     desc = get_descriptor(str(tmp_path / "d"))
     emb_dir = str(tmp_path / "emb")

@@ -185,7 +185,7 @@ import numpy as np
 from curation.hash_step import pairs_task
 from curation.knn_shards import search_task
 from curation.knn_steps import _source
-from curation.pipeline import _decisions_part_task
+from curation.steps.write_tasks import _decisions_part_task
 from curation.simulate.run import simulate
 from curation.steps import runner
 from dinopipe.utils.exits import UnfinishedError

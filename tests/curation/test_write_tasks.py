@@ -14,7 +14,8 @@ from curation.cli import main
 from curation.config import WriteConfig
 from curation.decisions import decisions_task, iter_decisions
 from curation.embeddings import _mark_task_done, open_embeddings, save_shard
-from curation.pipeline import step_write, write_task
+from curation.write_step import step_write
+from curation.steps.write_tasks import write_task
 from curation.write import STATUSES
 
 ROOT = Path(__file__).resolve().parents[2]
