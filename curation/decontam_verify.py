@@ -1,4 +1,4 @@
-"""Decontamination's pixel verification (curation.pipeline.step_decontaminate): the candidates -- pool rows whose
+"""Decontamination's pixel verification (curation.decontaminate_step.step_decontaminate): the candidates -- pool rows whose
 nearest eval image in the copy space has cosine > ``decontaminate.threshold`` -- verified by
 :class:`curation.leakverify.LeakVerifier` as W tasks of the step runner (curation.verify.PartedVerifier: each
 task owns the pairs of a range of pool positions and writes its part; a rerun skips the parts written for the

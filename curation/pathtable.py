@@ -7,7 +7,7 @@ by input id is sorting by string id, which is the *canonical row order*: embeddi
 ``decisions`` parts follow it whatever number of tasks embedded or searched the pool.
 
 Built once from the embedding parts by :func:`build_table` after every embedding task has finished -- by the
-chain right after embedding as ``tasks.count`` W tasks (curation.pipeline.build_tables), else by
+chain right after embedding as ``tasks.count`` W tasks (curation.embed_step.build_tables), else by
 ``open_embeddings`` on first use (W = 1, in this process) -- and redone only when the parts change. The build
 is W tasks of each of three kinds (curation.steps.table), merged on disk, none holding more than its N/W
 inputs: *run* tasks sort their share of the parts into runs on disk; *rank* tasks give each entry its input

@@ -1,6 +1,6 @@
 """The write step's tasks: shard writing and the decisions parts, each owning its rows of memory-mapped step arrays.
 
-:func:`write_selection` (once, in the orchestrator, ``pipeline.step_write``) streams the status array a block at a
+:func:`write_selection` (once, in the orchestrator, ``write_step.step_write``) streams the status array a block at a
 time: the kept count, the digest naming the selection and the kept rows per block (:class:`Selection`). A write
 task finds the kept rows of its shards from the running sum of those counts (:meth:`Selection.rows`), reading
 only the blocks that hold them; a decisions task reads its inputs' rows (curation.decisions). No task lists

@@ -138,7 +138,7 @@ def test_w3_task_processes_of_one_thread_write_the_arrays_of_one_process_of_all_
 
 
 def test_decontamination_removes_the_kept_rows_of_every_component_with_a_direct_eval_match(tmp_path, small_blocks):
-    """pipeline.step_decontaminate (the direct matches' components flagged in a mapped array, then every alive row
+    """decontaminate_step.step_decontaminate (the direct matches' components flagged in a mapped array, then every alive row
     tested a block at a time) against curation.decontaminate.expand_to_components over the whole pool at once,
     the step's reference: the same rows go, one reason per image (a copy duplicate stays one), as W = 2 tasks;
     and the step leaves no scratch file behind."""

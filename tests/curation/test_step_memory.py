@@ -50,7 +50,7 @@ ORCH_HELD = 4
 digests a block at a time over the mapped status array: measured 1.7-2.2 with the int32 source_codes that
 open_embeddings used to materialise; EmbeddingSet.source_codes now reads the table on demand)."""
 ORCH_HELD_MEASURED = {
-    # pipeline.step_dedup writes status / component / nn_sim in place (mapped, a block at a time) and the grouping
+    # dedup_step.step_dedup writes status / component / nn_sim in place (mapped, a block at a time) and the grouping
     # no longer sorts ids already in canonical order (unionfind.id_ranks) nor reads the kNN's nn_idx back; the hash
     # step's group / keep are mapped (hash_step._load), the survivors' ids read a block at a time (Gathered) and the
     # star grouping's arrays are per image with a copy, not per row. Left per survivor: its position, root /
@@ -64,11 +64,11 @@ ORCH_HELD_MEASURED = {
     # (unionfind.SparseRoots; keep = its RootMask) and the hash result written a block at a time: 80k -> 320k
     # rows at W = 4, 18.4 -> 0.5 B/row. Bound: the general one.
     "dedup": ORCH_HELD,
-    # pipeline.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
+    # decontaminate_step.step_decontaminate maps its inputs (dedup's status and components), its scratch (the alive rows'
     # positions) and its outputs (status, eval_sim), read and written a block at a time, the kNN chunks one at a
     # time; left: the blocks. measured 4.7 (8.8 with the int32 source_codes; 62 when it built whole arrays)
     "decontaminate": 7,
-    # pipeline.step_rebalance maps rebalance_rows (alive, rows_idx), its outputs (status, cluster, nearest_seed,
+    # rebalance_step.step_rebalance maps rebalance_rows (alive, rows_idx), its outputs (status, cluster, nearest_seed,
     # seed_sim) and the k-means tree's per-row arrays (dist_kmeans.load_tree); the selection's "none" columns
     # (nearest_seed, seed_sim without seeds) are broadcast views and the top-level labels the smallest integer
     # type; left per kept row: selected (bool), the picks (int64 per picked row) and their labels in the balance
