@@ -245,6 +245,7 @@ def _params(cfg: CurationConfig, out: str | None = None) -> dict:
             "decontam_threshold": used if used is not None else decontam_threshold(cfg.decontaminate,
                                                                                      cfg.dedup.model is not None),
             "decontam_verify": bool(ran.get("verify", cfg.decontaminate.verify)),
+            "decontam_eval": bool(cfg.input.eval_paths),
             "decontam_verify_threshold": cfg.decontaminate.verify_threshold,
             "rebalance_mode": cfg.rebalance.mode,
             "embed_model": cfg.embed.model}

@@ -337,9 +337,11 @@ def summary_markdown(manifest: dict, params: dict, balance: dict, nn_sim, plots:
               + (f"each verified on pixels (correlation > {params.get('verify_threshold')}), "
                  if params.get("verify", False) else "not verified (descriptor edges), ")
               + f"{params.get('grouping', 'components')} groups",
-              f"- decontamination: cosine > {params['decontam_threshold']} to the nearest eval image"
-              + (f", verified on pixels (score > {params.get('decontam_verify_threshold')})"
-                 if params.get("decontam_verify") else "") + " (the image's whole copy group is removed)",
+              (f"- decontamination: cosine > {params['decontam_threshold']} to the nearest eval image"
+               + (f", verified on pixels (score > {params.get('decontam_verify_threshold')})"
+                  if params.get("decontam_verify") else "") + " (the image's whole copy group is removed)")
+              if params.get("decontam_eval", True) else "- decontamination: no eval set (input.eval_paths is empty), "
+              "nothing removed",
               f"- embedder for rebalancing: {params.get('embed_model') or 'copy descriptor'}",
               f"- nearest-neighbour similarities within ±0.05 of the dedup threshold: {nn.near} of "
               f"{nn.n} (few means the threshold sits in a gap)", ""]
