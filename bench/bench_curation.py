@@ -84,9 +84,9 @@ def synth_embeddings(path: str, n: int, d: int = 384, n_centers: int = 2000, dup
 
 
 def bench_dedup(path: str, pairs: np.ndarray, n_queries: int, nprobe: int, seed: int = 0) -> dict:
-    import curation.dedup as dedup_mod
-    from curation.dedup import copy_dedup
-    from curation.index import build_index
+    import curation.dedup.copies as dedup_mod
+    from curation.dedup.copies import copy_dedup
+    from curation.knn.index import build_index
 
     mm = np.load(path, mmap_mode="r")
     n = len(mm)
@@ -139,7 +139,7 @@ def bench_dedup(path: str, pairs: np.ndarray, n_queries: int, nprobe: int, seed:
 
 
 def _knn_dict(index, mm, q) -> dict:
-    from curation.index import Rows, iter_knn
+    from curation.knn.index import Rows, iter_knn
 
     out = {}
     # The queries are a subset, so positions in the query view are not row ids: fetch one more
@@ -158,8 +158,8 @@ def _knn_dict(index, mm, q) -> dict:
 def bench_embed(n_images: int, batch_size: int, num_workers: int, repeats: int) -> dict:
     import torch
 
-    from curation.embedder import build_embedder
-    from curation.embeddings import embed_pool
+    from curation.embed.embedder import build_embedder
+    from curation.embed.embeddings import embed_pool
     from dinopipe.data.decode import safe_decode
     from dinopipe.data.samples import encode, make_copy, real_photos
     from dinopipe.data.sources import as_multi
@@ -207,7 +207,7 @@ def bench_embed(n_images: int, batch_size: int, num_workers: int, repeats: int) 
 
 def probe_hkmeans(path: str, levels: list[int], resampling: int) -> None:
     """Run in a fresh interpreter: hierarchical k-means on the memmap; print JSON (time, ru_maxrss)."""
-    from curation.kmeans import hierarchical_kmeans
+    from curation.kmeans.hierarchical import hierarchical_kmeans
 
     mm = np.load(path, mmap_mode="r")
     # ru_maxrss survives fork+exec (Linux keeps the parent's high-water mark), so the peak is read

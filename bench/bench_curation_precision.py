@@ -16,7 +16,7 @@ Measured per pool, on pairs (the candidates a kNN on the copy descriptor propose
 * decontamination, as shipped: pool tiles whose nearest eval tile has cosine > 0.45 (false removals of the
   clean pool, leaks removed);
 * decontamination verified: the same candidates (nearest eval tile) verified by
-  ``curation.leakverify.LeakVerifier``; and the verifier alone on every (leak, its eval tile) pair (its recall
+  ``curation.decontaminate.leakverify.LeakVerifier``; and the verifier alone on every (leak, its eval tile) pair (its recall
   when the candidate stage finds the pair).
 """
 
@@ -35,10 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.precision_pools import POOL_KINDS, build_pool  # noqa: E402
-from curation.descriptor import PCADescriptor  # noqa: E402
+from curation.embed.descriptor import PCADescriptor  # noqa: E402
 from curation.config import DecontaminateConfig, decontam_threshold  # noqa: E402
-from curation.leakverify import LeakVerifier  # noqa: E402
-from curation.verify import PixelVerifier  # noqa: E402
+from curation.decontaminate.leakverify import LeakVerifier  # noqa: E402
+from curation.verify.pixels import PixelVerifier  # noqa: E402
 
 SHIPPED_DECONTAM = 0.45
 

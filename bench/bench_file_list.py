@@ -6,7 +6,7 @@ a task's peak at most 16 B per own row beyond its paths' bytes, and at most 64 M
 
     nice -n 5 python bench/bench_file_list.py --n 10000000 --tasks 4 --work /tmp/fl --json fl.json
 
-Every task runs in its own fresh process (curation.steps.runner.run_step, launcher local). Printed and written,
+Every task runs in its own fresh process (curation.core.runner.run_step, launcher local). Printed and written,
 never asserted.
 """
 
@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.run_meta import run_meta  # noqa: E402
-from curation.steps.runner import run_step  # noqa: E402
+from curation.core.runner import run_step  # noqa: E402
 from dinopipe.data.sources import FileListSource  # noqa: E402
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 
-import curation.kmeans as K  # noqa: E402
+import curation.kmeans.hierarchical as K  # noqa: E402
 
 VARIANTS = {  # name -> kmeans options (None: the pre-issue-13 faiss k-means)
     "before": None,

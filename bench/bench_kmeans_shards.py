@@ -21,7 +21,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from curation.embeddings import _mark_task_done, save_shard, shard_stem  # noqa: E402
+from curation.embed.embeddings import _mark_task_done, save_shard, shard_stem  # noqa: E402
 
 
 def write_pool(path: str, n: int, d: int, seed: int = 0) -> None:

@@ -1,5 +1,5 @@
 """Per-task memory of the rebalance k-means tasks (``rebalance.mode=cluster`` and ``balance_clusters``:
-:func:`curation.steps.rebalance_tasks.flat_kmeans`, the one sharded level ``curate run`` runs) at pool sizes
+:func:`curation.rebalance.tasks.flat_kmeans`, the one sharded level ``curate run`` runs) at pool sizes
 N and 4N, W = 1 and W = 4 fresh local processes: each task's heap (RssAnon sampled above its start), RSS added
 (VmHWM, incl. the mapped embeddings' pages) and tracemalloc peak, and the ratios that tell a per-row cost from a
 per-block constant:
@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from curation.embeddings import _mark_task_done, save_shard, shard_stem  # noqa: E402
-from curation.steps import runner  # noqa: E402
-from curation.steps.rebalance_tasks import flat_kmeans  # noqa: E402
+from curation.embed.embeddings import _mark_task_done, save_shard, shard_stem  # noqa: E402
+from curation.core import runner  # noqa: E402
+from curation.rebalance.tasks import flat_kmeans  # noqa: E402
 
 SHARD = 65536
 

@@ -19,8 +19,8 @@ import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from curation import pathtable  # noqa: E402
-from curation.steps import table as tt  # noqa: E402
+from curation.core import pathtable  # noqa: E402
+from curation.core import table as tt  # noqa: E402
 from tests.curation._pathtable_whole import build_whole  # noqa: E402
 from tests.curation.test_pathtable_tasks import FILES, synthetic_parts  # noqa: E402
 

@@ -153,7 +153,7 @@ def run_probe(variant: str, pool_dir: Path, cache_dir: Path, batches: int) -> di
         from dinopipe.data.pool_index import write_source_index
         from dinopipe.data.sources import TarShardSource
 
-        write_source_index(TarShardSource(str(pool_dir)), str(index))  # as curation/write.py does
+        write_source_index(TarShardSource(str(pool_dir)), str(index))  # as curation/write/shards.py does
     if variant != "index" and index.exists():
         index.unlink()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

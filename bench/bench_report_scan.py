@@ -1,4 +1,4 @@
-"""The report's first pass over one task's rows (curation.report_tasks.report_scan_task, the function `curate run`'s
+"""The report's first pass over one task's rows (curation.report.tasks.report_scan_task, the function `curate run`'s
 report runs) at growing row counts: its seconds and their log-log slope. Every row is its own copy group (as
 ~99% of a curated pool's rows are), so the task's distinct roots grow with its rows.
 
@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_curation_scale import slope  # noqa: E402
 from bench.run_meta import run_meta  # noqa: E402
-from curation.report_tasks import report_scan_task  # noqa: E402
-from curation.stepfiles import StepWriter, blocks  # noqa: E402
+from curation.report.tasks import report_scan_task  # noqa: E402
+from curation.core.stepfiles import StepWriter, blocks  # noqa: E402
 
 
 def folder(work: str, n: int) -> str:

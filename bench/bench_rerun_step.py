@@ -9,7 +9,7 @@ The step is `curate run`'s own (curation.pipeline.run_steps on the folder's reso
 simulation's generated inputs: embedded eval and seed sets). Its saved searches are reused when their inputs
 match, as a rerun of `curate run` reuses them, so what is measured is the step's own work on top of them.
 Not the dedup step as a whole (its verifier is the simulation's planted truth, made by `curate simulate` itself);
-``--step verify`` runs its verification tasks alone (curation.verify_tasks.verify_candidates_task with that planted
+``--step verify`` runs its verification tasks alone (curation.verify.tasks.verify_candidates_task with that planted
 verifier, over the kept kNN chunks) at ``--tasks`` W = 1 and 4, each task a process of the curation runner's (measured
 as the chain measures its tasks), and prints each one's heap: the per-task figure of a change to the verification,
 W = 1 against W = 4 on the same pairs.
@@ -38,8 +38,8 @@ def verify_tasks(work: str, rows: int, w: int) -> list[dict]:
     import tempfile
 
     from curation.simulate.chain import planted_verifier_of
-    from curation.steps.runner import BLOCK, run_step
-    from curation.verify_tasks import verify_candidates_task
+    from curation.core.runner import BLOCK, run_step
+    from curation.verify.tasks import verify_candidates_task
 
     with open(os.path.join(work, "knn", "pool", "meta.json")) as f:
         n = json.load(f)["n"]
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         return _verify(a)
     from curation.config import CurationConfig
     from curation.pipeline import ChainInputs, run_steps
-    from curation.steps import runner
+    from curation.core import runner
     from dinopipe.config import load_config
 
     path = os.path.join(a.work, "config.yaml")

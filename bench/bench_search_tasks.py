@@ -17,8 +17,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from curation.knn_shards import KnnJob, RowSource, run_search  # noqa: E402
-from curation.steps import runner  # noqa: E402
+from curation.knn.shards import KnnJob, RowSource, run_search  # noqa: E402
+from curation.core import runner  # noqa: E402
 
 
 def _copy_job(work: str, scratch: str, name: str) -> None:

@@ -1,4 +1,4 @@
-"""Sharded kNN (curation.knn_shards): 4 search tasks run one after another vs 1 task, on an fp16 memmap.
+"""Sharded kNN (curation.knn.shards): 4 search tasks run one after another vs 1 task, on an fp16 memmap.
 
     python bench/bench_sharded.py [--n 500000] [--dim 384] [--tasks 4] [--quick] [--keep]
 
@@ -47,8 +47,8 @@ def make_pool(path: str, n: int, dim: int, seed: int = 0, block: int = 100_000) 
 
 def task(args) -> None:
     """One array task (run in a subprocess): search its chunks, report wall time and peak RSS."""
-    from curation.index import Rows
-    from curation.knn_shards import KnnJob
+    from curation.knn.index import Rows
+    from curation.knn.shards import KnnJob
 
     rows = Rows(np.load(args.data, mmap_mode="r"))
     with open("/proc/self/status") as f:  # what the imports (numpy, faiss, torch via curation) hold
@@ -106,8 +106,8 @@ def main() -> int:
     if args.task is not None:
         task(args)
         return 0
-    from curation.index import Rows
-    from curation.knn_shards import KnnJob, merge_pairs
+    from curation.knn.index import Rows
+    from curation.knn.shards import KnnJob, merge_pairs
 
     n = 50_000 if args.quick else args.n
     root = tempfile.mkdtemp(prefix="bench_sharded_")

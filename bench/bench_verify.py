@@ -7,7 +7,7 @@ Pairs: every tile of bench_copy's retina and micrograph pools (real scikit-image
 its planted copy and its ``--k`` nearest tiles by the copy descriptor (the candidates a kNN proposes on
 homogeneous data: most are distinct tiles of one scene). Both verifiers read the JPEG files themselves
 (decode included), pairs sorted by their first image, as ``copy_dedup_from_pairs`` passes them. 'before'
-is the verifier of main (git show main:curation/verify.py, loaded as a module); 'after' this one. Printed:
+is the verifier of main (git show main:curation/verify/pixels.py, loaded as a module); 'after' this one. Printed:
 pairs per second per core, the ratio, and whether both reach the same verdicts.
 """
 
@@ -28,20 +28,20 @@ from PIL import Image
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_copy import POOLS, build_tile_pool  # noqa: E402
-from curation.descriptor import PCADescriptor  # noqa: E402
-from curation.verify import PixelVerifier  # noqa: E402
+from curation.embed.descriptor import PCADescriptor  # noqa: E402
+from curation.verify.pixels import PixelVerifier  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _main_verifier(tmp: str, path: str | None = None):
-    """curation/verify.py as on the main branch (or the file ``path``; None when neither is there)."""
+    """curation/verify/pixels.py as on the main branch (or the file ``path``; None when neither is there)."""
     if path is not None:
         with open(path) as f:
             src = f.read()
     else:
         try:
-            src = subprocess.run(["git", "-C", ROOT, "show", "main:curation/verify.py"], check=True,
+            src = subprocess.run(["git", "-C", ROOT, "show", "main:curation/verify/pixels.py"], check=True,
                                  capture_output=True, text=True).stdout
         except (OSError, subprocess.CalledProcessError):
             return None

@@ -5,7 +5,7 @@
     curate index|search --config ... [knn.task_index=i knn.num_tasks=N]   (the sharded kNN)
     curate plan --pool 142M --dim 1024 --index ivf_pq --tasks 160 [--gpus 160]   (no config)
     curate simulate --n 1000000 --dim 384 --tasks 4 --work DIR   (the chain after embedding on a planted pool)
-    torchrun|srun ... curate kmeans [--curate ...]   (distributed hierarchical k-means, curation.dist_kmeans)
+    torchrun|srun ... curate kmeans [--curate ...]   (distributed hierarchical k-means, curation.kmeans.dist)
 
 Load config -> validate (config mistakes exit 2, before anything is written) -> save the resolved
 config into output.dir -> run the step(s) -> print the manifest summary. Each step reads the
@@ -81,7 +81,7 @@ def check_inputs(paths: Sequence[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .pipeline import SHARDED, STEPS
+    from curation.pipeline import SHARDED, STEPS
 
     p = argparse.ArgumentParser(prog="curate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,19 +105,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["plan"]:
-        from .plan import main as plan_main
+        from curation.plan import main as plan_main
 
         return plan_main(argv[1:])
     if argv[:1] == ["simulate"]:
-        from .simulate.run import main as simulate_main
+        from curation.simulate.run import main as simulate_main
 
         return simulate_main(argv[1:])
     if argv[:1] == ["kmeans"]:
         return _kmeans(argv[1:])
-    from .config import CurationConfig, check_launcher, validate
-    from .pipeline import StepError, build_embedder_for, needs_embedder, run_steps, steps_of
+    from curation.config import CurationConfig, check_launcher, validate
+    from curation.pipeline import StepError, build_embedder_for, needs_embedder, run_steps, steps_of
 
-    from .remote_output import localize, publish
+    from curation.core.remote_output import localize, publish
 
     args = build_parser().parse_intermixed_args(argv)
     try:
@@ -154,7 +154,7 @@ def _kmeans(argv: list[str]) -> int:
     """The distributed k-means under training's launcher (one process group setup, with the srun-step guard)."""
     from dinopipe.train.dist import LaunchError, end_rank, init_distributed
 
-    from .dist_kmeans import main as kmeans_main
+    from curation.kmeans.dist import main as kmeans_main
 
     try:
         init_distributed("auto")

@@ -14,11 +14,11 @@ from typing import Any, Optional
 from dinopipe.config import ConfigError, check_choices, choices
 from dinopipe.utils.proc import usable_cores
 
-from .descriptor import DescriptorConfig
-from .hashdedup import DEFAULT_MAX_DISTANCE
-from .kmeans import INITS
-from .index import GPU_MAX_K, KINDS
-from .rebalance import MODES
+from curation.embed.descriptor import DescriptorConfig
+from curation.dedup.hashdedup import DEFAULT_MAX_DISTANCE
+from curation.kmeans.hierarchical import INITS
+from curation.knn.index import GPU_MAX_K, KINDS
+from curation.rebalance.modes import MODES
 
 IndexKind = choices("IndexKind", KINDS, __name__)
 Grouping = choices("Grouping", ("star", "components"), __name__)
@@ -127,7 +127,7 @@ class KnnConfig:
     batch_size: int = 8192
     """Queries per faiss search call."""
     nlist: Optional[int] = None
-    """IVF lists; null: max(4 sqrt(N), N / 4000), HNSW coarse quantizer from 40,000 lists (curation.index.ivf_nlist)."""
+    """IVF lists; null: max(4 sqrt(N), N / 4000), HNSW coarse quantizer from 40,000 lists (curation.knn.index.ivf_nlist)."""
     pq_m: int = 0
     """dedup.index=ivf_pq: bytes per vector (must divide the dimension); 0: dim/16."""
     train_size: Optional[int] = None
@@ -142,7 +142,7 @@ TaskLauncher = choices("TaskLauncher", ("local", "inline", "srun"), __name__)
 @dataclass
 class TasksConfig:
     """W: how many tasks each sharded step after embedding runs as in `curate run` / `curate index`
-    (index add, kNN search, the hierarchical k-means tree, sampling; curation.steps.runner). Decisions do not
+    (index add, kNN search, the hierarchical k-means tree, sampling; curation.core.runner). Decisions do not
     depend on W."""
 
     count: Optional[int] = None
@@ -172,7 +172,7 @@ class DecontaminateConfig:
     bench/bench_curation_precision.py: leaks' cosines are low) and DINOv2's 0.45 for a copy model (SSCD); without
     verify, 0.45 (DINOv2: cosine > 0.45 drops the whole copy group)."""
     verify: bool = True
-    """Verify every candidate on pixels (curation.leakverify: crops down to min_scale, resizes, mirrors, small
+    """Verify every candidate on pixels (curation.decontaminate.leakverify: crops down to min_scale, resizes, mirrors, small
     rotations, borders, colour changes) before it counts; false: the cosine decides alone (DINOv2's way)."""
     verify_threshold: float = 0.5
     """Noise-aware correlation above which a candidate is a view of its eval image (with local agreement and a
@@ -210,7 +210,7 @@ class RebalanceConfig:
     """mode=cluster: seeds a cluster must hold to be chosen."""
     levels: Any = "auto"
     """mode=hierarchical: clusters per level, bottom-up, or auto: Vo et al. 2024's 4 levels (DINOv3's 5 above
-    ~4.5B rows) scaled to the pool, bottom clusters of ~120 rows (curation.rebalance.auto_levels); a list is
+    ~4.5B rows) scaled to the pool, bottom clusters of ~120 rows (curation.rebalance.modes.auto_levels); a list is
     capped at the pool size."""
     target_size: Optional[int] = None
     """mode=hierarchical: images to keep; null = half the deduplicated pool."""
@@ -397,7 +397,7 @@ def _validate_knn(cfg: CurationConfig) -> None:
 
 
 def knn_kwargs(cfg: CurationConfig) -> dict:
-    """The ``knn`` dict of the pipeline steps (curation.knn_steps) for this config (or its knn section)."""
+    """The ``knn`` dict of the pipeline steps (curation.knn.steps) for this config (or its knn section)."""
     n = getattr(cfg, "knn", cfg)
     return {"chunk_size": n.chunk_size, "batch_size": n.batch_size, "nlist": n.nlist, "pq_m": n.pq_m,
             "train_size": n.train_size, "use_gpu": {"auto": "auto", "true": True, "false": False}[str(n.use_gpu).lower()]}
@@ -465,7 +465,7 @@ def kmeans_dir(cfg: CurationConfig, default: Optional[str] = None) -> Optional[s
 
 
 def rebalance_kwargs(r: RebalanceConfig) -> dict:
-    """The keyword arguments of :func:`curation.rebalance.rebalance` for this config."""
+    """The keyword arguments of :func:`curation.rebalance.modes.rebalance` for this config."""
     return {"k": r.k, "n_clusters": r.n_clusters, "max_per_cluster": r.max_per_cluster,
             "min_seeds": r.min_seeds, "levels": r.levels if r.levels == "auto" else tuple(r.levels), "target_size": r.target_size,
             "strategy": r.strategy, "n_resampling_steps": r.n_resampling_steps,

@@ -1,5 +1,5 @@
 """The curation chain's orchestrator: ``run_steps`` / ``run_curation`` run the steps (one module each:
-curation.embed_step, dedup_step, decontaminate_step, rebalance_step, write_step, report_step) over one output folder.
+curation.embed.step, dedup_step, decontaminate_step, rebalance_step, write_step, report_step) over one output folder.
 
 Output folder::
 
@@ -10,10 +10,10 @@ Output folder::
     embeddings/eval/, seeds/    descriptors of eval images / embeddings of seed images
     steps/<step>/<array>.npy    per-step decisions, one memory-mappable array per file (done.json written
                                 last), so each step can be rerun alone and a task maps only its rows;
-                                a folder's older steps/<step>.npz is still read (curation.stepfiles)
+                                a folder's older steps/<step>.npz is still read (curation.core.stepfiles)
     shards/*.tar                the curated webdataset
     manifest.json               input = kept + duplicates + decontaminated + unreadable + not selected
-    decisions/part-*.tsv        id, source, status, group_or_reason, by input id (curation.decisions)
+    decisions/part-*.tsv        id, source, status, group_or_reason, by input id (curation.core.decisions)
     decisions.tsv               the parts merged (the same bytes for any number of tasks)
 
 Each step reads the previous steps' files; ``curate embed|dedup|...`` map onto these functions.
@@ -29,19 +29,19 @@ from typing import Callable, Sequence
 from dinopipe.config import ConfigError, save_config
 from dinopipe.utils.exits import UnfinishedError
 
-from .config import CurationConfig, decontam_threshold, kmeans_dir, knn_kwargs, check_launcher, validate
-from .dedup import resolve_threshold
-from .rebalance_step import embed_seeds, step_rebalance
-from .stepfiles import _p, step_exists
-from .steps.runner import spool as runner_spool
-from .steps.runner import step_log
-from .steps.supervise import step_named
-from .write import write_json_atomic
+from curation.config import CurationConfig, decontam_threshold, kmeans_dir, knn_kwargs, check_launcher, validate
+from curation.dedup.copies import resolve_threshold
+from curation.rebalance.step import embed_seeds, step_rebalance
+from curation.core.stepfiles import _p, step_exists
+from curation.core.runner import spool as runner_spool
+from curation.core.runner import step_log
+from curation.core.supervise import step_named
+from curation.write.shards import write_json_atomic
 # the steps, one module each; this module orchestrates them
-from .embed_step import build_tables, step_embed
-from .dedup_step import step_dedup
-from .decontaminate_step import step_decontaminate
-from .write_step import step_write
+from curation.embed.step import build_tables, step_embed
+from curation.dedup.step import step_dedup
+from curation.decontaminate.step import step_decontaminate
+from curation.write.step import step_write
 
 
 @dataclass
@@ -57,7 +57,7 @@ class ChainInputs:
     seeds_embedded: bool = False
     """embeddings/seeds/ is there already (generated): the rebalance step reads it instead of embedding seed_paths."""
     query_fraction: float = 1.0
-    """< 1: only this fraction of the rows queries the copy search (curation.knn_candidates.queried: a per-row key;
+    """< 1: only this fraction of the rows queries the copy search (curation.knn.candidates.queried: a per-row key;
     every row is indexed) -- the growth bench's stand-in for a search this machine cannot run whole at 10M
     rows, said beside its figures; `curate run` queries every row."""
 
@@ -101,10 +101,10 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     :func:`build_embedder_for`), needed to embed and to embed seed images like the pool was.
     ``echo(step, result)`` is called after each step (the CLI prints there). ``progress_log``: a JSONL file that
     gets one line per finished step: its wall time and every task it ran, with each task's wall time and peak
-    memory (`curate run --progress FILE`; :func:`curation.steps.runner.step_log`)."""
+    memory (`curate run --progress FILE`; :func:`curation.core.runner.step_log`)."""
     out = cfg.output.dir
     check_launcher(cfg, steps)  # tasks.launcher=srun: inside an allocation of enough tasks, before writing
-    from .copymodel import check_record_trust  # torch: not imported by the array tasks that never embed
+    from curation.embed.copymodel import check_record_trust  # torch: not imported by the array tasks that never embed
 
     if _embeds_copy_space(cfg, steps):  # the folder's copy model runs only with this run's own opt-in
         try:
@@ -166,7 +166,7 @@ def build_embedder_for(cfg: CurationConfig):
     """The ``embed.model`` embedder, or None (descriptor only); config mistakes raise ConfigError."""
     if cfg.embed.model is None:
         return None
-    from .embedder import build_embedder
+    from curation.embed.embedder import build_embedder
 
     e = cfg.embed
     return build_embedder(e.model, e.image_size, e.device, e.precision)
@@ -197,7 +197,7 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
         return step_write(cfg.input.paths, out, cfg.write, progress=prog, tasks=cfg.tasks, extra={
             "params": _params(cfg, out), "steps": _load_summaries(out)})
     if step == "report":
-        from .report_step import make_report
+        from curation.report.step import make_report
 
         return make_report(out, cfg.input.paths, _params(cfg, out), cfg.report.n_examples, tasks=cfg.tasks,
                            eval_sources=cfg.input.eval_paths or None)
@@ -206,7 +206,7 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
 
 def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
     """`curate index` / `curate search`: the sharded kNN behind dedup, decontamination and retrieval."""
-    from .knn_steps import step_index, step_retrieval_index, step_search
+    from curation.knn.steps import step_index, step_retrieval_index, step_search
 
     out, prog, sections = cfg.output.dir, cfg.progress, (cfg.dedup, cfg.hash_dedup, cfg.knn)
     if step == "search":

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from dinopipe.config import InputError
 
-from .config import TasksConfig, task_plan
-from .index import FLAT_MAX_DEFAULT, HNSW_EF_SEARCH, HNSW_M, ivf_nlist, resolve_kind, resolve_quantizer
-from .plan_rates import Rate, load_rates
+from curation.config import TasksConfig, task_plan
+from curation.knn.index import FLAT_MAX_DEFAULT, HNSW_EF_SEARCH, HNSW_M, ivf_nlist, resolve_kind, resolve_quantizer
+from curation.plan_rates import Rate, load_rates
 
 GiB = 1024 ** 3
 
@@ -41,11 +41,11 @@ EDGES_PER_IMAGE = 0.2  # verified copy pairs per image: ASSUMED (web pools: ~10-
 HASH_DUP_FRACTION = 0.01  # hash near-duplicates per image: ASSUMED (the simulation plants 1%)
 IMAGE_BYTES = 1.1e5  # bytes per image in the shards: ASSUMED (LVD-like JPEGs)
 LLOYD_ITERS = 50  # Lloyd iterations per k-means (rebalance.kmeans_niter; the tolerance may stop it earlier)
-LLOYD_POINTS = 256  # Lloyd runs on at most this many rows per centroid (curation.dist_kmeans.work_rows)
-KMEANS_PIECE = 256 * 2**20  # fp32 centroid bytes per piece (curation.kmeans_shards.PIECE_BYTES)
-KMEANS_BLOCK = 16384  # rows per assignment block (curation.kmeans.BLOCK)
+LLOYD_POINTS = 256  # Lloyd runs on at most this many rows per centroid (curation.kmeans.dist.work_rows)
+KMEANS_PIECE = 256 * 2**20  # fp32 centroid bytes per piece (curation.kmeans.shards.PIECE_BYTES)
+KMEANS_BLOCK = 16384  # rows per assignment block (curation.kmeans.hierarchical.BLOCK)
 READ_RATE = 2e9  # bytes/s a task reads embeddings at: ASSUMED
-EVAL_NPROBE = 16  # the eval index's nprobe (an IVF above FLAT_MAX_DEFAULT eval rows, curation.knn_shards)
+EVAL_NPROBE = 16  # the eval index's nprobe (an IVF above FLAT_MAX_DEFAULT eval rows, curation.knn.shards)
 
 
 def parse_count(s: str) -> int:
@@ -80,7 +80,7 @@ def chain_tasks(pool: int, tasks: int | None = None, cores: int | None = None, k
     k-means and sampling the rows left after dedup and decontamination, writing the kept rows. 0: the step
     does not run (flat or GPU index: no merge, one add; no eval rows; no hierarchical rebalancing). The Slurm
     chain's arrays: ``search_tasks`` (copy + eval search), ``kmeans_tasks`` (ranks of `curate kmeans`).
-    ``launcher`` (tasks.launcher): inline runs the k-means tree as one rank (curation.steps.kmeans_tree)."""
+    ``launcher`` (tasks.launcher): inline runs the k-means tree as one rank (curation.kmeans.tree)."""
     cfg = TasksConfig(count=tasks, launcher=launcher)
 
     def w(n: int) -> int:
@@ -152,7 +152,7 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
                       "partitioned by band value; exact up to t bits", _fmt(r)))
 
     # index: trained once on 64 vectors per list; W tasks add into their own inverted-list files, merged on disk
-    # (CPU IVF); a GPU or flat index is added in one process (curation.knn_shards.KnnJob.build)
+    # (CPU IVF); a GPU or flat index is added in one process (curation.knn.shards.KnnJob.build)
     sample = min(pool, 64 * nlist)
     node_gemm, train_rate = (gpu_gemm * gpus_per_node, gpu_rate) if gpus_per_node else (cpu_gemm * cores, R["cpu_gemm"])
     # coarse k-means: flat (GPU, or a flat quantizer) sample x nlist per iteration; the CPU two-level k-means
@@ -247,11 +247,11 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     for li, kc in enumerate(levels or (), start=1):
         pts = pool if li == 1 else levels[li - 2]  # level l clusters level l-1's centroids
         kc = min(kc, pts)
-        w = tw["k-means"]  # every level sharded over the same ranks (curation/dist_kmeans.py)
+        w = tw["k-means"]  # every level sharded over the same ranks (curation/kmeans/dist.py)
         local = not kmeans_tasks and not srun
         g_rank = (gpus_per_node / w if local else n_gpus / w) if gpus_per_node else 0
         gemm = gpu_gemm * min(g_rank, 1) if g_rank else cpu_gemm * (cores / w if local else cpus_per_task)
-        # the chain's level (curation.dist_kmeans.run): Lloyd on <= 256 rows per centroid, an assignment of every
+        # the chain's level (curation.kmeans.dist.run): Lloyd on <= 256 rows per centroid, an assignment of every
         # row; each resampling step (rebalance.n_resampling_steps, when sample_size > 1) Lloyd again on the
         # k x sample_size rows kept and another assignment of every row
         steps_r = resampling if sample_size > 1 else 0
@@ -304,7 +304,7 @@ def render(steps: list[Step], title: str) -> str:
 def render_sources(rates: dict[str, Rate]) -> str:
     """The rates' sources below the table: each measurement once (bench, date, machine, command) with the rates
     taken from it; then the ASSUMED ones."""
-    from .plan_rates import USED
+    from curation.plan_rates import USED
 
     groups: dict[str, list[str]] = {}
     for name, r in sorted(rates.items()):
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
             print(f"curate plan: error: --levels auto stands alone, got {' '.join(map(str, a.levels))}",
                   file=sys.stderr)
             return 2
-        from .rebalance import auto_levels  # what a run with rebalance.levels: auto clusters
+        from curation.rebalance.modes import auto_levels  # what a run with rebalance.levels: auto clusters
 
         a.levels = auto_levels(pool)
         print(f"--levels auto: {' '.join(f'{k:,}' for k in a.levels)} clusters (bottom-up, ~{pool / a.levels[0]:.0f} "

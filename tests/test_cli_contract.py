@@ -281,7 +281,7 @@ FAULTS = [  # (command line, module, attribute made to raise): one internal faul
     (_RUN, "curation.pipeline", "run_step"),
     ("curate: plan --pool 1M", "curation.plan", "plan"),
     ("curate: simulate --n 10 --work @OUT", "curation.simulate.run", "simulate"),
-    ("curate: kmeans --emb-dir @OUT --out @OUT", "curation.dist_kmeans", "main"),
+    ("curate: kmeans --emb-dir @OUT --out @OUT", "curation.kmeans.dist", "main"),
 ]
 
 

@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_config_enums_match_the_code_that_uses_them():
-    from curation.index import KINDS
-    from curation.kmeans import INITS
-    from curation.rebalance import MODES
+    from curation.knn.index import KINDS
+    from curation.kmeans.hierarchical import INITS
+    from curation.rebalance.modes import MODES
     from dinopipe.models.attention import BACKENDS
     from dinopipe.models.registry import FFN_LAYERS
 

@@ -200,7 +200,7 @@ def _read_all(shards: list[Path], out_dir: Path) -> Counter:
     curation's writer does; returns the outcomes."""
     import warnings
 
-    from curation.write import write_shards
+    from curation.write.shards import write_shards
     from dinopipe.data.pool_index import build_index
     from dinopipe.data.sources import MultiSource, TarShardSource
 

@@ -25,12 +25,12 @@ def test_extras_never_mix_faiss_wheels_and_leave_xformers_out():
 
 
 def test_curation_without_faiss_names_the_extra():
-    code = "import sys; sys.modules['faiss'] = None\nimport curation.index"
+    code = "import sys; sys.modules['faiss'] = None\nimport curation.knn.index"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode != 0
     assert "pip install 'dinopipe[cpu]'" in r.stderr and "faiss-gpu-cu12" in r.stderr
     # training never needs it
-    r = subprocess.run([sys.executable, "-c", code.replace("curation.index", "dinopipe.ssl.task")],
+    r = subprocess.run([sys.executable, "-c", code.replace("curation.knn.index", "dinopipe.ssl.task")],
                        capture_output=True, text=True, timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0, r.stderr

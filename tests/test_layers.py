@@ -155,8 +155,10 @@ def test_imports_point_down_the_layers():
     ("dinopipe/utils/io.py", "from ..models import create_model\n", "util (dinopipe.utils.io) imports models"),
     ("dinopipe/models/vit.py", "import torch.distributed as dist\n", "models imports torch.distributed"),
     ("dinopipe/hub.py", "from .train.checkpoint import full_state_dict\n", "export (dinopipe.hub) imports train"),
-    ("curation/embedder.py", "from dinopipe.train.dist import init_distributed\n", "curation (curation.embedder) imports train"),
-    ("curation/embedder.py", "from dinopipe.app.cli import main\n", "curation (curation.embedder) imports app"),
+    ("curation/embed/embedder.py", "from dinopipe.train.dist import init_distributed\n",
+     "curation (curation.embed.embedder) imports train"),
+    ("curation/embed/embedder.py", "from dinopipe.app.cli import main\n",
+     "curation (curation.embed.embedder) imports app"),
     ("dinopipe/eval/knn.py", "from ..train.loop import Trainer\n", "eval (dinopipe.eval.knn) imports train"),
     ("dinopipe/export/hf.py", "def f():\n    from ..hub import export_arch\n", "dinopipe.export.hf imports dinopipe.hub"),
 ])

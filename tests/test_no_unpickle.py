@@ -118,7 +118,7 @@ def test_cli_export_refuses_with_exit_2(kind, evil_dcp, evil_pth, evil_run, tmp_
 def test_curation_embed_model_refuses(kind, evil_dcp, evil_pth):
     from dinopipe.config import ConfigError
 
-    from curation.embedder import build_embedder
+    from curation.embed.embedder import build_embedder
 
     path = {"dcp": evil_dcp, "pth": evil_pth}[kind]
     with pytest.raises(ConfigError, match="embed.model") as err:

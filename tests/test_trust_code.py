@@ -99,7 +99,7 @@ def test_torchscript_copy_model_needs_dedup_trust_code(tmp_path):
     from dinopipe.config import ConfigError
 
     from curation.config import CurationConfig, validate
-    from curation.copymodel import build_copy_embedder
+    from curation.embed.copymodel import build_copy_embedder
 
     path = tmp_path / "copy.torchscript.pt"
     torch.jit.save(torch.jit.script(_Net()), str(path))

@@ -33,7 +33,7 @@ SCALE_STEPS = {
     "kmeans": ("rebalance", ("tree_task",), "rebalanced", "rows/s per task (every level)"),
     "sampling": ("rebalance", ("hist_task", "boundary_task", "select_task"), "rebalanced", "rows/s per task"),
     "decisions": ("write", ("_decisions_part_task",), "all", "rows/s per task"),
-    # single-process phases (curation.steps.runner.phase), in the JSON of runs made after 2026-11-27
+    # single-process phases (curation.core.runner.phase), in the JSON of runs made after 2026-11-27
     "grouping": ("dedup", ("grouping",), "survivors", "rows/s (one process)"),
     "hash_grouping": ("dedup", ("hash_grouping",), "all", "rows/s (one process)"),
     "index_train": ("dedup", ("index_train",), "survivors", "rows/s (one process)"),

@@ -232,7 +232,7 @@ ROW_GOAL = 8.0
 ORCH_GOAL = 2.0
 """Issue 40's goal for the orchestrating process of every step: at most 2 bytes per row of the pool at 10M rows."""
 ONE_PROCESS = ("index_train", "hash_grouping", "grouping", "index_merge")
-"""The orchestrator's own phases (curation.steps.runner.phase): one process whatever W."""
+"""The orchestrator's own phases (curation.core.runner.phase): one process whatever W."""
 
 
 CONSTANT_GROWTH = 1.25

@@ -25,9 +25,9 @@ import tarfile
 
 import numpy as np
 
-from ..embstore import _mark_task_done, open_embeddings, save_shard
-from ..steps.runner import BLOCK, part_done, part_path, parts, read_part, task_blocks, write_part
-from . import generate as gen
+from curation.core.embstore import _mark_task_done, open_embeddings, save_shard
+from curation.core.runner import BLOCK, part_done, part_path, parts, read_part, task_blocks, write_part
+from curation.simulate import generate as gen
 
 SOURCE = "pool"  # the folder of the generated tar shards: a TarShardSource's name is its folder's
 N_JPEGS = 16  # distinct synthetic images, reused round-robin: bytes to copy, not content to look at
@@ -189,7 +189,7 @@ def planted_factory(work: str, n: int, block: int):
     """``factory(out_dir, sources, surv, size, threshold)`` of curation.pipeline's verifier slot: the planted
     truth instead of pixels (the survivors saved as the pixel verifier's are)."""
     def make(out_dir, sources, surv, size, threshold):
-        from ..knn_steps import save_verify_rows
+        from curation.knn.steps import save_verify_rows
 
         return functools.partial(planted_verifier_of, work, save_verify_rows(out_dir, surv), n, block)
 

@@ -35,8 +35,8 @@ import numpy as np
 
 from dinopipe.config import ConfigError, exit_on_config_error
 
-from ..steps import runner
-from . import chain
+from curation.core import runner
+from curation.simulate import chain
 
 
 
@@ -77,7 +77,7 @@ def chain_config(work: str, overrides=(), config: str | None = None):
     simulation's inputs (validated as `curate run` validates it: ConfigError on a user mistake)."""
     from dinopipe.config import load_config
 
-    from ..config import CurationConfig, validate
+    from curation.config import CurationConfig, validate
 
     cfg = load_config(CurationConfig, config, list(overrides))
     cfg.input.paths = [chain.pool_dir(work)]
@@ -97,7 +97,7 @@ def retrieval(cfg) -> bool:
 
 def chain_steps(cfg) -> tuple[str, ...]:
     """The steps the simulation runs: `curate run`'s, but embedding (the pool is generated)."""
-    from ..pipeline import steps_of
+    from curation.pipeline import steps_of
 
     return tuple(s for s in steps_of("run", cfg) if s != "embed")
 
@@ -153,8 +153,8 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
     ``progress``: one JSON line per finished step.
     ``query_fraction`` < 1: only that fraction of the rows queries the copy search (every row is indexed;
     :class:`curation.pipeline.ChainInputs`); the copies' recall then counts the planted pairs with a queried end."""
-    from ..pipeline import ChainInputs, run_steps
-    from ..embed_step import build_tables
+    from curation.pipeline import ChainInputs, run_steps
+    from curation.embed.step import build_tables
 
     table: dict = {}
     block = runner.BLOCK
@@ -196,7 +196,7 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
 def _score(work: str, n: int, block: int, query_fraction: float = 1.0) -> dict:
     """Recall of the planted answer, counts (the manifest's, read from the decisions parts) and a digest of
     decisions.tsv (to compare W=1 with W=4)."""
-    from ..stepfiles import DECONTAM, HASH_DUP, load_step
+    from curation.core.stepfiles import DECONTAM, HASH_DUP, load_step
 
     tr = chain.truth(work, n, block)
     hg = np.load(os.path.join(work, "steps", "hash", "group.npy"), mmap_mode="r")
@@ -210,7 +210,7 @@ def _score(work: str, n: int, block: int, query_fraction: float = 1.0) -> dict:
         counts = json.load(f)["counts"]
     src, dst = tr["copy_src"], tr["copy_dst"]
     if query_fraction < 1.0:  # a planted copy can be found when one of its rows queried the index
-        from ..knn_candidates import is_queried
+        from curation.knn.candidates import is_queried
 
         asked = is_queried(src, query_fraction) | is_queried(dst, query_fraction)
         src, dst = src[asked], dst[asked]

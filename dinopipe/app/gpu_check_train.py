@@ -295,8 +295,8 @@ def _recall(idx: np.ndarray, truth: np.ndarray) -> float:
 
 def check_curation(dev: torch.device, small: bool, out_dir: Path) -> dict:
     _need("faiss")
-    from curation.index import build_index, iter_knn, num_gpus
-    from curation.kmeans import kmeans
+    from curation.knn.index import build_index, iter_knn, num_gpus
+    from curation.kmeans.hierarchical import kmeans
 
     from ..models import create_model
 

@@ -11,7 +11,7 @@ Submits the pipeline as a chain of Slurm jobs, each one starting only if the one
     curate_retrieval_index / curate_retrieval_search   (search_tasks > 0, mode=sample with seeds) the
                                                 seeds' retrieval index, then an array searching seed chunks
     curate_kmeans  slurm/curate_kmeans.sbatch   (curate.kmeans_tasks > 0) srun --ntasks N: the distributed
-                                                hierarchical k-means of the survivors (curation.dist_kmeans)
+                                                hierarchical k-means of the survivors (curation.kmeans.dist)
     curate_finish  slurm/curate_finish.sbatch   dedup, decontaminate, rebalance, write shards, report
                                                 (after curate_prepare: rebalance, write, report only)
     pretrain       slurm/pretrain.sbatch        --requeue --signal=USR1@<lead>: checkpoint, requeue, resume

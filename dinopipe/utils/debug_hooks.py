@@ -31,9 +31,9 @@ HOOKS = {
                     "filesystem with stale attribute caching (dinopipe/train/checkpoint.py)",
     "kill_task": "``[STEP/]FN[#N]:T[:start|end]``: task T of the N-th call (default the first) of curation task "
                  "function FN (in pipeline step STEP) SIGKILLs itself at its start or after it returned, as the OOM "
-                 "killer would (curation/steps/supervise.py; local and srun launchers)",
+                 "killer would (curation/core/supervise.py; local and srun launchers)",
     "curate_block": "ROWS: rows per block of a curation step instead of 65536, so a small pool still splits "
-                    "over several tasks (curation/steps/runner.py; read when that module is imported)",
+                    "over several tasks (curation/core/runner.py; read when that module is imported)",
 }
 
 

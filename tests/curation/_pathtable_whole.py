@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 
-from curation.pathtable import _VERSION, parts_digest
-from curation.steps.table import _loc_path, _loc_span, read_meta  # the same reading of a part
+from curation.core.pathtable import _VERSION, parts_digest
+from curation.core.table import _loc_path, _loc_span, read_meta  # the same reading of a part
 from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_open, atomic_write_json
 

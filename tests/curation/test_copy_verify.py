@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from curation.dedup import copy_dedup, copy_dedup_from_pairs
-from curation.descriptor import PCADescriptor
-from curation.verify import PixelVerifier
+from curation.dedup.copies import copy_dedup, copy_dedup_from_pairs
+from curation.embed.descriptor import PCADescriptor
+from curation.verify.pixels import PixelVerifier
 
 TILE = 96
 
@@ -168,10 +168,10 @@ class _TinyCopyNet(torch.nn.Module):
 @pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # SSCD ships TorchScript only
 def test_torchscript_copy_model_replaces_the_descriptor(pool_dir, tmp_path):
     from curation.config import DedupConfig, EmbedConfig
-    from curation.embeddings import open_embeddings
-    from curation.decontaminate_step import step_decontaminate
-    from curation.dedup_step import step_dedup
-    from curation.embed_step import step_embed
+    from curation.embed.embeddings import open_embeddings
+    from curation.decontaminate.step import step_decontaminate
+    from curation.dedup.step import step_dedup
+    from curation.embed.step import step_embed
 
     path = tmp_path / "copy.torchscript.pt"
     torch.jit.save(torch.jit.script(_TinyCopyNet().eval()), str(path))
@@ -214,7 +214,7 @@ def test_config_checks_name_the_dedup_key(tmp_path):
 def test_parted_verification_equals_one_call_and_a_killed_task_reruns_only_its_part(retina_tiles, tmp_path):
     """Verification as 3 tasks (each owning a range of first images) gives the verdicts of one call; a
     lost part is recomputed alone, the others are read back."""
-    from curation.verify import PartedVerifier
+    from curation.verify.pixels import PartedVerifier
 
     tiles, copies, _ = retina_tiles
     imgs = tiles + [c for _, c in copies]

@@ -11,7 +11,7 @@ from PIL import Image
 
 import dinopipe.hub
 from curation.config import CurationConfig
-from curation.embedder import build_embedder
+from curation.embed.embedder import build_embedder
 from curation.pipeline import run_curation
 from dinopipe.data.samples_nch import bands, encode_tile
 from dinopipe.models import create_model

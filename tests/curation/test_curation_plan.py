@@ -76,7 +76,7 @@ def test_plan_arrays_gpu_and_flat_builds_follow_the_chain():
     tw = chain_tasks(10_000_000, 4, 8, "ivf", search_tasks=20, kmeans_tasks=64)
     assert (tw["search (dedup)"], tw["decontaminate"], tw["k-means"], tw["hash dedup"]) == (20, 20, 64, 4)
     # a flat index is added in one process and not merged; an IVF on GPUs by W add tasks, merged on disk
-    # (curation.knn_shards.KnnJob.build, issue 40)
+    # (curation.knn.shards.KnnJob.build, issue 40)
     gpu = chain_tasks(10_000_000, 4, 8, "ivf", use_gpu=True)
     flat = chain_tasks(10_000_000, 4, 8, "flat")
     assert flat["index add"] == 1 and flat["index merge"] == 0
@@ -333,7 +333,7 @@ def test_an_installed_copy_plans_with_the_measured_rates(tmp_path):
 
 def test_plan_levels_auto_plans_the_levels_a_run_would_use(capsys):
     """`--levels auto`: the levels rebalance.levels: auto gives this pool, and the same table as those levels given."""
-    from curation.rebalance import auto_levels
+    from curation.rebalance.modes import auto_levels
 
     ks = auto_levels(142_000_000)
     assert main(["plan", "--pool", "142M", "--levels", "auto"]) == 0

@@ -9,10 +9,10 @@ from PIL import Image, ImageOps
 
 from bench.precision_pools import build_pool
 from curation.config import CurationConfig, validate
-from curation.descriptor import PCADescriptor
-from curation.leakverify import LeakVerifier
+from curation.embed.descriptor import PCADescriptor
+from curation.decontaminate.leakverify import LeakVerifier
 from curation.pipeline import run_curation
-from curation.verify import PixelVerifier
+from curation.verify.pixels import PixelVerifier
 from dinopipe.config import ConfigError
 from dinopipe.data.samples import real_photos
 

@@ -10,9 +10,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from curation import knn_shards
-from curation.dedup import copy_dedup_from_keys, copy_dedup_from_pairs
-from curation.knn_shards import merge_pairs, pair_keys
+from curation.knn import shards as knn_shards
+from curation.dedup.copies import copy_dedup_from_keys, copy_dedup_from_pairs
+from curation.knn.shards import merge_pairs, pair_keys
 
 THRESHOLD = 0.45
 

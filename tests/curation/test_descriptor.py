@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from curation.descriptor import DescriptorConfig, PCADescriptor, dhash, phash
-from curation.hashdedup import hamming
+from curation.embed.descriptor import DescriptorConfig, PCADescriptor, dhash, phash
+from curation.dedup.hashdedup import hamming
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from curation.descriptor import sample_refs
+from curation.embed.descriptor import sample_refs
 from dinopipe.data.sources import FileListSource, MultiSource, TarShardSource, stable_hash
 
 

@@ -14,8 +14,8 @@ import pytest
 from tests._photos import write_pool
 
 from curation.cli import main
-from curation.status import KEPT
-from curation.stepfiles import load_step
+from curation.core.status import KEPT
+from curation.core.stepfiles import load_step
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")

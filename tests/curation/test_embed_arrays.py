@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from curation.cli import main
-from curation.embstore import open_embeddings
+from curation.core.embstore import open_embeddings
 from dinopipe.data.reflist import MemberRefs, PathRefs
 from dinopipe.data.sources import FileListSource, FolderSource, TarShardSource, as_multi, stable_hash
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from curation.cli import main
-from curation.embstore import open_embeddings
+from curation.core.embstore import open_embeddings
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from tests._photos import bad_file_kinds
 
-from curation.descriptor import DescriptorConfig, PCADescriptor
-from curation.embeddings import embed_pool, open_embeddings
+from curation.embed.descriptor import DescriptorConfig, PCADescriptor
+from curation.embed.embeddings import embed_pool, open_embeddings
 
 
 class Counting:
@@ -113,7 +113,7 @@ def test_changed_pool_is_refused_on_resume(tmp_path, pool_dir):
 def test_two_targets_share_one_decode_and_resume_separately(pool_with_bad, tmp_path, monkeypatch):
     """The copy descriptor and a second embedding (here a descriptor at another size, standing in for a
     backbone) are computed from one read + decode per image; each output resumes on its own."""
-    import curation.embeddings as E
+    import curation.embed.embeddings as E
 
     decodes = []
     real_decode = E.safe_decode

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-import curation.index_ondisk as ixd
-import curation.knn_shards as ks
-from curation.index import Rows
-from curation.knn_shards import KnnJob
+import curation.knn.ondisk as ixd
+import curation.knn.shards as ks
+from curation.knn.index import Rows
+from curation.knn.shards import KnnJob
 
 
 def test_a_gpu_build_is_trained_once_and_added_by_w_tasks(tmp_path, monkeypatch):

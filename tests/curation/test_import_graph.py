@@ -50,7 +50,7 @@ def test_graph_walker_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
-    assert "curation.stepfiles" in graph["curation.pipeline"]  # the walker sees relative imports
+    assert "curation.core.stepfiles" in graph["curation.pipeline"]  # the walker sees relative imports
     assert "curation.pipeline" in graph["curation.cli"]
 
 
@@ -59,8 +59,8 @@ def test_no_import_cycle_in_curation():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("mod", ["curation.pipeline", "curation.knn_steps", "curation.dist_kmeans",
-                                 "curation.report", "curation.stepfiles"])
+@pytest.mark.parametrize("mod", ["curation.pipeline", "curation.knn.steps", "curation.kmeans.dist",
+                                 "curation.report.plots", "curation.core.stepfiles"])
 def test_module_imports_alone(mod):
     """Each in a fresh interpreter, nothing imported before it."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -72,15 +72,15 @@ def test_module_imports_alone(mod):
 def test_task_processes_that_read_embeddings_do_not_import_torch(tmp_path):
     """A local or srun task process of the hash pairs, index add, searches, sampling, path table, decisions and
     decisions-only writing imports its module and opens the embeddings; none of that imports torch (~350 MB of
-    anonymous memory and ~1.5 s per task process, measured 379 -> 29 MB RssAnon): curation.embstore reads the
+    anonymous memory and ~1.5 s per task process, measured 379 -> 29 MB RssAnon): curation.core.embstore reads the
     shards, torch stays with the embedding runner, the pixel verifier and the k-means."""
     from curation.simulate import chain
 
     chain.pool_task(0, 1, str(tmp_path), 3000, 16, 5, 0, 0.01, 0.01, 4, 65536)
     code = ("import sys\n"
-            "import curation.knn_shards, curation.hash_step, curation.steps.sampling, curation.steps.table\n"
-            "import curation.decisions, curation.steps.write_tasks, curation.simulate.chain\n"
-            "from curation.knn_shards import RowSource\n"
+            "import curation.knn.shards, curation.dedup.hash_step, curation.kmeans.sampling, curation.core.table\n"
+            "import curation.core.decisions, curation.write.tasks, curation.simulate.chain\n"
+            "from curation.knn.shards import RowSource\n"
             f"rows = RowSource({str(tmp_path / 'embeddings' / 'descriptor')!r}).open()\n"
             "assert len(rows) == 3000 and rows.take([0, 1]).shape == (2, 16)\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from curation.decontaminate import decontaminate
-from curation.dedup import copy_dedup
-from curation.descriptor import PCADescriptor
-from curation.index import Rows, build_index, iter_knn
+from curation.decontaminate.remove import decontaminate
+from curation.dedup.copies import copy_dedup
+from curation.embed.descriptor import PCADescriptor
+from curation.knn.index import Rows, build_index, iter_knn
 
 
 def clustered(n_groups=300, per_group=4, d=128, noise=0.3, seed=0):

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from curation import index as ix
-from curation import index_ondisk as ixd
-from curation.index import Rows, build_index, ivf_nlist, resolve_quantizer, train_cpu_index
-from curation.knn_shards import KnnJob, run_search
+from curation.knn import index as ix
+from curation.knn import ondisk as ixd
+from curation.knn.index import Rows, build_index, ivf_nlist, resolve_quantizer, train_cpu_index
+from curation.knn.shards import KnnJob, run_search
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from curation.embstore import _mark_task_done, save_shard, shard_stem
-from curation.index import Rows
-from curation.knn_shards import KnnJob, RowSource
-from curation.steps import runner
+from curation.core.embstore import _mark_task_done, save_shard, shard_stem
+from curation.knn.index import Rows
+from curation.knn.shards import KnnJob, RowSource
+from curation.core import runner
 
 N, D = 8000, 64
 PARAMS = {"kind": "ivf", "nlist": 32, "nprobe": 4, "k": 5, "threshold": 0.9, "chunk_size": 2048,
@@ -40,8 +40,8 @@ def _build(out, emb_dir, launcher, monkeypatch):
     """The build under ``launcher`` (2 add tasks): its meta, the runner's records and the orchestrator's
     tracemalloc peak while the training ran (around the runner call, so the import of torch for the GPU
     count of a later call is not in it)."""
-    import curation.knn_shards as ks
-    from curation.embstore import open_embeddings
+    import curation.knn.shards as ks
+    from curation.core.embstore import open_embeddings
 
     peaks, real = [], ks.run_step
 

@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from curation.embeddings import _mark_task_done, save_shard, shard_stem
-from curation.kmeans import BLOCK, hierarchical_kmeans, kmeans_fit, lloyd
+from curation.embed.embeddings import _mark_task_done, save_shard, shard_stem
+from curation.kmeans.hierarchical import BLOCK, hierarchical_kmeans, kmeans_fit, lloyd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -156,9 +156,9 @@ def _npys(out):
 @pytest.mark.parametrize("init", ["auto", "random"])
 def test_one_rank_tree_equals_the_in_process_tree(tmp_path, data, init):
     """One rank, default blocks and pieces: every level (labels, centroids, sizes) bit-identical to
-    curation.kmeans.hierarchical_kmeans -- the upper levels too, though they now run the sharded Lloyd
+    curation.kmeans.hierarchical.hierarchical_kmeans -- the upper levels too, though they now run the sharded Lloyd
     with int64 fixed-point sums; init=random seeds are read by the piece owners, k-means++ on rank 0."""
-    from curation.dist_kmeans import run
+    from curation.kmeans.dist import run
 
     x, _ = data
     emb = str(tmp_path / "emb")
@@ -208,11 +208,11 @@ def test_every_level_sharded_bit_identical_on_1_2_3_ranks(tmp_path, data, sampli
 
 
 def test_curate_run_tree_reused_on_rerun_and_redone_when_unfinished(tmp_path, data):
-    """`curate run`'s tree (curation.steps.kmeans_tree.fit_tree): a rerun with the same rows and settings reuses
+    """`curate run`'s tree (curation.kmeans.tree.fit_tree): a rerun with the same rows and settings reuses
     the finished tree; one killed before kmeans.json was written, or made for other settings, is redone."""
-    from curation.dist_kmeans import curate_settings
-    from curation.embeddings import open_embeddings
-    from curation.steps.kmeans_tree import fit_tree
+    from curation.kmeans.dist import curate_settings
+    from curation.embed.embeddings import open_embeddings
+    from curation.kmeans.tree import fit_tree
 
     x, _ = data
     emb = str(tmp_path / "emb")
@@ -242,7 +242,7 @@ def test_seeding_positions_need_memory_of_the_sample_not_of_the_pool():
     than numpy's choice can draw without an arange of all rows (9.6 GB). The draw is O(sample)."""
     import tracemalloc
 
-    from curation.kmeans import _sample_positions
+    from curation.kmeans.hierarchical import _sample_positions
 
     rng = np.random.default_rng(0)
     for n, size in ((10, 3), (100, 60), (1000, 999), (50_000, 2_000), (7, 0), (5, 5)):
@@ -262,7 +262,7 @@ def test_seeding_positions_need_memory_of_the_sample_not_of_the_pool():
 def test_rows_digest_hashes_int64_ids_in_chunks(monkeypatch):
     """The fingerprint of the clustered rows in kmeans.json: no per-id Python at 10^9 rows, the same
     whatever the chunk size, different when the order or one id changes."""
-    from curation import dist_kmeans
+    from curation.kmeans import dist as dist_kmeans
 
     ids = np.arange(0, 30_000, 3, dtype=np.int64)
     d = dist_kmeans.rows_digest(ids)
@@ -295,8 +295,8 @@ def test_nearest_centroid_is_the_same_on_any_thread_count_and_block_shape():
     change with the thread count and block shape (a run with W one-thread tasks picked other "closest" rows
     than one two-thread process, and at 3M rows another tree); the candidates' distances recomputed in float64
     equal a float64 brute force."""
-    from curation._faiss import faiss
-    from curation.kmeans import Nearest
+    from curation.core.faisslib import faiss
+    from curation.kmeans.hierarchical import Nearest
 
     x = photo_patches()
     c = x[np.random.default_rng(1).choice(len(x), 400, replace=False)] + 1e-3
@@ -328,7 +328,7 @@ def test_nearest_centroid_is_the_same_on_any_thread_count_and_block_shape():
 def test_assign_counts_are_the_bincount_of_assign_for_any_batch():
     """The cluster mode counts the seeds per cluster a batch at a time (a seed set may hold millions: no label per
     seed kept): the counts equal bincount(assign(...)) for any batch size (the exact recomputation)."""
-    from curation.kmeans import assign, assign_counts
+    from curation.kmeans.hierarchical import assign, assign_counts
 
     x = photo_patches(3000)
     cent = np.ascontiguousarray(x[::97], np.float32)

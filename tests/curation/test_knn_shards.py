@@ -16,9 +16,9 @@ import pytest
 from tests.curation.test_index_dedup import clustered
 
 from curation.cli import main
-from curation.index import GPU_MAX_K, KnnIndex, Rows, iter_knn, set_nprobe, sharded_flat
-from curation.knn_candidates import exact_cosine
-from curation.knn_shards import KnnJob, chunk_path, merge_pairs
+from curation.knn.index import GPU_MAX_K, KnnIndex, Rows, iter_knn, set_nprobe, sharded_flat
+from curation.knn.candidates import exact_cosine
+from curation.knn.shards import KnnJob, chunk_path, merge_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
@@ -90,9 +90,9 @@ def test_ivf_lists_and_results_are_the_same_on_any_thread_count_batch_shape_and_
     other neighbours for ~40, and a 2M-row simulation other ``nn_sim`` at W = 1 than at W = 4. With the exact
     coarse step every result is bit-identical: one thread or two, whole or 1,000-row blocks, rows added in one
     process or by three add tasks merged on disk (the sharded build)."""
-    from curation._faiss import faiss
-    from curation.index import load_ondisk
-    from curation.index_ondisk import add_part, merge_parts, train_ondisk
+    from curation.core.faisslib import faiss
+    from curation.knn.index import load_ondisk
+    from curation.knn.ondisk import add_part, merge_parts, train_ondisk
     from tests.curation.test_kmeans import photo_patches
 
     x = photo_patches(14000)
@@ -133,7 +133,7 @@ def test_ivf_lists_and_results_are_the_same_on_any_thread_count_batch_shape_and_
 def test_ivf_nprobe_above_nlist_probes_every_list():
     """nprobe larger than the lists there are (a small pool with DINOv2's nprobe): every list is probed, as with
     nprobe = nlist (the exact coarse step once laid out more columns than faiss reads: recall 0.03 in gpu-check)."""
-    from curation.index import build_index
+    from curation.knn.index import build_index
 
     x, _ = clustered(100, 20, d=64)
     got = {}
@@ -190,7 +190,7 @@ def test_gpu_limits_are_checked_with_a_clear_error(tmp_path, capsys):
 def test_embedder_release_keeps_it_usable():
     import torch
 
-    from curation.embedder import build_embedder
+    from curation.embed.embedder import build_embedder
 
     e = build_embedder("vit_test", image_size=56, device="cpu")
     before = e(torch.zeros(1, 3, 56, 56))
@@ -244,7 +244,7 @@ def test_a_query_fraction_searches_the_same_rows_for_any_tasks_and_finds_their_p
     """`curate simulate --query-fraction` (the growth bench's 10M stand-in): the rows that query are a function of
     the row alone (the same for 1 or 3 tasks and any chunk size), every row stays indexed, and the pairs found
     are exactly the full search's pairs whose query end is such a row."""
-    from curation.knn_candidates import queried
+    from curation.knn.candidates import queried
 
     x, _ = clustered(750, 2, d=64)
     n = len(x)
@@ -286,7 +286,7 @@ def test_the_survivors_positions_of_an_array_task_are_mapped_not_held(tmp_path):
     survivors, constant in the rows; np.flatnonzero held 8)."""
     import tracemalloc
 
-    from curation.knn_steps import mapped_positions
+    from curation.knn.steps import mapped_positions
 
     keep = np.random.default_rng(0).random(2_000_000) > 0.1
     tracemalloc.start()

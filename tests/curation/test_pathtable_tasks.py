@@ -1,4 +1,4 @@
-"""The path table built by W tasks and merged on disk (curation.pathtable.build_table, curation.steps.table):
+"""The path table built by W tasks and merged on disk (curation.core.pathtable.build_table, curation.core.table):
 the same bytes as one process's whole build for any W, rerun-safe, the duplicate-id error kept, and a task's
 heap flat in the pool size at N/W inputs per task."""
 
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from tests._photos import bad_file_kinds
 
-from curation import pathtable
-from curation.descriptor import PCADescriptor
-from curation.embeddings import embed_pool, open_embeddings
-from curation.steps import table as tt
+from curation.core import pathtable
+from curation.embed.descriptor import PCADescriptor
+from curation.embed.embeddings import embed_pool, open_embeddings
+from curation.core import table as tt
 from dinopipe.config import InputError
 
 from ._pathtable_whole import build_whole
@@ -183,7 +183,7 @@ def test_the_embed_step_builds_the_table_as_w_tasks(real_pool, pool_dir, tmp_pat
     """`curate run`'s embed step builds the descriptors' path table right after embedding as tasks.count W
     tasks (its summary says how many); the next step finds it current and builds nothing."""
     from curation.config import EmbedConfig, TasksConfig
-    from curation.embed_step import build_tables, step_embed
+    from curation.embed.step import build_tables, step_embed
 
     out = tmp_path / "out"
     pool = tmp_path / "pool"
@@ -205,10 +205,11 @@ def test_the_embed_step_builds_the_table_as_w_tasks(real_pool, pool_dir, tmp_pat
 @pytest.mark.parametrize("w", [3, 9])
 def test_srun_tasks_write_each_output_slice_by_its_owner_the_same_bytes(real_pool, tmp_path, monkeypatch, w):
     """tasks.launcher=srun (tasks on several nodes): no task writes the shared outputs through a mapping; the
-    writes go as parts to the owner of each slice (curation.steps.table_owned), which writes it whole: the same
+    writes go as parts to the owner of each slice (curation.core.table_owned), which writes it whole: the same
     table bytes. The srun tasks run inline here (tests/curation/test_srun_slurm.py runs them under Slurm)."""
-    from curation.embstore import build_path_table
-    from curation.steps import runner, table_owned
+    from curation.core.embstore import build_path_table
+    from curation.core import runner
+    from curation.core import table_owned
 
     out, ref = real_pool
     d = tmp_path / "emb"

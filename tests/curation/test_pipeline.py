@@ -14,10 +14,10 @@ import webdataset as wds
 from tests._photos import bad_file_kinds, encode, make_copy
 
 from curation.config import CurationConfig
-from curation.status import KEPT
-from curation.stepfiles import load_step
+from curation.core.status import KEPT
+from curation.core.stepfiles import load_step
 from curation.pipeline import run_curation, run_steps
-from curation.write import STATUSES, build_manifest
+from curation.write.shards import STATUSES, build_manifest
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_write_on_a_folder_from_before_seed_rows_says_rerun_rebalance(run, input
     the file and the step to rerun (exit 2), not an internal crash."""
     from dinopipe.config import InputError
 
-    from curation.steps.write_tasks import write_task
+    from curation.write.tasks import write_task
 
     out, _ = run
     old = tmp_path / "old"
@@ -219,8 +219,8 @@ def test_an_output_folder_with_old_npz_steps_still_writes_the_same_decisions_and
     """A user's folder from before steps/<step>/*.npy: `curate write` and `curate report` read its .npz steps and
     give the same decisions, manifest counts and shards; a step rerun there writes the new layout."""
     from curation.config import WriteConfig
-    from curation.write_step import step_write
-    from curation.report_step import make_report
+    from curation.write.step import step_write
+    from curation.report.step import make_report
 
     out, manifest = run
     old = tmp_path / "old"
@@ -259,7 +259,7 @@ def test_a_step_folder_without_its_done_marker_is_not_read(run, tmp_path):
 def test_kept_rows_found_from_block_counts_are_the_kept_rows(run):
     """write_selection's per-block kept counts give every shard's kept rows as np.flatnonzero over the whole
     status array would, for any block size; its digest does not depend on the block size."""
-    from curation.steps.write_tasks import write_selection
+    from curation.write.tasks import write_selection
 
     out, manifest = run
     status = load_step(str(out), "rebalance")["status"]

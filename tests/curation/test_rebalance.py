@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from curation.kmeans import balanced_sample, cluster_balance, hierarchical_kmeans, split_target
-from curation.rebalance import rebalance
+from curation.kmeans.hierarchical import balanced_sample, cluster_balance, hierarchical_kmeans, split_target
+from curation.rebalance.modes import rebalance
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from curation.cli import main
-from curation.stepfiles import KEPT, load_step
+from curation.core.stepfiles import KEPT, load_step
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")

@@ -8,7 +8,7 @@ import json
 import re
 import shutil
 
-import curation.report as R
+import curation.report.plots as R
 from curation.pipeline import run_curation
 from tests.curation.test_pipeline import _config
 

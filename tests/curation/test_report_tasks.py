@@ -1,4 +1,4 @@
-"""The report's numbers as W tasks (curation.report_tasks, issue 40): what W tasks merge is exactly what the whole
+"""The report's numbers as W tasks (curation.report.tasks, issue 40): what W tasks merge is exactly what the whole
 arrays give in one process (histograms, counts, cluster sizes, copy-group sizes and the largest groups with their
 members), whatever W, and the process that merges them holds nothing per row of the pool."""
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from curation.pipeline import _params, run_curation
-from curation.report import cluster_counts, duplicate_groups
-from curation.report_step import make_report
-from curation.report_tasks import of_arrays, report_stats
-from curation.stepfiles import COPY_DUP, DECONTAM, KEPT, NOT_SELECTED, _save_step
-from curation.steps.runner import recording
+from curation.report.plots import cluster_counts, duplicate_groups
+from curation.report.step import make_report
+from curation.report.tasks import of_arrays, report_stats
+from curation.core.stepfiles import COPY_DUP, DECONTAM, KEPT, NOT_SELECTED, _save_step
+from curation.core.runner import recording
 from tests.curation.test_pipeline import _config
 
 T_DUP, T_DEC, BLOCK = 0.9, 0.45, 512
@@ -148,8 +148,8 @@ def test_the_report_draws_in_a_task_of_its_own_and_the_orchestrator_never_import
         first = open(make_report(str(out), [str(pool_dir[0])], params, cfg.report.n_examples, num_tasks=2,
                                   tasks=None)).read()
     assert [r["fn"] for r in rec][-1] == "report_figures_task"
-    code = ("import json, sys\nfrom curation.config import TasksConfig\nfrom curation.report_step import make_report\n"
-            "from curation.steps.runner import recording\n"
+    code = ("import json, sys\nfrom curation.config import TasksConfig\nfrom curation.report.step import make_report\n"
+            "from curation.core.runner import recording\n"
             "if __name__ == '__main__':\n"
             f"    with recording() as rec:\n"
             f"        path = make_report({str(out)!r}, [{str(pool_dir[0])!r}], json.loads(sys.argv[1]), "

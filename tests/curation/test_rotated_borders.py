@@ -17,7 +17,7 @@ from PIL import Image
 
 from curation.config import CurationConfig
 from curation.pipeline import run_curation
-from curation.verify import PixelVerifier, padding_mask
+from curation.verify.pixels import PixelVerifier, padding_mask
 from dinopipe.config import load_config
 from dinopipe.data.samples import _to_rgb_uint8
 

@@ -17,9 +17,10 @@ from tests._photos import encode
 
 from curation.cli import main
 from curation.config import CurationConfig, task_plan, validate
-from curation.index import Rows
-from curation.knn_shards import KnnJob, RowSource, run_search
-from curation.steps import runner, sampling
+from curation.knn.index import Rows
+from curation.knn.shards import KnnJob, RowSource, run_search
+from curation.core import runner
+from curation.kmeans import sampling
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
@@ -47,7 +48,8 @@ def _args(pool, out, *extra) -> list[str]:
 
 @pytest.mark.slow
 def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch, capsys):
-    from curation import dist_kmeans, kmeans
+    from curation.kmeans import dist as dist_kmeans
+    from curation.kmeans import hierarchical as kmeans
 
     monkeypatch.setattr(runner, "BLOCK", 16)  # sampling blocks: the 3 tasks each own rows
     monkeypatch.setattr(kmeans, "BLOCK", 16)  # k-means blocks: the 3 ranks each own rows
@@ -57,7 +59,7 @@ def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch, caps
     said = capsys.readouterr().out
     # the same embeddings (W embedding tasks batch other images together: floats equal up to rounding only,
     # tests/curation/test_embed_tasks.py), so every step after them must be bit-identical; a folder embedded by
-    # one task is resumed as one (curation.steps.embed_tasks.embed_tasks)
+    # one task is resumed as one (curation.embed.tasks.embed_tasks)
     shutil.copytree(one / "embeddings", three / "embeddings", ignore=shutil.ignore_patterns("table"))
     shutil.copy(one / "descriptor.npz", three / "descriptor.npz")
     assert main(_args(big_pool, three, "tasks.count=3", "tasks.launcher=local")) == 0
@@ -106,8 +108,8 @@ def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch, caps
 
 def test_ondisk_index_equals_one_process_build(big_pool, tmp_path):
     """W = 3 add tasks + on-disk merge search exactly like the index one process filled."""
-    from curation.embeddings import embed_pool, open_embeddings
-    from curation.stepfiles import get_descriptor
+    from curation.embed.embeddings import embed_pool, open_embeddings
+    from curation.core.stepfiles import get_descriptor
 
     desc = get_descriptor(str(tmp_path / "d"))
     emb_dir = str(tmp_path / "emb")
@@ -128,7 +130,7 @@ def test_ondisk_index_equals_one_process_build(big_pool, tmp_path):
         sims, idx = index.search(rows.take(np.arange(len(rows))), 8)
         got[w]["raw"] = np.concatenate([sims, idx.astype(np.float32)], 1)
     # the same index filled in one process, in memory (the old path)
-    from curation.index import build_index
+    from curation.knn.index import build_index
 
     ref = build_index(rows, kind="ivf", nlist=4, nprobe=4, use_gpu=False)
     sims, idx = ref.search(rows.take(np.arange(len(rows))), 8)
@@ -182,8 +184,8 @@ def test_tasks_config_validated_and_auto():
 def test_eval_and_retrieval_searches_in_local_processes(big_pool, tmp_path):
     """The nearest-eval and retrieval searches as W = 2 local processes (rows reopened from RowSources) give
     the chunks one inline task gives."""
-    from curation.embeddings import embed_pool, open_embeddings
-    from curation.stepfiles import get_descriptor
+    from curation.embed.embeddings import embed_pool, open_embeddings
+    from curation.core.stepfiles import get_descriptor
 
     desc = get_descriptor(str(tmp_path / "d"))
     emb_dir = str(tmp_path / "emb")
@@ -214,9 +216,9 @@ def test_eval_and_retrieval_searches_in_local_processes(big_pool, tmp_path):
 MEASURE_TREE = r"""
 import json, sys
 import numpy as np
-from curation.dist_kmeans import curate_settings
-from curation.embeddings import open_embeddings
-from curation.steps.kmeans_tree import fit_tree
+from curation.kmeans.dist import curate_settings
+from curation.embed.embeddings import open_embeddings
+from curation.kmeans.tree import fit_tree
 emb_dir, out, w = sys.argv[1], sys.argv[2], int(sys.argv[3])
 emb = open_embeddings(emb_dir)
 rows = np.arange(len(emb))
@@ -230,7 +232,7 @@ print(json.dumps([{"heap": r["peak_anon"] - r["start_anon"], "hwm": r["peak_rss"
 
 def _patch_embeddings(path, photos, n):
     """fp16 rows of real photos: L2-normalised 4x4 RGB patches (48-d) at every pixel offset, n of them."""
-    from curation.embeddings import _mark_task_done, save_shard, shard_stem
+    from curation.embed.embeddings import _mark_task_done, save_shard, shard_stem
 
     rows = []
     for name in sorted(photos):
@@ -282,7 +284,7 @@ def test_kmeans_tree_task_memory_follows_rows_per_task_not_n(photos, tmp_path):
 def test_save_blocks_writes_the_array_a_block_at_a_time_and_a_failed_write_leaves_no_file(tmp_path):
     """runner.save_blocks: the same .npy as np.save (from a mapped array, in any block size, with a per-block
     transform), and a write that fails half-way leaves no file at the path (the readers take a file as done)."""
-    from curation.steps.runner import save_blocks
+    from curation.core.runner import save_blocks
 
     src = tmp_path / "src.npy"
     np.save(src, np.arange(2500, dtype=np.int64)[::-1].copy())

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from curation.steps import runner
+from curation.core import runner
 
 
 def _seen(task_index, num_tasks):

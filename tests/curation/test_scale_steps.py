@@ -1,4 +1,4 @@
-"""Every step after embedding as W tasks (curation.steps, curation.simulate): W=1 and W=3 give identical
+"""Every step after embedding as W tasks (curation.core.runner, curation.simulate): W=1 and W=3 give identical
 decisions, a killed task is rerun and finished parts are skipped, per-task memory follows the rows a
 task owns (not N), and the planted answer is found."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from curation.hashdedup import brute_force_pairs, group_pairs, hash_dedup, merge_pair_parts, near_pairs_task
-from curation.kmeans import lloyd
+from curation.dedup.hashdedup import brute_force_pairs, group_pairs, hash_dedup, merge_pair_parts, near_pairs_task
+from curation.kmeans.hierarchical import lloyd
 from curation.simulate.run import differing, simulate
-from curation.steps import runner
+from curation.core import runner
 from dinopipe.utils.exits import UnfinishedError
 from dinopipe.utils import debug_hooks
 
@@ -86,7 +86,7 @@ def test_simulate_runs_the_chain_of_curate_run_w1_and_w3_identical_with_planted_
     for fn in ("run_task", "rank_task", "copy_task",  # the path table, right after the pool's parts
                "pairs_task", "search_task", "verify_candidates_task", "hist_task", "select_task", "_decisions_part_task"):
         assert ran.get(fn) == 3, (fn, ran)
-    # and its single-process parts (curation.steps.runner.phase), so the growth bench's JSON times them too
+    # and its single-process parts (curation.core.runner.phase), so the growth bench's JSON times them too
     for fn in ("hash_grouping", "grouping"):
         assert ran.get(fn) == 1, (fn, ran)
     assert one["decisions_sha256"] == three["decisions_sha256"]
@@ -139,11 +139,11 @@ def test_w3_task_processes_of_one_thread_write_the_arrays_of_one_process_of_all_
 
 def test_decontamination_removes_the_kept_rows_of_every_component_with_a_direct_eval_match(tmp_path, small_blocks):
     """decontaminate_step.step_decontaminate (the direct matches' components flagged in a mapped array, then every alive row
-    tested a block at a time) against curation.decontaminate.expand_to_components over the whole pool at once,
+    tested a block at a time) against curation.decontaminate.remove.expand_to_components over the whole pool at once,
     the step's reference: the same rows go, one reason per image (a copy duplicate stays one), as W = 2 tasks;
     and the step leaves no scratch file behind."""
-    from curation.decontaminate import expand_to_components
-    from curation.stepfiles import DECONTAM, KEPT, load_step
+    from curation.decontaminate.remove import expand_to_components
+    from curation.core.stepfiles import DECONTAM, KEPT, load_step
 
     work = tmp_path / "w"
     res = simulate(str(work), 6000, 32, tasks=2, **{**SMALL, "n_eval": 400, "overlap": 150})
@@ -182,12 +182,12 @@ def test_killed_task_is_rerun_and_finished_parts_skipped(tmp_path, small_blocks)
 MEASURE = r"""
 import glob, json, os, shutil, sys
 import numpy as np
-from curation.hash_step import pairs_task
-from curation.knn_shards import search_task
-from curation.knn_steps import _source
-from curation.steps.write_tasks import _decisions_part_task
+from curation.dedup.hash_step import pairs_task
+from curation.knn.shards import search_task
+from curation.knn.steps import _source
+from curation.write.tasks import _decisions_part_task
 from curation.simulate.run import simulate
-from curation.steps import runner
+from curation.core import runner
 from dinopipe.utils.exits import UnfinishedError
 work, n, w = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 simulate(work, n, 32, tasks=w, n_clusters=20, n_eval=200, overlap=40, levels=(20, 5, 2), nlist=512, processes=0,

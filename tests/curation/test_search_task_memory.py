@@ -9,9 +9,9 @@ import tracemalloc
 
 import numpy as np
 
-from curation.index import Rows
-from curation.knn_candidates import EXACT_PIECE, exact_cosine
-from curation.knn_shards import KnnJob, chunk_path, iter_chunks, pair_keys, read_chunks
+from curation.knn.index import Rows
+from curation.knn.candidates import EXACT_PIECE, exact_cosine
+from curation.knn.shards import KnnJob, chunk_path, iter_chunks, pair_keys, read_chunks
 
 
 def _unit(rng, n, d):

@@ -13,11 +13,11 @@ import numpy as np
 from tests._photos import encode, make_copy
 
 from curation.cli import main
-from curation.embeddings import open_embeddings
-from curation.index import Rows
-from curation.knn_candidates import exact_cosine
-from curation.rebalance import rebalance
-from curation.stepfiles import load_step
+from curation.embed.embeddings import open_embeddings
+from curation.knn.index import Rows
+from curation.knn.candidates import exact_cosine
+from curation.rebalance.modes import rebalance
+from curation.core.stepfiles import load_step
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from curation.config import CurationConfig
 from curation.simulate.run import INPUT_KEYS, chain_config, run_overrides, simulate
-from curation.steps import runner
+from curation.core import runner
 from dinopipe.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def test_retrieval_modes_run_around_a_generated_seed_set(tmp_path, monkeypatch, 
     key); every kept row of the retrieval is attached to its nearest seed, as `curate run` records it."""
     import numpy as np
 
-    from curation.stepfiles import load_step
+    from curation.core.stepfiles import load_step
 
     monkeypatch.setattr(runner, "BLOCK", 1024)
     work = tmp_path / mode

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from curation.steps import runner, srun_task
+from curation.core import runner
+from curation.core import srun_task
 from dinopipe.config import InputError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +121,7 @@ def test_srun_calls_run_w_tasks_and_collect_their_reports(fake_srun):
 
 def test_one_task_runs_as_an_srun_step_only_when_asked_to(fake_srun):
     """run_step(fn, 1, launcher="srun") runs in this process (nothing to spread); launch_one's arguments (the
-    IVF training, curation.knn_shards) make it an srun step of one task, whose memory is not this process's."""
+    IVF training, curation.knn.shards) make it an srun step of one task, whose memory is not this process's."""
     folder = fake_srun / "parts"
     with runner.spool(str(fake_srun / "spool")), runner.recording() as rec:
         here = runner.run_step(_record, 1, launcher="srun", folder=str(folder))

@@ -62,7 +62,7 @@ def test_curate_run_with_the_srun_launcher_matches_one_task(slurm, pool_dir, tmp
 
     calls = re.findall(r"^\[srun\] (\w+): (\d+) tasks on \S+: procids ([\d,]+), pids (\d+(?:,\d+)*)", log, flags=re.M)
     names = {c[0] for c in calls}
-    # the path table's tasks as srun tasks too, each output slice placed by its owner (curation.steps.table_owned)
+    # the path table's tasks as srun tasks too, each output slice placed by its owner (curation.core.table_owned)
     for want in ("run_task", "rank_task", "place_task", "copy_task",
                  "pairs_task", "verify_pairs_task", "verify_candidates_task", "search_task", "tree_task", "hist_task",
                  "select_task",
@@ -100,7 +100,7 @@ def test_curate_simulate_with_the_srun_launcher_matches_one_local_task(slurm, tm
                         f"--chdir={REPO}", "--wrap", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     slurm.append(r.stdout.strip().split(";")[0])
-    code = ("import sys; from curation.steps import runner; runner.BLOCK = 1024; "
+    code = ("import sys; from curation.core import runner; runner.BLOCK = 1024; "
             "from curation.simulate.run import simulate; "
             "r = simulate(sys.argv[1], 3000, 16, tasks=1, n_clusters=8, n_eval=60, overlap=12, processes=0, "
             "overrides=['progress=false', 'dedup.index=flat']); print(r['decisions_sha256'])")

@@ -4,8 +4,8 @@ it replaced (kept here as the reference), on random pair sets of several shapes.
 import numpy as np
 import pytest
 
-from curation import dedup
-from curation.dedup import canonical_pairs, copy_dedup_from_pairs, star_groups
+from curation.dedup import copies as dedup
+from curation.dedup.copies import canonical_pairs, copy_dedup_from_pairs, star_groups
 
 
 def star_groups_reference(n, lo, hi):

@@ -1,4 +1,4 @@
-"""One status table (curation/status.py): the step arrays' codes, decisions.tsv's names and the manifest's counts
+"""One status table (curation/core/status.py): the step arrays' codes, decisions.tsv's names and the manifest's counts
 all come from it."""
 
 from __future__ import annotations
@@ -6,8 +6,11 @@ from __future__ import annotations
 import ast
 import pathlib
 
-from curation import decisions, report, stepfiles, write
-from curation.status import KEPT, NOT_SELECTED, STATUS_NAMES, STATUSES, UNREADABLE
+from curation.core import decisions
+from curation.report import plots as report
+from curation.core import stepfiles
+from curation.write import shards as write
+from curation.core.status import KEPT, NOT_SELECTED, STATUS_NAMES, STATUSES, UNREADABLE
 
 
 def test_every_module_reads_the_one_table():

@@ -1,6 +1,6 @@
 """Every step of the chain `curate simulate` runs (= `curate run`'s steps after embedding: the same
 pipeline.run_steps) at N rows with W=1 and at 4N rows with W=4, tasks inline, each task under tracemalloc
-(curation/steps/runner.py, CURATE_TRACE_TASKS=1). A task owns the same rows at both sizes, so a task holding h
+(curation/core/runner.py, CURATE_TRACE_TASKS=1). A task owns the same rows at both sizes, so a task holding h
 bytes per row of the whole pool grows by 3N x h: the test asserts ``peak(4N, W=4) - peak(N, W=1) < 3 x h x N``
 with h the bytes per row a task (or the orchestrating process) may hold.
 
@@ -31,7 +31,7 @@ TASK_HELD = 2
 """bytes per row of the pool a task may hold (measured <= 0.8; with the noise, a whole int8 or bool array (1) is
 not told apart; an int32 (4), an int64 (8) or a Python object per row (>= 50) is)."""
 TASK_HELD_MEASURED = {
-    # owned_pairs() sorts the first image of every pair of the call in every task (curation/steps/runner.py), and
+    # owned_pairs() sorts the first image of every pair of the call in every task (curation/core/runner.py), and
     # the planted verifier gathers the whole planted truth (curation/simulate/chain.py:truth). measured 2.0
     ("dedup", "verify_arrays_task"): 3,
     # inline, the k-means tree runs as ONE rank over all rows (W ranks need W processes: steps/kmeans_tree.py);

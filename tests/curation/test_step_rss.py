@@ -8,7 +8,7 @@ fresh process too), N rows with W = 1 and 4N rows with W = 4 (blocks of 2,048 ro
 owns as many rows as the one task of the small run). A task that holds h bytes per row of the *pool* (not of its
 share) grows by 3N x h between the two; so does the orchestrating process, which should hold nothing per row.
 
-Two kernel figures per process (curation/steps/runner.py PeakMemory):
+Two kernel figures per process (curation/core/runner.py PeakMemory):
 * ``heap``: RssAnon above the start, sampled every 50 ms (anonymous memory: what a process allocated);
 * ``hwm``: VmHWM above the start (the kernel's exact high-water mark, reset when the task starts), which also counts
   the pages of memory-mapped files the task touched (its rows of the embeddings and step arrays).
@@ -39,7 +39,7 @@ HEAP_HELD = 40
 object per row (>= 50), the pool's candidate pairs (~27 x 8 = 216) or its embeddings (768) are."""
 HEAP_HELD_MEASURED = {
     # the IVF add: the trained index each task loads (coarse centroids, nlist x D float32, and the exact coarse
-    # assignment's float64 copy of them): nlist grows with the pool (curation.index.default_nlist), so this is per
+    # assignment's float64 copy of them): nlist grows with the pool (curation.knn.index.default_nlist), so this is per
     # list, not per row -- measured 95 B/row here for nlist 60k -> 240k rows alone, 168-171 with the test suite
     # running beside it: the sampled RssAnon catches the add's piece temporaries (16,384 rows x 384-d, a constant) in
     # one run and misses them in the other, while the exact VmHWM grew 73 B/row. A copy of the pool's IVF-flat codes
@@ -47,7 +47,7 @@ HEAP_HELD_MEASURED = {
     ("dedup", "add_task"): 320,
 }
 SKIP = {
-    # one task over the IVF's training sample (curation.knn_shards train task): its size is nlist x the points per
+    # one task over the IVF's training sample (curation.knn.shards train task): its size is nlist x the points per
     # list faiss trains on, capped by knn.train_size -- the cost model's, not the rows' (measured 185 -> 442 MB)
     ("dedup", "index_train"),
 }

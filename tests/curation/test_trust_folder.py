@@ -38,8 +38,8 @@ def handed_over(pool_dir, tmp_path_factory):
     """A folder embedded (by its author, with the opt-in) with a marker-printing TorchScript copy model, then
     its copy_model.json rewritten to claim the opt-in, as an old or crafted folder would."""
     from curation.config import DedupConfig, EmbedConfig
-    from curation.dedup_step import step_dedup
-    from curation.embed_step import step_embed
+    from curation.dedup.step import step_dedup
+    from curation.embed.step import step_embed
 
     tmp = tmp_path_factory.mktemp("handed")
     model = tmp / "copy.torchscript.pt"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from curation.hashdedup import hash_dedup
-from curation.unionfind import UnionFind, components_by_smallest_id
+from curation.dedup.hashdedup import hash_dedup
+from curation.core.unionfind import UnionFind, components_by_smallest_id
 
 
 def _bfs_components(n, a, b):
@@ -102,7 +102,7 @@ def test_sparse_roots_are_the_union_find_of_the_pool_stored_for_the_images_with_
     """The hash step's and the star grouping's roots (unionfind.SparseRoots): the same components as a union-find
     over every row, read by blocks, integer or boolean indices as an array is, written only where a row has a
     pair; its RootMask is ``group == arange``; the arrays it holds are per image with a pair, not per row."""
-    from curation.unionfind import RootMask, SparseRoots, is_root
+    from curation.core.unionfind import RootMask, SparseRoots, is_root
 
     rng = np.random.default_rng(3)
     n = 50_000

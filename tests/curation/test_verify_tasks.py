@@ -1,5 +1,5 @@
 """Copy dedup's verification tasks read their own candidate pairs from the kNN chunk files
-(curation.verify_tasks, issue 40): the orchestrator reads only the verified edges, decides as the keys path
+(curation.verify.tasks, issue 40): the orchestrator reads only the verified edges, decides as the keys path
 (knn_shards.pair_keys -> dedup.copy_dedup_from_keys) did, for any W, and holds almost nothing per row."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from curation import knn_shards, verify_tasks
-from curation.dedup import copy_dedup_from_edges, copy_dedup_from_keys
-from curation.knn_shards import KnnJob, chunk_path, pair_keys
-from curation.verify import PartedVerifier
-from curation.verify_tasks import verified_edges
+from curation.knn import shards as knn_shards
+from curation.verify import tasks as verify_tasks
+from curation.dedup.copies import copy_dedup_from_edges, copy_dedup_from_keys
+from curation.knn.shards import KnnJob, chunk_path, pair_keys
+from curation.verify.pixels import PartedVerifier
+from curation.verify.tasks import verified_edges
 
 from .test_dedup_pair_keys import THRESHOLD, _chunks
 

@@ -1,4 +1,4 @@
-"""The write step's finish (curation.write.finish_shard_tasks): the pool index is merged from the write tasks'
+"""The write step's finish (curation.write.shards.finish_shard_tasks): the pool index is merged from the write tasks'
 per-shard location parts as arrays, a shard at a time, with nothing per kept image in the orchestrating process
 (issue 40: it used to gather every kept image's member record into one Python list, ~142M at LVD-142M size).
 The index it writes is byte for byte the one built from every member at once, whatever the number of tasks."""
@@ -12,7 +12,7 @@ import numpy as np
 
 from dinopipe.data.pool_index import INDEX_NAME, PoolIndex, member_locations, tar_index, write_index
 from dinopipe.data.sources import TarWalk
-from curation.write import finish_shard_tasks, write_shard_task
+from curation.write.shards import finish_shard_tasks, write_shard_task
 
 
 def _items(start: int, stop: int, every: int = 17):

@@ -12,11 +12,11 @@ import numpy as np
 
 from curation.cli import main
 from curation.config import WriteConfig
-from curation.decisions import decisions_task, iter_decisions
-from curation.embeddings import _mark_task_done, open_embeddings, save_shard
-from curation.write_step import step_write
-from curation.steps.write_tasks import write_task
-from curation.write import STATUSES
+from curation.core.decisions import decisions_task, iter_decisions
+from curation.embed.embeddings import _mark_task_done, open_embeddings, save_shard
+from curation.write.step import step_write
+from curation.write.tasks import write_task
+from curation.write.shards import STATUSES
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")

@@ -115,7 +115,7 @@ def test_rerun_maps_the_index_without_reading_tar_headers_and_a_changed_shard_re
 
 
 def test_curation_written_index_is_used_and_a_broken_one_is_rebuilt(tmp_path, monkeypatch):
-    from curation.write import write_shards
+    from curation.write.shards import write_shards
     from dinopipe.data.sources import MultiSource
 
     src_dir = tmp_path / "in"

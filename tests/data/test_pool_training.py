@@ -22,7 +22,7 @@ PHASE = "phases=[{{name: base, fraction: 1.0, global_crops_size: 56, local_crops
 def curated_shards(tmp_path_factory):
     from tests._photos import write_pool
 
-    from curation.write import write_shards
+    from curation.write.shards import write_shards
     from dinopipe.data.pool_index import INDEX_NAME
     from dinopipe.data.sources import MultiSource
 

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from curation.steps import runner
+from curation.core import runner
 
 
 def record(t: int, w: int, folder: str, block: int = -1, fail: int = -1) -> dict:

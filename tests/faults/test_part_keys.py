@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from curation import pathtable
-from curation.knn_steps import _same
-from curation.steps import runner
-from curation.verify_tasks import verified_edges
+from curation.core import pathtable
+from curation.knn.steps import _same
+from curation.core import runner
+from curation.verify.tasks import verified_edges
 from dinopipe.utils import debug_hooks
 from dinopipe.utils.exits import UnfinishedError
 from tests.curation.test_dedup_pair_keys import THRESHOLD

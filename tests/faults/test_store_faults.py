@@ -358,7 +358,7 @@ OUTPUT = {"manifest.json": b'{"kept": 3}', "shards/shard-000000.tar": b"t" * 300
 
 
 def _publish(store, row, _, tmp_path):
-    from curation.remote_output import MARKER, publish
+    from curation.core.remote_output import MARKER, publish
 
     prefix = f"pub/{_slug(row)}"
     url = f"s3://{BUCKET}/{prefix}"
@@ -383,7 +383,7 @@ def _publish(store, row, _, tmp_path):
 def _pull(store, row, _, tmp_path):
     import shutil
 
-    from curation.remote_output import MARKER, localize, publish, scratch_for
+    from curation.core.remote_output import MARKER, localize, publish, scratch_for
 
     prefix = f"pull/{_slug(row)}"
     url = f"s3://{BUCKET}/{prefix}"

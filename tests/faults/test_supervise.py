@@ -1,4 +1,4 @@
-"""The local launcher's supervision (curation/steps/supervise.py): results in task order, a task's exception raised
+"""The local launcher's supervision (curation/core/supervise.py): results in task order, a task's exception raised
 with its traceback, and a task that dies -- here SIGKILLed by the ``kill_task`` debug hook, as by the OOM killer --
 ends the call with UnfinishedError naming the step and the task while the other tasks are stopped, never a hang
 (each case runs in a subprocess under a timeout, so a hang fails). And where a missing file is 75 and where 2."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from curation.pipeline import StepError, missing_file
-from curation.steps import runner
+from curation.core import runner
 from dinopipe.utils import debug_hooks
 from dinopipe.utils.exits import UnfinishedError
 from tests.faults._tasks import record
@@ -44,20 +44,20 @@ def test_a_task_that_raised_raises_here_with_its_traceback(tmp_path):
 def test_a_killed_task_ends_the_call_at_once_and_stops_the_others(tmp_path):
     """Task 1 is SIGKILLed at its start while task 0 would run for an hour: the call ends with UnfinishedError
     naming the step and the task (within the subprocess timeout: task 0 was stopped, nobody waits on task 1)."""
-    code = (f"from curation.steps import runner, supervise\n"
+    code = (f"from curation.core import runner; from curation.core import supervise\n"
             f"from tests.faults._tasks import record\n"
             f"with supervise.step_named('dedup'):\n"
             f"    runner.run_step(record, 2, folder={str(tmp_path)!r}, block=0)\n")
     r = _call(code, debug_hooks.env(kill_task="dedup/record:1"))
     assert r.returncode == 1, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last == ("curation.steps.supervise.TaskDied: task 1 of 2 of step dedup (record) was killed by signal 9 "
+    assert last == ("curation.core.supervise.TaskDied: task 1 of 2 of step dedup (record) was killed by signal 9 "
                     "(SIGKILL, e.g. the OOM killer)"), r.stderr[-2000:]
     assert not os.listdir(tmp_path) if tmp_path.exists() else True  # neither task wrote a part
 
 
 def test_a_task_killed_after_writing_its_part_keeps_the_part(tmp_path):
-    code = (f"from curation.steps import runner\n"
+    code = (f"from curation.core import runner\n"
             f"from tests.faults._tasks import record\n"
             f"runner.run_step(record, 2, processes=1, folder={str(tmp_path)!r})\n")
     r = _call(code, debug_hooks.env(kill_task="record:0:end"))
@@ -66,7 +66,7 @@ def test_a_task_killed_after_writing_its_part_keeps_the_part(tmp_path):
 
 
 def test_the_hook_picks_its_call_and_step():
-    from curation.steps import supervise
+    from curation.core import supervise
 
     os.environ[debug_hooks.ENV] = "kill_task=dedup/fn#2:1:end"
     try:

@@ -36,7 +36,7 @@ def test_env_reaches_a_child_process():
     import os
 
     e = dict(os.environ, PYTHONPATH=str(REPO), **debug_hooks.env(curate_block=8192, stale_latest=0))
-    out = subprocess.run([sys.executable, "-c", "from curation.steps import runner; print(runner.BLOCK)"],
+    out = subprocess.run([sys.executable, "-c", "from curation.core import runner; print(runner.BLOCK)"],
                          env=e, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "8192"
 

@@ -1,0 +1,1 @@
+"""The embed step: descriptors, hashes and model embeddings of the pool."""

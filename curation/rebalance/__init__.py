@@ -1,0 +1,1 @@
+"""The rebalance step: hierarchical k-means or retrieval around seed images."""

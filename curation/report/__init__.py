@@ -1,0 +1,1 @@
+"""The report step: its numbers as tasks, its plots and summary."""

@@ -1,0 +1,1 @@
+"""Pixel verification of candidate copy pairs."""

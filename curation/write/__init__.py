@@ -1,0 +1,1 @@
+"""The write step: webdataset shards, decisions and the manifest."""
