@@ -34,7 +34,7 @@ from PIL import Image
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from curation.config import DedupConfig, EmbedConfig  # noqa: E402
-from curation.embed.embeddings import open_embeddings  # noqa: E402
+from curation.core.embstore import open_embeddings
 from curation.core.stepfiles import load_step  # noqa: E402
 from curation.dedup.step import step_dedup  # noqa: E402
 from curation.embed.step import step_embed  # noqa: E402

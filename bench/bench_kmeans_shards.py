@@ -21,7 +21,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from curation.embed.embeddings import _mark_task_done, save_shard, shard_stem  # noqa: E402
+from curation.core.embstore import mark_task_done, save_shard, shard_stem  # noqa: E402
 
 
 def write_pool(path: str, n: int, d: int, seed: int = 0) -> None:
@@ -33,7 +33,7 @@ def write_pool(path: str, n: int, d: int, seed: int = 0) -> None:
         ids = [f"img{j:08d}" for j in range(s, min(s + 8192, n))]
         save_shard(path, shard_stem(0, i), x[s:s + 8192], {"ids": ids, "sources": ["synthetic"] * len(ids),
                                                            "hashes": ["0"] * len(ids), "unreadable": []})
-    _mark_task_done(path, 0, 1, {"n": n})
+    mark_task_done(path, 0, 1, {"n": n})
 
 
 def main() -> int:

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from curation.embed.embeddings import _mark_task_done, save_shard, shard_stem  # noqa: E402
+from curation.core.embstore import mark_task_done, save_shard, shard_stem
 from curation.core import runner  # noqa: E402
 from curation.rebalance.tasks import flat_kmeans  # noqa: E402
 
@@ -48,7 +48,7 @@ def write_rows(path: str, n: int, dim: int, seed: int = 0) -> None:
         ids = [f"r{j:010d}" for j in range(s, s + m)]
         save_shard(path, shard_stem(0, i), x, {"ids": ids, "sources": ["synthetic"] * m, "hashes": ["0"] * m,
                                                "unreadable": []})
-    _mark_task_done(path, 0, 1, {"n": n})
+    mark_task_done(path, 0, 1, {"n": n})
 
 
 def measure(work: str, n: int, w: int, k: int, dim: int, niter: int) -> dict:

@@ -14,11 +14,15 @@ from typing import Any, Optional
 from dinopipe.config import ConfigError, check_choices, choices
 from dinopipe.utils.proc import usable_cores
 
-from curation.embed.descriptor import DescriptorConfig
-from curation.dedup.hashdedup import DEFAULT_MAX_DISTANCE
-from curation.kmeans.hierarchical import INITS
-from curation.knn.index import GPU_MAX_K, KINDS
-from curation.rebalance.modes import MODES
+# The choices and defaults the engines and steps read from here (one list each; config imports no step).
+GPU_MAX_K = 2048  # faiss-gpu's top-k selection (and nprobe) stop at 2048 (GPU_MAX_SELECTION_K)
+KINDS = ("auto", "flat", "ivf", "ivf_sq8", "ivf_pq")
+MODES = ("none", "sample", "cluster", "hierarchical")
+INITS = ("auto", "kmeans++", "random")
+# pHash copies measured on real photos: resized / recompressed copies differ by <= 4 bits,
+# 5%-cropped ones by up to ~20, and distinct photos by >= 18. 4 keeps this pass "near-exact";
+# crops are left to the embedding-based copy dedup.
+DEFAULT_MAX_DISTANCE = 4
 
 IndexKind = choices("IndexKind", KINDS, __name__)
 Grouping = choices("Grouping", ("star", "components"), __name__)
@@ -26,6 +30,16 @@ Precision = choices("Precision", ("auto", "fp32", "bf16"), __name__)
 RebalanceMode = choices("RebalanceMode", MODES, __name__)
 Strategy = choices("Strategy", ("r", "c"), __name__)
 KMeansInit = choices("KMeansInit", INITS, __name__)
+
+
+@dataclass
+class DescriptorConfig:
+    size: int = 64  # thumbnail side
+    luma_freqs: int = 10  # keep DCT frequencies u, v < this for luminance (minus the DC term)
+    chroma_freqs: int = 4  # ... and u, v < this for each chroma channel (DC kept: mean colour)
+    freq_power: float = 1.0  # whitening under the natural-image prior (power ~ 1/f^2)
+    pool_whiten: float = 0.0  # >0: extra PCA whitening fitted on the pool (power; 0.5 = half)
+    shrink: float = 10.0  # pool-PCA eigenvalue regulariser, as a multiple of the mean eigenvalue
 
 
 @dataclass
@@ -397,10 +411,16 @@ def _validate_knn(cfg: CurationConfig) -> None:
 
 
 def knn_kwargs(cfg: CurationConfig) -> dict:
-    """The ``knn`` dict of the pipeline steps (curation.knn.steps) for this config (or its knn section)."""
+    """The ``knn`` dict of the kNN steps (curation.dedup.knn, decontaminate.nearest, rebalance.retrieval) for this config
+    (or its knn section)."""
     n = getattr(cfg, "knn", cfg)
     return {"chunk_size": n.chunk_size, "batch_size": n.batch_size, "nlist": n.nlist, "pq_m": n.pq_m,
             "train_size": n.train_size, "use_gpu": {"auto": "auto", "true": True, "false": False}[str(n.use_gpu).lower()]}
+
+
+def knn_dict(knn: KnnConfig | None) -> dict | None:
+    """The ``knn`` dict of those steps (None: its defaults)."""
+    return None if knn is None else knn_kwargs(knn)
 
 
 def task_plan(cfg: CurationConfig, n: int = 0, cores: int | None = None) -> dict:

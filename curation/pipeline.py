@@ -32,11 +32,11 @@ from dinopipe.utils.exits import UnfinishedError
 from curation.config import CurationConfig, decontam_threshold, kmeans_dir, knn_kwargs, check_launcher, validate
 from curation.dedup.copies import resolve_threshold
 from curation.rebalance.step import embed_seeds, step_rebalance
-from curation.core.stepfiles import _p, step_exists
-from curation.core.runner import spool as runner_spool
+from curation.core.stepfiles import step_exists
+from curation.core.srun import spool as runner_spool
 from curation.core.runner import step_log
 from curation.core.supervise import step_named
-from curation.write.shards import write_json_atomic
+from curation.core.stepfiles import write_json_atomic
 # the steps, one module each; this module orchestrates them
 from curation.embed.step import build_tables, step_embed
 from curation.dedup.step import step_dedup
@@ -116,7 +116,7 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     for step in steps:
         try:
             # tasks.launcher=srun: the calls' spec files under steps/srun; a dead task is named with the step
-            with step_log(progress_log, step), runner_spool(_p(out, "steps", "srun")), step_named(step):
+            with step_log(progress_log, step), runner_spool(os.path.join(out, "steps", "srun")), step_named(step):
                 result = run_step(step, cfg, embedder, inputs)
         except FileNotFoundError as exc:
             raise missing_file(step, exc, out) from exc
@@ -126,8 +126,8 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
             embedder.release()  # the index steps may want the GPU memory for faiss-gpu
         if step in _SUMMARIZED + SHARDED:
             name = step if step != "search" else f"search-{cfg.knn.task_index:05d}"
-            os.makedirs(_p(out, "steps"), exist_ok=True)
-            write_json_atomic(_p(out, "steps", f"{name}.json"), result)
+            os.makedirs(os.path.join(out, "steps"), exist_ok=True)
+            write_json_atomic(os.path.join(out, "steps", f"{name}.json"), result)
         results[step] = result
         if echo is not None:
             echo(step, result)
@@ -206,7 +206,8 @@ def run_step(step: str, cfg: CurationConfig, embedder=None, inputs: ChainInputs 
 
 def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
     """`curate index` / `curate search`: the sharded kNN behind dedup, decontamination and retrieval."""
-    from curation.knn.steps import step_index, step_retrieval_index, step_search
+    from curation.index.step import step_index, step_search
+    from curation.rebalance.retrieval import step_retrieval_index
 
     out, prog, sections = cfg.output.dir, cfg.progress, (cfg.dedup, cfg.hash_dedup, cfg.knn)
     if step == "search":
@@ -232,7 +233,7 @@ def _params(cfg: CurationConfig, out: str | None = None) -> dict:
     were verified on pixels are the step's, from its summary in ``out`` (steps/decontaminate.json: 0.2 verified,
     0.45 without pixels -- no eval images, or an eval set given as embeddings), else what the config implies."""
     ran: dict = {}
-    path = _p(out, "steps", "decontaminate.json") if out else None
+    path = os.path.join(out, "steps", "decontaminate.json") if out else None
     if path and os.path.exists(path):
         with open(path) as f:
             ran = json.load(f)
@@ -254,7 +255,7 @@ def _params(cfg: CurationConfig, out: str | None = None) -> dict:
 def _load_summaries(out: str) -> dict:
     found = {}
     for step in _SUMMARIZED:
-        path = _p(out, "steps", f"{step}.json")
+        path = os.path.join(out, "steps", f"{step}.json")
         if os.path.exists(path):
             with open(path) as f:  # without this run's measurements: a rerun's manifest equals the first run's
                 found[step] = {k: v for k, v in json.load(f).items() if not _measured(k)}

@@ -387,7 +387,7 @@ def main(argv=None) -> int:
             print(f"curate plan: error: --levels auto stands alone, got {' '.join(map(str, a.levels))}",
                   file=sys.stderr)
             return 2
-        from curation.rebalance.modes import auto_levels  # what a run with rebalance.levels: auto clusters
+        from curation.kmeans.hierarchical import auto_levels  # what a run with rebalance.levels: auto clusters
 
         a.levels = auto_levels(pool)
         print(f"--levels auto: {' '.join(f'{k:,}' for k in a.levels)} clusters (bottom-up, ~{pool / a.levels[0]:.0f} "

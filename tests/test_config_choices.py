@@ -16,17 +16,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_config_enums_match_the_code_that_uses_them():
-    from curation.knn.index import KINDS
-    from curation.kmeans.hierarchical import INITS
-    from curation.rebalance.modes import MODES
+    import curation.config as cc
+    from curation.kmeans import hierarchical
+    from curation.knn import index
+    from curation.rebalance import modes
     from dinopipe.models.attention import BACKENDS
     from dinopipe.models.registry import FFN_LAYERS
 
     assert [m.value for m in AttnBackend] == list(BACKENDS)
     assert {m.value for m in FFN} == set(FFN_LAYERS)
-    assert [m.value for m in IndexKind] == list(KINDS)
-    assert [m.value for m in RebalanceMode] == list(MODES)
-    assert [m.value for m in KMeansInit] == list(INITS)
+    # curation's lists live in its config (which imports no step); the engines read that one list
+    assert index.KINDS is cc.KINDS and modes.MODES is cc.MODES and hierarchical.INITS is cc.INITS
+    assert [m.value for m in IndexKind] == list(cc.KINDS)
+    assert [m.value for m in RebalanceMode] == list(cc.MODES)
+    assert [m.value for m in KMeansInit] == list(cc.INITS)
 
 
 @pytest.mark.parametrize("schema, override, allowed", [

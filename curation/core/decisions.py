@@ -27,7 +27,7 @@ import numpy as np
 from dinopipe.utils.exits import UnfinishedError  # a killed task, not a mistake: exit 75
 from dinopipe.utils.io import atomic_open, atomic_write_json
 
-from curation.core.status import STATUS_NAMES, UNREADABLE  # noqa: F401  (the one status table: curation/core/status.py)
+from curation.core.status import STATUS_NAMES, UNREADABLE
 
 HEADER = "id\tsource\tstatus\tgroup_or_reason\n"
 CHUNK = 65536

@@ -229,6 +229,6 @@ def _check_tasks_done(emb_dir: str) -> None:
         )
 
 
-def _mark_task_done(out_dir, task_index, num_tasks, counts) -> None:
+def mark_task_done(out_dir, task_index, num_tasks, counts) -> None:
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_json(os.path.join(out_dir, f"task-{task_index:05d}-of-{num_tasks:05d}.json"), counts)

@@ -48,7 +48,7 @@ from dinopipe.utils.proc import map_large_allocations, usable_cores
 from curation.core.supervise import die_here, dies_at, run_processes
 
 # the srun launcher; its names stay importable from here
-from curation.core.srun import KEY_ENV, Refused, _run_srun, dump_signed, load_signed, report_path, spool, srun_tasks  # noqa: F401
+from curation.core.srun import run_srun
 
 BLOCK = int(debug_hooks.get("curate_block") or 65536)
 """Rows per block: the unit a task owns, reads and (usually) writes (the debug hook ``curate_block``,
@@ -289,7 +289,7 @@ def task_gpus(gpus: list[str], task_index: int, num_tasks: int) -> list[str]:
     return [gpus[task_index % len(gpus)]]
 
 
-def _measured(fn: Callable, task_index: int, num_tasks: int, kw: dict, gpus: list[str] | None = None,
+def run_measured(fn: Callable, task_index: int, num_tasks: int, kw: dict, gpus: list[str] | None = None,
               die: str | None = None) -> dict:
     """One task, measured. ``die`` ("start" / "end"): the kill_task debug hook's SIGKILL of this task process
     (curation.core.supervise.dies_at), before ``fn`` or after it returned."""
@@ -445,17 +445,17 @@ def _run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: 
 
     local: all tasks, ``processes`` at a time (default ``num_tasks``), each in a fresh process;
     ``processes=0``: one after another in this process (tests, tiny pools).
-    srun: all tasks, as one srun job step in this Slurm allocation (:func:`_run_srun`); one task runs in this
+    srun: all tasks, as one srun job step in this Slurm allocation (:func:`run_srun`); one task runs in this
     process unless ``processes=1`` (:func:`launch_one`).
     slurm / dist: only this process's own task (the others run in their own processes).
     """
     if launcher == "srun":
         if processes == 0 or (num_tasks == 1 and processes != 1):  # nothing to spread: as local inline
-            return [_measured(fn, t, num_tasks, kw) for t in range(num_tasks)]
-        return _run_srun(fn, num_tasks, kw)
+            return [run_measured(fn, t, num_tasks, kw) for t in range(num_tasks)]
+        return run_srun(fn, num_tasks, kw)
     if launcher == "local":
         if processes == 0:
-            return [_measured(fn, t, num_tasks, kw) for t in range(num_tasks)]
+            return [run_measured(fn, t, num_tasks, kw) for t in range(num_tasks)]
         procs = min(processes or num_tasks, num_tasks)
         name = getattr(fn, "__name__", "task")
         old = os.environ.get("OMP_NUM_THREADS")
@@ -465,7 +465,7 @@ def _run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: 
         gpus = visible_gpus() if num_tasks > 1 else []
         die = dies_at(name, num_tasks)
         try:  # supervised: a task that dies ends the call with UnfinishedError (exit 75), never a hang
-            return run_processes(_measured, [(fn, t, num_tasks, kw, gpus, die.get(t)) for t in range(num_tasks)],
+            return run_processes(run_measured, [(fn, t, num_tasks, kw, gpus, die.get(t)) for t in range(num_tasks)],
                                  procs, name)
         finally:
             if old is None:
@@ -475,4 +475,4 @@ def _run_step(fn: Callable, num_tasks: int, launcher: str = "local", processes: 
     t, w = env_task(launcher)
     if w != num_tasks:
         raise InputError(f"{launcher}: this job has {w} tasks, the step was asked for {num_tasks}")
-    return [_measured(fn, t, w, kw)]
+    return [run_measured(fn, t, w, kw)]

@@ -112,7 +112,7 @@ def _first_failed(stderr: str, failed: list[int]) -> tuple[int, str]:
     return failed[0], ""
 
 
-def _run_srun(fn: Callable, num_tasks: int, kw: dict) -> list[dict]:
+def run_srun(fn: Callable, num_tasks: int, kw: dict) -> list[dict]:
     """One ``srun --ntasks=W`` job step: the W tasks of ``fn`` (:mod:`curation.core.srun_task`) -> their reports."""
     import shutil
     import sys

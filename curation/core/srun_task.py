@@ -1,4 +1,4 @@
-"""One srun task of a runner call (``tasks.launcher=srun``, :func:`curation.core.srun._run_srun`).
+"""One srun task of a runner call (``tasks.launcher=srun``, :func:`curation.core.srun.run_srun`).
 
     python -m curation.core.srun_task SPEC
 
@@ -21,7 +21,7 @@ from multiprocessing.pool import ExceptionWithTraceback
 
 from dinopipe.utils.proc import exit_now
 
-from curation.core.runner import _measured
+from curation.core.runner import run_measured
 from curation.core.srun import KEY_ENV, Refused, dump_signed, load_signed, report_path
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{spec['num_tasks']} tasks", file=sys.stderr)
         return 2
     try:
-        rep = _measured(spec["fn"], t, w, spec["kw"], die=spec.get("die", {}).get(t))
+        rep = run_measured(spec["fn"], t, w, spec["kw"], die=spec.get("die", {}).get(t))
     except Exception as exc:  # noqa: BLE001 -- reported to the orchestrator, which raises it as the local launcher does
         traceback.print_exc()
         try:

@@ -2,7 +2,7 @@
 memory-mappable array per file, ``done.json`` last), the copy space (descriptor or copy model) and the rows
 rebalancing clusters.
 
-A leaf of the curation step modules: :mod:`curation.pipeline`, :mod:`curation.knn.steps`,
+A leaf of the curation step modules: :mod:`curation.pipeline`, :mod:`curation.dedup.knn`,
 :mod:`curation.kmeans.dist` and :mod:`curation.report.plots` import from here, and this module imports none of
 them (tests/curation/test_import_graph.py walks every import and fails on a cycle).
 """
@@ -20,11 +20,7 @@ from dinopipe.utils.io import atomic_path, atomic_write_json
 from curation.core.embstore import open_embeddings
 from curation.core.runner import BLOCK
 
-from curation.core.status import COPY_DUP, DECONTAM, HASH_DUP, KEPT, NOT_SELECTED  # noqa: F401  (the codes the steps write)
-
-
-def _p(out_dir: str, *parts: str) -> str:
-    return os.path.join(out_dir, *parts)
+from curation.core.status import KEPT
 
 
 STEP_DONE = "done.json"
@@ -32,11 +28,11 @@ STEP_DONE = "done.json"
 
 
 def step_dir(out_dir: str, name: str) -> str:
-    return _p(out_dir, "steps", name)
+    return os.path.join(out_dir, "steps", name)
 
 
 def _legacy_path(out_dir: str, name: str) -> str:
-    return _p(out_dir, "steps", f"{name}.npz")  # the format before one .npy per array (still read)
+    return os.path.join(out_dir, "steps", f"{name}.npz")  # the format before one .npy per array (still read)
 
 
 def step_exists(out_dir: str, name: str) -> bool:
@@ -159,50 +155,15 @@ def load_step(out_dir: str, name: str, keys=None, mmap: bool = False) -> dict:
         return {k: z[k] for k in z.files if keys is None or k in keys}
 
 
-def get_descriptor(out_dir: str, sources=None, config=None):
-    """Load ``descriptor.npz``, or build/fit and save it (so every array task uses the same); a
-    curation.embed.descriptor.PCADescriptor (torch: imported here, not by the tasks that read step files)."""
-    from curation.embed.descriptor import PCADescriptor, fit_descriptor
-
-    path = _p(out_dir, "descriptor.npz")
-    if os.path.exists(path):
-        return PCADescriptor.load(path)
-    os.makedirs(out_dir, exist_ok=True)
-    desc = fit_descriptor(sources, config) if sources is not None else PCADescriptor(config)
-    desc.save(path)
-    return desc
-
-
-def copy_embedder(out_dir: str, sources=None, config=None,
-                  model: str | None = None, image_size: int = 224, device: str = "auto",
-                  precision: str = "auto", trust_code: bool = False):
-    """``(embed_fn, transform)`` of the copy space: the copy model recorded in ``out_dir`` (or
-    given as ``model``), else the descriptor. Eval and seed images must be embedded alike. ``trust_code`` is this
-    run's own opt-in (``dedup.trust_code``): the record says which model, never whether its code may run."""
-    from curation.embed.copymodel import build_copy_embedder, load_record, save_record
-
-    rec = load_record(out_dir)
-    if model is not None:
-        save_record(out_dir, model, image_size, trust_code)
-    elif rec is not None and rec["model"]:  # which model embedded the pool; the permission is not in the file
-        model, image_size = rec["model"], rec["image_size"]
-    if model is None:
-        desc = get_descriptor(out_dir, sources, config)
-        return desc, desc.transform()
-    emb = build_copy_embedder(model, image_size, device, precision, trust_code)
-    return emb, emb.transform
-
-
-
 def rebalance_rows(out_dir: str, scratch: str | None = None):
     """What the rebalance step clusters: (embedding folder, its positions of the rows still kept
     after dedup + decontamination, in canonical order, those rows' pool positions, the statuses: memory-mapped).
     Computed a block at a time; ``scratch``: a folder where the two position arrays are written as memory-mapped
     ``alive.scratch.npy`` / ``rows.scratch.npy`` (the caller removes them), else they are in memory."""
     status = load_step(out_dir, "decontaminate", keys=("status",), mmap=True)["status"]
-    desc_set = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
-    model_dir = _p(out_dir, "embeddings", "model")
-    space_dir = model_dir if os.path.isdir(model_dir) else _p(out_dir, "embeddings", "descriptor")
+    desc_set = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    model_dir = os.path.join(out_dir, "embeddings", "model")
+    space_dir = model_dir if os.path.isdir(model_dir) else os.path.join(out_dir, "embeddings", "descriptor")
     space = open_embeddings(space_dir)
     if space.digest != desc_set.digest:
         raise ConfigError(f"{space_dir} and the copy descriptors list different inputs: embed both in one "
@@ -221,3 +182,17 @@ def rebalance_rows(out_dir: str, scratch: str | None = None):
             raise ConfigError(f"{space_dir} lacks rows the copy descriptors have: rerun `curate embed`")
         rows_idx[s:e] = got
     return space_dir, rows_idx, alive, status
+
+
+def write_json_atomic(path: str, obj) -> None:
+    atomic_write_json(path, obj, default=_json_default)
+
+
+def _json_default(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -29,7 +29,7 @@ from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_write_json
 
 from curation.core.runner import part_done, read_part, write_part
-from curation.core.table_owned import _scatter, save_by_owner
+from curation.core.table_owned import scatter_strings, save_by_owner
 
 CHUNK = 1 << 16
 """Entries per chunk wherever a task walks another run or scatters bytes (a constant, not a share of N)."""
@@ -246,10 +246,10 @@ def copy_task(t: int, w: int, work: str, out: dict[str, str], owned: bool = Fals
                                                                   mmap_mode="r")) - 1 for k in writes})
     elif len(key):
         blob = open_rw(out["ids_blob"])
-        _scatter(blob, np.load(out["ids_offsets"], mmap_mode="r"), r["rank"], key, CHUNK)
+        scatter_strings(blob, np.load(out["ids_offsets"], mmap_mode="r"), r["rank"], key, CHUNK)
         readable = np.flatnonzero(_run(work, t, "row_pos") >= 0)
         locs = open_rw(out["loc_blob"])
-        _scatter(locs, np.load(out["loc_offsets"], mmap_mode="r"), r["row"][readable],
+        scatter_strings(locs, np.load(out["loc_offsets"], mmap_mode="r"), r["row"][readable],
                  np.asarray(_run(work, t, "loc")[readable]), CHUNK)
         for m in (blob, locs):
             if isinstance(m, np.memmap):

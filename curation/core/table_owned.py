@@ -82,7 +82,7 @@ def pwrite(path: str, start: int, block: np.ndarray) -> None:
         os.close(fd)
 
 
-def _scatter(blob: np.ndarray, offsets: np.ndarray, at: np.ndarray, strings: np.ndarray,
+def scatter_strings(blob: np.ndarray, offsets: np.ndarray, at: np.ndarray, strings: np.ndarray,
              chunk: int = 1 << 16) -> None:
     """``blob[offsets[at[i]]:...] = strings[i]`` for every ``i``, ``chunk / 8`` strings at a time (a byte's
     destination is an int64: 16 B per byte of a chunk)."""
@@ -138,6 +138,6 @@ def _place_strings(out: dict[str, str], name: str, u: int, w: int, got: list[dic
     for g in got:
         at = g[f"{name}.at"]
         if len(at):
-            _scatter(buf, local, at - lo, g[f"{name}.values"])
+            scatter_strings(buf, local, at - lo, g[f"{name}.values"])
     pwrite(out[name], b0, buf)
     return int(hi - lo)

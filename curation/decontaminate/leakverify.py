@@ -29,7 +29,7 @@ from PIL import Image
 
 from curation.verify.alignment import (AGREE, BAND, FINE_MIN, MIN_BLOCKS, SCALES, TOP, UNIQUE_MARGIN, agreement, alignment_scores,
                                        refined_score)
-from curation.verify.pixels import FILL_SIGMA, MIN_CONTENT, PixelVerifier, _blur, padding_mask
+from curation.verify.pixels import FILL_SIGMA, MIN_CONTENT, PixelVerifier, gaussian_blur, padding_mask
 
 DEFAULT_THRESHOLD = 0.5
 """Noise-aware normalised correlation above which a candidate is a view of its eval image (bench figures:
@@ -58,9 +58,9 @@ def letterboxed_bands(img: Image.Image, size: int, sigmas=(1.0, 3.0)):
     keep = None
     if pad is not None and (~pad).mean() >= MIN_CONTENT:
         v = torch.from_numpy((~pad).astype(np.float32))[None, None]
-        fill = _blur(luma * v, FILL_SIGMA) / _blur(v, FILL_SIGMA).clamp_min(1e-6)
+        fill = gaussian_blur(luma * v, FILL_SIGMA) / gaussian_blur(v, FILL_SIGMA).clamp_min(1e-6)
         luma, keep = torch.where(v > 0, luma, fill), v[0, 0]
-    b0, b1, b2 = (_blur(luma, sg) for sg in (sigmas[0], sigmas[1], 3 * sigmas[1]))
+    b0, b1, b2 = (gaussian_blur(luma, sg) for sg in (sigmas[0], sigmas[1], 3 * sigmas[1]))
     bands = []
     for band in ((b0 - b1)[0, 0], (b1 - b2)[0, 0]):
         if keep is not None:
@@ -131,7 +131,7 @@ class LeakVerifier(PixelVerifier):
 
 def leak_verifier_of(eval_sources, eval_dir: str, pool_sources, pool_dir: str, rows_path: str | None,
                      size: int, threshold: float, min_scale: float):
-    """A picklable verifier factory's body (curation.knn.steps): pairs (eval position, pool position) where pool
+    """A picklable verifier factory's body (curation.decontaminate.nearest): pairs (eval position, pool position) where pool
     positions index ``rows_path``'s rows (None: all) of the pool embeddings, read through each set's path table.
     Eval positions are encoded as ``-1 - position`` so one cache holds both."""
     from curation.core.embstore import open_embeddings

@@ -3,7 +3,7 @@
 Each pool image is compared with its nearest evaluation image; if the cosine exceeds the
 threshold, the image's whole copy component goes, so a kept representative cannot smuggle back
 a picture whose copy matched the test set. ``curate decontaminate`` runs the same rule on the
-sharded kNN (curation.knn.steps: eval index saved once, pool rows searched in array chunks, the
+sharded kNN (curation.decontaminate.nearest: eval index saved once, pool rows searched in array chunks, the
 best candidates rescored exactly); :func:`decontaminate` is the in-memory form.
 """
 
@@ -57,7 +57,7 @@ def decontaminate(pool, eval_embeddings, threshold: float = 0.45,
 def expand_to_components(max_sim: np.ndarray, nearest: np.ndarray, threshold: float,
                          components: np.ndarray | None = None) -> DecontaminationResult:
     """Flag images with ``max_sim`` > threshold and, with ``components``, their whole copy groups.
-    Shared by the in-memory search above and the sharded one (curation.knn.steps)."""
+    Shared by the in-memory search above and the sharded one (curation.decontaminate.nearest)."""
     direct = np.asarray(max_sim) > threshold
     if components is None:
         removed = direct.copy()

@@ -9,12 +9,11 @@ import numpy as np
 
 from curation.config import (DecontaminateConfig, EmbedConfig, KnnConfig,
                              TasksConfig, decontam_threshold, task_plan)
-from curation.embed.embeddings import open_embeddings
-from curation.knn.steps import embed_eval, sharded_nearest_eval
-from curation.core.stepfiles import (DECONTAM, HASH_DUP, KEPT, StepWriter,
-                                     _p, blocks, load_step, positions_where,
-                                     step_dir)
-from curation.dedup.step import knn_dict
+from curation.core.embstore import open_embeddings
+from curation.decontaminate.nearest import embed_eval, sharded_nearest_eval
+from curation.core.stepfiles import StepWriter, blocks, load_step, positions_where, step_dir
+from curation.core.status import DECONTAM, HASH_DUP, KEPT
+from curation.config import knn_dict
 
 
 def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: DecontaminateConfig | None = None,
@@ -28,7 +27,7 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     ``eval_embedded``: read embeddings/eval/ as it is."""
     dc = decontaminate or DecontaminateConfig()
     verify = dc.verify and bool(eval_sources) and pool_sources is not None and not eval_embedded
-    threshold = decontam_threshold(dc, os.path.exists(_p(out_dir, "copy_model.json")), verify)
+    threshold = decontam_threshold(dc, os.path.exists(os.path.join(out_dir, "copy_model.json")), verify)
     e = embed or EmbedConfig()
     # every whole-pool array is a mapped file, read and written a block at a time: what this process holds is a
     # block's temporaries and the copy components of the direct eval matches (few), not O(pool)
@@ -36,9 +35,9 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     prev, component = dd["status"], dd["component"]  # component: only the alive rows are read
     n_removed, w, chunks = 0, 0, None
     if eval_sources or eval_embedded:
-        ev = open_embeddings(_p(out_dir, "embeddings", "eval")) if eval_embedded else \
+        ev = open_embeddings(os.path.join(out_dir, "embeddings", "eval")) if eval_embedded else \
             embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress, trust_code)
-        pool = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+        pool = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
         scratch = step_dir(out_dir, "decontaminate")
         os.makedirs(scratch, exist_ok=True)
         alive_path = os.path.join(scratch, "alive.scratch.npy")  # hash duplicates are gone already
@@ -99,7 +98,7 @@ def _verified(out_dir: str, chunks, alive, alive_path: str, threshold: float, ev
     """The candidates of the chunk stream (positions in ``alive`` with cosine > ``threshold``) scored on pixels
     (curation.decontaminate.verify, W tasks): {"pos", "nearest", "score", "ok"}; 21 B per candidate held."""
     from curation.decontaminate.verify import candidate_scores
-    from curation.knn.steps import _digest
+    from curation.knn.jobs import digest
 
     pos, nearest = [], []
     for s, sim, near in chunks:
@@ -110,7 +109,7 @@ def _verified(out_dir: str, chunks, alive, alive_path: str, threshold: float, ev
     pos = np.concatenate(pos) if pos else np.zeros(0, np.int64)
     nearest = np.concatenate(nearest) if nearest else np.zeros(0, np.int64)
     score = candidate_scores(out_dir, pos, nearest, alive_path, eval_sources, pool_sources, dc,
-                             f"{ev.digest}-{_digest(alive)}", plan)
+                             f"{ev.digest}-{digest(alive)}", plan)
     return {"pos": pos, "nearest": nearest, "score": score, "ok": score > dc.verify_threshold}
 
 

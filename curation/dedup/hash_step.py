@@ -30,7 +30,8 @@ import numpy as np
 
 from dinopipe.utils.io import atomic_path
 
-from curation.dedup.hashdedup import DEFAULT_MAX_DISTANCE, HashDedupResult, group_pairs, merge_pair_parts, near_pairs_task
+from curation.dedup.hashdedup import HashDedupResult, group_pairs, merge_pair_parts, near_pairs_task
+from curation.config import DEFAULT_MAX_DISTANCE
 from curation.core.runner import launch as run_launch
 from curation.core.runner import BLOCK, part_done, part_path, parts, phase, read_part, run_step, save_blocks, write_part
 from curation.core.unionfind import SparseRoots

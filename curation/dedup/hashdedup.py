@@ -24,12 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from curation.config import DEFAULT_MAX_DISTANCE
 from curation.core.unionfind import SparseRoots, UnionFind, id_ranks, in_id_order, is_root
 
-# pHash copies measured on real photos: resized / recompressed copies differ by <= 4 bits,
-# 5%-cropped ones by up to ~20, and distinct photos by >= 18. 4 keeps this pass "near-exact";
-# crops are left to the embedding-based copy dedup.
-DEFAULT_MAX_DISTANCE = 4
 MAX_RUN = 256
 """Distinct hashes of one key above which a bucket is compared in chunks rather than by offsets."""
 BLOCK = 1 << 18  # rows scanned at a time: ~10 MB of temporaries per task whatever N

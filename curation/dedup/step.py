@@ -9,13 +9,12 @@ from typing import Callable
 import numpy as np
 
 from curation.config import (DedupConfig, HashDedupConfig, KnnConfig,
-                             TasksConfig, knn_kwargs, task_plan)
+                             TasksConfig, knn_dict, task_plan)
 from curation.dedup.copies import resolve_threshold
-from curation.embed.embeddings import open_embeddings
-from curation.knn.steps import hash_survivors, sharded_copy_dedup, verifier_factory
-from curation.core.stepfiles import (COPY_DUP, HASH_DUP, KEPT, StepWriter,
-                                     _p, blocks, positions_where,
-                                     step_dir)
+from curation.core.embstore import open_embeddings
+from curation.dedup.knn import hash_survivors, sharded_copy_dedup, verifier_factory
+from curation.core.stepfiles import StepWriter, blocks, positions_where, step_dir
+from curation.core.status import COPY_DUP, HASH_DUP, KEPT
 
 
 def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashDedupConfig | None = None,
@@ -23,7 +22,7 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
                tasks: TasksConfig | None = None, make_verifier: Callable | None = None,
                query_fraction: float = 1.0) -> dict:
     """Hash pre-dedup (unless ``hash_dedup.enabled`` is False), then copy dedup of the hash survivors:
-    kNN candidates on the copy descriptors through the sharded kNN (curation.knn.steps: the saved
+    kNN candidates on the copy descriptors through the sharded kNN (curation.dedup.knn: the saved
     index and the chunks of `curate search` array tasks are reused, whatever is missing is computed
     here), each verified on the pixels of ``sources`` (unless ``dedup.verify`` is False), grouped
     without chaining (``dedup.grouping='star'``). ``dedup.threshold``: the kNN cosine of candidates
@@ -31,7 +30,7 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     the search and the verification (curation.config.TasksConfig; decisions do not depend on it)."""
     dd, hc = dedup or DedupConfig(), hash_dedup or HashDedupConfig()
     threshold = resolve_threshold(dd.threshold, dd.verify)
-    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
     if dd.verify and sources is None and make_verifier is None:
         raise ValueError("copy verification reads the images again: pass the pool's sources "
                          "(or dedup.verify=False to trust the descriptor alone)")
@@ -74,6 +73,3 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
             "tasks": {"hash": hinfo["tasks"], "knn": plan["tasks"], "verify": getattr(d, "verify_tasks", 0)}}
 
 
-def knn_dict(knn: KnnConfig | None) -> dict | None:
-    """The ``knn`` dict of curation.knn.steps (None: its defaults)."""
-    return None if knn is None else knn_kwargs(knn)

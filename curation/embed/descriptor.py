@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -26,6 +26,8 @@ from PIL import Image
 
 from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_path
+
+from curation.config import DescriptorConfig
 
 # ----------------------------------------------------------------------------- thumbnails
 
@@ -59,16 +61,6 @@ class ThumbnailTransform:
 # RGB -> YCbCr (JPEG's): luminance carries the layout, chroma only coarse colour.
 _YCC = np.array([[0.299, 0.587, 0.114], [-0.168736, -0.331264, 0.5], [0.5, -0.418688, -0.081312]],
                 dtype=np.float32)
-
-
-@dataclass
-class DescriptorConfig:
-    size: int = 64  # thumbnail side
-    luma_freqs: int = 10  # keep DCT frequencies u, v < this for luminance (minus the DC term)
-    chroma_freqs: int = 4  # ... and u, v < this for each chroma channel (DC kept: mean colour)
-    freq_power: float = 1.0  # whitening under the natural-image prior (power ~ 1/f^2)
-    pool_whiten: float = 0.0  # >0: extra PCA whitening fitted on the pool (power; 0.5 = half)
-    shrink: float = 10.0  # pool-PCA eigenvalue regulariser, as a multiple of the mean eigenvalue
 
 
 class PCADescriptor:

@@ -19,8 +19,7 @@ from dinopipe.data.sources import ImageRef, MultiSource, as_multi, check_split
 from dinopipe.data.transforms import eval_transform
 
 from curation.embed.descriptor import HASHES
-from curation.core.embstore import (_PART_RE, EmbeddingSet, SourceCodes, _check_tasks_done, _list_parts,  # noqa: F401
-                                    _mark_task_done, build_path_table, l2_normalise_fp16, open_embeddings, save_shard,
+from curation.core.embstore import (mark_task_done, l2_normalise_fp16, save_shard,
                                     shard_stem)
 
 
@@ -160,7 +159,7 @@ def embed_pool_multi(sources, targets: list[EmbedTarget], shard_size: int = 1000
             c["shards_written"] += 1
         if buf.shards:
             raise RuntimeError(f"embedding {t.out_dir} stopped before shards {buf.shards} were complete")
-        _mark_task_done(t.out_dir, task_index, num_tasks, c)
+        mark_task_done(t.out_dir, task_index, num_tasks, c)
     return counts
 
 

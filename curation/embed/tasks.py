@@ -24,14 +24,14 @@ def embed_task(t: int, w: int, sources, out_dir: str, embed, descriptor, dedup, 
     """Task ``t`` of ``w``: this task's share of the pool into embeddings/descriptor (and embeddings/model)."""
     from curation.embed.embedder import build_embedder
     from curation.embed.embeddings import EmbedTarget, embed_pool_multi
-    from curation.core.stepfiles import _p, copy_embedder
+    from curation.embed.copyspace import copy_embedder
 
     fn, tf = copy_embedder(out_dir, sources, descriptor, dedup.model, dedup.image_size, embed.device,
                            embed.precision, dedup.trust_code)
-    targets = [EmbedTarget(fn, _p(out_dir, "embeddings", "descriptor"), tf, "phash")]
+    targets = [EmbedTarget(fn, os.path.join(out_dir, "embeddings", "descriptor"), tf, "phash")]
     if with_model:
         model = build_embedder(embed.model, embed.image_size, embed.device, embed.precision)
-        targets.append(EmbedTarget(model, _p(out_dir, "embeddings", "model"), getattr(model, "transform", None)))
+        targets.append(EmbedTarget(model, os.path.join(out_dir, "embeddings", "model"), getattr(model, "transform", None)))
     # a local task is a daemonic process (curation.core.supervise), which may not start DataLoader workers: the W
     # tasks are the decoding processes (srun tasks and inline ones keep embed.num_workers)
     workers = 0 if mp.current_process().daemon else embed.num_workers

@@ -57,12 +57,14 @@ from numpy.lib.format import open_memmap
 
 from dinopipe.config import InputError
 from curation.core.embstore import open_embeddings
+from curation.core.rows import Gathered
 from curation.knn.index import Rows
-from curation.kmeans.hierarchical import (BLOCK, INITS, KMEANSPP_MAX_K, KMeansResult, Level, _sample_positions,
+from curation.kmeans.hierarchical import (BLOCK, KMEANSPP_MAX_K, KMeansResult, Level, sample_positions,
                                           resample_positions, seed_centroids, work_positions)
-from curation.kmeans.shards import (PIECE_BYTES, CentroidShards, Comm, PartsArray, Span, SubRows, assign_pieces,  # noqa: F401
+from curation.config import INITS
+from curation.kmeans.shards import (PIECE_BYTES, CentroidShards, Comm, PartsArray, Span, SubRows, assign_pieces,
                                     fixed_point_scale, lloyd_sharded, piece_counts, process_group, rank_range)
-from curation.kmeans.sampling import row_keys
+from curation.core.rows import row_keys
 
 KMEANS_KEYS = ("niter", "tol", "init", "init_sample", "n_init", "max_points_per_centroid")
 
@@ -81,9 +83,9 @@ def seed_shards(shards: CentroidShards, rows, work, init: str, init_sample: int,
     if init not in INITS:
         raise ValueError(f"kmeans init={init!r}: choose one of {INITS}")
     k = len(shards)
-    sample = _sample_positions(len(work), k * init_sample, rng)
+    sample = sample_positions(len(work), k * init_sample, rng)
     if init == "random" or (init == "auto" and k > KMEANSPP_MAX_K):
-        pos = _sample_positions(len(sample), min(k, len(sample)), rng)  # as seed_centroids
+        pos = sample_positions(len(sample), min(k, len(sample)), rng)  # as seed_centroids
         shards.fill(lambda a, b: rows.take(work[sample[pos[a:b]]]))
     else:
         shards.scatter(lambda: seed_centroids(rows.take(work[sample]), k, init, rng, device), comm)
@@ -176,24 +178,6 @@ def _shared(path: str, dtype, shape: tuple, comm: Comm):
 DIGEST_CHUNK = 1 << 18  # ids hashed at a time (2 MB of int64 and its copy: a constant, whatever N)
 
 
-class Gathered:
-    """``base[index]`` read a block at a time (for :func:`rows_digest`, :func:`curation.core.unionfind.id_ranks`): the
-    ids of a subset of rows without a whole gathered copy; ``np.asarray`` gathers it whole where one is needed."""
-
-    def __init__(self, base: np.ndarray, index: np.ndarray) -> None:
-        self.base, self.index, self.dtype = base, index, base.dtype
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __getitem__(self, sl: slice) -> np.ndarray:
-        return self.base[self.index[sl]]
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = self.base[self.index]
-        return out if dtype is None else out.astype(dtype)
-
-
 def rows_digest(ids) -> str:
     """Fingerprint of the rows clustered, in order: sha256 of their int64 input ids (little-endian bytes,
     hashed DIGEST_CHUNK ids at a time: ~1 s per 10^8 rows here, no per-id Python); ids that are not integers
@@ -230,7 +214,7 @@ def curate_settings(n: int, ids, levels, n_resampling_steps=10, sample_size=10, 
                     kmeans=None, block: int = BLOCK, **_) -> dict:
     """:func:`settings` of the tree ``curate rebalance`` (mode=hierarchical) builds in-process
     for these rows (curation.rebalance.modes.hierarchical_balanced with the config's rebalance.*)."""
-    from curation.rebalance.modes import capped_levels
+    from curation.kmeans.hierarchical import capped_levels
 
     ks = capped_levels(levels, n)
     return settings(n, ids, ks, [int(sample_size)] * len(ks), n_resampling_steps, "closest", seed,
@@ -356,7 +340,7 @@ def curate_main(argv: list[str]) -> int:
 
     from curation.config import CurationConfig, kmeans_dir, rebalance_kwargs, validate
     from curation.core.stepfiles import rebalance_rows
-    from curation.rebalance.modes import capped_levels
+    from curation.kmeans.hierarchical import capped_levels
 
     p = argparse.ArgumentParser(prog="curate kmeans --curate")
     p.add_argument("--config", default=None)

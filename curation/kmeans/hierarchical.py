@@ -35,10 +35,10 @@ from dinopipe.utils.progress import progress as reporter
 
 from dinopipe.utils.device import pick_device
 
+from curation.config import INITS
 from curation.knn.index import Rows
-from curation.kmeans.sampling import pick, quota, split_target  # noqa: F401  (split_target: used here before)
+from curation.kmeans.sampling import pick, quota
 
-INITS = ("auto", "kmeans++", "random")
 KMEANSPP_MAX_K = 20000
 """init="auto" seeds with k-means++ up to this many clusters, randomly above: k-means++ costs
 k * init_sample * k * D (one pass over the seeding sample per seed), ~6e11 multiply-adds at 20k
@@ -235,13 +235,13 @@ def seed_centroids(x: np.ndarray, k: int, init: str, rng: np.random.Generator,
     if init not in INITS:
         raise ValueError(f"kmeans init={init!r}: choose one of {INITS}")
     if init == "random" or (init == "auto" and k > KMEANSPP_MAX_K):
-        pos = _sample_positions(len(x), min(k, len(x)), rng)
+        pos = sample_positions(len(x), min(k, len(x)), rng)
     else:
         pos = kmeans_plusplus(x, k, rng, device=device)
     return np.ascontiguousarray(x[pos], dtype=np.float32)
 
 
-def _sample_positions(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
+def sample_positions(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
     """``size`` distinct positions of ``range(n)``, uniformly at random, sorted, in O(size) memory.
 
     numpy's ``choice(n, size, replace=False)`` permutes an ``arange(n)`` once size > n / 50 (9.6 GB at
@@ -251,7 +251,7 @@ def _sample_positions(n: int, size: int, rng: np.random.Generator) -> np.ndarray
     if size >= n:
         return np.arange(n)
     if size > n // 2:
-        drop = _sample_positions(n, n - size, rng)
+        drop = sample_positions(n, n - size, rng)
         keep = np.ones(n, bool)
         keep[drop] = False
         return np.flatnonzero(keep)
@@ -293,7 +293,7 @@ def kmeans_fit(data, k: int, niter: int = 50, seed: int = 0, max_points_per_cent
 def work_positions(n: int, k: int, seed: int, max_points_per_centroid: int) -> np.ndarray:
     """The rows Lloyd iterates over: all, or a seeded random sample of k * max_points_per_centroid
     (sorted), chosen the same way by one process and by every rank of the distributed version."""
-    return _sample_positions(n, k * max_points_per_centroid, np.random.default_rng(seed))
+    return sample_positions(n, k * max_points_per_centroid, np.random.default_rng(seed))
 
 
 def fit(n_work: int, blocks: Callable, take: Callable, k: int, niter: int, seed: int,
@@ -310,7 +310,7 @@ def fit(n_work: int, blocks: Callable, take: Callable, k: int, niter: int, seed:
         else:
             def seeds(r=r):
                 rr = np.random.default_rng([seed, r])
-                return seed_centroids(take(_sample_positions(n_work, k * init_sample, rr)), k,
+                return seed_centroids(take(sample_positions(n_work, k * init_sample, rr)), k,
                                       init, rr, device)
             c0 = seeds() if broadcast is None else broadcast(seeds)
         res = lloyd(blocks, c0, niter, tol, device, allreduce)
@@ -456,3 +456,37 @@ def cluster_balance(labels: np.ndarray, k: int, rows: np.ndarray | None = None) 
     return {"n": int(total), "entropy": h,
             "normalised_entropy": h / math.log(k) if k > 1 else 1.0,
             "nonempty_clusters": int((counts > 0).sum()), "largest_share": float(p.max())}
+
+
+PUBLISHED_LEVELS = ((1_200_000_000, (10_000_000, 500_000, 50_000, 10_000)),
+                    (17_000_000_000, (200_000_000, 8_000_000, 800_000, 100_000, 25_000)))
+"""(pool size, clusters per level bottom-up) of the published curations: Vo et al. 2024's web images (4 levels on
+1.2B images, facebookresearch/ssl-data-curation configs/4levels_web_based_images.yaml) and DINOv3's LVD-1689M
+(5 levels on ~17B images). Their bottom clusters hold 120 and 85 images on average."""
+
+
+def auto_levels(n: int) -> list[int]:
+    """``rebalance.levels: auto``: the published recipe whose pool size is nearest to ``n`` (log scale), every
+    level's cluster count scaled by n / its pool size -- each level's clusters hold as many rows on average as in
+    the paper -- and the levels that would hold fewer than 2 clusters dropped (a 10k pool: [83, 4]; 1M: [8333,
+    417, 42, 8]). A pool under ~180 rows gets one level of one cluster (balanced sampling is then uniform)."""
+    n = max(int(n), 1)
+    pool, ks = min(PUBLISHED_LEVELS, key=lambda p: abs(np.log(n / p[0])))
+    out = []
+    for k in ks:
+        scaled = int(round(k * n / pool))
+        if scaled < 2:
+            break
+        out.append(scaled)
+    return out or [1]
+
+
+def capped_levels(levels, n: int) -> list[int]:
+    """Clusters per level, each capped at the level below (the data at level 1); ``"auto"``: :func:`auto_levels`."""
+    if isinstance(levels, str) and levels == "auto":
+        levels = auto_levels(n)
+    ks, prev = [], n
+    for k in levels:
+        prev = max(1, min(int(k), prev))
+        ks.append(prev)
+    return ks

@@ -14,6 +14,8 @@ import os
 
 import numpy as np
 
+from curation.core.rows import row_keys
+
 BINS = 256
 
 
@@ -56,16 +58,6 @@ def quota(sizes: list[np.ndarray], parents: list[np.ndarray], target: int,
             child[kids] = split_target(below[kids], int(alloc[c]), rng)
         alloc = child
     return alloc
-
-
-def row_keys(rows: np.ndarray, seed: int) -> np.ndarray:
-    """splitmix64 of (row, seed): the random order rows are picked in, independent of W."""
-    with np.errstate(over="ignore"):
-        z = np.asarray(rows, np.uint64) + np.uint64(seed * 0x9E3779B97F4A7C15 % (1 << 64))
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
 
 
 def histogram(labels: np.ndarray, keys: np.ndarray, k: int) -> np.ndarray:

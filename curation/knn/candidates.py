@@ -8,7 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
-from curation.knn.index import KnnIndex, Rows, _drop_self
+from curation.knn.index import KnnIndex, Rows, drop_self
 
 BATCH_DEFAULT = 8192
 MARGIN_EXACT = 1e-3  # fp16 codes: faiss's fp32 sums differ from the exact cosine by ~1e-6
@@ -69,7 +69,7 @@ def candidate_pairs(index: KnnIndex, rows: Rows, start: int, stop: int, k: int, 
         else:
             pos = np.asarray(positions[s:s + batch_size], np.int64)
         sims, idx = index.search(rows.take(pos), kk)
-        sims, idx = _drop_self(sims, idx, pos, k)
+        sims, idx = drop_self(sims, idx, pos, k)
         ok = idx >= 0
         cand = ok & (sims > threshold - margin)
         scored = cand.copy()  # rescored exactly: the candidates and the index's NN_RESCORE nearest (for nn_sim)
@@ -109,7 +109,7 @@ def queried(rows: Rows, start: int, stop: int, fraction: float) -> np.ndarray | 
 
 def is_queried(pool_rows: np.ndarray, fraction: float) -> np.ndarray:
     """Whether each row (of the embeddings folder) queries at this query fraction (:func:`queried`)."""
-    from curation.kmeans.sampling import row_keys
+    from curation.core.rows import row_keys
 
     return row_keys(np.asarray(pool_rows, np.int64), QUERY_SALT) < np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
 

@@ -21,6 +21,7 @@ from typing import Iterator
 
 from dinopipe.config import InputError
 from curation.core.faisslib import faiss
+from curation.config import GPU_MAX_K, KINDS
 from curation.knn.exact_coarse import ExactCoarse
 import numpy as np
 
@@ -31,7 +32,7 @@ FLAT_MAX_DEFAULT = 50_000  # exact search up to here (~1 min for 50k x 50k x 384
 
 
 def _is_embedding_set(data) -> bool:
-    """An :class:`curation.embed.embeddings.EmbeddingSet` (by its interface: importing that module pulls in torch
+    """An :class:`curation.core.embstore.EmbeddingSet` (by its interface: importing that module pulls in torch
     and the image decoders, which the array-only steps and their measured memory do without)."""
     return not isinstance(data, np.ndarray) and hasattr(data, "rows") and hasattr(data, "dim")
 
@@ -78,8 +79,6 @@ def num_gpus() -> int:
         return 0
 
 
-GPU_MAX_K = 2048  # faiss-gpu's top-k selection (and nprobe) stop at 2048 (GPU_MAX_SELECTION_K)
-KINDS = ("auto", "flat", "ivf", "ivf_sq8", "ivf_pq")
 """flat: exact. ivf: inverted file, fp16 codes (2 B/dim: no loss, the embeddings are fp16).
 ivf_sq8: 1 B/dim (half the memory). ivf_pq: ``pq_m`` bytes per vector (e.g. 64 B for 1024-d: 32x
 smaller) when even SQ8 does not fit; candidate pairs are then rescored exactly from the stored
@@ -377,11 +376,11 @@ def iter_knn(index: KnnIndex, queries, k: int, batch_size: int = 8192,
         sims, idx = index.search(x, kk)
         pos = np.arange(start, start + len(x))
         if exclude_self:
-            sims, idx = _drop_self(sims, idx, pos, k)
+            sims, idx = drop_self(sims, idx, pos, k)
         yield pos, sims, idx
 
 
-def _drop_self(sims, idx, pos, k):
+def drop_self(sims, idx, pos, k):
     """Remove each query's own position; keep the first k others (rows with no self: drop last)."""
     is_self = idx == pos[:, None]
     # Rows without a self hit (possible with IVF, or ties among exact duplicates) drop their

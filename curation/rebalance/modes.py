@@ -22,11 +22,11 @@ import numpy as np
 
 from dinopipe.config import InputError
 
+from curation.config import MODES
 from curation.knn.index import Rows, build_index, iter_knn
-from curation.kmeans.hierarchical import assign, assign_counts, balanced_sample, cluster_balance, hierarchical_kmeans, kmeans
+from curation.kmeans.hierarchical import (assign, assign_counts, balanced_sample, capped_levels, cluster_balance,
+                                          hierarchical_kmeans, kmeans)
 from curation.core.runner import BLOCK
-
-MODES = ("none", "sample", "cluster", "hierarchical")
 
 
 @dataclass
@@ -59,7 +59,7 @@ def rebalance(mode: str, pool, seeds=None, *, k: int = 4, n_clusters: int = 1000
     n_init; see :func:`curation.kmeans.hierarchical.kmeans_fit`). ``tree``: the hierarchical mode's k-means
     tree computed elsewhere (:func:`curation.kmeans.dist.load_tree`) for exactly these rows.
     ``candidates``: mode 'sample''s (seed, pool position, exact sim) arrays found elsewhere (the
-    sharded kNN: curation.knn.steps.sharded_retrieval) instead of searching here. ``picker``: the
+    sharded kNN: curation.rebalance.retrieval.sharded_retrieval) instead of searching here. ``picker``: the
     hierarchical mode's random pick within clusters made elsewhere (curation.kmeans.hierarchical.balanced_sample), also the
     cluster mode's. ``cluster_level``: the cluster mode's k-means (a :class:`curation.kmeans.hierarchical.Level`: centroids,
     labels, sizes) made elsewhere (curation.rebalance.tasks.flat_kmeans: W tasks); ``balance_labels``:
@@ -107,11 +107,11 @@ NONE = {"selected": np.bool_(True), "cluster": np.int64(-1), "nearest_seed": np.
 
 def _none(n: int, scratch: str | None = None) -> RebalanceResult:
     """Everything selected, no cluster, no seed: the per-row "none" columns are read-only broadcast views
-    (no memory per row; a mode that fills one makes it an array first: :func:`_filled`)."""
+    (no memory per row; a mode that fills one makes it an array first: :func:`make_writable`)."""
     return RebalanceResult(*(np.broadcast_to(v, (n,)) for v in NONE.values()), scratch=scratch)
 
 
-def _filled(res: RebalanceResult, *names: str) -> None:
+def make_writable(res: RebalanceResult, *names: str) -> None:
     """Make ``res``'s columns ``names`` writable (filled with their "none" value): memory-mapped files in
     ``res.scratch`` when it is set, else arrays."""
     for name in names:
@@ -165,7 +165,7 @@ def sample_from_candidates(n: int, seed: np.ndarray, pos: np.ndarray, sim: np.nd
     set, not on its order, so 1 and N search tasks select the same."""
     res = _none(n, scratch)
     _column(res, "selected", False)
-    _filled(res, "nearest_seed", "seed_sim")
+    make_writable(res, "nearest_seed", "seed_sim")
     if len(pos):
         o = np.lexsort((seed, -sim, pos))  # per position: highest sim first, then smallest seed
         p_o = pos[o]
@@ -248,40 +248,6 @@ def hierarchical_balanced(pool, levels: Sequence[int] | str = (1000, 100),
     return res
 
 
-PUBLISHED_LEVELS = ((1_200_000_000, (10_000_000, 500_000, 50_000, 10_000)),
-                    (17_000_000_000, (200_000_000, 8_000_000, 800_000, 100_000, 25_000)))
-"""(pool size, clusters per level bottom-up) of the published curations: Vo et al. 2024's web images (4 levels on
-1.2B images, facebookresearch/ssl-data-curation configs/4levels_web_based_images.yaml) and DINOv3's LVD-1689M
-(5 levels on ~17B images). Their bottom clusters hold 120 and 85 images on average."""
-
-
-def auto_levels(n: int) -> list[int]:
-    """``rebalance.levels: auto``: the published recipe whose pool size is nearest to ``n`` (log scale), every
-    level's cluster count scaled by n / its pool size -- each level's clusters hold as many rows on average as in
-    the paper -- and the levels that would hold fewer than 2 clusters dropped (a 10k pool: [83, 4]; 1M: [8333,
-    417, 42, 8]). A pool under ~180 rows gets one level of one cluster (balanced sampling is then uniform)."""
-    n = max(int(n), 1)
-    pool, ks = min(PUBLISHED_LEVELS, key=lambda p: abs(np.log(n / p[0])))
-    out = []
-    for k in ks:
-        scaled = int(round(k * n / pool))
-        if scaled < 2:
-            break
-        out.append(scaled)
-    return out or [1]
-
-
-def capped_levels(levels, n: int) -> list[int]:
-    """Clusters per level, each capped at the level below (the data at level 1); ``"auto"``: :func:`auto_levels`."""
-    if isinstance(levels, str) and levels == "auto":
-        levels = auto_levels(n)
-    ks, prev = [], n
-    for k in levels:
-        prev = max(1, min(int(k), prev))
-        ks.append(prev)
-    return ks
-
-
 def _top_labels(tree, block: int | None = None) -> np.ndarray:
     """Top-level cluster of every point, following labels up the tree a block of points at a time; in the
     smallest integer type that holds the top level's clusters (the one array per row the report keeps: 2 bytes
@@ -304,7 +270,7 @@ def _attach_nearest_seed(rows: Rows, seeds, res: RebalanceResult, batch_size: in
     sel = np.flatnonzero(res.selected)
     if not len(sel):
         return
-    _filled(res, "nearest_seed", "seed_sim")
+    make_writable(res, "nearest_seed", "seed_sim")
     index = build_index(seeds, kind="flat")
     for pos, sims, idx in iter_knn(index, Rows(rows, sel), 1, batch_size):
         res.nearest_seed[sel[pos]] = idx[:, 0]

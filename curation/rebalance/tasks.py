@@ -19,7 +19,8 @@ import shutil
 
 import numpy as np
 
-from curation.kmeans.dist import Gathered, settings
+from curation.kmeans.dist import settings
+from curation.core.rows import Gathered
 from curation.core.embstore import open_embeddings
 from curation.knn.index import Rows, build_index, iter_knn
 from curation.core.runner import BLOCK, launch, part_blocks, part_path, parts, run_step, save_blocks, task_blocks, write_part
@@ -71,7 +72,7 @@ def sharded_nearest_seed(res, folder: str, space_dir: str, rows_path: str, seed_
                          launcher: str = "inline", block: int | None = None, batch_size: int = 8192) -> None:
     """Fill ``res``'s (a curation.rebalance.modes.RebalanceResult) ``nearest_seed`` / ``seed_sim`` for its selected rows,
     searched by ``tasks`` tasks of the runner; the parts are read back a block at a time."""
-    from curation.rebalance.modes import _filled
+    from curation.rebalance.modes import make_writable
 
     block = block or BLOCK
     shutil.rmtree(folder, ignore_errors=True)
@@ -81,7 +82,7 @@ def sharded_nearest_seed(res, folder: str, space_dir: str, rows_path: str, seed_
     w = int(tasks)
     run_step(nearest_seed_task, w, **launch(launcher, w), space_dir=space_dir, rows_path=rows_path,
              selected_path=selected_path, seed_dir=seed_dir, folder=folder, block=block, batch_size=batch_size)
-    _filled(res, "nearest_seed", "seed_sim")
+    make_writable(res, "nearest_seed", "seed_sim")
     for p in parts(folder, "nearest", w):
         for got in part_blocks(p, block):  # a block of a task's part at a time
             res.nearest_seed[got["pos"]] = got["near"]

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from curation.core.stepfiles import KEPT, NOT_SELECTED, load_step
+from curation.core.stepfiles import load_step
+from curation.core.status import KEPT, NOT_SELECTED
 from curation.core.runner import BLOCK, launch, run_step, task_blocks
 
 HIST_BINS = 61  # edges of the similarity histograms (60 bins from min(-0.2, smallest value) to 1)

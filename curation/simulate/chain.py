@@ -25,7 +25,7 @@ import tarfile
 
 import numpy as np
 
-from curation.core.embstore import _mark_task_done, open_embeddings, save_shard
+from curation.core.embstore import mark_task_done, open_embeddings, save_shard
 from curation.core.runner import BLOCK, part_done, part_path, parts, read_part, task_blocks, write_part
 from curation.simulate import generate as gen
 
@@ -102,7 +102,7 @@ def pool_task(t: int, w: int, work: str, n: int, dim: int, n_clusters: int, seed
             continue
         x, h, (s, d), (a, c), _ = gen.gen_block(lo, hi, cent, weights, dim, seed, copy_rate, hash_rate, max_distance)
         save_shard(_desc(work), f"part-{b:05d}-00000", x, _meta(lo, hi, h, write_pool_shard(work, b, lo, hi), b))
-        _mark_task_done(_desc(work), b, nblocks, {"images": hi - lo})
+        mark_task_done(_desc(work), b, nblocks, {"images": hi - lo})
         write_part(truth, copy_src=gen.cat([s]), copy_dst=gen.cat([d]), hash_src=gen.cat([a]), hash_dst=gen.cat([c]))
         done += 1
     return {"blocks_written": done}
@@ -128,7 +128,7 @@ def write_eval(work: str, n: int, dim: int, n_clusters: int, n_eval: int, overla
     meta["ids"] = [f"eval/{i:08d}.jpg" for i in range(len(ev))]
     meta["sources"], meta["locs"] = ["eval"] * len(ev), [f"/simulated/eval/{i}" for i in range(len(ev))]
     save_shard(ev_dir, "part-00000-00000", ev, meta)
-    _mark_task_done(ev_dir, 0, 1, {"images": len(ev)})
+    mark_task_done(ev_dir, 0, 1, {"images": len(ev)})
 
 
 def seeds_dir(work: str) -> str:
@@ -157,7 +157,7 @@ def write_seeds(work: str, m: int, dim: int, n_clusters: int, seed: int) -> None
     meta["ids"], meta["sources"] = [f"seeds/{name}" for name in names], ["seeds"] * m
     meta["locs"] = [os.path.abspath(os.path.join(seeds_dir(work), name)) for name in names]
     save_shard(sd, "part-00000-00000", x, meta)
-    _mark_task_done(sd, 0, 1, {"images": m})
+    mark_task_done(sd, 0, 1, {"images": m})
 
 
 def truth(work: str, n: int, block: int = 0) -> dict:
@@ -189,7 +189,7 @@ def planted_factory(work: str, n: int, block: int):
     """``factory(out_dir, sources, surv, size, threshold)`` of curation.pipeline's verifier slot: the planted
     truth instead of pixels (the survivors saved as the pixel verifier's are)."""
     def make(out_dir, sources, surv, size, threshold):
-        from curation.knn.steps import save_verify_rows
+        from curation.dedup.knn import save_verify_rows
 
         return functools.partial(planted_verifier_of, work, save_verify_rows(out_dir, surv), n, block)
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from dinopipe.config import ConfigError, exit_on_config_error
 
-from curation.core import runner
+from curation.core import runner, srun
 from curation.simulate import chain
 
 
@@ -166,7 +166,7 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
     how = runner.launch(cfg.tasks.launcher, w) if cfg.tasks.launcher == "srun" else {
         "launcher": "local", "processes": processes}
     with runner.recording() as rec, runner.PeakMemory() as mem, _traced_step(rec) as traced, \
-            runner.spool(os.path.join(work, "steps", "srun")):
+            srun.spool(os.path.join(work, "steps", "srun")):
         runner.run_step(chain.pool_task, w, **how, work=work, n=n, dim=dim, n_clusters=n_clusters, seed=seed,
                         copy_rate=copy_rate, hash_rate=hash_rate, max_distance=cfg.hash_dedup.max_distance,
                         block=block)
@@ -196,7 +196,8 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
 def _score(work: str, n: int, block: int, query_fraction: float = 1.0) -> dict:
     """Recall of the planted answer, counts (the manifest's, read from the decisions parts) and a digest of
     decisions.tsv (to compare W=1 with W=4)."""
-    from curation.core.stepfiles import DECONTAM, HASH_DUP, load_step
+    from curation.core.stepfiles import load_step
+    from curation.core.status import DECONTAM, HASH_DUP
 
     tr = chain.truth(work, n, block)
     hg = np.load(os.path.join(work, "steps", "hash", "group.npy"), mmap_mode="r")

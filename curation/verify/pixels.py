@@ -58,7 +58,7 @@ def _blur_matrix(n: int, sigma: float) -> torch.Tensor:
     return g.float()
 
 
-def _blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
+def gaussian_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
     """Separable Gaussian blur of (..., H, W), reflect-padded."""
     gh = _blur_matrix(x.shape[-2], sigma).to(x.device)
     gw = _blur_matrix(x.shape[-1], sigma).to(x.device)
@@ -173,9 +173,9 @@ class PixelVerifier:
                 pad = None  # (almost) nothing but one colour: a blank image, compared by colour
             else:
                 v = torch.from_numpy(valid)[None, None]
-                fill = _blur(luma * v, FILL_SIGMA) / _blur(v, FILL_SIGMA).clamp_min(1e-6)
+                fill = gaussian_blur(luma * v, FILL_SIGMA) / gaussian_blur(v, FILL_SIGMA).clamp_min(1e-6)
                 luma = torch.where(v > 0, luma, fill)
-        b0, b1, b2 = (_blur(luma, sg) for sg in (self.sigmas[0], self.sigmas[1], 3 * self.sigmas[1]))
+        b0, b1, b2 = (gaussian_blur(luma, sg) for sg in (self.sigmas[0], self.sigmas[1], 3 * self.sigmas[1]))
         fine, coarse = (b0 - b1)[0, 0], (b1 - b2)[0, 0]
         if pad is not None:
             keep = torch.from_numpy(~pad).float()

@@ -29,7 +29,7 @@ from dinopipe.data.pool_index import INDEX_NAME, member_locations, tar_index, wr
 from dinopipe.data.sources import MultiSource, extension_of
 from dinopipe.utils.io import atomic_path, atomic_write_json
 
-from curation.core.status import STATUSES  # noqa: F401  (every input image ends in exactly one of these: curation/core/status.py)
+from curation.core.status import STATUSES
 
 
 def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dict], out_dir: str,
@@ -248,15 +248,3 @@ def check_manifest(manifest: dict) -> None:
         raise AssertionError("unreadable reasons do not add up to the unreadable count")
 
 
-def write_json_atomic(path: str, obj) -> None:
-    atomic_write_json(path, obj, default=_json_default)
-
-
-def _json_default(o):
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

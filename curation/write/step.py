@@ -8,13 +8,13 @@ import os
 import numpy as np
 
 from curation.config import TasksConfig, WriteConfig, task_plan
-from curation.core.stepfiles import _p
 from curation.core.decisions import finish_decisions, selection_digest
 from curation.core.runner import BLOCK, launch
 from curation.core.runner import run_step as run_tasks
-from curation.write.tasks import (_decisions_part_task, _write_inputs, _write_shards_task,
+from curation.write.tasks import (_decisions_part_task, write_inputs, _write_shards_task,
                                   write_selection)
-from curation.write.shards import finish_shard_tasks, manifest_from_counts, write_json_atomic
+from curation.write.shards import finish_shard_tasks, manifest_from_counts
+from curation.core.stepfiles import write_json_atomic
 
 
 def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: dict | None = None,
@@ -34,10 +34,10 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
     if (write or WriteConfig()).shards:
         run_tasks(_write_shards_task, w, **how, out_dir=out_dir,
                   sources=sources, shard_size=shard_size, progress=progress, selection=sel)
-        shards = finish_shard_tasks(out_dir, _p(out_dir, "shards"), sel.n_kept, shard_size, sel.digest)
+        shards = finish_shard_tasks(out_dir, os.path.join(out_dir, "shards"), sel.n_kept, shard_size, sel.digest)
     else:  # decisions only (write.shards=false)
         shards = {"shards": [], "failed": []}
-    emb, rb, dd = _write_inputs(out_dir)
+    emb, rb, dd = write_inputs(out_dir)
     failed = np.sort(emb.ids[emb.positions_of([f[0] for f in shards["failed"]])]) if shards["failed"] else \
         np.zeros(0, np.int64)  # vanished between embedding and writing: few, by nature
     digest = selection_digest(emb, rb["status"], dd["component"], failed, BLOCK)  # streamed: a block at a time
@@ -48,5 +48,5 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
     manifest = manifest_from_counts(per_source, reasons, {
         "shards": [os.path.relpath(s, out_dir) for s in shards["shards"]], "decisions_parts": w,
         "tasks": {"write": w}, **(extra or {})})
-    write_json_atomic(_p(out_dir, "manifest.json"), manifest)
+    write_json_atomic(os.path.join(out_dir, "manifest.json"), manifest)
     return manifest

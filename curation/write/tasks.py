@@ -20,7 +20,8 @@ from dinopipe.data.sources import as_multi
 
 from curation.core.decisions import decisions_task
 from curation.core.embstore import open_embeddings
-from curation.core.stepfiles import KEPT, _p, load_step, step_path
+from curation.core.stepfiles import load_step, step_path
+from curation.core.status import KEPT
 from curation.write.shards import write_shard_task
 from curation.core.runner import BLOCK
 
@@ -34,16 +35,16 @@ def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, p
 def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, digest: str) -> dict:
     """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv (maps the two
     step arrays it needs and reads only its inputs' rows of them)."""
-    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
     status = load_step(out_dir, "rebalance", keys=("status",), mmap=True)["status"]
     component = load_step(out_dir, "dedup", keys=("component",), mmap=True)["component"]
     out = decisions_task(out_dir, emb, status, component, failed, t, w, digest)
     return {"inputs": out["inputs"]}
 
 
-def _write_inputs(out_dir: str):
+def write_inputs(out_dir: str):
     """(embeddings, the rebalance step's arrays, the dedup step's component and nn_sim), memory-mapped."""
-    emb = open_embeddings(_p(out_dir, "embeddings", "descriptor"))
+    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
     rb = load_step(out_dir, "rebalance", mmap=True)
     dd = load_step(out_dir, "dedup", keys=("component", "nn_sim"), mmap=True)
     if rb["nearest_seed"].dtype.kind not in "iu":  # strings: a folder written before the seeds became row numbers
@@ -80,7 +81,7 @@ def write_selection(out_dir: str, shard_size: int, block: int | None = None) -> 
     """The write step's :class:`Selection`, streamed over the mapped status array ``block`` rows at a time
     (memory: one block; the digest is the one a whole-array hash of the kept ids gives)."""
     block = block or BLOCK
-    emb, rb, _ = _write_inputs(out_dir)
+    emb, rb, _ = write_inputs(out_dir)
     status, seed = rb["status"], rb["nearest_seed"]
     h = hashlib.sha1(emb.digest.encode())
     counts = np.zeros(-(-len(status) // block), np.int64)
@@ -100,10 +101,10 @@ def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_
     each image read through the path table (no listing of the pool, no per-image dict). ``selection``: the
     orchestrator's (:func:`write_selection`); None: computed here (a streamed pass over the status array)."""
     src = as_multi(sources)
-    emb, rb, dd = _write_inputs(out_dir)
+    emb, rb, dd = write_inputs(out_dir)
     sel = selection if selection is not None else write_selection(out_dir, shard_size)
     status, component = rb["status"], dd["component"]
-    seed_dir = _p(out_dir, "embeddings", "seeds")
+    seed_dir = os.path.join(out_dir, "embeddings", "seeds")
     seeds = open_embeddings(seed_dir) if os.path.isdir(seed_dir) and sel.has_seeds else None
 
     def seed_name(k: int) -> str | None:
@@ -120,7 +121,7 @@ def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_
                     "seed_similarity": _num(seed_sim[k]), "nn_similarity": _num(nn_sim[k])}
             yield f"{start + k:09d}", name, (lambda i=i: _read_row(src, emb, i)), meta
 
-    return write_shard_task(out_dir, _p(out_dir, "shards"), sel.n_kept, shard_size, items_of, sel.digest, task_index,
+    return write_shard_task(out_dir, os.path.join(out_dir, "shards"), sel.n_kept, shard_size, items_of, sel.digest, task_index,
                             num_tasks, progress)
 
 

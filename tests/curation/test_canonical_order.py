@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from curation.cli import main
-from curation.embed.embeddings import open_embeddings
+from curation.core.embstore import open_embeddings
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")

@@ -10,7 +10,7 @@ import pytest
 from tests._photos import bad_file_kinds, write_pool
 
 from curation.cli import main
-from curation.write.shards import STATUSES
+from curation.core.status import STATUSES
 from tests.curation.conftest import fake_sbatch
 
 ROOT = Path(__file__).resolve().parents[2]

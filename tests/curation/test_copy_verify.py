@@ -168,7 +168,7 @@ class _TinyCopyNet(torch.nn.Module):
 @pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # SSCD ships TorchScript only
 def test_torchscript_copy_model_replaces_the_descriptor(pool_dir, tmp_path):
     from curation.config import DedupConfig, EmbedConfig
-    from curation.embed.embeddings import open_embeddings
+    from curation.core.embstore import open_embeddings
     from curation.decontaminate.step import step_decontaminate
     from curation.dedup.step import step_dedup
     from curation.embed.step import step_embed

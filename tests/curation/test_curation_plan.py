@@ -333,7 +333,7 @@ def test_an_installed_copy_plans_with_the_measured_rates(tmp_path):
 
 def test_plan_levels_auto_plans_the_levels_a_run_would_use(capsys):
     """`--levels auto`: the levels rebalance.levels: auto gives this pool, and the same table as those levels given."""
-    from curation.rebalance.modes import auto_levels
+    from curation.kmeans.hierarchical import auto_levels
 
     ks = auto_levels(142_000_000)
     assert main(["plan", "--pool", "142M", "--levels", "auto"]) == 0

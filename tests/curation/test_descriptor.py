@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from curation.embed.descriptor import DescriptorConfig, PCADescriptor, dhash, phash
+from curation.embed.descriptor import PCADescriptor, dhash, phash
+from curation.config import DescriptorConfig
 from curation.dedup.hashdedup import hamming
 
 

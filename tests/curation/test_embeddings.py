@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from tests._photos import bad_file_kinds
 
-from curation.embed.descriptor import DescriptorConfig, PCADescriptor
-from curation.embed.embeddings import embed_pool, open_embeddings
+from curation.embed.descriptor import PCADescriptor
+from curation.config import DescriptorConfig
+from curation.embed.embeddings import embed_pool
+from curation.core.embstore import open_embeddings
 
 
 class Counting:

@@ -12,7 +12,7 @@ import pytest
 
 from curation.cli import main
 from curation.config import DedupConfig
-from curation.embed.embeddings import open_embeddings
+from curation.core.embstore import open_embeddings
 from curation.dedup.hash_step import hash_dir, hash_step
 from curation.core.stepfiles import load_step
 from curation.core.runner import write_part
@@ -103,7 +103,7 @@ def test_hash_dedup_off_holds_nothing_per_row_and_the_knn_finds_the_copies(embed
     """hash_dedup.enabled=false: every row its own group and kept -- read a block at a time from a broadcast view
     and per-block positions (no int64 or bool per row in the orchestrator) -- and the copies the hash step would
     have taken go to the kNN dedup instead."""
-    from curation.core.stepfiles import COPY_DUP, HASH_DUP
+    from curation.core.status import COPY_DUP, HASH_DUP
 
     pool, base = embedded
     off = tmp_path / "off"

@@ -59,7 +59,7 @@ def test_no_import_cycle_in_curation():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("mod", ["curation.pipeline", "curation.knn.steps", "curation.kmeans.dist",
+@pytest.mark.parametrize("mod", ["curation.pipeline", "curation.index.step", "curation.dedup.knn", "curation.kmeans.dist",
                                  "curation.report.plots", "curation.core.stepfiles"])
 def test_module_imports_alone(mod):
     """Each in a fresh interpreter, nothing imported before it."""

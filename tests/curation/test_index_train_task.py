@@ -11,7 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from curation.core.embstore import _mark_task_done, save_shard, shard_stem
+from curation.core.embstore import mark_task_done, save_shard, shard_stem
 from curation.knn.index import Rows
 from curation.knn.shards import KnnJob, RowSource
 from curation.core import runner
@@ -32,7 +32,7 @@ def emb_dir(tmp_path_factory):
         ids = [f"img{j:07d}" for j in range(s, min(s + 3000, N))]
         save_shard(path, shard_stem(0, i), x[s:s + 3000], {"ids": ids, "sources": ["synthetic"] * len(ids),
                                                             "hashes": ["0"] * len(ids), "unreadable": []})
-    _mark_task_done(path, 0, 1, {"n": N})
+    mark_task_done(path, 0, 1, {"n": N})
     return path
 
 

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from curation.embed.embeddings import _mark_task_done, save_shard, shard_stem
+from curation.core.embstore import mark_task_done, save_shard, shard_stem
 from curation.kmeans.hierarchical import BLOCK, hierarchical_kmeans, kmeans_fit, lloyd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,7 +77,7 @@ def _write_embeddings(path, x, shard=1000):
         save_shard(path, shard_stem(0, i), x[s:s + shard],
                    {"ids": ids, "sources": ["synthetic"] * len(ids),
                     "hashes": ["0"] * len(ids), "unreadable": []})
-    _mark_task_done(path, 0, 1, {"n": len(x)})
+    mark_task_done(path, 0, 1, {"n": len(x)})
 
 
 def _launch(nproc, emb, out, port, *extra, levels=("40", "8"), sample_sizes=("4", "4"), steps="2"):
@@ -211,7 +211,7 @@ def test_curate_run_tree_reused_on_rerun_and_redone_when_unfinished(tmp_path, da
     """`curate run`'s tree (curation.kmeans.tree.fit_tree): a rerun with the same rows and settings reuses
     the finished tree; one killed before kmeans.json was written, or made for other settings, is redone."""
     from curation.kmeans.dist import curate_settings
-    from curation.embed.embeddings import open_embeddings
+    from curation.core.embstore import open_embeddings
     from curation.kmeans.tree import fit_tree
 
     x, _ = data
@@ -242,18 +242,18 @@ def test_seeding_positions_need_memory_of_the_sample_not_of_the_pool():
     than numpy's choice can draw without an arange of all rows (9.6 GB). The draw is O(sample)."""
     import tracemalloc
 
-    from curation.kmeans.hierarchical import _sample_positions
+    from curation.kmeans.hierarchical import sample_positions
 
     rng = np.random.default_rng(0)
     for n, size in ((10, 3), (100, 60), (1000, 999), (50_000, 2_000), (7, 0), (5, 5)):
-        p = _sample_positions(n, size, rng)
+        p = sample_positions(n, size, rng)
         assert len(p) == size and (np.diff(p) > 0).all() and (size == 0 or (p[0] >= 0 and p[-1] < n))
     counts = np.zeros(20)
     for _ in range(4000):  # every position equally likely (each drawn 1000 times on average)
-        counts[_sample_positions(20, 5, rng)] += 1
+        counts[sample_positions(20, 5, rng)] += 1
     assert counts.min() > 850 and counts.max() < 1150, counts
     tracemalloc.start()
-    p = _sample_positions(10**9, 200_000, rng)  # 1/5000 of the rows: an arange would be 8 GB
+    p = sample_positions(10**9, 200_000, rng)  # 1/5000 of the rows: an arange would be 8 GB
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert len(np.unique(p)) == 200_000 and peak < 40 * 2**20, peak

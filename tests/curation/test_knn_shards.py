@@ -16,7 +16,8 @@ import pytest
 from tests.curation.test_index_dedup import clustered
 
 from curation.cli import main
-from curation.knn.index import GPU_MAX_K, KnnIndex, Rows, iter_knn, set_nprobe, sharded_flat
+from curation.knn.index import KnnIndex, Rows, iter_knn, set_nprobe, sharded_flat
+from curation.config import GPU_MAX_K
 from curation.knn.candidates import exact_cosine
 from curation.knn.shards import KnnJob, chunk_path, merge_pairs
 
@@ -286,7 +287,7 @@ def test_the_survivors_positions_of_an_array_task_are_mapped_not_held(tmp_path):
     survivors, constant in the rows; np.flatnonzero held 8)."""
     import tracemalloc
 
-    from curation.knn.steps import mapped_positions
+    from curation.knn.jobs import mapped_positions
 
     keep = np.random.default_rng(0).random(2_000_000) > 0.1
     tracemalloc.start()

@@ -17,7 +17,8 @@ from tests._photos import bad_file_kinds
 
 from curation.core import pathtable
 from curation.embed.descriptor import PCADescriptor
-from curation.embed.embeddings import embed_pool, open_embeddings
+from curation.embed.embeddings import embed_pool
+from curation.core.embstore import open_embeddings
 from curation.core import table as tt
 from dinopipe.config import InputError
 

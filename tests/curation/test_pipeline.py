@@ -17,7 +17,8 @@ from curation.config import CurationConfig
 from curation.core.status import KEPT
 from curation.core.stepfiles import load_step
 from curation.pipeline import run_curation, run_steps
-from curation.write.shards import STATUSES, build_manifest
+from curation.write.shards import build_manifest
+from curation.core.status import STATUSES
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from curation.kmeans.hierarchical import balanced_sample, cluster_balance, hierarchical_kmeans, split_target
+from curation.kmeans.hierarchical import balanced_sample, cluster_balance, hierarchical_kmeans
+from curation.kmeans.sampling import split_target
 from curation.rebalance.modes import rebalance
 
 

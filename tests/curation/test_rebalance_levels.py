@@ -9,7 +9,8 @@ import pytest
 
 from curation.cli import main
 from curation.config import CurationConfig, rebalance_kwargs, validate
-from curation.rebalance.modes import PUBLISHED_LEVELS, auto_levels, rebalance
+from curation.rebalance.modes import rebalance
+from curation.kmeans.hierarchical import PUBLISHED_LEVELS, auto_levels
 from dinopipe.config import ConfigError, load_config
 
 DEFAULT = "configs/curation/default.yaml"

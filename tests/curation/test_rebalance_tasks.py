@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from curation.cli import main
-from curation.core.stepfiles import KEPT, load_step
+from curation.core.stepfiles import load_step
+from curation.core.status import KEPT
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")

@@ -13,7 +13,8 @@ from curation.pipeline import _params, run_curation
 from curation.report.plots import cluster_counts, duplicate_groups
 from curation.report.step import make_report
 from curation.report.tasks import of_arrays, report_stats
-from curation.core.stepfiles import COPY_DUP, DECONTAM, KEPT, NOT_SELECTED, _save_step
+from curation.core.stepfiles import _save_step
+from curation.core.status import COPY_DUP, DECONTAM, KEPT, NOT_SELECTED
 from curation.core.runner import recording
 from tests.curation.test_pipeline import _config
 

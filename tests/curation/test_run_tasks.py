@@ -108,8 +108,9 @@ def test_run_one_and_three_tasks_identical(big_pool, tmp_path, monkeypatch, caps
 
 def test_ondisk_index_equals_one_process_build(big_pool, tmp_path):
     """W = 3 add tasks + on-disk merge search exactly like the index one process filled."""
-    from curation.embed.embeddings import embed_pool, open_embeddings
-    from curation.core.stepfiles import get_descriptor
+    from curation.embed.embeddings import embed_pool
+    from curation.core.embstore import open_embeddings
+    from curation.embed.copyspace import get_descriptor
 
     desc = get_descriptor(str(tmp_path / "d"))
     emb_dir = str(tmp_path / "emb")
@@ -184,8 +185,9 @@ def test_tasks_config_validated_and_auto():
 def test_eval_and_retrieval_searches_in_local_processes(big_pool, tmp_path):
     """The nearest-eval and retrieval searches as W = 2 local processes (rows reopened from RowSources) give
     the chunks one inline task gives."""
-    from curation.embed.embeddings import embed_pool, open_embeddings
-    from curation.core.stepfiles import get_descriptor
+    from curation.embed.embeddings import embed_pool
+    from curation.core.embstore import open_embeddings
+    from curation.embed.copyspace import get_descriptor
 
     desc = get_descriptor(str(tmp_path / "d"))
     emb_dir = str(tmp_path / "emb")
@@ -217,7 +219,7 @@ MEASURE_TREE = r"""
 import json, sys
 import numpy as np
 from curation.kmeans.dist import curate_settings
-from curation.embed.embeddings import open_embeddings
+from curation.core.embstore import open_embeddings
 from curation.kmeans.tree import fit_tree
 emb_dir, out, w = sys.argv[1], sys.argv[2], int(sys.argv[3])
 emb = open_embeddings(emb_dir)
@@ -232,7 +234,7 @@ print(json.dumps([{"heap": r["peak_anon"] - r["start_anon"], "hwm": r["peak_rss"
 
 def _patch_embeddings(path, photos, n):
     """fp16 rows of real photos: L2-normalised 4x4 RGB patches (48-d) at every pixel offset, n of them."""
-    from curation.embed.embeddings import _mark_task_done, save_shard, shard_stem
+    from curation.core.embstore import mark_task_done, save_shard, shard_stem
 
     rows = []
     for name in sorted(photos):
@@ -248,7 +250,7 @@ def _patch_embeddings(path, photos, n):
         ids = [f"p{j:08d}" for j in range(s, min(s + 8192, n))]
         save_shard(path, shard_stem(0, i), x[s:s + 8192], {"ids": ids, "sources": ["photos"] * len(ids),
                                                            "hashes": ["0"] * len(ids), "unreadable": []})
-    _mark_task_done(path, 0, 1, {"n": n})
+    mark_task_done(path, 0, 1, {"n": n})
 
 
 @pytest.mark.slow

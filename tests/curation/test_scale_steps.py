@@ -143,7 +143,8 @@ def test_decontamination_removes_the_kept_rows_of_every_component_with_a_direct_
     the step's reference: the same rows go, one reason per image (a copy duplicate stays one), as W = 2 tasks;
     and the step leaves no scratch file behind."""
     from curation.decontaminate.remove import expand_to_components
-    from curation.core.stepfiles import DECONTAM, KEPT, load_step
+    from curation.core.stepfiles import load_step
+    from curation.core.status import DECONTAM, KEPT
 
     work = tmp_path / "w"
     res = simulate(str(work), 6000, 32, tasks=2, **{**SMALL, "n_eval": 400, "overlap": 150})
@@ -184,7 +185,7 @@ import glob, json, os, shutil, sys
 import numpy as np
 from curation.dedup.hash_step import pairs_task
 from curation.knn.shards import search_task
-from curation.knn.steps import _source
+from curation.knn.jobs import row_source
 from curation.write.tasks import _decisions_part_task
 from curation.simulate.run import simulate
 from curation.core import runner
@@ -211,7 +212,7 @@ shutil.rmtree(os.path.join(work, "knn", "pool", "chunks"))
 desc = os.path.join(work, "embeddings", "descriptor")
 surv = np.load(os.path.join(work, "knn", "pool-pool_rows.npy"))
 out["search"] = heap(runner.run_step(search_task, w, processes=1, out_dir=work, name="pool", mode="pairs",
-                                     queries=_source(work, "pool", desc, surv, "pool")))
+                                     queries=row_source(work, "pool", desc, surv, "pool")))
 print(json.dumps(out))
 """
 

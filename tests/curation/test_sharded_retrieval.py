@@ -13,7 +13,7 @@ import numpy as np
 from tests._photos import encode, make_copy
 
 from curation.cli import main
-from curation.embed.embeddings import open_embeddings
+from curation.core.embstore import open_embeddings
 from curation.knn.index import Rows
 from curation.knn.candidates import exact_cosine
 from curation.rebalance.modes import rebalance

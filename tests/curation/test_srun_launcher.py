@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from curation.core import runner
+from curation.core import runner, srun
 from curation.core import srun_task
 from dinopipe.config import InputError
 
@@ -56,43 +56,43 @@ def _record(t, w, folder, fail_task=-1):
 def task_env(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "1")
-    monkeypatch.delenv(runner.KEY_ENV, raising=False)
+    monkeypatch.delenv(srun.KEY_ENV, raising=False)
     return monkeypatch
 
 
 def test_a_spec_without_its_key_is_refused_before_unpickling(tmp_path, task_env, capsys):
     key, marker = secrets.token_bytes(32), tmp_path / "marker"
     spec = str(tmp_path / "spec.pkl")
-    runner.dump_signed({"fn": Marker(marker), "num_tasks": 1, "kw": {}}, spec, key)
+    srun.dump_signed({"fn": Marker(marker), "num_tasks": 1, "kw": {}}, spec, key)
     assert srun_task.main([spec]) == 2  # no key in the environment
-    task_env.setenv(runner.KEY_ENV, secrets.token_bytes(32).hex())  # another call's key
+    task_env.setenv(srun.KEY_ENV, secrets.token_bytes(32).hex())  # another call's key
     assert srun_task.main([spec]) == 2
-    task_env.setenv(runner.KEY_ENV, key.hex())  # the right key, but the pickle changed after signing
+    task_env.setenv(srun.KEY_ENV, key.hex())  # the right key, but the pickle changed after signing
     with open(spec, "ab") as f:
         f.write(b".")
     assert srun_task.main([spec]) == 2
     os.remove(spec + ".hmac")  # the right key, no HMAC beside the spec
-    task_env.setenv(runner.KEY_ENV, key.hex())
+    task_env.setenv(srun.KEY_ENV, key.hex())
     assert srun_task.main([spec]) == 2
     err = capsys.readouterr().err
     assert err.count("srun_task: refused") == 4 and "does not match" in err and "no key" in err
     assert not marker.exists()  # nothing was unpickled
-    with pytest.raises(runner.Refused):
-        runner.load_signed(spec, None)
+    with pytest.raises(srun.Refused):
+        srun.load_signed(spec, None)
 
 
 def test_a_spec_with_its_key_runs_and_reports_signed(tmp_path, task_env):
     key = secrets.token_bytes(32)
     spec = str(tmp_path / "spec.pkl")
-    runner.dump_signed({"fn": _record, "num_tasks": 1, "kw": {"folder": str(tmp_path)}}, spec, key)
-    task_env.setenv(runner.KEY_ENV, key.hex())
+    srun.dump_signed({"fn": _record, "num_tasks": 1, "kw": {"folder": str(tmp_path)}}, spec, key)
+    task_env.setenv(srun.KEY_ENV, key.hex())
     assert srun_task.main([spec]) == 0
-    assert runner.KEY_ENV not in os.environ  # not handed on to what the task starts
-    rep = runner.load_signed(runner.report_path(str(tmp_path), 0), key)
+    assert srun.KEY_ENV not in os.environ  # not handed on to what the task starts
+    rep = srun.load_signed(srun.report_path(str(tmp_path), 0), key)
     assert rep["result"]["t"] == 0 and rep["procid"] == 0 and rep["wall_s"] >= 0 and rep["peak_rss"] > 0
     assert os.path.exists(runner.part_path(str(tmp_path), "rec", 0, 1))
-    with pytest.raises(runner.Refused):  # the report is checked like the spec
-        runner.load_signed(runner.report_path(str(tmp_path), 0), secrets.token_bytes(32))
+    with pytest.raises(srun.Refused):  # the report is checked like the spec
+        srun.load_signed(srun.report_path(str(tmp_path), 0), secrets.token_bytes(32))
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ def fake_srun(tmp_path, monkeypatch):
 
 def test_srun_calls_run_w_tasks_and_collect_their_reports(fake_srun):
     folder, spool = fake_srun / "parts", fake_srun / "spool"
-    with runner.spool(str(spool)):
+    with srun.spool(str(spool)):
         with pytest.raises(InputError, match="SLURM_NTASKS=3"):  # more tasks than the allocation: before starting
             runner.run_step(_record, 4, launcher="srun", folder=str(folder))
         assert not spool.exists() and not folder.exists()
@@ -123,7 +123,7 @@ def test_one_task_runs_as_an_srun_step_only_when_asked_to(fake_srun):
     """run_step(fn, 1, launcher="srun") runs in this process (nothing to spread); launch_one's arguments (the
     IVF training, curation.knn.shards) make it an srun step of one task, whose memory is not this process's."""
     folder = fake_srun / "parts"
-    with runner.spool(str(fake_srun / "spool")), runner.recording() as rec:
+    with srun.spool(str(fake_srun / "spool")), runner.recording() as rec:
         here = runner.run_step(_record, 1, launcher="srun", folder=str(folder))
         there = runner.run_step(_record, 1, **runner.launch_one("srun"), folder=str(folder / "one"))
     assert here[0]["result"]["pid"] == os.getpid()
@@ -140,12 +140,12 @@ def test_a_failed_srun_task_raises_its_exception_and_a_killed_one_is_unfinished(
     from dinopipe.utils.exits import UnfinishedError
 
     folder = fake_srun / "parts"
-    with runner.spool(str(fake_srun / "spool")), pytest.raises(RuntimeError) as exc:
+    with srun.spool(str(fake_srun / "spool")), pytest.raises(RuntimeError) as exc:
         runner.run_step(_record, 3, launcher="srun", folder=str(folder), fail_task=1)
     assert str(exc.value) == "task 1 was told to fail" and "_record" in str(exc.value.__cause__)
     assert sorted(os.listdir(folder)) == ["rec-00000-of-00003.npz", "rec-00002-of-00003.npz"]  # kept for a rerun
     monkeypatch.setenv(debug_hooks.ENV, "kill_task=_record:2")
-    with runner.spool(str(fake_srun / "spool")), pytest.raises(UnfinishedError) as exc:
+    with srun.spool(str(fake_srun / "spool")), pytest.raises(UnfinishedError) as exc:
         runner.run_step(_record, 3, launcher="srun", folder=str(fake_srun / "killed"))
     assert "task 2 of 3 of step _record ended without its report under srun" in str(exc.value)
     assert "SIGKILLs itself" in capsys.readouterr().err
@@ -204,7 +204,7 @@ def test_the_srun_launcher_outside_an_allocation_exits_2_before_writing(monkeypa
 
 def test_an_srun_command_that_does_not_exist_is_an_input_error(fake_srun, monkeypatch):
     monkeypatch.setenv("CURATE_SRUN", str(fake_srun / "no-such-srun"))
-    with runner.spool(str(fake_srun / "spool")), pytest.raises(InputError, match="no-such-srun"):
+    with srun.spool(str(fake_srun / "spool")), pytest.raises(InputError, match="no-such-srun"):
         runner.run_step(_record, 3, launcher="srun", folder=str(fake_srun / "parts"))
     assert os.listdir(fake_srun / "spool") == []
 

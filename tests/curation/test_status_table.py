@@ -10,13 +10,13 @@ from curation.core import decisions
 from curation.report import plots as report
 from curation.core import stepfiles
 from curation.write import shards as write
-from curation.core.status import KEPT, NOT_SELECTED, STATUS_NAMES, STATUSES, UNREADABLE
+from curation.core.status import KEPT, STATUS_NAMES, STATUSES, UNREADABLE
 
 
 def test_every_module_reads_the_one_table():
     assert decisions.STATUS_NAMES is STATUS_NAMES and decisions.UNREADABLE == UNREADABLE
     assert write.STATUSES is STATUSES and report.STATUSES is STATUSES
-    assert stepfiles.KEPT == KEPT and stepfiles.NOT_SELECTED == NOT_SELECTED
+    assert stepfiles.KEPT == KEPT
     assert sorted(STATUSES) == sorted(STATUS_NAMES) and len(set(STATUS_NAMES)) == len(STATUS_NAMES)
 
 

@@ -13,10 +13,10 @@ import numpy as np
 from curation.cli import main
 from curation.config import WriteConfig
 from curation.core.decisions import decisions_task, iter_decisions
-from curation.embed.embeddings import _mark_task_done, open_embeddings, save_shard
+from curation.core.embstore import mark_task_done, open_embeddings, save_shard
 from curation.write.step import step_write
 from curation.write.tasks import write_task
-from curation.write.shards import STATUSES
+from curation.core.status import STATUSES
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "curation" / "quickstart.yaml")
@@ -77,7 +77,7 @@ def _synthetic_pool(out: str, n: int, n_parts: int = 4) -> None:
         save_shard(out, f"part-{t:05d}-00000", emb, {
             "ids": ids, "sources": ["src"] * len(k), "hashes": ["0" * 16] * len(k),
             "locs": [f"/nowhere/{i}" for i in ids], "unreadable": bad, "n_listed": len(k) + len(bad)})
-        _mark_task_done(out, t, n_parts, {})
+        mark_task_done(out, t, n_parts, {})
 
 
 def _peak_decisions_task(tmp: str, n: int, rows_per_task: int = 10000) -> tuple[int, int]:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from curation.core import pathtable
-from curation.knn.steps import _same
-from curation.core import runner
+from curation.dedup.knn import same_verifier
+from curation.core import srun
 from curation.verify.tasks import verified_edges
 from dinopipe.utils import debug_hooks
 from dinopipe.utils.exits import UnfinishedError
@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class Verdict:
-    """A verifier object built by the caller (the `_same` path: its settings are attributes)."""
+    """A verifier object built by the caller (the `same_verifier` path: its settings are attributes)."""
 
     def __init__(self, keep_one_in: int):
         self.keep_one_in = keep_one_in
@@ -50,10 +50,10 @@ def _run(out: str, factory) -> tuple[int, int]:
 
 def test_a_verifier_object_with_other_settings_verifies_again(tmp_path):
     _job(str(tmp_path), 1000)
-    a, computed = _run(str(tmp_path), functools.partial(_same, Verdict(3)))
+    a, computed = _run(str(tmp_path), functools.partial(same_verifier, Verdict(3)))
     assert computed == 2
-    assert _run(str(tmp_path), functools.partial(_same, Verdict(3))) == (a, 0)  # the same settings: reused
-    b, computed = _run(str(tmp_path), functools.partial(_same, Verdict(5)))
+    assert _run(str(tmp_path), functools.partial(same_verifier, Verdict(3))) == (a, 0)  # the same settings: reused
+    b, computed = _run(str(tmp_path), functools.partial(same_verifier, Verdict(5)))
     assert computed == 2 and b < a
 
 
@@ -89,7 +89,7 @@ def test_a_table_build_killed_under_srun_and_rerun_locally_is_whole(fake_srun, m
     emb = str(fake_srun / "emb")
     metas, rows = synthetic_parts(emb, 300, 3)  # the same parts
     monkeypatch.setenv(debug_hooks.ENV, "kill_task=place_task:0")
-    with runner.spool(str(fake_srun / "spool")), pytest.raises(UnfinishedError, match="task 0 of 2 of step place_task"):
+    with srun.spool(str(fake_srun / "spool")), pytest.raises(UnfinishedError, match="task 0 of 2 of step place_task"):
         pathtable.build_table(emb, metas, rows, num_tasks=2, launcher="srun")
     monkeypatch.delenv(debug_hooks.ENV)
     work = os.path.join(emb, "table", "work")

@@ -1,0 +1,60 @@
+"""Each pool image's nearest eval image on the sharded kNN: the eval images embedded in the pool's copy space, the
+eval index saved once, the pool rows searched in chunks and rescored exactly."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dinopipe.config import ConfigError
+
+from curation.knn.jobs import descriptor_dir, digest, row_source
+from curation.embed.embeddings import embed_pool
+from curation.core.embstore import EmbeddingSet, open_embeddings
+from curation.knn.index import Rows
+from curation.knn.shards import KnnJob, RowSource, run_search
+
+
+EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
+
+
+def eval_params(ev: EmbeddingSet, knn: dict | None = None) -> dict:
+    knn = knn or {}
+    return {"n_eval": len(ev), "eval_ids": ev.digest,  # a new eval set: new index "kind": "flat", "k": EVAL_K,
+            **{key: knn[key] for key in ("chunk_size", "batch_size") if knn.get(key) is not None}}
+
+
+def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: int = 2,
+               progress: bool = False, trust_code: bool = False) -> EmbeddingSet:
+    """Eval images in the pool's copy space (the copy model recorded in ``out_dir``, else the
+    descriptor; resumable: finished shards are skipped). ``trust_code``: this run's ``dedup.trust_code``."""
+    from curation.embed.copyspace import copy_embedder
+
+    fn, tf = copy_embedder(out_dir, trust_code=trust_code)
+    eval_dir = os.path.join(out_dir, "embeddings", "eval")
+    embed_pool(eval_sources, fn, eval_dir, batch_size=batch_size, num_workers=num_workers,
+               transform=tf, hash_name=None, progress=progress)
+    return open_embeddings(eval_dir)
+
+
+def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev: EmbeddingSet,
+                         knn: dict | None = None, progress: bool = False, tasks: dict | None = None,
+                         stream: bool = False):
+    """(max cosine, eval position) of every pool row in ``alive``: exact float64 rescoring of the
+    eval index's nearest candidates, from the saved chunks (searched here when missing). ``stream``: instead,
+    an iterator of (first position in ``alive``, max cosines, eval positions) a saved chunk at a time."""
+    if ev.dim != pool.dim:
+        raise ConfigError(f"pool embeddings have {pool.dim} dims but eval embeddings {ev.dim}: "
+                         "embed both with the same model / descriptor")
+    job = KnnJob(out_dir, "eval")
+    params = {**eval_params(ev, knn), "pool_rows": digest(alive)}
+    if not job.matches(params):
+        job.build(Rows(ev), params, use_gpu=False)
+    sources = (row_source(out_dir, "eval", descriptor_dir(out_dir), alive, "query"),
+               RowSource(os.path.join(out_dir, "embeddings", "eval")))
+    run_search(out_dir, "eval", "nearest", Rows(pool, alive), Rows(ev), False, tasks, sources)
+    if not stream:
+        r = job.read(len(alive))
+        return r["sim"], r["idx"]
+    return ((s, c["sim"], c["idx"]) for s, c in job.iter(len(alive)))
