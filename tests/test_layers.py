@@ -174,6 +174,9 @@ def test_checker_catches_a_wrong_way_import(tmp_path, where, code, rule):
               "dinopipe/train/loop.py", "dinopipe/hub.py", "dinopipe/app/cli.py", "dinopipe/config.py"):
         (tmp_path / f).write_text("")
     good = tmp_path / where
+    if not good.parent.exists():  # a module in a sub-package (curation/embed/)
+        good.parent.mkdir()
+        (good.parent / "__init__.py").write_text("")
     good.write_text("from dinopipe.config import ConfigError\n" if where.startswith("curation") else "")
     assert violations(tmp_path) == []
     good.write_text(good.read_text() + code)

@@ -88,3 +88,55 @@ def test_task_processes_that_read_embeddings_do_not_import_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", r.stdout
+
+
+# curation/ by room (ARCHITECTURE.md, "curation by step"), top to bottom: a room imports only the rooms listed
+# for it, so no arrow points back up. A step imports core, config and the engines; two stated exceptions: the
+# eval images (decontaminate) and the seed images (rebalance) are embedded by the pool's own embedder.
+ENGINES = {"knn", "kmeans", "verify"}
+STEPS = {"embed", "dedup", "decontaminate", "rebalance", "write", "report"}
+BOTTOM = {"core", "config"}
+ROOM_MAY = {
+    "config": set(), "plan_rates": set(), "core": set(),
+    "knn": BOTTOM, "kmeans": BOTTOM | {"knn"}, "verify": BOTTOM | {"knn"},
+    **{step: BOTTOM | ENGINES for step in STEPS},
+    "index": BOTTOM | {"knn", "dedup", "decontaminate", "rebalance"},  # the three steps' indexes, built once
+    "pipeline": BOTTOM | ENGINES | STEPS | {"index"},
+    "plan": BOTTOM | ENGINES | {"rebalance", "plan_rates"},
+    "simulate": BOTTOM | ENGINES | STEPS | {"index", "pipeline"},
+    "cli": BOTTOM | ENGINES | STEPS | {"index", "pipeline", "plan", "simulate"},
+}
+STEP_EXCEPTIONS = {("decontaminate", "embed"), ("rebalance", "embed")}
+
+
+def room_of(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "curation"
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for src, targets in sorted(graph.items()):
+        a = room_of(src)
+        for dst in sorted(targets):
+            b = room_of(dst)
+            if a == b or a == "curation" or b == "curation" or (a, b) in STEP_EXCEPTIONS:
+                continue
+            if a not in ROOM_MAY:
+                found.append(f"{src}: room {a!r} is not in ROOM_MAY (tests/curation/test_import_graph.py)")
+            elif b not in ROOM_MAY[a]:
+                found.append(f"{src} imports {dst}: {a} may import only {sorted(ROOM_MAY[a])}")
+    return found
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    found = room_violations(import_graph())
+    assert not found, "\n".join(found)
+    arrows = {(room_of(s), room_of(d)) for s, ts in import_graph().items() for d in ts} - {(r, r) for r in ROOM_MAY}
+    assert len({r for r in ROOM_MAY if r not in ("plan_rates",)}) <= 18 and len(arrows) <= 70, sorted(arrows)
+
+
+def test_room_rule_catches_a_step_importing_another_step():
+    graph = {"curation.dedup.step": {"curation.write.tasks", "curation.core.runner"},
+             "curation.knn.index": {"curation.kmeans.sampling"}, "curation.decontaminate.nearest": {"curation.embed.embeddings"}}
+    found = room_violations(graph)
+    assert len(found) == 2 and "dedup may import only" in found[0] and "knn may import only" in found[1], found
