@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 from dinopipe.config import ConfigError, exit_on_config_error, load_config
 from dinopipe.logs import setup_logging
 from dinopipe.utils.exits import check_writable
+from curation.core.layout import RunLayout
 
 # .config and .pipeline import torch (~300 MB): imported where used, so that the task processes that
 # `curate simulate` / `curate run` spawn (which import this module as their __main__) do not carry it
@@ -44,11 +45,11 @@ def _echo(step: str, result) -> None:
 
 
 def _print_manifest(out: str) -> dict:
-    with open(os.path.join(out, "manifest.json")) as f:
+    with open(RunLayout(out).manifest) as f:
         c = json.load(f)["counts"]
     parts = " + ".join(f"{c[s]} {s}" for s in c if s != "input")
     print(f"curated {out}: {c['input']} input = {parts}")
-    print(f"shards: {os.path.join(out, 'shards')}")
+    print(f"shards: {RunLayout(out).shards()}")
     return c
 
 
@@ -58,7 +59,7 @@ def _all_unreadable(counts: dict, paths: Sequence[str], out: str) -> bool:
     if not counts.get("input") or counts.get("unreadable", 0) < counts["input"]:
         return False
     print(f"curate: error: input.paths: none of the {counts['input']} files in {', '.join(map(str, paths))} could "
-          f"be read as an image (the reasons are in {os.path.join(out, 'manifest.json')})", file=sys.stderr)
+          f"be read as an image (the reasons are in {RunLayout(out).manifest})", file=sys.stderr)
     return True
 
 
@@ -144,7 +145,7 @@ def _main(argv: list[str]) -> int:
         # A publish the store does not let finish raises StoreUnavailable (75; the local output stays for the
         # rerun to publish) or StoreRefused (2): run_command prints the one line.
         print(f"published {publish(out, remote_out)} files to {remote_out}", file=sys.stderr)
-    if "write" in steps or (args.command == "report" and os.path.exists(os.path.join(out, "manifest.json"))):
+    if "write" in steps or (args.command == "report" and os.path.exists(RunLayout(out).manifest)):
         if _all_unreadable(_print_manifest(out), cfg.input.paths, out):
             return 2
     return 0

@@ -42,6 +42,7 @@ from curation.embed.step import build_tables, step_embed
 from curation.dedup.step import step_dedup
 from curation.decontaminate.step import step_decontaminate
 from curation.write.step import step_write
+from curation.core.layout import RunLayout
 
 
 @dataclass
@@ -116,7 +117,7 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
     for step in steps:
         try:
             # tasks.launcher=srun: the calls' spec files under steps/srun; a dead task is named with the step
-            with step_log(progress_log, step), runner_spool(os.path.join(out, "steps", "srun")), step_named(step):
+            with step_log(progress_log, step), runner_spool(RunLayout(out).steps("srun")), step_named(step):
                 result = run_step(step, cfg, embedder, inputs)
         except FileNotFoundError as exc:
             raise missing_file(step, exc, out) from exc
@@ -126,8 +127,8 @@ def run_steps(cfg: CurationConfig, steps: Sequence[str], embedder=None, command:
             embedder.release()  # the index steps may want the GPU memory for faiss-gpu
         if step in _SUMMARIZED + SHARDED:
             name = step if step != "search" else f"search-{cfg.knn.task_index:05d}"
-            os.makedirs(os.path.join(out, "steps"), exist_ok=True)
-            write_json_atomic(os.path.join(out, "steps", f"{name}.json"), result)
+            os.makedirs(RunLayout(out).steps(), exist_ok=True)
+            write_json_atomic(RunLayout(out).step_json(name), result)
         results[step] = result
         if echo is not None:
             echo(step, result)
@@ -233,7 +234,7 @@ def _params(cfg: CurationConfig, out: str | None = None) -> dict:
     were verified on pixels are the step's, from its summary in ``out`` (steps/decontaminate.json: 0.2 verified,
     0.45 without pixels -- no eval images, or an eval set given as embeddings), else what the config implies."""
     ran: dict = {}
-    path = os.path.join(out, "steps", "decontaminate.json") if out else None
+    path = RunLayout(out).steps("decontaminate.json") if out else None
     if path and os.path.exists(path):
         with open(path) as f:
             ran = json.load(f)
@@ -255,7 +256,7 @@ def _params(cfg: CurationConfig, out: str | None = None) -> dict:
 def _load_summaries(out: str) -> dict:
     found = {}
     for step in _SUMMARIZED:
-        path = os.path.join(out, "steps", f"{step}.json")
+        path = RunLayout(out).step_json(step)
         if os.path.exists(path):
             with open(path) as f:  # without this run's measurements: a rerun's manifest equals the first run's
                 found[step] = {k: v for k, v in json.load(f).items() if not _measured(k)}

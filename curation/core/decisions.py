@@ -28,6 +28,7 @@ from dinopipe.utils.exits import UnfinishedError  # a killed task, not a mistake
 from dinopipe.utils.io import atomic_open, atomic_write_json
 
 from curation.core.status import STATUS_NAMES, UNREADABLE
+from curation.core.layout import RunLayout
 
 HEADER = "id\tsource\tstatus\tgroup_or_reason\n"
 CHUNK = 65536
@@ -49,7 +50,7 @@ def selection_digest(emb, status: np.ndarray, component: np.ndarray, failed: np.
 
 
 def part_path(out_dir: str, task_index: int, num_tasks: int, ext: str) -> str:
-    return os.path.join(out_dir, "decisions", f"part-{task_index:05d}-of-{num_tasks:05d}.{ext}")
+    return RunLayout(out_dir).decisions(f"part-{task_index:05d}-of-{num_tasks:05d}.{ext}")
 
 
 def decisions_task(out_dir: str, emb, status: np.ndarray, component: np.ndarray, failed: np.ndarray,
@@ -104,7 +105,7 @@ def decisions_task(out_dir: str, emb, status: np.ndarray, component: np.ndarray,
 
 def part_files(out_dir: str, num_tasks: int | None = None) -> list[str]:
     """The finished parts' .json (of the newest split when ``num_tasks`` is None), in task order."""
-    found = sorted(p for p in glob.glob(os.path.join(out_dir, "decisions", "part-*.json")) if _PART.search(p))
+    found = sorted(p for p in glob.glob(RunLayout(out_dir).decisions("part-*.json")) if _PART.search(p))
     if num_tasks is None and found:
         num_tasks = int(_PART.search(found[-1]).group(2))
     return [p for p in found if int(_PART.search(p).group(2)) == num_tasks]
@@ -118,7 +119,7 @@ def finish_decisions(out_dir: str, num_tasks: int, merged: bool = True) -> tuple
     missing = sorted(set(range(num_tasks)) - have)
     if missing:
         raise UnfinishedError(f"decisions parts {missing} of {num_tasks} are not written yet: rerun those tasks")
-    for p in glob.glob(os.path.join(out_dir, "decisions", "part-*")):
+    for p in glob.glob(RunLayout(out_dir).decisions("part-*")):
         m = re.search(r"-of-(\d{5})\.", p)
         if m and int(m.group(1)) != num_tasks:
             os.remove(p)  # an earlier split of the same folder
@@ -133,7 +134,7 @@ def finish_decisions(out_dir: str, num_tasks: int, merged: bool = True) -> tuple
                 for k, v in c.items():
                     t[k] = t.get(k, 0) + v
     if merged:
-        with atomic_open(os.path.join(out_dir, "decisions.tsv")) as out:
+        with atomic_open(RunLayout(out_dir).decisions_tsv) as out:
             out.write(HEADER)
             for p in parts:
                 with open(p[:-len(".json")] + ".tsv") as f:

@@ -21,6 +21,7 @@ from curation.core.embstore import open_embeddings
 from curation.core.runner import BLOCK
 
 from curation.core.status import KEPT
+from curation.core.layout import RunLayout
 
 
 STEP_DONE = "done.json"
@@ -28,11 +29,11 @@ STEP_DONE = "done.json"
 
 
 def step_dir(out_dir: str, name: str) -> str:
-    return os.path.join(out_dir, "steps", name)
+    return RunLayout(out_dir).steps(name)
 
 
 def _legacy_path(out_dir: str, name: str) -> str:
-    return os.path.join(out_dir, "steps", f"{name}.npz")  # the format before one .npy per array (still read)
+    return RunLayout(out_dir).steps(f"{name}.npz")  # the format before one .npy per array (still read)
 
 
 def step_exists(out_dir: str, name: str) -> bool:
@@ -161,9 +162,9 @@ def rebalance_rows(out_dir: str, scratch: str | None = None):
     Computed a block at a time; ``scratch``: a folder where the two position arrays are written as memory-mapped
     ``alive.scratch.npy`` / ``rows.scratch.npy`` (the caller removes them), else they are in memory."""
     status = load_step(out_dir, "decontaminate", keys=("status",), mmap=True)["status"]
-    desc_set = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
-    model_dir = os.path.join(out_dir, "embeddings", "model")
-    space_dir = model_dir if os.path.isdir(model_dir) else os.path.join(out_dir, "embeddings", "descriptor")
+    desc_set = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
+    model_dir = RunLayout(out_dir).embeddings("model")
+    space_dir = model_dir if os.path.isdir(model_dir) else RunLayout(out_dir).embeddings("descriptor")
     space = open_embeddings(space_dir)
     if space.digest != desc_set.digest:
         raise ConfigError(f"{space_dir} and the copy descriptors list different inputs: embed both in one "

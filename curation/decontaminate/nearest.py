@@ -3,7 +3,6 @@ eval index saved once, the pool rows searched in chunks and rescored exactly."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -14,6 +13,7 @@ from curation.embed.embeddings import embed_pool
 from curation.core.embstore import EmbeddingSet, open_embeddings
 from curation.knn.index import Rows
 from curation.knn.shards import KnnJob, RowSource, run_search
+from curation.core.layout import RunLayout
 
 
 EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
@@ -32,7 +32,7 @@ def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: in
     from curation.embed.copyspace import copy_embedder
 
     fn, tf = copy_embedder(out_dir, trust_code=trust_code)
-    eval_dir = os.path.join(out_dir, "embeddings", "eval")
+    eval_dir = RunLayout(out_dir).embeddings("eval")
     embed_pool(eval_sources, fn, eval_dir, batch_size=batch_size, num_workers=num_workers,
                transform=tf, hash_name=None, progress=progress)
     return open_embeddings(eval_dir)
@@ -52,7 +52,7 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
     if not job.matches(params):
         job.build(Rows(ev), params, use_gpu=False)
     sources = (row_source(out_dir, "eval", descriptor_dir(out_dir), alive, "query"),
-               RowSource(os.path.join(out_dir, "embeddings", "eval")))
+               RowSource(RunLayout(out_dir).embeddings("eval")))
     run_search(out_dir, "eval", "nearest", Rows(pool, alive), Rows(ev), False, tasks, sources)
     if not stream:
         r = job.read(len(alive))

@@ -14,6 +14,7 @@ from curation.decontaminate.nearest import embed_eval, sharded_nearest_eval
 from curation.core.stepfiles import StepWriter, blocks, load_step, positions_where, step_dir
 from curation.core.status import DECONTAM, HASH_DUP, KEPT
 from curation.config import knn_dict
+from curation.core.layout import RunLayout
 
 
 def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: DecontaminateConfig | None = None,
@@ -27,7 +28,7 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     ``eval_embedded``: read embeddings/eval/ as it is."""
     dc = decontaminate or DecontaminateConfig()
     verify = dc.verify and bool(eval_sources) and pool_sources is not None and not eval_embedded
-    threshold = decontam_threshold(dc, os.path.exists(os.path.join(out_dir, "copy_model.json")), verify)
+    threshold = decontam_threshold(dc, os.path.exists(RunLayout(out_dir).copy_model), verify)
     e = embed or EmbedConfig()
     # every whole-pool array is a mapped file, read and written a block at a time: what this process holds is a
     # block's temporaries and the copy components of the direct eval matches (few), not O(pool)
@@ -35,9 +36,9 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     prev, component = dd["status"], dd["component"]  # component: only the alive rows are read
     n_removed, w, chunks = 0, 0, None
     if eval_sources or eval_embedded:
-        ev = open_embeddings(os.path.join(out_dir, "embeddings", "eval")) if eval_embedded else \
+        ev = open_embeddings(RunLayout(out_dir).embeddings("eval")) if eval_embedded else \
             embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress, trust_code)
-        pool = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+        pool = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
         scratch = step_dir(out_dir, "decontaminate")
         os.makedirs(scratch, exist_ok=True)
         alive_path = os.path.join(scratch, "alive.scratch.npy")  # hash duplicates are gone already

@@ -15,18 +15,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 
 import numpy as np
 
 from curation.config import DecontaminateConfig
 from curation.decontaminate.leakverify import leak_verifier_of
 from curation.verify.pixels import PartedVerifier
+from curation.core.layout import RunLayout
 
 
 def parts_dir(out_dir: str, d: DecontaminateConfig, eval_digest: str) -> str:
     key = json.dumps([d.verify_size, d.min_scale, eval_digest, "leakverify-1"])
-    return os.path.join(out_dir, "steps", "decontaminate-verify", hashlib.sha1(key.encode()).hexdigest()[:12])
+    return RunLayout(out_dir).steps("decontaminate-verify", hashlib.sha1(key.encode()).hexdigest()[:12])
 
 
 def candidate_scores(out_dir: str, pos: np.ndarray, nearest: np.ndarray, alive_path: str, eval_sources,
@@ -35,8 +35,8 @@ def candidate_scores(out_dir: str, pos: np.ndarray, nearest: np.ndarray, alive_p
     ``nearest``: their eval positions), verified as ``plan``'s W tasks."""
     if not len(pos):
         return np.zeros(0, np.float32)
-    factory = functools.partial(leak_verifier_of, eval_sources, os.path.join(out_dir, "embeddings", "eval"),
-                                pool_sources, os.path.join(out_dir, "embeddings", "descriptor"), alive_path,
+    factory = functools.partial(leak_verifier_of, eval_sources, RunLayout(out_dir).embeddings("eval"),
+                                pool_sources, RunLayout(out_dir).embeddings("descriptor"), alive_path,
                                 d.verify_size, d.verify_threshold, d.min_scale)
     w = max(1, min(int(plan["tasks"]), len(pos)))
     verifier = PartedVerifier(None, parts_dir(out_dir, d, eval_digest), w, plan["launcher"], factory, scores=True)

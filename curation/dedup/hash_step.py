@@ -35,10 +35,11 @@ from curation.config import DEFAULT_MAX_DISTANCE
 from curation.core.runner import launch as run_launch
 from curation.core.runner import BLOCK, part_done, part_path, parts, phase, read_part, run_step, save_blocks, write_part
 from curation.core.unionfind import SparseRoots
+from curation.core.layout import RunLayout
 
 
 def hash_dir(out_dir: str) -> str:
-    return os.path.join(out_dir, "steps", "hash")
+    return RunLayout(out_dir).steps("hash")
 
 
 def launch(fn, plan: dict | None, **kw) -> list[dict]:
@@ -160,7 +161,7 @@ def hash_step(out_dir: str, emb, enabled: bool = True, max_distance: int = DEFAU
         sources, size, threshold = verify_with
         order = np.lexsort((dup, group[dup]))  # by kept image: its pairs come together (decoded once)
         va, vb = group[dup][order], dup[order]
-        factory = functools.partial(pixel_verifier_of, sources, os.path.join(out_dir, "embeddings", "descriptor"),
+        factory = functools.partial(pixel_verifier_of, sources, RunLayout(out_dir).embeddings("descriptor"),
                                     None, size, threshold)
         ok = PartedVerifier(None, os.path.join(folder, "verify"), w, (plan or {}).get("launcher", "inline"),
                             factory)(va, vb)

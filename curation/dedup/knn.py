@@ -20,6 +20,7 @@ from curation.knn.shards import KnnJob, pair_keys, run_search
 from curation.core.unionfind import in_id_order
 from curation.verify.pixels import PartedVerifier
 from curation.verify.tasks import verified_edges
+from curation.core.layout import RunLayout
 
 
 def hash_survivors(out_dir: str, emb: EmbeddingSet, enabled: bool, max_distance: int,
@@ -73,7 +74,7 @@ def sharded_copy_dedup(out_dir: str, emb: EmbeddingSet, surv: np.ndarray, k: int
     vw = int(verify_tasks if verify_tasks is not None else plan["tasks"])
     parted = None
     if verifier is not None or verifier_factory is not None:  # verdicts in parts: a rerun verifies what is missing
-        parted = verifier = PartedVerifier(verifier, os.path.join(out_dir, "steps", "verify"), vw,
+        parted = verifier = PartedVerifier(verifier, RunLayout(out_dir).steps("verify"), vw,
                                            plan["launcher"] if verifier is None else "inline", verifier_factory)
     if parted is not None and in_id_order(ids):
         # the usual case (ids in order: positions are ranks): W tasks read their own candidates from the chunk
@@ -107,13 +108,13 @@ def survivors(out_dir: str, emb: EmbeddingSet, sources, dedup: DedupConfig, hash
     ``sources`` too, unless dedup.verify is off)."""
     verify_with = (sources, dedup.verify_size, dedup.verify_threshold) if dedup.verify else None
     h, info = hash_survivors(out_dir, emb, hash_dedup.enabled, hash_dedup.max_distance, verify_with, plan)
-    return mapped_positions(os.path.join(out_dir, "knn"), h.keep), info
+    return mapped_positions(RunLayout(out_dir).knn(), h.keep), info
 
 
 def save_verify_rows(out_dir: str, surv: np.ndarray) -> str:
     """``steps/verify_rows.npy``: the rows whose positions the verification pairs hold (memory-mapped by each
     verification task)."""
-    path = os.path.join(out_dir, "steps", "verify_rows.npy")
+    path = RunLayout(out_dir).steps("verify_rows.npy")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp.npy"
     np.save(tmp, np.asarray(surv, np.int64))

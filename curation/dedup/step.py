@@ -15,6 +15,7 @@ from curation.core.embstore import open_embeddings
 from curation.dedup.knn import hash_survivors, sharded_copy_dedup, verifier_factory
 from curation.core.stepfiles import StepWriter, blocks, positions_where, step_dir
 from curation.core.status import COPY_DUP, HASH_DUP, KEPT
+from curation.core.layout import RunLayout
 
 
 def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashDedupConfig | None = None,
@@ -30,7 +31,7 @@ def step_dedup(out_dir: str, dedup: DedupConfig | None = None, hash_dedup: HashD
     the search and the verification (curation.config.TasksConfig; decisions do not depend on it)."""
     dd, hc = dedup or DedupConfig(), hash_dedup or HashDedupConfig()
     threshold = resolve_threshold(dd.threshold, dd.verify)
-    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    emb = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
     if dd.verify and sources is None and make_verifier is None:
         raise ValueError("copy verification reads the images again: pass the pool's sources "
                          "(or dedup.verify=False to trust the descriptor alone)")

@@ -13,6 +13,7 @@ from curation.embed.embeddings import EmbedTarget, embed_pool_multi
 from curation.core.embstore import build_path_table
 from curation.embed.copyspace import copy_embedder
 from curation.embed.tasks import embed_tasks, embed_with_tasks
+from curation.core.layout import RunLayout
 
 
 def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
@@ -27,9 +28,9 @@ def step_embed(sources, out_dir: str, embed: EmbedConfig | None = None,
     e, dd = embed or EmbedConfig(), dedup or DedupConfig()
     fn, tf = copy_embedder(out_dir, sources, descriptor, dd.model, dd.image_size, e.device, e.precision,
                            dd.trust_code)
-    targets = {"descriptor": EmbedTarget(fn, os.path.join(out_dir, "embeddings", "descriptor"), tf, "phash")}
+    targets = {"descriptor": EmbedTarget(fn, RunLayout(out_dir).embeddings("descriptor"), tf, "phash")}
     if embedder is not None:  # the same decoded image feeds both (one read + decode per image)
-        targets["model"] = EmbedTarget(embedder, os.path.join(out_dir, "embeddings", "model"), transform_of(embedder))
+        targets["model"] = EmbedTarget(embedder, RunLayout(out_dir).embeddings("model"), transform_of(embedder))
     w_embed = embed_tasks(out_dir, e, tasks, embedder)
     if w_embed > 1:  # W tasks, each listing and embedding its share (curation.embed.tasks)
         counts = embed_with_tasks(sources, out_dir, e, descriptor, dd, embedder is not None, w_embed,
@@ -47,7 +48,7 @@ def build_tables(out_dir: str, tasks: TasksConfig | None = None) -> int:
     ``tasks``' plan (curation.core.pathtable) unless complete and current; returns the largest W (0: all there)."""
     w = 0
     for name in ("descriptor", "model"):
-        d = os.path.join(out_dir, "embeddings", name)
+        d = RunLayout(out_dir).embeddings(name)
         if os.path.isdir(d) and any(f.endswith(".ids.json") for f in os.listdir(d)):
             w = max(w, build_path_table(d, functools.partial(task_plan, tasks or TasksConfig())))
     return w

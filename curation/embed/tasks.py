@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import glob
 import multiprocessing as mp
-import os
 import re
 
 from curation.core.runner import launch, run_step
+from curation.core.layout import RunLayout
 
 
 def embed_task(t: int, w: int, sources, out_dir: str, embed, descriptor, dedup, with_model: bool) -> dict:
@@ -28,10 +28,10 @@ def embed_task(t: int, w: int, sources, out_dir: str, embed, descriptor, dedup, 
 
     fn, tf = copy_embedder(out_dir, sources, descriptor, dedup.model, dedup.image_size, embed.device,
                            embed.precision, dedup.trust_code)
-    targets = [EmbedTarget(fn, os.path.join(out_dir, "embeddings", "descriptor"), tf, "phash")]
+    targets = [EmbedTarget(fn, RunLayout(out_dir).embeddings("descriptor"), tf, "phash")]
     if with_model:
         model = build_embedder(embed.model, embed.image_size, embed.device, embed.precision)
-        targets.append(EmbedTarget(model, os.path.join(out_dir, "embeddings", "model"), getattr(model, "transform", None)))
+        targets.append(EmbedTarget(model, RunLayout(out_dir).embeddings("model"), getattr(model, "transform", None)))
     # a local task is a daemonic process (curation.core.supervise), which may not start DataLoader workers: the W
     # tasks are the decoding processes (srun tasks and inline ones keep embed.num_workers)
     workers = 0 if mp.current_process().daemon else embed.num_workers
@@ -47,7 +47,7 @@ def embed_tasks(out_dir: str, embed, tasks, embedder) -> int:
     before it is listed, and listing it is the tasks' job)."""
     if embed.num_tasks != 1 or (embedder is not None and embed.model is None):
         return 1
-    done = glob.glob(os.path.join(out_dir, "embeddings", "descriptor", "task-*-of-*.json"))
+    done = glob.glob(RunLayout(out_dir).embeddings("descriptor", "task-*-of-*.json"))
     if done:
         return int(re.search(r"-of-(\d+)", done[0]).group(1))
     count = getattr(tasks, "count", None)

@@ -10,7 +10,6 @@ have done that work before, and the finishing job only merges. Hence identical `
 
 from __future__ import annotations
 
-import os
 
 
 
@@ -23,6 +22,7 @@ from curation.dedup.copies import resolve_threshold
 from curation.core.embstore import open_embeddings
 from curation.knn.index import Rows
 from curation.knn.shards import KnnJob
+from curation.core.layout import RunLayout
 
 
 def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, knn_cfg: KnnConfig,
@@ -31,7 +31,7 @@ def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, kn
     """``curate index``: train and save the pool index (and the eval index) once, for the array
     (``tasks``: curation.config.TasksConfig, W add tasks into inverted-list files merged on disk)."""
     e, knn = embed or EmbedConfig(), knn_kwargs(knn_cfg)
-    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    emb = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
     plan = None if tasks is None else task_plan(tasks, len(emb))
     surv, hinfo = survivors(out_dir, emb, sources, dedup, hash_dedup, plan)
     out = {"rows": int(len(surv)), "hash_tasks": hinfo["tasks"]}
@@ -59,7 +59,7 @@ def step_search(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, k
     """``curate search``: array task ``knn.task_index`` of ``knn.num_tasks`` searches its chunks of the
     pool (copy pairs, and nearest eval images when ``curate index`` built an eval index)."""
     task_index, num_tasks, knn = knn_cfg.task_index, knn_cfg.num_tasks, knn_kwargs(knn_cfg)
-    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    emb = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
     surv, _ = survivors(out_dir, emb, sources, dedup, hash_dedup)  # saved by `curate index`
     use_gpu = (knn or {}).get("use_gpu", "auto")
     out = {}
@@ -69,7 +69,7 @@ def step_search(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, k
             raise FileNotFoundError(f"{pool_job.dir}: no index for this pool; run `curate index` first")
         out["pool"] = pool_job.search_pairs(Rows(emb, surv), task_index, num_tasks, use_gpu, progress)
     if eval_job.meta() is not None:
-        ev = open_embeddings(os.path.join(out_dir, "embeddings", "eval"))
+        ev = open_embeddings(RunLayout(out_dir).embeddings("eval"))
         out["eval"] = eval_job.search_nearest(Rows(emb, surv), Rows(ev), task_index, num_tasks,
                                               progress=progress)
     retrieval = step_retrieval_search(out_dir, task_index, num_tasks, knn, progress)

@@ -12,15 +12,16 @@ import numpy as np
 
 from curation.knn.shards import RowSource
 from curation.core.stepfiles import positions_where
+from curation.core.layout import RunLayout
 
 
 def descriptor_dir(out_dir: str) -> str:
-    return os.path.join(out_dir, "embeddings", "descriptor")
+    return RunLayout(out_dir).embeddings("descriptor")
 
 
 def row_source(out_dir: str, name: str, emb_dir: str, positions: np.ndarray | None, what: str) -> RowSource:
     """The rows a task process reopens: ``knn/<name>/<what>_rows.npy`` (positions) in ``emb_dir``."""
-    return RowSource.save(emb_dir, positions, os.path.join(out_dir, "knn", f"{name}-{what}_rows.npy"))
+    return RowSource.save(emb_dir, positions, RunLayout(out_dir).knn(f"{name}-{what}_rows.npy"))
 
 
 def digest(positions: np.ndarray, block: int = 1 << 16) -> str:

@@ -47,6 +47,7 @@ from curation.knn.ondisk import add_part, merge_parts, train_ondisk
 from curation.knn.candidates import (BATCH_DEFAULT, MARGIN_EXACT, MARGIN_LOSSY, concat_parts, fraction_pairs, nearest_exact,
                                      retrieval_candidates)
 from curation.core.runner import inline as runs_inline, launch, launch_alone, run_step, task_rows
+from curation.core.layout import RunLayout
 
 CHUNK_SIZE_DEFAULT = 65536  # queries per chunk file: the unit of resumption
 
@@ -234,7 +235,7 @@ class KnnJob:
     """
 
     def __init__(self, out_dir: str, name: str = "pool"):
-        self.dir = os.path.join(out_dir, "knn", name)
+        self.dir = RunLayout(out_dir).knn(name)
         self.index_path = os.path.join(self.dir, "index.faiss")
         self.meta_path = os.path.join(self.dir, "meta.json")
         self.chunks_dir = os.path.join(self.dir, "chunks")

@@ -12,6 +12,7 @@ from curation.knn.jobs import digest, row_source
 from curation.core.embstore import EmbeddingSet, open_embeddings
 from curation.knn.index import Rows
 from curation.knn.shards import KnnJob, RowSource, run_search
+from curation.core.layout import RunLayout
 
 
 def retrieval_params(rows_idx: np.ndarray, seeds: EmbeddingSet, k: int, knn: dict | None = None) -> dict:
@@ -38,7 +39,7 @@ def sharded_retrieval(out_dir: str, space: EmbeddingSet, rows_idx: np.ndarray, s
                   tasks=tasks if tsrc is not None else None)
     plan = tasks if tsrc is not None else None  # W processes need to know where the rows are
     run_search(out_dir, "retrieval", "retrieval", Rows(seeds), rows, False, plan,
-               (RowSource(os.path.join(out_dir, "embeddings", "seeds")), tsrc))  # only chunks not on disk
+               (RowSource(RunLayout(out_dir).embeddings("seeds")), tsrc))  # only chunks not on disk
     r = job.read(len(seeds))
     return r["seed"], r["pos"], r["sim"]
 
@@ -48,7 +49,7 @@ def retrieval_inputs(out_dir: str):
     seed embedding (then `curate index` / `curate search` have no retrieval work yet)."""
     from curation.core.stepfiles import rebalance_rows, step_exists
 
-    seed_dir = os.path.join(out_dir, "embeddings", "seeds")
+    seed_dir = RunLayout(out_dir).embeddings("seeds")
     if not (step_exists(out_dir, "decontaminate") and os.path.isdir(seed_dir)):
         return None
     space_dir, rows_idx, _, _ = rebalance_rows(out_dir)

@@ -21,6 +21,7 @@ from curation.core.stepfiles import StepWriter, blocks, rebalance_rows, step_dir
 from curation.core.status import NOT_SELECTED
 from curation.embed.copyspace import copy_embedder
 from curation.core.stepfiles import write_json_atomic
+from curation.core.layout import RunLayout
 
 
 def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, embed: EmbedConfig | None = None,
@@ -28,8 +29,8 @@ def embed_seeds(out_dir: str, seed_sources, embedder: Callable | None = None, em
     """Seed images in the rebalance space (the model's, else the copy space), resumable. ``trust_code``: this
     run's ``dedup.trust_code`` (a TorchScript copy model named by the folder runs only with it)."""
     e = embed or EmbedConfig()
-    use_model = os.path.isdir(os.path.join(out_dir, "embeddings", "model"))
-    seed_dir = os.path.join(out_dir, "embeddings", "seeds")
+    use_model = os.path.isdir(RunLayout(out_dir).embeddings("model"))
+    seed_dir = RunLayout(out_dir).embeddings("seeds")
     if use_model and embedder is None:
         raise ConfigError("seed images must be embedded with the same model as the pool: "
                          "pass the embedder (embed.model) the pool was embedded with")
@@ -66,18 +67,18 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
         from curation.kmeans.sampling import sharded_pick
 
         # the random pick within clusters: three passes as W tasks
-        mode_kwargs["picker"] = functools.partial(sharded_pick, folder=os.path.join(out_dir, "steps", "sample"),
+        mode_kwargs["picker"] = functools.partial(sharded_pick, folder=RunLayout(out_dir).steps("sample"),
                                                   tasks=plan["tasks"], launcher=plan["launcher"])
         # the k-means tree: rows and centroids sharded over the W tasks (the same tree for any W)
         record = curate_settings(len(rows_idx), Gathered(space.ids, rows_idx), **mode_kwargs, block=_km.BLOCK)
         if kmeans_dir:
             mode_kwargs["tree"] = load_tree(kmeans_dir, record, "rebalance.kmeans_dir")
         elif len(rows_idx):
-            mode_kwargs["tree"], tree_tasks = fit_tree(os.path.join(out_dir, "steps", "kmeans"), space_dir, rows_idx, record,
+            mode_kwargs["tree"], tree_tasks = fit_tree(RunLayout(out_dir).steps("kmeans"), space_dir, rows_idx, record,
                                                        plan["tasks"], plan["launcher"])
     seeds = None
     if seed_sources:
-        seed_set = open_embeddings(os.path.join(out_dir, "embeddings", "seeds")) if seeds_embedded else \
+        seed_set = open_embeddings(RunLayout(out_dir).embeddings("seeds")) if seeds_embedded else \
             embed_seeds(out_dir, seed_sources, embedder, embed, progress, trust_code)  # generated: a simulation's
         seeds = Rows(seed_set)
         if mode == "sample" and len(seed_set) and len(rows_idx):
@@ -116,7 +117,7 @@ def step_rebalance(out_dir: str, rebalance: RebalanceConfig | None = None, seed_
     res.report["tasks"] = {"kmeans": len(tree_tasks) or (plan["tasks"] if mode == "hierarchical" else 0),
                            "sample": plan["tasks"] if mode == "hierarchical" else 0}
     res.report["selection"] = _selection_note(r, n_pool, n_selected)
-    write_json_atomic(os.path.join(out_dir, "steps", "rebalance_report.json"), res.report)
+    write_json_atomic(RunLayout(out_dir).steps("rebalance_report.json"), res.report)
     return res.report
 
 
@@ -134,20 +135,20 @@ def _row_tasks(out_dir: str, mode: str, kw: dict, space_dir: str, rows_idx, scra
     if hasattr(rows_idx, "flush"):
         rows_idx.flush()  # the tasks map the positions from the scratch file
     if mode == "cluster":
-        kw["cluster_level"], got = flat_kmeans(os.path.join(out_dir, "steps", "kmeans_cluster"), space_dir, rows_idx,
+        kw["cluster_level"], got = flat_kmeans(RunLayout(out_dir).steps("kmeans_cluster"), space_dir, rows_idx,
                                                kw["n_clusters"], kw["seed"], kw.get("kmeans"), w, launcher)
-        kw["picker"] = functools.partial(sharded_pick, folder=os.path.join(out_dir, "steps", "sample"), tasks=w,
+        kw["picker"] = functools.partial(sharded_pick, folder=RunLayout(out_dir).steps("sample"), tasks=w,
                                          launcher=launcher)
         reports += got
     if kw.get("balance_clusters") is not None:
-        level, got = flat_kmeans(os.path.join(out_dir, "steps", "kmeans_balance"), space_dir, rows_idx, kw["balance_clusters"],
+        level, got = flat_kmeans(RunLayout(out_dir).steps("kmeans_balance"), space_dir, rows_idx, kw["balance_clusters"],
                                  kw["seed"], kw.get("kmeans"), w, launcher)
         kw["balance_labels"] = (level.labels, len(level.sizes))
         reports += got
     if has_seeds and mode != "sample":
-        kw["attach"] = functools.partial(sharded_nearest_seed, folder=os.path.join(out_dir, "steps", "nearest_seed"),
+        kw["attach"] = functools.partial(sharded_nearest_seed, folder=RunLayout(out_dir).steps("nearest_seed"),
                                          space_dir=space_dir, rows_path=os.path.join(scratch, "rows.scratch.npy"),
-                                         seed_dir=os.path.join(out_dir, "embeddings", "seeds"), tasks=w, launcher=launcher)
+                                         seed_dir=RunLayout(out_dir).embeddings("seeds"), tasks=w, launcher=launcher)
     return reports
 
 

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from curation.core.stepfiles import blocks, load_step
+from curation.core.layout import RunLayout
 
 
 def _candidates(out_dir: str):
@@ -41,7 +42,7 @@ def decontam_section(out_dir: str, sources, eval_sources, threshold: float, path
     from curation.core.embstore import open_embeddings
 
     rows, near, score = got
-    ev = open_embeddings(os.path.join(out_dir, "embeddings", "eval"))
+    ev = open_embeddings(RunLayout(out_dir).embeddings("eval"))
     set_of = np.array([ev.ref(int(p)).source if ev.ref(int(p)) is not None else "?" for p in near], dtype=object)
     lines = ["## Decontamination", "",
              f"Candidates: pool images whose nearest eval image passed the cosine; verified: their pixels match "
@@ -72,7 +73,7 @@ def _sheet(out_dir, sources, eval_sources, ev, rows, near, score, show, path: st
 
     from curation.core.embstore import open_embeddings
 
-    pool = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    pool = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
     src_p, src_e = as_multi(sources), as_multi(eval_sources)
     n = max(1, max(len(idx) for _, idx in show))
     fig, axes = plt.subplots(2 * len(show), n, figsize=(2.0 * n, 4.4 * len(show)), squeeze=False)

@@ -31,6 +31,7 @@ from curation.report.decontam import decontam_section  # noqa: E402
 from curation.report.tasks import ReportStats, SimStats, of_arrays  # noqa: E402
 from curation.core.status import KEPT, NOT_SELECTED, STATUS_NAMES, STATUSES  # noqa: E402
 from curation.core.stepfiles import load_step  # noqa: E402
+from curation.core.layout import RunLayout
 
 _RED, _BLUE, _GREEN, _ORANGE = "#c0392b", "#2e86c1", "#1e8449", "#e67e22"
 
@@ -39,12 +40,12 @@ def write_report(out_dir: str, sources, params: dict, st: ReportStats, balance: 
     """The plots and ``report/summary.md`` from the merged numbers ``st`` (curation.report.step.make_report runs
     this as one task of its own: matplotlib, its figure buffers and the contact sheet's decoded images are that
     task's memory, not the orchestrator's) -> the summary's path."""
-    rep = os.path.join(out_dir, "report")
+    rep = RunLayout(out_dir).report()
     os.makedirs(rep, exist_ok=True)
-    with open(os.path.join(out_dir, "manifest.json")) as f:
+    with open(RunLayout(out_dir).manifest) as f:
         manifest = json.load(f)
     counts = manifest["counts"]
-    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    emb = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
     dd, rb = (load_step(out_dir, s, mmap=True) for s in ("dedup", "rebalance"))
     names = _IdNames(emb)
     plots = {

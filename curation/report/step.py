@@ -11,6 +11,7 @@ import os
 from curation.report.tasks import ReportStats, report_stats, report_tasks
 from curation.core.stepfiles import load_step
 from curation.core.runner import launch_alone, run_step
+from curation.core.layout import RunLayout
 
 
 def make_report(out_dir: str, sources, params: dict, n_examples: int = 8, tasks=None,
@@ -23,10 +24,10 @@ def make_report(out_dir: str, sources, params: dict, n_examples: int = 8, tasks=
     config's plan, as every other step), and the plots and the summary by one more task in a process of its own
     (:func:`report_figures_task`), so this process holds nothing per row of the pool and never imports matplotlib.
     """
-    with open(os.path.join(out_dir, "manifest.json")) as f:
+    with open(RunLayout(out_dir).manifest) as f:
         manifest = json.load(f)
     balance = {}
-    rb_path = os.path.join(out_dir, "steps", "rebalance_report.json")
+    rb_path = RunLayout(out_dir).steps("rebalance_report.json")
     if os.path.exists(rb_path):
         with open(rb_path) as f:
             balance = json.load(f)

@@ -31,6 +31,7 @@ import numpy as np
 from curation.core.stepfiles import load_step
 from curation.core.status import KEPT, NOT_SELECTED
 from curation.core.runner import BLOCK, launch, run_step, task_blocks
+from curation.core.layout import RunLayout
 
 HIST_BINS = 61  # edges of the similarity histograms (60 bins from min(-0.2, smallest value) to 1)
 NEAR = 0.05  # the summary counts the nearest-neighbour similarities within this of the dedup threshold
@@ -214,7 +215,7 @@ def report_stats(out_dir: str, t_dup: float, t_dec: float, n_top: int, num_tasks
     (``launcher``: tasks.launcher; curation.core.runner.launch)."""
     block = block or BLOCK
     w, how = int(num_tasks), launch(launcher, int(num_tasks))
-    parts = os.path.join(out_dir, "steps", "report")
+    parts = RunLayout(out_dir).steps("report")
     shutil.rmtree(parts, ignore_errors=True)  # an earlier report's parts describe older step arrays
     os.makedirs(parts)
     kw = {"out_dir": out_dir, "parts": parts, "t_dup": t_dup, "t_dec": t_dec, "block": block}

@@ -28,13 +28,14 @@ import numpy as np
 from curation.core.embstore import mark_task_done, open_embeddings, save_shard
 from curation.core.runner import BLOCK, part_done, part_path, parts, read_part, task_blocks, write_part
 from curation.simulate import generate as gen
+from curation.core.layout import RunLayout
 
 SOURCE = "pool"  # the folder of the generated tar shards: a TarShardSource's name is its folder's
 N_JPEGS = 16  # distinct synthetic images, reused round-robin: bytes to copy, not content to look at
 
 
 def _desc(work: str) -> str:
-    return os.path.join(work, "embeddings", "descriptor")
+    return RunLayout(work).embeddings("descriptor")
 
 
 def pool_dir(work: str) -> str:
@@ -111,7 +112,7 @@ def pool_task(t: int, w: int, work: str, n: int, dim: int, n_clusters: int, seed
 def write_eval(work: str, n: int, dim: int, n_clusters: int, n_eval: int, overlap: int, seed: int) -> None:
     """``embeddings/eval/``: ``overlap`` near-copies of random pool rows (their rows: truth/overlap.npy), the
     rest fresh eval rows around the eval set's own centres (:func:`generate.eval_fresh`)."""
-    ev_dir = os.path.join(work, "embeddings", "eval")
+    ev_dir = RunLayout(work).embeddings("eval")
     if os.path.exists(os.path.join(ev_dir, "task-00000-of-00001.json")):
         return
     rng = np.random.default_rng([seed, 2])
@@ -140,7 +141,7 @@ def write_seeds(work: str, m: int, dim: int, n_clusters: int, seed: int) -> None
     """A curated seed set of ``m`` images: points of a random half of the clusters (so retrieving around them
     rebalances), pre-embedded in ``embeddings/seeds/`` as `curate run` would have embedded them, and their
     JPEGs in :func:`seeds_dir` (ids ``seeds/<k>.jpg``, what a folder source of it lists)."""
-    sd = os.path.join(work, "embeddings", "seeds")
+    sd = RunLayout(work).embeddings("seeds")
     if os.path.exists(os.path.join(sd, "task-00000-of-00001.json")):
         return
     rng = np.random.default_rng([seed, 3])

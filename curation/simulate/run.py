@@ -37,6 +37,7 @@ from dinopipe.config import ConfigError, exit_on_config_error
 
 from curation.core import runner, srun
 from curation.simulate import chain
+from curation.core.layout import RunLayout
 
 
 
@@ -166,7 +167,7 @@ def simulate(work: str, n: int, dim: int = 384, tasks: int = 4, n_clusters: int 
     how = runner.launch(cfg.tasks.launcher, w) if cfg.tasks.launcher == "srun" else {
         "launcher": "local", "processes": processes}
     with runner.recording() as rec, runner.PeakMemory() as mem, _traced_step(rec) as traced, \
-            srun.spool(os.path.join(work, "steps", "srun")):
+            srun.spool(RunLayout(work).steps("srun")):
         runner.run_step(chain.pool_task, w, **how, work=work, n=n, dim=dim, n_clusters=n_clusters, seed=seed,
                         copy_rate=copy_rate, hash_rate=hash_rate, max_distance=cfg.hash_dedup.max_distance,
                         block=block)
@@ -200,14 +201,14 @@ def _score(work: str, n: int, block: int, query_fraction: float = 1.0) -> dict:
     from curation.core.status import DECONTAM, HASH_DUP
 
     tr = chain.truth(work, n, block)
-    hg = np.load(os.path.join(work, "steps", "hash", "group.npy"), mmap_mode="r")
+    hg = np.load(RunLayout(work).steps("hash", "group.npy"), mmap_mode="r")
     dd, dc = load_step(work, "dedup", mmap=True), load_step(work, "decontaminate", mmap=True)
     comp = dd["component"]
     digest = hashlib.sha256()
-    with open(os.path.join(work, "decisions.tsv"), "rb") as f:
+    with open(RunLayout(work).decisions_tsv, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
-    with open(os.path.join(work, "manifest.json")) as f:
+    with open(RunLayout(work).manifest) as f:
         counts = json.load(f)["counts"]
     src, dst = tr["copy_src"], tr["copy_dst"]
     if query_fraction < 1.0:  # a planted copy can be found when one of its rows queried the index
@@ -233,8 +234,8 @@ def step_digests(work: str) -> dict:
     """sha256 of every array a step wrote (``steps/**.npy``, ``knn/*.npy``; not the generated inputs), by path
     under ``work``."""
     out = {}
-    for path in sorted(glob.glob(os.path.join(work, "steps", "**", "*.npy"), recursive=True)
-                       + glob.glob(os.path.join(work, "knn", "*.npy"))):
+    for path in sorted(glob.glob(RunLayout(work).steps("**", "*.npy"), recursive=True)
+                       + glob.glob(RunLayout(work).knn("*.npy"))):
         h = hashlib.sha256()
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):

@@ -30,6 +30,7 @@ from dinopipe.data.sources import MultiSource, extension_of
 from dinopipe.utils.io import atomic_path, atomic_write_json
 
 from curation.core.status import STATUSES
+from curation.core.layout import RunLayout
 
 
 def write_shards(source: MultiSource, ids: Sequence[str], metadata: Sequence[dict], out_dir: str,
@@ -109,7 +110,7 @@ def write_shard_task(out_dir: str, shards_dir: str, n_images: int, shard_size: i
     ``shard-<j>.json`` (the member count, its failed reads and the ``selection`` digest); a rerun skips shards
     whose record matches the selection, so a killed task redoes only the shard it was writing."""
     n_shards = -(-n_images // shard_size)
-    rec_dir = os.path.join(out_dir, "steps", "write")
+    rec_dir = RunLayout(out_dir).steps("write")
     os.makedirs(rec_dir, exist_ok=True)
     os.makedirs(shards_dir, exist_ok=True)
     done = skipped = 0
@@ -140,7 +141,7 @@ def finish_shard_tasks(out_dir: str, shards_dir: str, n_images: int, shard_size:
     Per kept image nothing is held here: a record gives its shard's member count, and the pool index is written
     a shard at a time from the shards' location parts (:func:`dinopipe.data.pool_index.write_tar_index`)."""
     n_shards = -(-n_images // shard_size)
-    rec_dir = os.path.join(out_dir, "steps", "write")
+    rec_dir = RunLayout(out_dir).steps("write")
     counts, failed, missing = np.zeros(n_shards, np.int64), [], []
     for j in range(n_shards):
         rec = _read_json(_record_paths(rec_dir, j)[0])

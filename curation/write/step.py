@@ -15,6 +15,7 @@ from curation.write.tasks import (_decisions_part_task, write_inputs, _write_sha
                                   write_selection)
 from curation.write.shards import finish_shard_tasks, manifest_from_counts
 from curation.core.stepfiles import write_json_atomic
+from curation.core.layout import RunLayout
 
 
 def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: dict | None = None,
@@ -34,7 +35,7 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
     if (write or WriteConfig()).shards:
         run_tasks(_write_shards_task, w, **how, out_dir=out_dir,
                   sources=sources, shard_size=shard_size, progress=progress, selection=sel)
-        shards = finish_shard_tasks(out_dir, os.path.join(out_dir, "shards"), sel.n_kept, shard_size, sel.digest)
+        shards = finish_shard_tasks(out_dir, RunLayout(out_dir).shards(), sel.n_kept, shard_size, sel.digest)
     else:  # decisions only (write.shards=false)
         shards = {"shards": [], "failed": []}
     emb, rb, dd = write_inputs(out_dir)
@@ -48,5 +49,5 @@ def step_write(sources, out_dir: str, write: WriteConfig | None = None, extra: d
     manifest = manifest_from_counts(per_source, reasons, {
         "shards": [os.path.relpath(s, out_dir) for s in shards["shards"]], "decisions_parts": w,
         "tasks": {"write": w}, **(extra or {})})
-    write_json_atomic(os.path.join(out_dir, "manifest.json"), manifest)
+    write_json_atomic(RunLayout(out_dir).manifest, manifest)
     return manifest

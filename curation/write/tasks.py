@@ -24,6 +24,7 @@ from curation.core.stepfiles import load_step, step_path
 from curation.core.status import KEPT
 from curation.write.shards import write_shard_task
 from curation.core.runner import BLOCK
+from curation.core.layout import RunLayout
 
 
 def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, progress: bool = False,
@@ -35,7 +36,7 @@ def _write_shards_task(t: int, w: int, out_dir: str, sources, shard_size: int, p
 def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, digest: str) -> dict:
     """Runner task ``t`` of ``w`` of the decisions table: its inputs' rows of decisions/part-*.tsv (maps the two
     step arrays it needs and reads only its inputs' rows of them)."""
-    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    emb = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
     status = load_step(out_dir, "rebalance", keys=("status",), mmap=True)["status"]
     component = load_step(out_dir, "dedup", keys=("component",), mmap=True)["component"]
     out = decisions_task(out_dir, emb, status, component, failed, t, w, digest)
@@ -44,7 +45,7 @@ def _decisions_part_task(t: int, w: int, out_dir: str, failed: np.ndarray, diges
 
 def write_inputs(out_dir: str):
     """(embeddings, the rebalance step's arrays, the dedup step's component and nn_sim), memory-mapped."""
-    emb = open_embeddings(os.path.join(out_dir, "embeddings", "descriptor"))
+    emb = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
     rb = load_step(out_dir, "rebalance", mmap=True)
     dd = load_step(out_dir, "dedup", keys=("component", "nn_sim"), mmap=True)
     if rb["nearest_seed"].dtype.kind not in "iu":  # strings: a folder written before the seeds became row numbers
@@ -104,7 +105,7 @@ def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_
     emb, rb, dd = write_inputs(out_dir)
     sel = selection if selection is not None else write_selection(out_dir, shard_size)
     status, component = rb["status"], dd["component"]
-    seed_dir = os.path.join(out_dir, "embeddings", "seeds")
+    seed_dir = RunLayout(out_dir).embeddings("seeds")
     seeds = open_embeddings(seed_dir) if os.path.isdir(seed_dir) and sel.has_seeds else None
 
     def seed_name(k: int) -> str | None:
@@ -121,7 +122,7 @@ def write_task(out_dir: str, sources, shard_size: int, task_index: int = 0, num_
                     "seed_similarity": _num(seed_sim[k]), "nn_similarity": _num(nn_sim[k])}
             yield f"{start + k:09d}", name, (lambda i=i: _read_row(src, emb, i)), meta
 
-    return write_shard_task(out_dir, os.path.join(out_dir, "shards"), sel.n_kept, shard_size, items_of, sel.digest, task_index,
+    return write_shard_task(out_dir, RunLayout(out_dir).shards(), sel.n_kept, shard_size, items_of, sel.digest, task_index,
                             num_tasks, progress)
 
 
