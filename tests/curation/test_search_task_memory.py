@@ -8,10 +8,14 @@ import os
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from curation.knn.index import Rows
 from curation.knn.candidates import EXACT_PIECE, exact_cosine
 from curation.knn.shards import KnnJob, chunk_path, iter_chunks, pair_keys, read_chunks
+
+
+pytestmark = pytest.mark.memory  # measured in a session of its own (`make test`'s second pytest run)
 
 
 def _unit(rng, n, d):

@@ -24,6 +24,9 @@ import pytest
 
 from dinopipe.utils import debug_hooks
 
+
+pytestmark = pytest.mark.memory  # measured in a session of its own (`make test`'s second pytest run)
+
 ROOT = Path(__file__).resolve().parents[2]
 N, DIM, BLOCK = 20_000, 32, 2048
 

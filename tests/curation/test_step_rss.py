@@ -29,6 +29,9 @@ import pytest
 
 from dinopipe.utils import debug_hooks
 
+
+pytestmark = pytest.mark.memory  # measured in a session of its own (`make test`'s second pytest run)
+
 ROOT = Path(__file__).resolve().parents[2]
 N, DIM, BLOCK = 60_000, 384, 2048
 MB = 2**20

@@ -21,7 +21,11 @@ GOAL = 64  # bytes per shard per rank (issue 41)
 _CHILD = r"""
 import json, sys, tracemalloc
 import numpy as np
+import pytest
 from dinopipe.utils import storage
+
+
+pytestmark = pytest.mark.memory  # measured in a session of its own (`make test`'s second pytest run)
 storage.list_prefix(sys.argv[1] + "-warm-up")  # the client's session and S3 service model are not the listing's
 tracemalloc.start()
 listing = storage.list_prefix(sys.argv[1], recursive=False, suffixes=(".tar",))
