@@ -60,6 +60,7 @@ from .utils.lazy_rows import lazy_cat
 from .utils.norm import in_channels, set_input_norm
 from .utils.safe_load import CheckpointError, UnsafeCheckpointError, read_safetensors, read_safetensors_header
 from .utils.storage import is_url
+from .utils.run_layout import TrainLayout
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def _recorded_norm(model: nn.Module, file: Path) -> None:
 
 
 def _heads_file(path: Path) -> Optional[Path]:
-    for cand in (path / "export" / "teacher" / HEADS_NAME, path / HEADS_NAME):
+    for cand in (TrainLayout(path).export("teacher") / HEADS_NAME, path / HEADS_NAME):
         if cand.is_file():
             return cand
     return None

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from ..utils.run_layout import TrainLayout
 
 
 class Skip(Exception):
@@ -269,17 +270,17 @@ def check_cli(dev: torch.device, small: bool, out_dir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO)] + sys.path))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    metrics, deadline = run / "metrics.jsonl", time.time() + 300
+    metrics, deadline = TrainLayout(run).metrics, time.time() + 300
     while time.time() < deadline and proc.poll() is None:  # wait until 3 steps are logged, then preempt
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
             break
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGTERM)  # the whole group: ranks and data workers, as Slurm does
     out1, _ = proc.communicate(timeout=300)
-    latest = run / "checkpoints" / "latest"
+    latest = TrainLayout(run).latest
     res = {"preempted_exit": proc.returncode, "checkpoint": latest.read_text().strip() if latest.is_file() else None}
     r2 = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    res.update(rerun_exit=r2.returncode, export=(run / "export" / "teacher").is_dir())
+    res.update(rerun_exit=r2.returncode, export=TrainLayout(run).export("teacher").is_dir())
     res["ok"] = res["preempted_exit"] == 124 and res["checkpoint"] is not None and r2.returncode == 0 and res["export"]
     if not res["ok"]:
         res["log_tail"] = (out1[-2000:], r2.stdout[-1000:], r2.stderr[-2000:])

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..config import ConfigError, save_config
+from ..utils.run_layout import TrainLayout
 
 
 @dataclass
@@ -210,7 +211,7 @@ def run_distill(cfg: PipelineConfig, p: Paths) -> int:
 
 
 def _students(p: Paths) -> dict[str, Path]:
-    exp = p.distill / "export"
+    exp = TrainLayout(p.distill).export()
     return {d.name: d for d in sorted(exp.iterdir()) if (d / "model.safetensors").is_file()} if exp.is_dir() else {}
 
 
@@ -259,7 +260,7 @@ def _done(stage: str, p: Paths) -> bool:
     if stage == "curate":
         return (p.curated / "manifest.json").is_file()
     if stage == "pretrain":
-        return (p.pretrain / "export" / "teacher" / "model.safetensors").is_file()
+        return (TrainLayout(p.pretrain).export("teacher") / "model.safetensors").is_file()
     if stage == "distill":
         return bool(_students(p))
     if stage == "eval":

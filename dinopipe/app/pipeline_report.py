@@ -12,6 +12,7 @@ from typing import Optional
 
 from ..train.knn_probe import read_knn
 from ..train.metrics import read_metrics
+from ..utils.run_layout import TrainLayout
 
 
 def _phase_lines(ax, rows: list[dict]) -> None:
@@ -203,7 +204,7 @@ def write_report(p, timings: dict) -> Path:
     lines += ["## Artefacts", "", "| what | where |", "|---|---|",
               f"| curated shards | `{p.curated / 'shards'}` |", f"| manifest | `{manifest}` |",
               f"| teacher (dinopipe.load) | `{p.pretrain}` |"]
-    exp = p.distill / "export"
+    exp = TrainLayout(p.distill).export()
     for d in sorted(exp.iterdir()) if exp.is_dir() else []:
         lines.append(f"| student {d.name} | `{d}` |")
     lines += [f"| kNN results | `{p.eval}` |", ""]

@@ -49,6 +49,7 @@ from ..train.dist import DistInfo
 from ..train.loop import LoopConfig, Phase, Trainer
 from ..train.signals import worker_ignore_signals
 from ..utils.device import pick_device
+from ..utils.run_layout import TrainLayout
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ def fit_dense_head(backbone: nn.Module, head: nn.Module, train_loader: DataLoade
     rc = trainer.fit()
     out: dict[str, Any] = {"exit": rc, "steps": int(trainer.state.values["step"]), "epochs": cfg.epochs,
                            "batch_size": batch, "lr": cfg.lr, "backbone_lr": cfg.backbone_lr}
-    logged = Path(cfg.out) / "metrics.jsonl"
+    logged = TrainLayout(cfg.out).metrics
     if logged.is_file():  # the last logged step's loss (the loop logs every log_every steps and the last one)
         import json
 

@@ -23,6 +23,7 @@ from ..models.convert import detect_format, unwrap_state_dict
 from ..models.registry import list_models, model_defaults
 from ..utils.safe_load import CheckpointError, read_safetensors, torch_load
 from .backbone import ARCH_METADATA_KEY, CONFIG_NAME, EXPORT_FORMAT, WEIGHTS_NAME, read_sidecar
+from ..utils.run_layout import TrainLayout
 
 HF_MODEL_TYPES = ("dinov2", "dinov2_with_registers", "dinov3_vit")
 
@@ -118,13 +119,13 @@ def dcp_dir(path: Path, which: Optional[str] = None) -> Optional[Path]:
     export yet or a raw student is asked for (exports hold the teacher / EMA weights only)."""
     if (path / ".metadata").is_file():
         return path
-    pointer = path / "checkpoints" / "latest"
+    pointer = TrainLayout(path).latest
     wants_student = bool(which) and (which == "student" or which.startswith("student."))
-    if pointer.is_file() and (wants_student or not (path / "export").is_dir()):
+    if pointer.is_file() and (wants_student or not TrainLayout(path).export().is_dir()):
         name = pointer.read_text(errors="replace").strip()
         if Path(name).name != name or name in ("", ".", ".."):
             raise CheckpointError(f"{pointer}: names '{name}', not a checkpoint folder next to it")
-        ckpt = path / "checkpoints" / name
+        ckpt = TrainLayout(path).checkpoints / name
         if (ckpt / ".metadata").is_file():
             return ckpt
     return None
@@ -174,7 +175,7 @@ def _run_arch(ckpt: Path, state: str) -> Optional[dict]:
     """Exact architecture from the run's resolved config.yaml (RUN/checkpoints/step_N -> RUN/config.yaml)."""
     from omegaconf import OmegaConf  # its YAML loader is a safe one: tags that construct objects are refused
 
-    cfg_file = ckpt.parent.parent / "config.yaml"
+    cfg_file = TrainLayout(ckpt.parent.parent).config
     if not cfg_file.is_file():
         return None
     try:
@@ -270,7 +271,7 @@ def pick(p: Probe) -> Format:
 
 
 def _students(run: Path) -> list[str]:
-    export = run / "export"
+    export = TrainLayout(run).export()
     return sorted(p.name for p in export.iterdir() if (p / WEIGHTS_NAME).is_file()) if export.is_dir() else []
 
 
@@ -290,13 +291,13 @@ def locate(path: Path, which: Optional[str] = None) -> Path:
         if which not in students:
             raise CheckpointError(f"'{path}': no exported student '{which}' (exported: {students or 'none'})")
         subs = [f"export/{which}"]
-    elif not (path / "export" / "teacher").is_dir() and len(students) == 1:
+    elif not TrainLayout(path).export("teacher").is_dir() and len(students) == 1:
         subs.append(f"export/{students[0]}")
     for sub in subs:
         d = path / sub if sub else path
         if _hf_shards(d):
             return d
-    if len(students) > 1 and not (path / "export" / "teacher").is_dir() and not which:
+    if len(students) > 1 and not TrainLayout(path).export("teacher").is_dir() and not which:
         raise CheckpointError(f"'{path}' is a distillation run with students {students}: pass which=NAME "
                               f"(dinopipe export --which NAME) to pick one")
     raise CheckpointError(f"'{path}': no {WEIGHTS_NAME} in the folder, export/teacher/ or export/, and no DCP checkpoint")

@@ -40,6 +40,7 @@ from ..utils.io import atomic_write
 from ..utils.safe_load import CheckpointError
 from .dist import barrier, broadcast_object, get_info
 from .signals import maybe_test_signal
+from ..utils.run_layout import TrainLayout
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class CheckpointManager:
 
     def __init__(self, run_dir: str | Path, keep_last: int = 3, location: Optional[str] = None) -> None:
         self.url = location.rstrip("/") if location and storage.is_url(location) else None
-        self.dir = Path(location) if location and self.url is None else Path(run_dir) / "checkpoints"
+        self.dir = Path(location) if location and self.url is None else TrainLayout(run_dir).checkpoints
         self.keep_last = max(1, keep_last)
 
     @staticmethod

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..utils.device import host_tensor
+from ..utils.run_layout import TrainLayout
 
 
 def _plain(v: Any) -> Any:
@@ -35,7 +36,7 @@ def _plain(v: Any) -> Any:
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, enabled: bool = True, resume_step: int = 0,
                  tensorboard: bool = True) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = TrainLayout(run_dir).metrics
         self.enabled = enabled
         self.tb = None
         if not enabled:
@@ -69,7 +70,7 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = TrainLayout(run_dir).metrics
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -27,6 +27,7 @@ from .builders import open_pool, train
 from .checkpoint import ModelOptimState, full_state_dict
 from .dist import DistInfo, all_gather_fn, all_reduce_sum_fn, get_info, init_distributed
 from .parallel import parallelize
+from ..utils.run_layout import TrainLayout
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ def export_task(task: TeacherStudentTask, run_dir: str | Path, step: int) -> Non
         model = build_vit(**spec.backbone.arch_config())
         model.load_state_dict(backbone_sd)
         set_input_norm(model, getattr(spec.backbone, "input_mean", None), getattr(spec.backbone, "input_std", None))
-        out = Path(run_dir) / "export" / spec.name
+        out = TrainLayout(run_dir).export(spec.name)
         save_backbone(model, out, extra=spec.extra)
         if heads_sd:
             save_heads(out, heads_sd)
