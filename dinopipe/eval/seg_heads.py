@@ -73,6 +73,26 @@ class UperNetSegHead(_PixelHead):
         return self.decode(list(self.pyramid(grid).values()))
 
 
+def _init_as_transformers(cfg, *parts: nn.Module) -> None:
+    """Mask2Former's own initialisation of modules built outside its model. transformers initialises them from the
+    model's ``post_init`` (``Mask2FormerPreTrainedModel._init_weights``, children before their parent); built on
+    their own they keep what their constructors left: the pixel decoder's ``level_embed`` is ``torch.Tensor(L, C)``,
+    uninitialised memory (a NaN loss at step 0 now and then, depending on what the process freed before), and the
+    deformable attention misses its sampling-offset grid."""
+    from transformers.models.mask2former.modeling_mask2former import Mask2FormerPreTrainedModel
+
+    initializer = Mask2FormerPreTrainedModel(cfg)
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        initializer._init_weights(module)
+
+    with torch.no_grad():
+        for part in parts:
+            visit(part)
+
+
 class Mask2FormerSegHead(nn.Module):
     """Pyramid -> transformers' Mask2Former pixel decoder (multi-scale deformable attention over strides 8/16/32,
     mask features at 4) -> masked-attention transformer decoder -> per-query class and mask logits."""
@@ -99,6 +119,7 @@ class Mask2FormerSegHead(nn.Module):
         self.weights = {"loss_cross_entropy": cfg.class_weight, "loss_mask": cfg.mask_weight,
                         "loss_dice": cfg.dice_weight}
         self.criterion = Mask2FormerLoss(config=cfg, weight_dict=self.weights)
+        _init_as_transformers(cfg, self.pixel_decoder, self.transformer)
         self.metric_keys = tuple(self.weights)  # what ``loss`` logs
 
     def forward(self, grid: Tensor) -> dict:

@@ -155,3 +155,21 @@ def test_mask2former_trains_and_gives_semantic_scores(paste, tmp_path):
     raw = head(torch.randn(2, 64, 4, 4))
     scores = head.logits(raw, (60, 64))
     assert scores.shape == (2, 4, 60, 64) and (scores >= 0).all()  # P(class) x sigmoid(mask), summed over queries
+
+
+def test_mask2former_is_initialised_as_transformers_does_not_from_leftover_memory():
+    """Its modules are built outside transformers' model, whose post_init initialises them: the pixel decoder's
+    level_embed is torch.Tensor(L, C) (uninitialised). Freed NaN-filled blocks of that size lie in the allocator's
+    cache before the build; the head built after them equals one built before, finite, level_embed ~ N(0, 1)."""
+    def build():
+        torch.manual_seed(0)
+        return build_seg_head("m2f", 64, 4, channels=32, **M2F_SMALL).state_dict()
+
+    first = build()
+    for _ in range(64):  # the size of level_embed's storage: what malloc hands back next for it
+        junk = torch.full((3, 32), float("nan"))
+        del junk
+    second = build()
+    for name, value in second.items():
+        assert torch.isfinite(value.float()).all() and torch.equal(value, first[name]), name
+    assert 0.5 < float(second["pixel_decoder.level_embed"].std()) < 2.0
