@@ -1,6 +1,6 @@
 """Embedding storage: fp16 shards + ids, memory-mapped and read in canonical order (no torch here, so the
 curation step tasks that only read embeddings -- hash pairs, index add, searches, sampling, decisions -- start
-without importing it; the embedding runner is curation.embed.embeddings, which re-exports these names).
+without importing it; the embedding runner that writes it is curation.embed.embeddings).
 
 Layout of an embeddings folder::
 

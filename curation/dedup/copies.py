@@ -165,7 +165,7 @@ def _verify_and_group(n: int, ids, verifier, grouping: str, canonical, verified:
     space (``verified``: already verified edges: only the lone images' pass calls ``verifier``)."""
     if grouping not in GROUPINGS:
         raise ValueError(f"grouping {grouping!r}: choose one of {GROUPINGS}")
-    if not hasattr(ids, "dtype"):  # a lazy sliceable (knn_steps: the survivors' ids, read a block at a time) stays
+    if not hasattr(ids, "dtype"):  # a lazy sliceable (curation.dedup.knn: the survivors' ids, read a block at a time) stays
         ids = np.asarray(ids)
     if len(ids) != n:
         raise ValueError(f"copy_dedup_from_pairs got n={n} but {len(ids)} ids")
@@ -195,7 +195,7 @@ def _verify_and_group(n: int, ids, verifier, grouping: str, canonical, verified:
             seconds += time.perf_counter() - t1
         component = root if order is None else order[root[rank]]
     keep = is_root(component)
-    # read-only placeholders (no memory): the kNN's arrays replace them (copy_dedup, knn_steps.sharded_copy_dedup)
+    # read-only placeholders (no memory): the kNN's arrays replace them (copy_dedup, curation.dedup.knn.sharded_copy_dedup)
     empty_sim, empty_idx = np.broadcast_to(np.float32(-np.inf), (n,)), np.broadcast_to(np.int64(-1), (n,))
     return DedupResult(component, keep, empty_sim, empty_idx, len(lo), "none", n_candidates,
                        seconds)

@@ -1,5 +1,5 @@
 """The resumable, task-split embedding runner (decode, embed, write fp16 shards); the storage it writes and
-reads (shards, ids, the reader in canonical order) is curation.core.embstore, re-exported here.
+reads (shards, ids, the reader in canonical order) is curation.core.embstore.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The index step on the sharded kNN (curation.knn.shards): ``curate index`` and ``curate search``,
-and the copy dedup / decontamination that ``curate dedup`` / ``curate decontaminate`` run on their
-merged results.
+"""The index step on the sharded kNN (curation.knn.shards): ``curate index`` and ``curate search``, the pool,
+eval and retrieval indexes and their chunks that the dedup (curation.dedup.knn), decontaminate
+(curation.decontaminate.nearest) and rebalance (curation.rebalance.retrieval) steps merge.
 
 One code path for any number of workers: ``curate run`` (and a ``curate dedup`` that finds no
 finished search) trains the same index and searches every chunk in its own process as task 0 of 1;

@@ -1,5 +1,5 @@
 """Copy dedup's orchestrator reads the kNN's candidate pairs a chunk at a time as sorted unique int64 keys
-(knn_shards.pair_keys -> dedup.copy_dedup_from_keys, what knn_steps.sharded_copy_dedup runs) instead of
+(knn_shards.pair_keys -> dedup.copy_dedup_from_keys, what curation.dedup.knn.sharded_copy_dedup runs) instead of
 concatenating every chunk's a / b / sim and merging them (knn_shards.merge_pairs -> dedup.copy_dedup_from_pairs):
 the same decisions, with less held per pair (issue 40)."""
 

@@ -1,6 +1,6 @@
 """curation's modules form no import cycle (module-level or inside a function), and each imports alone.
 
-A cycle hidden in function-level imports (pipeline -> knn_steps -> pipeline) works until someone moves
+A cycle hidden in function-level imports (pipeline -> a step -> pipeline) works until someone moves
 an import to the top; the graph here counts every ``import`` statement anywhere in a module.
 """
 
@@ -132,7 +132,7 @@ def test_each_room_imports_only_the_rooms_below_it():
     found = room_violations(import_graph())
     assert not found, "\n".join(found)
     arrows = {(room_of(s), room_of(d)) for s, ts in import_graph().items() for d in ts} - {(r, r) for r in ROOM_MAY}
-    assert len({r for r in ROOM_MAY if r not in ("plan_rates",)}) <= 18 and len(arrows) <= 70, sorted(arrows)
+    assert len(arrows) <= 70, sorted(arrows)  # issue 52's goal for the picture
 
 
 def test_room_rule_catches_a_step_importing_another_step():

@@ -69,7 +69,7 @@ def test_every_mode_decides_the_same_for_any_w(base, mode):
         # the row work ran as W tasks of the runner, not in this process
         want = {"cluster": ["tree_task", "hist_task", "select_task", "nearest_seed_task"],
                 "hierarchical": ["tree_task", "select_task", "nearest_seed_task"],
-                "sample": [], "none": ["nearest_seed_task"]}[mode]  # sample: the sharded kNN's (knn_steps)
+                "sample": [], "none": ["nearest_seed_task"]}[mode]  # sample: the sharded kNN's (curation.rebalance.retrieval)
         for fn in want:
             # the k-means tree: one rank inline (the same tree), W ranks in local processes
             assert runs.get(fn) == (1 if fn == "tree_task" and name == "3 inline" else w), (name, fn, runs)
