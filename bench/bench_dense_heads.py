@@ -38,16 +38,23 @@ from dinopipe.eval.detect import train_detector  # noqa: E402
 from dinopipe.eval.paste_data import OBJECTS, build_paste_sets  # noqa: E402
 from dinopipe.eval.seg_train import predict_image, train_seg  # noqa: E402
 
-SEG = {  # head: (lr, extra)
-    "linear": (1e-2, {}),
-    "upernet": (1e-3, {}),
-    "m2f": (1e-3, {"m2f": dict(num_queries=8, decoder_layers=3, encoder_layers=1, train_num_points=512)}),
+SEG = {  # head: (lr, epochs flag, extra)
+    "linear": (1e-2, "epochs", {}),
+    "upernet": (1e-3, "epochs", {}),
+    "m2f": (1e-3, "m2f_epochs", {"m2f": dict(num_queries=8, decoder_layers=3, encoder_layers=1,
+                                               train_num_points=512)}),
 }
+RANDOM_LIKE = "random-like:"  # + a path: a randomly initialised net of that model's architecture
 
 
 def _backbone(spec: str):
     from dinopipe.hub import load
+    from dinopipe.models.registry import build_vit
 
+    if spec.startswith(RANDOM_LIKE):  # what the pipeline's eval compares a student with (its own arch, seed 0)
+        arch = load(spec[len(RANDOM_LIKE):], device="cpu").arch_config()
+        torch.manual_seed(0)
+        return build_vit(**arch).eval()
     torch.manual_seed(0)  # the registry name's random init is the same for every row
     return load(spec, device="cpu")
 
@@ -63,10 +70,10 @@ def run_seeds(args, backbone_spec: str, work: Path) -> dict:
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         paths = build_paste_sets(work / f"s{seed}", args.n_train, args.n_val, size=args.size, seed=100 * seed)
         tr, va = open_dense(paths["train"]), open_dense(paths["val"], num_classes=len(OBJECTS) + 1)
-        for head, (lr, extra) in SEG.items():
+        for head, (lr, epochs, extra) in SEG.items():
             t0 = time.time()
-            h, res = train_seg(_backbone(backbone_spec), head, tr, va, size=args.size, epochs=args.epochs, lr=lr,
-                               batch_size=8, seed=seed, channels=args.channels, **extra)
+            h, res = train_seg(_backbone(backbone_spec), head, tr, va, size=args.size, epochs=getattr(args, epochs),
+                               lr=lr, batch_size=8, seed=seed, channels=args.channels, **extra)
             rows["seg"][head].append({"seed": seed, "miou": res["miou"], "per_class_iou": res["per_class_iou"],
                                       "seconds": round(time.time() - t0, 1)})
             print(f"{backbone_spec} seed {seed} {head:8s} mIoU {100 * res['miou']:.2f}  ({time.time() - t0:.0f} s)",
@@ -108,6 +115,20 @@ def _summarise(rows: dict) -> dict:
             m, se = mean_se([r[k] for r in rows["det"]])
             out["det"][k] = {"mean": round(m, 4), "se": round(se, 4)}
         out["det"]["runs"] = rows["det"]
+    return out
+
+
+def trained_minus_random(trained: dict, random: dict) -> dict:
+    """Per head (and detector AP50), the trained backbone minus its random init, paired by seed (same data)."""
+    pairs = {h: ([r["miou"] for r in trained["seg"][h]["runs"]], [r["miou"] for r in random["seg"][h]["runs"]])
+             for h in trained["seg"]}
+    if trained["det"] and random["det"]:
+        pairs["det_AP50"] = ([r["bbox_AP50"] for r in trained["det"]["runs"]],
+                             [r["bbox_AP50"] for r in random["det"]["runs"]])
+    out = {}
+    for key, (a, b) in pairs.items():
+        m, se = mean_se([x - y for x, y in zip(a, b)])
+        out[key] = {"mean": round(m, 4), "se": round(se, 4), "in_se": round(m / se, 1) if se > 0 else None}
     return out
 
 
@@ -165,14 +186,20 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--n-train", type=int, default=48)
     ap.add_argument("--n-val", type=int, default=16)
-    ap.add_argument("--epochs", type=int, default=12)
+    ap.add_argument("--epochs", type=int, default=12, help="epochs of the linear probe and UperNet")
+    ap.add_argument("--m2f-epochs", type=int, default=24,
+                    help="Mask2Former's epochs (a set-prediction head: it needs more steps than a per-pixel one)")
     ap.add_argument("--det-epochs", type=int, default=8, help="0: no detection rows")
     ap.add_argument("--channels", type=int, default=64)
-    ap.add_argument("--random", default="vit_test", help="registry name: a randomly initialised backbone")
+    ap.add_argument("--random", default=None,
+                    help="a registry name (random init); default: vit_test, or with --trained a random net of the "
+                         "trained model's architecture (seed 0, as the pipeline's eval compares a student)")
     ap.add_argument("--trained", default=None, help="a trained backbone dinopipe.load reads (compared with --random)")
     ap.add_argument("--out", default=str(REPO / "bench/results/dense_heads.json"))
     ap.add_argument("--picture", default=None, help="PNG: predictions beside the truth (seed 0)")
     args = ap.parse_args()
+    if args.random is None:
+        args.random = RANDOM_LIKE + args.trained if args.trained else "vit_test"
     torch.set_num_threads(2)
     t0 = time.time()
     res = {"config": {k: v for k, v in vars(args).items() if k not in ("out", "picture")},
@@ -184,6 +211,8 @@ def main() -> int:
             res[name], keep = run_seeds(args, spec, Path(tmp) / name)
             if args.picture and name == ("trained" if args.trained else "random"):
                 picture(keep, spec, args.size, Path(args.picture))
+    if "random" in res and "trained" in res:
+        res["trained_minus_random"] = trained_minus_random(res["trained"], res["random"])
     res["seconds"] = round(time.time() - t0, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
@@ -198,6 +227,8 @@ def main() -> int:
                 e = res[name]["det"]
                 print(f"{name:8s} fasterrcnn AP {100 * e['bbox_AP']['mean']:.2f} ± {100 * e['bbox_AP']['se']:.2f}  "
                       f"AP50 {100 * e['bbox_AP50']['mean']:.2f} ± {100 * e['bbox_AP50']['se']:.2f}")
+    for key, d in res.get("trained_minus_random", {}).items():
+        print(f"trained - random {key:10s} {100 * d['mean']:+.2f} ± {100 * d['se']:.2f} ({d['in_se']} se)")
     print(f"written {args.out} in {res['seconds']} s")
     return 0
 

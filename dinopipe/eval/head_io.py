@@ -178,18 +178,32 @@ def _graph(model: nn.Module) -> nn.Module:
     return g
 
 
+def _fixed_export_size(model: nn.Module, image_size: Optional[int]) -> Optional[int]:
+    """The one size a head that cannot trace size-generic is exported at (None: the head traces at any size)."""
+    if getattr(getattr(model, "head", None), "size_generic_export", True):
+        return None
+    return int(image_size or (getattr(model, "head_config", None) or {}).get("img_size")
+               or 4 * int(model.backbone.patch_size))
+
+
 def trace_head_model(model: nn.Module, image_size: Optional[int] = None) -> torch.export.ExportedProgram:
     """torch.export of ``model.forward(images)``: dynamic batch, height and width (multiples of the patch, at least
-    3 patches)."""
+    3 patches). A head whose code fixes its spatial sizes in Python (``size_generic_export = False``: Mask2Former,
+    whose deformable attention splits its values by the levels' sizes as ints) is traced at one size, dynamic batch:
+    ``image_size`` or the size it was trained at (``head_config["img_size"]``, the window slide inference uses)."""
     from torch.export import Dim
 
     g = _graph(model)
     p = int(g.backbone.patch_size)
+    batch = Dim("batch", min=1, max=4096)
+    fixed = _fixed_export_size(model, image_size)
+    if fixed is not None:
+        with torch.no_grad():
+            return torch.export.export(g, (torch.randn(2, 3, fixed, fixed),), dynamic_shapes=({0: batch},))
     size = int(image_size or 4 * p)
     # >= 3 patches a side: a DPT head's stride-2 level then has >= 2 rows (a size-1 dim would be specialised)
     # by position: each task's model names its input as it likes (depth ``x``, seg ``images``)
-    shapes = ({0: Dim("batch", min=1, max=4096), 2: p * Dim("grid_h", min=3, max=512),
-               3: p * Dim("grid_w", min=3, max=512)},)
+    shapes = ({0: batch, 2: p * Dim("grid_h", min=3, max=512), 3: p * Dim("grid_w", min=3, max=512)},)
     with torch.no_grad():
         return torch.export.export(g, (torch.randn(2, 3, size, size),), dynamic_shapes=shapes)
 
@@ -197,12 +211,17 @@ def trace_head_model(model: nn.Module, image_size: Optional[int] = None) -> torc
 def export_head(model: nn.Module, out_dir: str | Path, image_size: Optional[int] = None,
                 onnx: bool = True) -> dict[str, Path]:
     """``out_dir/model.pt2`` (torch.export) and ``out_dir/model.onnx`` of backbone + head (input ``images``,
-    output ``prediction``), the head's config in the graphs' metadata."""
+    output ``prediction``), the head's config in the graphs' metadata (with ``export_size`` [H, W] where the graph
+    takes one size only: :func:`trace_head_model`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     program = trace_head_model(model, image_size)
     paths = {"pt2": out / "model.pt2"}
-    meta = json.dumps(getattr(model, "head_config", {}) or {})
+    meta = dict(getattr(model, "head_config", {}) or {})
+    fixed = _fixed_export_size(model, image_size)
+    if fixed is not None:
+        meta["export_size"] = [fixed, fixed]
+    meta = json.dumps(meta)
     with atomic_path(paths["pt2"]) as tmp:
         torch.export.save(program, tmp, extra_files={"dinopipe_head.json": meta})
     if onnx:

@@ -97,6 +97,8 @@ class Mask2FormerSegHead(nn.Module):
     """Pyramid -> transformers' Mask2Former pixel decoder (multi-scale deformable attention over strides 8/16/32,
     mask features at 4) -> masked-attention transformer decoder -> per-query class and mask logits."""
 
+    size_generic_export = False  # transformers' deformable attention splits its values by level sizes as ints
+
     def __init__(self, embed_dim: int, num_classes: int, channels: int = 256, num_queries: int = 100,
                  decoder_layers: int = 10, encoder_layers: int = 6, train_num_points: int = 12544) -> None:
         super().__init__()

@@ -98,6 +98,41 @@ def test_a_saved_seg_head_exports_to_onnx_and_torch_export_matching_at_new_sizes
         torch.testing.assert_close(onnx, ref, rtol=0, atol=5e-5)
 
 
+@pytest.mark.slow
+def test_a_mask2former_head_exports_at_its_training_size_matching_eager(tmp_path):
+    """transformers' deformable attention splits its values by the levels' sizes as Python ints, so a Mask2Former
+    graph holds for one size: it is exported at the size the head was trained at (slide inference's window), any
+    batch, and says so in its metadata; there both exports equal eager."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("scipy")
+    import onnxruntime as ort
+
+    from dinopipe.eval.head_io import export_head, load_head_model, save_head
+    from dinopipe.eval.seg_model import seg_head_config
+
+    torch.manual_seed(0)
+    bb = create_model("vit_test").eval()
+    p = int(bb.patch_size)
+    m2f = dict(num_queries=4, decoder_layers=2, encoder_layers=1, train_num_points=64)
+    head = build_seg_head("m2f", int(bb.embed_dim), 3, channels=32, **m2f).eval()
+    save_head(tmp_path / "m", bb, head, seg_head_config("m2f", 3, 32, 5 * p, m2f=m2f))
+    model = load_head_model(tmp_path / "m")
+    paths = export_head(model, tmp_path / "x")
+    program = torch.export.load(str(paths["pt2"])).module()
+    sess = ort.InferenceSession(str(paths["onnx"]), providers=["CPUExecutionProvider"])
+    meta = json.loads(sess.get_modelmeta().custom_metadata_map["dinopipe_head"])
+    assert meta["head"] == "m2f" and meta["export_size"] == [5 * p, 5 * p]
+    for batch in (1, 3):  # traced with 2
+        x = torch.randn(batch, 3, 5 * p, 5 * p, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            ref = model(x)
+            got = program(x)
+        assert ref.shape == (batch, 3, 5 * p, 5 * p)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        onnx = torch.as_tensor(sess.run(["prediction"], {"images": x.numpy()})[0])
+        torch.testing.assert_close(onnx, ref, rtol=0, atol=5e-5)
+
+
 def test_bad_flags_exit_2_before_anything_is_written(paste, tmp_path, capsys):
     base = ["seg", "--model", "vit_test", "--train", str(paste["train"]), "--val", str(paste["val"]), "--device", "cpu"]
     assert main(base + ["--head", "m2f", "--channels", "48", "--out", str(tmp_path / "o")]) == 2
