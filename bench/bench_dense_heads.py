@@ -9,9 +9,11 @@ Segmentation: the linear probe (BN + 1x1 on the patch grid) against UperNet and 
 pyramid, all on the same frozen backbone, scored by the same slide inference and confusion-matrix mIoU.
 Reported: mean and standard error over seeds, and each pyramid head minus linear (paired by seed) in standard
 errors. Detection: Faster R-CNN on the pyramid, COCO AP by pycocotools. With ``--trained PATH`` every row runs
-on that backbone too (any file dinopipe.load reads; the docs name the one used).
+on that backbone too (any file dinopipe.load reads; the docs name the one used), and the random rows on a random
+net of its architecture: trained minus random per head, paired by seed. Mask2Former has its own epochs
+(``--m2f-epochs``).
 
-    python bench/bench_dense_heads.py [--seeds 3] [--trained runs/quickstart/pretrain] \
+    python bench/bench_dense_heads.py [--seeds 8] [--trained runs/quickstart/distill/export/small] \
         [--out bench/results/dense_heads.json] [--picture docs/img/dense_heads.png]
 """
 
