@@ -51,12 +51,10 @@ RANDOM_LIKE = "random-like:"  # + a path: a randomly initialised net of that mod
 
 def _backbone(spec: str):
     from dinopipe.hub import load
-    from dinopipe.models.registry import build_vit
+    from dinopipe.models import random_init_like
 
     if spec.startswith(RANDOM_LIKE):  # what the pipeline's eval compares a student with (its own arch, seed 0)
-        arch = load(spec[len(RANDOM_LIKE):], device="cpu").arch_config()
-        torch.manual_seed(0)
-        return build_vit(**arch).eval()
+        return random_init_like(load(spec[len(RANDOM_LIKE):], device="cpu"))
     torch.manual_seed(0)  # the registry name's random init is the same for every row
     return load(spec, device="cpu")
 

@@ -217,11 +217,9 @@ def _students(p: Paths) -> dict[str, Path]:
 
 def run_eval(cfg: PipelineConfig, p: Paths) -> int:
     """kNN on the held-out set: each trained model against a random init of its own architecture."""
-    import torch
-
     from ..eval import extract_features, knn_classify, open_labelled
     from ..hub import load
-    from ..models import build_vit
+    from ..models import random_init_like
     from .pipeline_report import RANDOM_TEACHER, binomial_se
 
     if not (p.eval_train and p.eval_val):
@@ -232,14 +230,10 @@ def run_eval(cfg: PipelineConfig, p: Paths) -> int:
     teacher = load(p.pretrain)
     students = {f"student {n}": load(d) for n, d in _students(p).items()}
 
-    def random_init(model):
-        torch.manual_seed(0)  # the same baseline on every rerun
-        return build_vit(**model.arch_config()).eval()
-
-    models = {RANDOM_TEACHER: random_init(teacher), "teacher": teacher}
+    models = {RANDOM_TEACHER: random_init_like(teacher), "teacher": teacher}
     for name, model in students.items():
         # Each student is compared with a random net of its own (smaller) architecture.
-        models[f"random init ({name} arch)"] = random_init(model)
+        models[f"random init ({name} arch)"] = random_init_like(model)
         models[name] = model
     results, se = {}, {}
     for name, model in models.items():

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import functools
 
+import torch
+
 from timm.layers import Mlp
 
 from .block import SwiGLU
@@ -109,6 +111,13 @@ def build_vit(**kwargs: Any) -> DinoVisionTransformer | DinoV3VisionTransformer:
     return model
 
 
+def random_init_like(model, seed: int = 0) -> DinoVisionTransformer | DinoV3VisionTransformer:
+    """A randomly initialised net of ``model``'s architecture (``arch_config()``), in eval mode, the global RNG
+    seeded first so the baseline is the same on every rerun: what a trained backbone is compared with."""
+    torch.manual_seed(seed)
+    return build_vit(**model.arch_config()).eval()
+
+
 # Keys that only shape training, not the weights; exports drop them.
 TRAINING_ONLY_KEYS = ("drop_path_rate", "drop_path_uniform", "efficient_drop_path", "attn_backend")
 
@@ -125,4 +134,5 @@ def create_model(name: str, **overrides: Any) -> DinoVisionTransformer | DinoV3V
     return model
 
 
-__all__ = ["create_model", "build_vit", "list_models", "model_defaults", "FFN_LAYERS", "FAMILIES", "TRAINING_ONLY_KEYS"]
+__all__ = ["create_model", "build_vit", "random_init_like",
+           "list_models", "model_defaults", "FFN_LAYERS", "FAMILIES", "TRAINING_ONLY_KEYS"]
