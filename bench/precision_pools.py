@@ -14,7 +14,8 @@ split by source photo, non-overlapping tiles, planted eval leaks and planted cop
   all tiles, but not constant (a constant tile is the same image whatever its source).
 * **Leaks** (what decontamination must remove): an eval tile cropped to 50-100 % of each side (area >= 45 %),
   resized 0.6-1.6x, colour-changed (gain, contrast, saturation down to grey, hue), mirrored half the time,
-  rotated up to 8 degrees, given a 4-12 % border half the time, re-encoded at JPEG q35-90.
+  rotated up to 8 degrees, given a 4-12 % border half the time, re-encoded at JPEG q35-90 ('hard'); or one of
+  those each, in turn ('single'); or issue 49's measured kinds ('mild').
 * **Copies** (what dedup must group): a pool tile as the web copies it (``samples.make_copy``: resized to
   half, q30, cropped 5 %, all three) plus a brightness / contrast change.
 """
@@ -125,6 +126,49 @@ def leak_mild(arr: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, in
     return np.asarray(img), q, f"{kind} q{q}"
 
 
+SINGLE_KINDS = ("crop", "resize", "colour", "mirror", "rotate", "border")
+
+
+def leak_single(arr: np.ndarray, rng: np.random.Generator, j: int = 0) -> tuple[np.ndarray, int, str]:
+    """An eval image leaked with one of what issue 49 lists (in turn, by ``j``): cropped to 50-95 % a side,
+    resized 0.5-1.6x, colour-changed (saturation 0-1.5, gain, contrast, a hue rotation half the time), mirrored,
+    rotated 2-8 degrees (canvas expanded: black or white corners), or given a 4-12 % border; then JPEG q35-90."""
+    h, w = arr.shape[:2]
+    kind = SINGLE_KINDS[j % len(SINGLE_KINDS)]
+    img = Image.fromarray(arr)
+    if kind == "crop":
+        fy, fx = rng.uniform(0.5, 0.95, 2)
+        ch, cw = round(h * fy), round(w * fx)
+        y0, x0 = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
+        img, what = img.crop((x0, y0, x0 + cw, y0 + ch)), f"crop{fy:.2f}x{fx:.2f}"
+    elif kind == "resize":
+        f = rng.uniform(0.5, 1.6)
+        img, what = img.resize((max(16, round(w * f)), max(16, round(h * f))), Image.BICUBIC), f"resize{f:.2f}"
+    elif kind == "colour":
+        x = np.asarray(img, np.float32)
+        gray = x @ _LUMA
+        sat = rng.uniform(0.0, 1.5)
+        x = gray[..., None] + sat * (x - gray[..., None])
+        x = (x - x.mean()) * rng.uniform(0.75, 1.3) + x.mean() * rng.uniform(0.75, 1.25)
+        img, what = Image.fromarray(np.clip(x, 0, 255).astype(np.uint8)), f"sat{sat:.1f}"
+        if rng.random() < 0.5:
+            hsv = np.asarray(img.convert("HSV")).copy()
+            hsv[..., 0] = (hsv[..., 0].astype(np.int16) + int(rng.integers(20, 236))) % 256
+            img, what = Image.fromarray(hsv, "HSV").convert("RGB"), what + " hue"
+    elif kind == "mirror":
+        img, what = ImageOps.mirror(img), "mirror"
+    else:
+        fill = tuple(int(v) for v in ((0, 0, 0), (255, 255, 255))[int(rng.integers(0, 2))])
+        if kind == "rotate":
+            deg = float(rng.uniform(2, 8)) * (1 if rng.random() < 0.5 else -1)
+            img, what = img.rotate(deg, Image.BICUBIC, expand=True, fillcolor=fill), f"rot{deg:.1f}"
+        else:
+            b = max(2, round(min(h, w) * rng.uniform(0.04, 0.12)))
+            img, what = ImageOps.expand(img, border=b, fill=fill), f"border{b}"
+    q = int(rng.integers(35, 91))
+    return np.asarray(img), q, f"{what} q{q}"
+
+
 def copy_of(arr: np.ndarray, rng: np.random.Generator, j: int) -> tuple[np.ndarray, int, str]:
     """A pool image as the web copies it: (pixels, JPEG quality, kind)."""
     kind = COPY_KINDS[j % len(COPY_KINDS)]
@@ -155,7 +199,8 @@ def build_pool(root: str, kind: str, seed: int = 0, n_leaks: int = 30, n_copies:
     """Write ``root/eval``, ``root/pool`` (``clean/``, ``leaks/``, ``copies/``) for one pool kind; return the
     truth: {"clean": [rel], "leaks": [[pool rel, eval rel, what]], "copies": [[original rel, copy rel, what]],
     "eval": [rel], "sources": {"eval": [...], "pool": [...]}}. Paths relative to root/pool and root/eval.
-    ``leaks``: 'hard' (:func:`leak`) or 'mild' (:func:`leak_mild`, issue 49's measured setup)."""
+    ``leaks``: 'hard' (:func:`leak`: all of them at once), 'single' (:func:`leak_single`: one of them each) or
+    'mild' (:func:`leak_mild`, issue 49's measured setup)."""
     photos = real_photos()
     rng = np.random.default_rng(seed)
     srcs = _sources(kind, photos)
@@ -191,7 +236,8 @@ def build_pool(root: str, kind: str, seed: int = 0, n_leaks: int = 30, n_copies:
         truth["clean"].append("clean/" + rel)
     for j, i in enumerate(rng.permutation(len(ev))[:n_leaks]):
         rel, t = ev[i]
-        px, q, what = (leak if leaks == "hard" else leak_mild)(resize(t), rng)
+        px, q, what = (leak(resize(t), rng) if leaks == "hard" else leak_single(resize(t), rng, j)
+                       if leaks == "single" else leak_mild(resize(t), rng))
         p = f"leaks/{j:03d}_{rel}"
         _write(os.path.join(root, "pool", p), jpeg(px, q))
         truth["leaks"].append([p, rel, what])

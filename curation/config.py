@@ -195,6 +195,10 @@ class DecontaminateConfig:
     """Side (px) at which candidates are compared."""
     min_scale: float = 0.5
     """Smallest scale searched between a pool image and its eval image (0.5: crops down to half a side)."""
+    views: bool = True
+    """Embed each eval image as 98 views too (whole, crops of 80-90 % a side at 3 places per axis, mirrored;
+    curation.decontaminate.views), so a pool image cut from an eval image finds it in the kNN; false: the whole
+    eval image only (an eval index 98x smaller, for eval sets of millions)."""
 
 
 DECONTAM_CANDIDATE = 0.2

@@ -214,7 +214,8 @@ def _run_sharded(step: str, cfg: CurationConfig, embedder=None) -> dict:
     if step == "search":
         return step_search(out, *sections, cfg.input.paths, prog)
     w = build_tables(out, cfg.tasks)  # the first step after the embedding array: the path tables as W tasks
-    res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog, cfg.tasks)
+    res = step_index(out, *sections, cfg.input.paths, cfg.input.eval_paths or None, cfg.embed, prog, cfg.tasks,
+                     cfg.decontaminate.views)
     if w:
         res["table_tasks"] = w
     if _retrieval(cfg) and step_exists(out, "decontaminate"):

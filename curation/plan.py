@@ -111,7 +111,7 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
          scan_rate: float | None = None, embed_rate: float | None = None, levels=None,
          resampling: int = 10, keep_fraction: float = 0.5, sample_size: int = 10, tasks: int | None = None,
          cores: int | None = None, search_tasks: int = 0, kmeans_tasks: int = 0, embed_tasks: int | None = None,
-         rates: dict[str, Rate] | None = None, finish_tasks: int = 0) -> list[Step]:
+         rates: dict[str, Rate] | None = None, finish_tasks: int = 0, eval_views: int = 98) -> list[Step]:
     """The steps of the chain on ``pool`` rows: tasks (:func:`chain_tasks`), host / GPU GiB per task, hours.
     ``cores``: CPU cores of the machine running the W local tasks (default ``cpus_per_task``: the finishing
     job's); ``rates``: curation.plan_rates.load_rates() unless given. ``finish_tasks``: the finishing job as
@@ -235,14 +235,15 @@ def plan(pool: int, dim: int, kind: str = "ivf_pq", pq_m: int = 64, nodes: int =
     if tw["decontaminate"]:
         d_w = tw["decontaminate"]
         d_cpus = cpus_per_task if array else cores / d_w
-        if n_eval <= FLAT_MAX_DEFAULT:
-            per, how = 2.0 * n_eval * dim / (cpu_gemm * d_cpus), "flat eval index"
+        rows = n_eval * max(1, eval_views)  # the eval index holds every view (curation.decontaminate.views)
+        if rows <= FLAT_MAX_DEFAULT:
+            per, how = 2.0 * rows * dim / (cpu_gemm * d_cpus), "flat eval index"
         else:
-            nl = ivf_nlist(n_eval)
-            per = 2.0 * nl * dim / (cpu_gemm * d_cpus) + EVAL_NPROBE * n_eval / nl * dim / (cpu_scan * d_cpus)
+            nl = ivf_nlist(rows)
+            per = 2.0 * nl * dim / (cpu_gemm * d_cpus) + EVAL_NPROBE * rows / nl * dim / (cpu_scan * d_cpus)
             how = f"IVF eval index ({nl:,} lists, nprobe {EVAL_NPROBE})"
         steps.append(Step("decontaminate", d_w, 1.0 + q_gib, 0, pool * per / d_w / 3600,
-                          f"{n_eval:,} eval images; pool rows queried on the {how}, on CPU"
+                          f"{n_eval:,} eval images x {eval_views} views; pool rows queried on the {how}, on CPU"
                           + ("; Slurm array" if search_tasks else "; srun tasks" if srun else ""), _fmt(R["cpu_gemm"])))
     for li, kc in enumerate(levels or (), start=1):
         pts = pool if li == 1 else levels[li - 2]  # level l clusters level l-1's centroids
@@ -351,6 +352,8 @@ def main(argv=None) -> int:
     p.add_argument("--nprobe", type=int, default=16)
     p.add_argument("--nlist", type=int, default=None, help="default max(4 sqrt(pool), pool / 4000); HNSW quantizer from 40,000")
     p.add_argument("--eval", type=parse_count, default=1_000_000, help="eval images to decontaminate against")
+    p.add_argument("--eval-views", type=int, default=98, help="rows per eval image in the eval index (98: "
+                   "decontaminate.views, the default; 1: views off)")
     p.add_argument("--scan-rate", type=float, default=None, help="dim-ops/s per GPU (or per CPU task)")
     p.add_argument("--embed-rate", type=float, default=None, help="images/s per embedding task")
     p.add_argument("--levels", type=_level, nargs="*", default=[],
@@ -402,7 +405,7 @@ def main(argv=None) -> int:
                  embed_rate=a.embed_rate, levels=a.levels, resampling=a.resampling, sample_size=a.sample_size,
                  tasks=a.tasks, cores=a.cores,
                  search_tasks=a.search_tasks, kmeans_tasks=a.kmeans_tasks, embed_tasks=a.embed_tasks, rates=rates,
-                 finish_tasks=a.finish_tasks)
+                 finish_tasks=a.finish_tasks, eval_views=a.eval_views)
     hw = f"{a.nodes} nodes x {a.gpus_per_node} {a.gpu.upper()}" if a.gpus_per_node else f"{a.nodes} CPU nodes"
     print(render(steps, f"{pool:,} x {a.dim}-d, {a.index}, {hw}"))
     print(render_sources(rates))

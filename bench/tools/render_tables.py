@@ -31,16 +31,18 @@ README = os.path.join(ROOT, "docs", "benchmarks.md")  # the short form (README.m
 # the worked examples of docs/curation-scale.md "The planner": (title, `curate plan` arguments)
 EXAMPLES = [
     ("DINOv2's LVD-142M from 1.2B images on 20 nodes x 8 V100, no pixel verification (as DINOv2: "
-     "dedup.verify=false), the copy search as a 20-task Slurm array",
+     "dedup.verify=false, decontaminate.verify=false, decontaminate.views=false), the copy search as a 20-task "
+     "Slurm array",
      "--pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100 "
-     "--pairs-per-image 0 --search-tasks 20"),
+     "--pairs-per-image 0 --search-tasks 20 --eval-views 1"),
     ("DINOv3's hierarchical k-means (10M / 500k / 50k / 10k) on 16 nodes x 8 H100, the k-means as 128 ranks",
      "--pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 16 --gpus-per-node 8 --gpu h100 "
      "--pairs-per-image 40 --search-tasks 16 --kmeans-tasks 128 --levels 10M 500k 50k 10k"),
     ("The same 1.2B pool with pixel verification (40 candidate pairs per image, one core per verification task) "
      "and the finishing job as 1,280 srun tasks, e.g. the 20 nodes' 64 cores each (submit_curation.sh "
      "--finish-tasks 1280: tasks.launcher=srun); with the finishing job on one node the verification alone is "
-     "~2,800 h",
+     "~2,800 h; the eval index holds 98 views of each of the 1M eval images (decontaminate.views, the default: "
+     "39 h of the total; 3.95 h without views)",
      "--pool 1.2B --dim 1024 --index ivf_pq --pq-m 64 --nodes 20 --gpus-per-node 8 --gpu v100 "
      "--pairs-per-image 40 --search-tasks 20 --finish-tasks 1280"),
     ("A 10M-tile pathology pool on one 8-GPU node (A100), 40 candidate pairs per tile, three k-means levels",
@@ -325,7 +327,8 @@ def check_table(runs: list[dict], rates: str | None = None) -> str:
         levels = r.get("step_results", {}).get("rebalance", {}).get("levels") or [1000, 100, 10]
         steps = plan(int(r["n"]), int(r["dim"]), r["step_results"]["dedup"].get("index", "ivf"), nodes=1,
                      gpus_per_node=0, cpus_per_task=cores, tasks=int(r["tasks"]), nprobe=dd.get("nprobe", 8), k=dd.get("k", 4),
-                     n_eval=sim["n_eval"], levels=levels, pairs_per_image=0, rates=R)
+                     n_eval=sim["n_eval"], levels=levels, pairs_per_image=0, rates=R,
+                     eval_views=1)  # a simulation embeds no views (no pixels): its eval rows are the index
         for name, step, fns in CHECK:
             model = sum(s.hours * 3600 for s in steps if s.name.startswith(name))
             calls = [c for c in r["steps"].get(step, {}).get("runs", []) if c["fn"] in fns]

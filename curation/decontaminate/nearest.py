@@ -1,5 +1,6 @@
-"""Each pool image's nearest eval image on the sharded kNN: the eval images embedded in the pool's copy space, the
-eval index saved once, the pool rows searched in chunks and rescored exactly."""
+"""Each pool image's nearest eval image on the sharded kNN: the eval images embedded in the pool's copy space (as
+views: curation.decontaminate.views), the eval index saved once, the pool rows searched in chunks and rescored
+exactly."""
 
 from __future__ import annotations
 
@@ -12,30 +13,37 @@ from curation.knn.jobs import descriptor_dir, digest, row_source
 from curation.embed.embeddings import embed_pool
 from curation.core.embstore import EmbeddingSet, open_embeddings
 from curation.knn.index import Rows
-from curation.knn.shards import KnnJob, RowSource, run_search
+from curation.knn.shards import KnnJob, run_search
+from curation.decontaminate.views import embed_views, eval_position, eval_targets
 from curation.core.layout import RunLayout
 
 
 EVAL_K = 4  # eval candidates rescored exactly per pool image (the best one decides)
 
 
-def eval_params(ev: EmbeddingSet, knn: dict | None = None) -> dict:
+def eval_params(ev: EmbeddingSet, knn: dict | None = None, views: int = 1) -> dict:
+    """The eval index's parameters (a new eval set, or other views: a new index)."""
     knn = knn or {}
-    return {"n_eval": len(ev), "eval_ids": ev.digest,  # a new eval set: new index "kind": "flat", "k": EVAL_K,
+    # index kind "auto": flat up to 50k rows (views included), IVF beyond; k: EVAL_K, the search's default
+    return {"n_eval": len(ev), "eval_ids": ev.digest, "views": views,
             **{key: knn[key] for key in ("chunk_size", "batch_size") if knn.get(key) is not None}}
 
 
 def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: int = 2,
-               progress: bool = False, trust_code: bool = False) -> EmbeddingSet:
+               progress: bool = False, trust_code: bool = False, views: bool = True) -> EmbeddingSet:
     """Eval images in the pool's copy space (the copy model recorded in ``out_dir``, else the
-    descriptor; resumable: finished shards are skipped). ``trust_code``: this run's ``dedup.trust_code``."""
+    descriptor; resumable: finished shards are skipped), and with ``views`` (``decontaminate.views``) their crops
+    and mirrors too (curation.decontaminate.views). ``trust_code``: this run's ``dedup.trust_code``."""
     from curation.embed.copyspace import copy_embedder
 
     fn, tf = copy_embedder(out_dir, trust_code=trust_code)
     eval_dir = RunLayout(out_dir).embeddings("eval")
     embed_pool(eval_sources, fn, eval_dir, batch_size=batch_size, num_workers=num_workers,
                transform=tf, hash_name=None, progress=progress)
-    return open_embeddings(eval_dir)
+    ev = open_embeddings(eval_dir)
+    if views and len(ev):
+        embed_views(out_dir, eval_sources, fn, tf, ev, batch_size, num_workers, progress)
+    return ev
 
 
 def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev: EmbeddingSet,
@@ -48,13 +56,13 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
         raise ConfigError(f"pool embeddings have {pool.dim} dims but eval embeddings {ev.dim}: "
                          "embed both with the same model / descriptor")
     job = KnnJob(out_dir, "eval")
-    params = {**eval_params(ev, knn), "pool_rows": digest(alive)}
+    targets, views, target_source = eval_targets(out_dir, ev)
+    params = {**eval_params(ev, knn, views), "pool_rows": digest(alive)}
     if not job.matches(params):
-        job.build(Rows(ev), params, use_gpu=False)
-    sources = (row_source(out_dir, "eval", descriptor_dir(out_dir), alive, "query"),
-               RowSource(RunLayout(out_dir).embeddings("eval")))
-    run_search(out_dir, "eval", "nearest", Rows(pool, alive), Rows(ev), False, tasks, sources)
+        job.build(targets, params, use_gpu=False)
+    sources = (row_source(out_dir, "eval", descriptor_dir(out_dir), alive, "query"), target_source)
+    run_search(out_dir, "eval", "nearest", Rows(pool, alive), targets, False, tasks, sources)
     if not stream:
         r = job.read(len(alive))
-        return r["sim"], r["idx"]
-    return ((s, c["sim"], c["idx"]) for s, c in job.iter(len(alive)))
+        return r["sim"], eval_position(r["idx"], len(ev))
+    return ((s, c["sim"], eval_position(c["idx"], len(ev))) for s, c in job.iter(len(alive)))

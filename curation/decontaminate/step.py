@@ -37,7 +37,7 @@ def step_decontaminate(out_dir: str, eval_sources=None, decontaminate: Decontami
     n_removed, w, chunks = 0, 0, None
     if eval_sources or eval_embedded:
         ev = open_embeddings(RunLayout(out_dir).embeddings("eval")) if eval_embedded else \
-            embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress, trust_code)
+            embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress, trust_code, dc.views)
         pool = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
         scratch = step_dir(out_dir, "decontaminate")
         os.makedirs(scratch, exist_ok=True)

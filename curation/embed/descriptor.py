@@ -28,12 +28,14 @@ from dinopipe.config import InputError
 from dinopipe.utils.io import atomic_path
 
 from curation.config import DescriptorConfig
+from curation.core.padding import strip_padding
 
 # ----------------------------------------------------------------------------- thumbnails
 
 
 def thumbnail(img: Image.Image, size: int = 64) -> np.ndarray:
-    """Whole image squashed to ``size x size`` RGB (aspect ignored: copies keep their aspect).
+    """Whole image squashed to ``size x size`` RGB (aspect ignored: copies keep their aspect), its constant
+    padding (borders, rotation corners: curation.core.padding.strip_padding) left out.
 
     The BOX filter averages every source pixel, so a 4000 px photo and its 500 px copy give
     nearly the same thumbnail. Returns (size, size, 3) float32 in [0, 1].
@@ -43,6 +45,7 @@ def thumbnail(img: Image.Image, size: int = 64) -> np.ndarray:
     factor = max(1, min(img.size) // (size * 4))
     if factor > 1:
         img = img.reduce(factor)
+    img = strip_padding(img)  # borders and rotation corners out: a framed or rotated copy keeps its thumbnail
     return np.asarray(img.resize((size, size), Image.BOX), dtype=np.float32) / 255.0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 
 from curation.decontaminate.nearest import embed_eval, eval_params
+from curation.decontaminate.views import eval_targets
 from curation.dedup.knn import pool_params, survivors
 from curation.knn.jobs import descriptor_dir, digest, row_source
 from curation.rebalance.retrieval import step_retrieval_search
@@ -27,9 +28,10 @@ from curation.core.layout import RunLayout
 
 def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, knn_cfg: KnnConfig,
                sources=None, eval_sources=None, embed: EmbedConfig | None = None,
-               progress: bool = False, tasks=None) -> dict:
+               progress: bool = False, tasks=None, views: bool = True) -> dict:
     """``curate index``: train and save the pool index (and the eval index) once, for the array
-    (``tasks``: curation.config.TasksConfig, W add tasks into inverted-list files merged on disk)."""
+    (``tasks``: curation.config.TasksConfig, W add tasks into inverted-list files merged on disk; ``views``:
+    ``decontaminate.views``, the eval images embedded as views too)."""
     e, knn = embed or EmbedConfig(), knn_kwargs(knn_cfg)
     emb = open_embeddings(RunLayout(out_dir).embeddings("descriptor"))
     plan = None if tasks is None else task_plan(tasks, len(emb))
@@ -45,11 +47,12 @@ def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, kn
             tasks=None if tasks is None else task_plan(tasks, len(surv)))
         out.update(kind=meta["kind"], index_bytes=meta["index_bytes"])
     if eval_sources:
-        ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress, dedup.trust_code)
+        ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress, dedup.trust_code, views)
         job = KnnJob(out_dir, "eval")
-        params = {**eval_params(ev, knn), "pool_rows": digest(surv)}
+        targets, n_views, _ = eval_targets(out_dir, ev)
+        params = {**eval_params(ev, knn, n_views), "pool_rows": digest(surv)}
         if len(ev) and not job.matches(params):
-            job.build(Rows(ev), params, use_gpu=False)
+            job.build(targets, params, use_gpu=False)
         out["eval_rows"] = len(ev)
     return out
 
@@ -69,9 +72,8 @@ def step_search(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, k
             raise FileNotFoundError(f"{pool_job.dir}: no index for this pool; run `curate index` first")
         out["pool"] = pool_job.search_pairs(Rows(emb, surv), task_index, num_tasks, use_gpu, progress)
     if eval_job.meta() is not None:
-        ev = open_embeddings(RunLayout(out_dir).embeddings("eval"))
-        out["eval"] = eval_job.search_nearest(Rows(emb, surv), Rows(ev), task_index, num_tasks,
-                                              progress=progress)
+        targets, _, _ = eval_targets(out_dir, open_embeddings(RunLayout(out_dir).embeddings("eval")))
+        out["eval"] = eval_job.search_nearest(Rows(emb, surv), targets, task_index, num_tasks, progress=progress)
     retrieval = step_retrieval_search(out_dir, task_index, num_tasks, knn, progress)
     if retrieval is not None:
         out["retrieval"] = retrieval

@@ -398,8 +398,8 @@ class KnnJob:
 
 @dataclass(frozen=True)
 class RowSource:
-    """Where a task process reopens a :class:`Rows` view: an embeddings folder and (optionally) a ``.npy``
-    of the row positions (picklable, unlike a memory-mapped set)."""
+    """Where a task process reopens a :class:`Rows` view: an embeddings folder (or a ``.npy`` of rows) and
+    (optionally) a ``.npy`` of the row positions (picklable, unlike a memory-mapped set)."""
 
     emb_dir: str
     positions: str | None = None
@@ -416,6 +416,9 @@ class RowSource:
     def open(self) -> Rows:
         from curation.core.embstore import open_embeddings
 
+        if self.emb_dir.endswith(".npy"):  # an array of rows (the eval views: curation.decontaminate.views)
+            return Rows(np.load(self.emb_dir, mmap_mode="r"),
+                        None if self.positions is None else np.load(self.positions, mmap_mode="r"))
         emb = open_embeddings(self.emb_dir)
         # memory-mapped: a task reads the positions of its own rows (N int64 loaded whole: 80 MB a task at 10M)
         return Rows(emb, None if self.positions is None else np.load(self.positions, mmap_mode="r"))

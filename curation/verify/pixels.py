@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from curation.verify.alignment import structured_match
+from curation.core.padding import padding_mask
+from curation.verify.alignment import copy_score
 
 # Measured on the bench pools (bench/bench_copy.py): copies >= 0.6, distinct tiles <= 0.35.
 DEFAULT_THRESHOLD = 0.5
@@ -65,56 +66,8 @@ def gaussian_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
     return gh @ x @ gw.T
 
 
-# Constant padding: pixels within PAD_TOL (RGB, [0, 1]) of the border's dominant colour, connected to the
-# border, covering at least PAD_MIN of the image; grown by PAD_GROW px over the anti-aliased edge. The
-# colour must be a fill colour (near black or near white: channels within PAD_EXTREME of 0 or 1) and the
-# region flat (luma std < PAD_FLAT), so a smooth background of the content (sky, the mid-grey mortar of a
-# brick wall) is never taken for one.
-PAD_TOL, PAD_MIN, PAD_GROW, PAD_EXTREME, PAD_FLAT = 0.05, 0.01, 2, 0.1, 0.012
 MIN_CONTENT = 0.05  # below this share of non-padding pixels an image counts as blank
 FILL_SIGMA = 6.0  # px: the smooth fill of the padding (normalised convolution of the content)
-
-
-def _grow(m: np.ndarray) -> np.ndarray:
-    g = m.copy()
-    g[1:] |= m[:-1]
-    g[:-1] |= m[1:]
-    g[:, 1:] |= m[:, :-1]
-    g[:, :-1] |= m[:, 1:]
-    return g
-
-
-def padding_mask(rgb: np.ndarray) -> np.ndarray | None:
-    """(S, S) bool: constant padding connected to the image border (rotation corners, flat margins),
-    or None when there is none. ``rgb``: (S, S, 3) in [0, 1]."""
-    frame = np.concatenate([rgb[0], rgb[-1], rgb[:, 0], rgb[:, -1]])  # (4S, 3) border pixels
-    q = np.round(frame * 15).astype(np.int64) @ np.array([256, 16, 1])
-    vals, cnt = np.unique(q, return_counts=True)
-    if cnt.max() < 0.1 * len(q):  # no dominant border colour: no padding
-        return None
-    colour = np.median(frame[q == vals[cnt.argmax()]], axis=0)
-    if not (colour.max() < PAD_EXTREME or colour.min() > 1 - PAD_EXTREME):
-        return None
-    cand = np.abs(rgb - colour).max(axis=-1) < PAD_TOL
-    m = np.zeros_like(cand)
-    m[0], m[-1], m[:, 0], m[:, -1] = cand[0], cand[-1], cand[:, 0], cand[:, -1]
-    for _ in range(2 * len(rgb)):  # flood fill from the border through padding-coloured pixels
-        g = _grow(m) & cand
-        if (g == m).all():
-            break
-        m = g
-    if m.mean() < PAD_MIN or (rgb[m] @ np.array([0.299, 0.587, 0.114], np.float32)).std() > PAD_FLAT:
-        return None
-    # Padding has the shape a rotation, a crop or a letterbox gives: each of its pixels reaches a side of
-    # the image along its row and the top or bottom along its column (corner triangles, bars). A dark or
-    # white background around the content (a silhouette, a portrait) does not, and stays content.
-    rows = np.cumprod(m, axis=1).astype(bool) | np.cumprod(m[:, ::-1], axis=1)[:, ::-1].astype(bool)
-    cols = np.cumprod(m, axis=0).astype(bool) | np.cumprod(m[::-1], axis=0)[::-1].astype(bool)
-    if (m & ~(rows & cols)).sum() > 0.05 * m.sum():
-        return None
-    for _ in range(PAD_GROW):
-        m = _grow(m)
-    return m
 
 
 class PixelVerifier:
@@ -295,18 +248,19 @@ class PixelVerifier:
                     sc = self._score_textured(fa_u, fb_u, ja.ravel(), jb.ravel())
                 out[start + idx] = sc.float().cpu().numpy()
                 if self.structure:
-                    self._refuse_unstructured(out, start, idx, feats, ia, ib, band)
+                    self._structure_check(out, start, idx, feats, ia, ib, band)
         return out
 
-    def _refuse_unstructured(self, out, start, idx, feats, ia, ib, band) -> None:
-        """Accepted pairs that match along one edge, on a smooth gradient or a periodic texture only (no local
-        agreement, or no unique alignment: curation.decontaminate.leakverify.structured_match) score 0: low-detail images of
-        different sources pass the global correlation that way (docs/curation-scale.md measured 0.55-0.73)."""
-        for j in idx[out[start + idx] > self.threshold]:
+    def _structure_check(self, out, start, idx, feats, ia, ib, band) -> None:
+        """The structure check (curation.verify.alignment.copy_score) on the pairs with a positive global score:
+        accepted pairs that match along one edge, on a smooth gradient or a periodic texture only (no local
+        agreement, or no unique alignment) score 0 -- low-detail images of different sources pass the global
+        correlation that way (docs/curation-scale.md measured 0.55-0.73) -- and a pair under the threshold that
+        aligns everywhere it has structure scores its aligned correlation."""
+        for j in idx[out[start + idx] > 0]:
             fa, fb = feats[ia[j]], feats[ib[j]]
-            with torch.no_grad():
-                if not structured_match(fa[2].to(self.device), fb[2].to(self.device)):  # coarse: JPEG-proof
-                    out[start + j] = min(out[start + j], 0.0)
+            out[start + j] = copy_score(fa[2].to(self.device), fb[2].to(self.device),  # coarse: JPEG-proof
+                                        float(out[start + j]), self.threshold)
 
     def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.scores(a, b) > self.threshold
