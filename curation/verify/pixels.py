@@ -53,7 +53,11 @@ def _blur_matrix(n: int, sigma: float) -> torch.Tensor:
     k = _gauss_kernel(sigma).double()
     r = len(k) // 2
     i = torch.arange(n)[:, None] + torch.arange(-r, r + 1)[None, :]  # (n, taps) source index
-    i = torch.where(i < 0, -i, torch.where(i >= n, 2 * (n - 1) - i, i))
+    if n == 1:
+        i = torch.zeros_like(i)
+    else:  # reflected as often as needed: a side shorter than the kernel's radius (a letterboxed 128 x 25 view)
+        i = torch.remainder(i, 2 * (n - 1))
+        i = torch.where(i >= n, 2 * (n - 1) - i, i)
     g = torch.zeros(n, n, dtype=torch.float64)
     g.scatter_add_(1, i, k.expand(n, -1).contiguous())
     return g.float()

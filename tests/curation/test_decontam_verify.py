@@ -117,6 +117,18 @@ def test_a_crop_of_an_eval_tile_finds_its_tile_through_the_eval_views():
     assert (by_view == truth).mean() > (whole == truth).mean(), (whole == truth).mean()
 
 
+def test_a_pool_image_thinner_than_the_blur_is_verified_without_error():
+    """A 256 x 30 strip letterboxed at 128 px is 15 px high, under the coarse band's blur radius (27 px): the blur
+    reflects as often as it needs (it indexed out of range, and `curate run` exited 1, once the eval views brought
+    such a strip its first candidate)."""
+    photo = Image.fromarray(real_photos()["astronaut"][:256, :256])
+    strip = photo.crop((0, 100, 256, 130))
+    images = [photo, strip, photo.crop((0, 0, 128, 128))]
+    v = LeakVerifier(lambda i: images[i])
+    got = v(np.zeros(2, np.int64), np.array([1, 2]))
+    assert got.shape == (2,) and bool(got[1])
+
+
 @pytest.mark.parametrize("key, value", [("verify_threshold", 1.5), ("verify_size", 16), ("min_scale", 0.2),
                                         ("threshold", 2.0)])
 def test_wrong_decontaminate_settings_are_config_errors(key, value, tmp_path):
