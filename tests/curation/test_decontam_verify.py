@@ -12,6 +12,7 @@ from curation.config import CurationConfig, validate
 from curation.embed.descriptor import PCADescriptor
 from curation.decontaminate.leakverify import LeakVerifier
 from curation.decontaminate.views import VIEW_BOXES, eval_position, view_of
+from curation.knn.shards import KnnJob
 from curation.pipeline import run_curation
 from curation.verify.pixels import PixelVerifier
 from dinopipe.config import ConfigError
@@ -44,14 +45,17 @@ def test_decontamination_keeps_the_clean_pool_of_disjoint_sources_for_any_w(tmp_
         run_curation(_config(tmp_path / "pool", tmp_path / "eval", out, w))
         got[w] = _decisions(out)
     assert got[1] == got[2]  # the verdicts do not depend on W
+    # the eval index held every view of every eval image (curation.decontaminate.views)
+    assert KnnJob(str(tmp_path / "out1"), "eval").meta()["params"]["views"] == len(VIEW_BOXES)
     dec = got[1]
     clean = [dec[f"pool/{r}"] for r in t["clean"]]
     removed = sum(s == "decontaminated" for s in clean)
     assert removed <= 0.01 * len(clean), removed
     leaked = [dec[f"pool/{p}"] for p, _, _ in t["leaks"]]
     recall = sum(s == "decontaminated" for s in leaked) / len(leaked)
-    # issue 49's goal is >= 0.95; measured here 0.75-0.83 (the descriptor's candidates and the verifier's
-    # refusals of low-detail matches: docs/curation.md, "Decontamination"): this guards what holds
+    # issue 49's goal is >= 0.95; measured here 0.67 (8 of 12, before and after the eval views: two shifts, a
+    # crop and a relight of low-detail tiles are refused by the verifier; docs/curation.md, "Decontamination",
+    # has the bench's figures): this guards what holds
     assert recall >= 0.6, (recall, list(zip(leaked, [w for _, _, w in t["leaks"]])))
 
 
