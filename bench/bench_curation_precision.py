@@ -47,18 +47,14 @@ SHIPPED_DECONTAM = 0.45
 
 
 def _embed(files: list[str]) -> np.ndarray:
-    return _desc().embed_images([Image.open(f).convert("RGB") for f in files])
+    return PCADescriptor().embed_images([Image.open(f).convert("RGB") for f in files])
 
 
 def _embed_views(files: list[str]) -> np.ndarray:
     """The eval index's rows as ``curate`` writes them (curation.decontaminate.views): every view of every eval
     image, view-major."""
     ims = [Image.open(f).convert("RGB") for f in files]
-    return np.concatenate([_desc().embed_images([view_of(im, box) for im in ims]) for box in VIEW_BOXES])
-
-
-def _desc():
-    return PCADescriptor()
+    return np.concatenate([PCADescriptor().embed_images([view_of(im, box) for im in ims]) for box in VIEW_BOXES])
 
 
 def _blank(path: str) -> bool:

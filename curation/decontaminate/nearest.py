@@ -29,6 +29,18 @@ def eval_params(ev: EmbeddingSet, knn: dict | None = None, views: int = 1) -> di
             **{key: knn[key] for key in ("chunk_size", "batch_size") if knn.get(key) is not None}}
 
 
+def eval_index(out_dir: str, ev: EmbeddingSet, knn: dict | None, pool_rows: np.ndarray):
+    """The eval index over what it holds (curation.decontaminate.views.eval_targets), built unless one with these
+    parameters is saved (``pool_rows``: the pool positions it will be searched with). Returns (job, rows, their
+    source for task processes)."""
+    job = KnnJob(out_dir, "eval")
+    targets, views, source = eval_targets(out_dir, ev)
+    params = {**eval_params(ev, knn, views), "pool_rows": digest(pool_rows)}
+    if len(ev) and not job.matches(params):
+        job.build(targets, params, use_gpu=False)
+    return job, targets, source
+
+
 def embed_eval(out_dir: str, eval_sources, batch_size: int = 64, num_workers: int = 2,
                progress: bool = False, trust_code: bool = False, views: bool = True) -> EmbeddingSet:
     """Eval images in the pool's copy space (the copy model recorded in ``out_dir``, else the
@@ -55,11 +67,7 @@ def sharded_nearest_eval(out_dir: str, pool: EmbeddingSet, alive: np.ndarray, ev
     if ev.dim != pool.dim:
         raise ConfigError(f"pool embeddings have {pool.dim} dims but eval embeddings {ev.dim}: "
                          "embed both with the same model / descriptor")
-    job = KnnJob(out_dir, "eval")
-    targets, views, target_source = eval_targets(out_dir, ev)
-    params = {**eval_params(ev, knn, views), "pool_rows": digest(alive)}
-    if not job.matches(params):
-        job.build(targets, params, use_gpu=False)
+    job, targets, target_source = eval_index(out_dir, ev, knn, alive)
     sources = (row_source(out_dir, "eval", descriptor_dir(out_dir), alive, "query"), target_source)
     run_search(out_dir, "eval", "nearest", Rows(pool, alive), targets, False, tasks, sources)
     if not stream:

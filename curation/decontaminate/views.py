@@ -35,10 +35,10 @@ PLACES = (0.0, 0.5, 1.0)  # where a crop sits along an axis (share of the free r
 GROUP = 8  # views embedded per pass over the eval images (memory: GROUP transformed copies of a batch)
 
 
-def view_boxes(mirror: bool = True) -> list[tuple[float, float, float, float, bool]]:
+def view_boxes() -> list[tuple[float, float, float, float, bool]]:
     """(side y, side x, place y, place x, mirrored) of every view; the first is the whole image."""
     boxes = []
-    for flip in ((False, True) if mirror else (False,)):
+    for flip in (False, True):
         for sy, sx in itertools.product(SIDES, SIDES):
             for py in ((0.0,) if sy == 1.0 else PLACES):
                 for px in ((0.0,) if sx == 1.0 else PLACES):
@@ -69,8 +69,9 @@ class ViewTransform:
         return self.transform(view_of(img, self.box))
 
 
-def views_path(out_dir: str) -> str:
-    return RunLayout(out_dir).embeddings("eval-views", "views.npy")
+def views_path(out_dir: str, suffix: str = ".npy") -> str:
+    """``views.npy`` (the rows) or, with ``suffix=".json"``, what they were written for."""
+    return RunLayout(out_dir).embeddings("eval-views", "views" + suffix)
 
 
 def _key(ev: EmbeddingSet) -> dict:
@@ -84,8 +85,8 @@ def embed_views(out_dir: str, eval_sources, embed_fn, transform, ev: EmbeddingSe
     ``views.npy`` for this eval set is kept). Returns its path."""
     from curation.embed.embeddings import EmbedTarget, embed_pool_multi
 
-    path, meta = views_path(out_dir), views_path(out_dir)[:-4] + ".json"
-    if _matches(meta, ev):
+    path = views_path(out_dir)
+    if _matches(out_dir, ev):
         return path
     root = os.path.dirname(path)
     dirs = [os.path.join(root, f"v{k:03d}") for k in range(len(VIEW_BOXES))]
@@ -109,14 +110,16 @@ def embed_views(out_dir: str, eval_sources, embed_fn, transform, ev: EmbeddingSe
                 out[k * n + idx] = s.rows(idx).astype(np.float16)
         out.flush()
         del out
-    atomic_write_json(meta, _key(ev))
+    atomic_write_json(views_path(out_dir, ".json"), _key(ev))
     return path
 
 
-def _matches(meta_path: str, ev: EmbeddingSet) -> bool:
-    if not (os.path.exists(meta_path) and os.path.exists(meta_path[:-5] + ".npy")):
+def _matches(out_dir: str, ev: EmbeddingSet) -> bool:
+    """Whether ``views.npy`` was written for this eval set and these boxes."""
+    meta = views_path(out_dir, ".json")
+    if not (os.path.exists(meta) and os.path.exists(views_path(out_dir))):
         return False
-    with open(meta_path) as f:
+    with open(meta) as f:
         return json.load(f) == json.loads(json.dumps(_key(ev)))
 
 
@@ -126,8 +129,8 @@ def eval_targets(out_dir: str, ev: EmbeddingSet):
     from curation.knn.index import Rows
     from curation.knn.shards import RowSource
 
-    path = views_path(out_dir)
-    if len(ev) and _matches(path[:-4] + ".json", ev):
+    if len(ev) and _matches(out_dir, ev):
+        path = views_path(out_dir)
         return Rows(np.load(path, mmap_mode="r")), len(VIEW_BOXES), RowSource(path)
     return Rows(ev), 1, RowSource(RunLayout(out_dir).embeddings("eval"))
 

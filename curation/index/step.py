@@ -13,7 +13,7 @@ from __future__ import annotations
 
 
 
-from curation.decontaminate.nearest import embed_eval, eval_params
+from curation.decontaminate.nearest import embed_eval, eval_index
 from curation.decontaminate.views import eval_targets
 from curation.dedup.knn import pool_params, survivors
 from curation.knn.jobs import descriptor_dir, digest, row_source
@@ -48,11 +48,7 @@ def step_index(out_dir: str, dedup: DedupConfig, hash_dedup: HashDedupConfig, kn
         out.update(kind=meta["kind"], index_bytes=meta["index_bytes"])
     if eval_sources:
         ev = embed_eval(out_dir, eval_sources, e.batch_size, e.num_workers, progress, dedup.trust_code, views)
-        job = KnnJob(out_dir, "eval")
-        targets, n_views, _ = eval_targets(out_dir, ev)
-        params = {**eval_params(ev, knn, n_views), "pool_rows": digest(surv)}
-        if len(ev) and not job.matches(params):
-            job.build(targets, params, use_gpu=False)
+        eval_index(out_dir, ev, knn, surv)
         out["eval_rows"] = len(ev)
     return out
 
